@@ -1,0 +1,21 @@
+"""coda_dsl: GEMM epilogues written in Python, fused into CUTLASS Hopper kernels.
+
+    import coda_dsl as cd
+
+    @cd.epilogue
+    def bias_gelu(acc, bias: cd.VecN):
+        return cd.gelu(acc + bias)
+
+    out = cd.gemm(x, w, bias_gelu, bias=b)["D"]      # x: [M, K], w: [N, K]
+"""
+import torch as _torch
+
+from .dsl import Acc, Const, Epilogue, Scalar, Tensor, VecM, VecN, epilogue, identity
+from .dsl.ops import (abs, amax, cast, exp, gelu, log, max, maximum, min, minimum, relu, rsqrt, sigmoid, silu,
+                      sqrt, sum, tanh, where)
+from .errors import CodaError, EpilogueError, OperandError, UnsupportedError
+from .passes.plan import Config
+from .runtime import CompiledOp, compile, gemm
+
+bfloat16, float16, float32 = _torch.bfloat16, _torch.float16, _torch.float32
+__version__ = "0.1.0"

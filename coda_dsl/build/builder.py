@@ -1,0 +1,199 @@
+"""Parallel ninja builds of kernel translation units into the cache, and loading them into torch."""
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .cache import cache_dir, commit_entry, entry_dir, key_locks, valid_output
+from .tools import Toolchain, compile_command, link_command, ninja_binary, toolchain
+
+
+@dataclass
+class BuildUnit:
+    key: str     # specialization key
+    source: str  # full .cu text
+    op_name: str = ""  # the TORCH_LIBRARY op the .so registers; informational here
+
+    def __post_init__(self):
+        self.op_name = self.op_name or "k" + self.key[:16]
+
+
+class BuildError(Exception):
+    """A kernel failed to build. Its source and log are kept under cache_dir()/failed/<key>/."""
+
+    def __init__(self, source_path, log_path, first_error, action="nvcc failed to compile"):
+        self.source_path, self.log_path, self.first_error, self.action = \
+            str(source_path), str(log_path), first_error, action
+        super().__init__(f"{action} {source_path}\n  first error: {first_error}\n  full log: {log_path}")
+
+    def __reduce__(self):  # picklable across processes despite the custom __init__
+        return type(self), (self.source_path, self.log_path, self.first_error, self.action)
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _default_jobs(n_units: int) -> int:
+    # One CUTLASS Hopper nvcc peaks at ~3.7 GB: more parallel jobs than RAM/4 GB would swap or OOM.
+    ram_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**30
+    return max(1, min(n_units, _cpus(), max(1, ram_gb // 4)))
+
+
+def _ninja_file(tc: Toolchain, keys: list[str], compile_only: bool) -> str:
+    def cmd(args: list[str]) -> str:  # shell-quoted, with ninja's `$` escaped
+        return " ".join(shlex.quote(a) for a in args).replace("$", "$$")
+
+    cc = cmd(compile_command(tc))
+    ld, ld_flags = link_command(tc)
+    # Each command echoes itself into the log (so it can be rerun by hand) and writes $out.tmp then
+    # renames it, so an output that exists is a complete one.
+    compile_line = f"{cc} -c $in -o $out"
+    link_line = f"{cmd(ld)} -shared $in -o $out {cmd(ld_flags)}"
+    lines = [
+        "ninja_required_version = 1.3",
+        "rule cc",
+        f"  command = echo {shlex.quote('$$ ' + compile_line)} > $log && "
+        f"{cc} -c $in -o $out.tmp >> $log 2>&1 && mv -f $out.tmp $out",
+        "  description = nvcc $in",
+        "rule ld",
+        f"  command = echo {shlex.quote('$$ ' + link_line)} >> $log && "
+        f"{cmd(ld)} -shared $in -o $out.tmp {cmd(ld_flags)} >> $log 2>&1 && mv -f $out.tmp $out",
+        "  description = link $out",
+    ]
+    for k in keys:
+        lines += [f"build {k}/kernel.o: cc {k}/kernel.cu", f"  log = {k}/build.log"]
+        if not compile_only:
+            lines += [f"build {k}/kernel.so: ld {k}/kernel.o", f"  log = {k}/build.log"]
+    return "\n".join(lines) + "\n"
+
+
+def _run_ninja(staging: Path, targets: list[str], jobs: int, verbose: bool, log) -> tuple[int, str]:
+    """Run ninja on staging/build.ninja (-k 0: a failing unit does not stop the others), streaming its
+    status lines when verbose. Returns (exit code, combined output). Tests replace this to avoid nvcc."""
+    args = [ninja_binary(), "-C", str(staging), "-j", str(jobs), "-k", "0", *targets]
+    out = []
+    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          errors="replace") as p:
+        for line in p.stdout:
+            out.append(line)
+            if verbose:
+                log(line.rstrip("\n"))
+    return p.returncode, "".join(out)
+
+
+def _first_error(*texts: str) -> str:
+    for text in texts:
+        for line in text.splitlines():
+            if "error" in line.lower() and not line.startswith("$ "):  # skip echoed commands
+                return line.strip()
+    tails = [ln.strip() for t in texts for ln in t.splitlines() if ln.strip() and not ln.startswith("$ ")]
+    return tails[-1] if tails else "(no compiler output)"
+
+
+def _fail(unit: BuildUnit, udir: Path, ninja_out: str, compile_only: bool) -> BuildError:
+    """Keep the failing source and log under failed/<key>/ (paths in the log rewritten to point there)."""
+    dest = cache_dir() / "failed" / unit.key
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    src = dest / "kernel.cu"
+    shutil.copyfile(udir / "kernel.cu", src)
+    try:
+        text = (udir / "build.log").read_text(errors="replace")
+    except OSError:
+        text = ""
+    text = text.replace(f"{unit.key}/kernel.cu", str(src))
+    if not text.strip():  # the tool never ran (ninja itself failed): its output is the log
+        text = ninja_out
+    (dest / "build.log").write_text(text)
+    linked = (udir / "kernel.o").exists() and not compile_only
+    return BuildError(src, dest / "build.log", _first_error(text, ninja_out),
+                      action="c++ failed to link" if linked else "nvcc failed to compile")
+
+
+def _build(units: list[BuildUnit], tc: Toolchain, compile_only: bool, jobs: int | None, verbose: bool,
+           log) -> None:
+    staging_root = cache_dir() / ".staging"
+    staging_root.mkdir(exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=staging_root))
+    try:
+        keys = [u.key for u in units]
+        for u in units:
+            (staging / u.key).mkdir()
+            (staging / u.key / "kernel.cu").write_text(u.source)
+        (staging / "build.ninja").write_text(_ninja_file(tc, keys, compile_only))
+        jobs = jobs or _default_jobs(len(units))
+        n = len(units)
+        what = f"{n} kernel specialization{'s' if n > 1 else ''}"
+        est = 45 if _cpus() >= 8 else 75
+        log(f"coda_dsl: {'compile-checking' if compile_only else 'building'} {what} with nvcc "
+            f"(≈{est} s each on {_cpus()} cores, -j {jobs}) ...")
+        t0 = time.monotonic()
+        out_name = "kernel.o" if compile_only else "kernel.so"
+        targets = [f"{k}/{out_name}" for k in keys]
+        _, ninja_out = _run_ninja(staging, targets, jobs, verbose, log)
+        if verbose:  # compiler output goes to the per-unit logs, which start with the exact commands
+            for k in keys:
+                with contextlib.suppress(OSError):
+                    log(f"--- {k}/build.log ---\n{(staging / k / 'build.log').read_text(errors='replace')}")
+        failed = []
+        for u in units:
+            udir = staging / u.key
+            if not (udir / out_name).exists():
+                failed.append(_fail(u, udir, ninja_out, compile_only))
+                continue
+            names = ["kernel.cu", "build.log", "kernel.o"] + ([] if compile_only else ["kernel.so"])
+            commit_entry(u.key, {f: udir / f for f in names if (udir / f).exists()},
+                         {"op_name": u.op_name, "created": time.time(),
+                          "build_seconds": round(time.monotonic() - t0, 1),
+                          "toolchain": {"nvcc": tc.nvcc_version, "cutlass": tc.cutlass_version,
+                                        "torch": tc.torch_version}})
+        dt = time.monotonic() - t0
+        log(f"coda_dsl: done in {dt:.1f} s: {n - len(failed)} built, {len(failed)} failed"
+            if failed else f"coda_dsl: built {what} in {dt:.1f} s")
+        for e in failed[1:]:
+            log(f"coda_dsl: also failed: {e.source_path} (log: {e.log_path})")
+        if failed:
+            raise failed[0]
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def build_units(units: list[BuildUnit], *, compile_only: bool = False, jobs: int | None = None,
+                verbose: bool = False, log=print) -> list[Path]:
+    """Build every unit whose cache entry is missing or corrupt, in one parallel ninja run; return each
+    unit's .so (or .o with compile_only). Per-key file locks make concurrent callers wait, not rebuild."""
+    tc = toolchain()
+    out_name = "kernel.o" if compile_only else "kernel.so"
+    unique = list({u.key: u for u in units}.values())
+    with key_locks(u.key for u in unique):
+        todo = [u for u in unique if valid_output(u.key, out_name) is None]
+        if todo:
+            _build(todo, tc, compile_only, jobs, verbose, log)
+    return [entry_dir(u.key) / out_name for u in units]
+
+
+_loaded: dict[str, Path] = {}
+_load_lock = threading.Lock()
+
+
+def load_library(unit: BuildUnit) -> Path:
+    """Memory -> disk cache -> build; then load the .so into torch once per process."""
+    so = _loaded.get(unit.key)
+    if so is not None:
+        return so
+    so = valid_output(unit.key) or build_units([unit])[0]
+    with _load_lock:
+        if unit.key not in _loaded:
+            import torch
+            torch.ops.load_library(str(so))
+            _loaded[unit.key] = so
+    return _loaded[unit.key]

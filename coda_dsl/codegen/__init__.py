@@ -1,0 +1,40 @@
+"""Rendering an EVT plan into one self-contained CUDA translation unit (templates/kernel.cu.j2)."""
+from __future__ import annotations
+
+import functools
+
+import jinja2
+
+from ..build.paths import templates_dir
+from ..passes.plan import Plan, cpp_element
+
+
+@functools.cache
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(templates_dir())),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+
+
+def op_name(key: str) -> str:
+    """The torch op a specialization registers: torch.ops.coda_dsl.<op_name>."""
+    return f"k{key[:20]}"
+
+
+def render(plan: Plan, key: str, source: str = "") -> str:
+    sig = plan.signature
+    return _environment().get_template("kernel.cu.j2").render(
+        plan=plan,
+        key=key,
+        op_name=op_name(key),
+        source=source,
+        cfg=sig.config,
+        ab_dtype=sig.ab_dtype,
+        batched_hint=True,
+        element_ab=cpp_element(sig.ab_dtype),
+        element_d=cpp_element(plan.d_dtype),
+    )

@@ -1,0 +1,58 @@
+"""The user-facing DSL: @epilogue, operand kinds, traced values and the functions on them."""
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Callable
+
+from ..ir import graph as ir
+from . import ops
+from .trace import Reduction, Value, signature_params, trace
+from .types import Acc, Const, Scalar, Tensor, VecM, VecN
+
+# keyword arguments of cd.gemm; an operand may not take these names
+RESERVED = {"out", "backend", "config", "accumulate", "deterministic", "tune", "epilogue"}
+
+
+class Epilogue:
+    """A traced epilogue program. Pass it to cd.gemm (or cd.compile) with the operands it declares."""
+
+    _by_uid: "weakref.WeakValueDictionary[str, Epilogue]" = weakref.WeakValueDictionary()
+    _count = itertools.count()
+
+    def __init__(self, fn: Callable, name: str | None = None):
+        self.fn = fn
+        self.name = name or fn.__name__
+        self.source, self.params = signature_params(fn, RESERVED)
+        self.program: ir.Program = trace(fn, self.params, self.name, self.source)
+        self.output_names = tuple(o.name for o in self.program.outputs)
+        self.uid = f"{self.name}#{next(self._count)}"  # names this epilogue inside torch.compile graphs
+        Epilogue._by_uid[self.uid] = self
+        self.__doc__ = fn.__doc__
+
+    @classmethod
+    def by_uid(cls, uid: str) -> "Epilogue":
+        return cls._by_uid[uid]
+
+    def __call__(self, *args, **kwargs):
+        raise TypeError(f"epilogue '{self.name}' is not called directly: use cd.gemm(A, B, {self.name}, "
+                        f"{', '.join(p.name + '=...' for p in self.params)})")
+
+    def __repr__(self) -> str:
+        return f"<coda_dsl epilogue {self.name} ({self.source})>"
+
+
+def epilogue(fn: Callable | None = None, *, name: str | None = None):
+    """Decorator: trace `fn(acc, operand: kind, ...)` into an epilogue program.
+
+    Returns "D": value, or a dict of named outputs (D plus any auxiliary outputs and reductions).
+    """
+    if fn is None:
+        return lambda f: Epilogue(f, name)
+    return Epilogue(fn, name)
+
+
+identity = Epilogue(lambda acc: {"D": acc}, name="identity")
+
+__all__ = ["Epilogue", "epilogue", "identity", "Value", "Reduction", "Tensor", "VecN", "VecM", "Scalar",
+           "Const", "Acc", "ops", "RESERVED"]

@@ -1,0 +1,56 @@
+"""The functions an epilogue calls: cd.exp(x), cd.where(c, a, b), cd.sum(x, axis="n"), ..."""
+from __future__ import annotations
+
+from .trace import Reduction, Value, apply, cast, fail, reduce
+
+__all__ = ["where", "maximum", "minimum", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "abs", "relu",
+           "gelu", "silu", "cast", "sum", "max", "min", "amax"]
+
+
+def where(cond, a, b) -> Value:
+    """Per element: a where cond is true (non-zero), else b."""
+    return apply("where", cond, a, b)
+
+
+def maximum(a, b) -> Value:
+    return apply("maximum", a, b)
+
+
+def minimum(a, b) -> Value:
+    return apply("minimum", a, b)
+
+
+def exp(x) -> Value: return apply("exp", x)
+def log(x) -> Value: return apply("log", x)
+def sqrt(x) -> Value: return apply("sqrt", x)
+def rsqrt(x) -> Value: return apply("rsqrt", x)
+def tanh(x) -> Value: return apply("tanh", x)
+def sigmoid(x) -> Value: return apply("sigmoid", x)
+def abs(x) -> Value: return apply("abs", x)  # noqa: A001  (cd.abs mirrors torch.abs)
+def relu(x) -> Value: return apply("relu", x)
+def silu(x) -> Value: return apply("silu", x)
+
+
+def gelu(x, approximate: str = "none") -> Value:
+    """GELU like torch.nn.functional.gelu: approximate="none" (erf form) or "tanh"."""
+    if approximate not in ("none", "tanh"):
+        raise fail(f"gelu(approximate={approximate!r}) is not a GELU form", 'use approximate="none" or "tanh"')
+    return apply("gelu" if approximate == "none" else "gelu_tanh", x)
+
+
+def sum(x, axis="n") -> Reduction:  # noqa: A001
+    """Sum over an output axis: "n" -> [M] per row, "m" -> [N] per column, None -> a scalar. fp32."""
+    return reduce("sum", x, axis)
+
+
+def max(x, axis="n") -> Reduction:  # noqa: A001
+    return reduce("max", x, axis)
+
+
+def min(x, axis="n") -> Reduction:  # noqa: A001
+    return reduce("min", x, axis)
+
+
+def amax(x, axis="n") -> Reduction:
+    """max |x| over an axis (fp8 scaling statistics)."""
+    return reduce("amax", x, axis)

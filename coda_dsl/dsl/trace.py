@@ -1,0 +1,255 @@
+"""Tracing: a plain Python function runs once on stand-in values; operator overloading records the IR.
+
+Everything a user can get wrong while writing an epilogue raises EpilogueError naming their
+function and line, with the fix.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+from typing import Any, Callable
+
+from ..errors import EpilogueError
+from ..ir import graph as ir
+from ..ir.ops import dtype_name
+
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def user_location() -> str:
+    """'file.py:line' of the innermost stack frame outside coda_dsl (the user's line)."""
+    f = sys._getframe(1)
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_PKG_DIR + os.sep):
+        f = f.f_back
+    if f is None:
+        return "<unknown>"
+    return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
+
+
+class _Tracer:
+    """The trace in progress: which function, and where each node was written."""
+
+    current: "_Tracer | None" = None
+
+    def __init__(self, fn_name: str):
+        self.fn_name = fn_name
+        self.locations: dict[int, str] = {}
+
+    def record(self, node: ir.Node) -> None:
+        self.locations.setdefault(id(node), user_location())
+
+
+def fail(message: str, fix: str = "") -> EpilogueError:
+    t = _Tracer.current
+    where = f"in epilogue '{t.fn_name}' at {user_location()}: " if t else f"at {user_location()}: "
+    return EpilogueError(where + message + (f"\n  fix: {fix}" if fix else ""))
+
+
+class Value:
+    """A traced [M, N] (or reduced) value. Supports the arithmetic of ir/ops.py."""
+
+    __slots__ = ("node",)
+    __array_priority__ = 1000  # so torch/numpy scalars on the left defer to us
+
+    def __init__(self, node: ir.Node):
+        self.node = node
+        if _Tracer.current is not None:
+            _Tracer.current.record(node)
+
+    # arithmetic -------------------------------------------------------------
+    def __add__(self, o): return apply("add", self, o)
+    def __radd__(self, o): return apply("add", o, self)
+    def __sub__(self, o): return apply("sub", self, o)
+    def __rsub__(self, o): return apply("sub", o, self)
+    def __mul__(self, o): return apply("mul", self, o)
+    def __rmul__(self, o): return apply("mul", o, self)
+    def __truediv__(self, o): return apply("div", self, o)
+    def __rtruediv__(self, o): return apply("div", o, self)
+    def __neg__(self): return apply("neg", self)
+    def __pos__(self): return self
+    def __abs__(self): return apply("abs", self)
+    def __lt__(self, o): return apply("lt", self, o)
+    def __le__(self, o): return apply("le", self, o)
+    def __gt__(self, o): return apply("gt", self, o)
+    def __ge__(self, o): return apply("ge", self, o)
+    def __eq__(self, o): return apply("eq", self, o)  # type: ignore[override]
+    def __ne__(self, o): return apply("ne", self, o)  # type: ignore[override]
+
+    def __pow__(self, p):
+        if p == 2:
+            return apply("square", self)
+        if p == 0.5:
+            return apply("sqrt", self)
+        if p == -0.5:
+            return apply("rsqrt", self)
+        raise fail(f"x ** {p!r} is not supported", "use x * x, cd.sqrt(x), cd.rsqrt(x) or cd.exp(p * cd.log(x))")
+
+    __hash__ = object.__hash__
+
+    # what a traced value cannot do ----------------------------------------
+    def __bool__(self):
+        raise fail(
+            "a traced value has no truth value: Python `if`, `and`, `or`, `not` and bool() run once while "
+            "tracing, not per element",
+            "use cd.where(cond, a, b) for per-element choices (and cd.maximum/cd.minimum for clamps)",
+        )
+
+    def __float__(self):
+        raise fail("float() of a traced value: its value exists only on the GPU", "keep it as a traced value")
+
+    __int__ = __index__ = __float__
+
+    def __iter__(self):
+        raise fail("a traced value is not iterable", "use cd.pairs(x) to split adjacent column pairs")
+
+    def __getattr__(self, name):
+        if name.startswith("__"):  # protocol probes (numpy, torch, copy) must see a plain AttributeError
+            raise AttributeError(name)
+        raise fail(f"traced values have no attribute or method '{name}'",
+                   f"use the function form cd.{name}(x) if coda_dsl has it (see `help(coda_dsl)`)")
+
+    def __repr__(self) -> str:
+        return f"<traced {self.node.op}>"
+
+
+class Reduction(Value):
+    """The result of cd.sum/max/min/amax: an output, never an input of the same tile's math."""
+
+    __slots__ = ()
+
+    def _misuse(self, *_):
+        raise fail(
+            "a reduction's result cannot be used in the same epilogue's elementwise math: a statistic over n "
+            "(or m) is complete only after every tile of the row (column) has finished, which is after this "
+            "tile's epilogue has run",
+            "return the reduction as an output, then apply it in the NEXT GEMM's epilogue (e.g. pass it as a "
+            "cd.VecM operand: the reparameterization of the CODA paper)",
+        )
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _misuse
+    __truediv__ = __rtruediv__ = __neg__ = __abs__ = __pow__ = _misuse
+    __lt__ = __le__ = __gt__ = __ge__ = __eq__ = __ne__ = _misuse  # type: ignore[assignment]
+    __hash__ = object.__hash__
+
+
+def lift(x: Any) -> ir.Node:
+    """A Value's node, or a const node for a Python number; anything else is a user error."""
+    if isinstance(x, Reduction):
+        x._misuse()
+    if isinstance(x, Value):
+        return x.node
+    if isinstance(x, bool):
+        return ir.const(1.0 if x else 0.0)
+    if isinstance(x, (int, float)):
+        return ir.const(float(x))
+    if type(x).__module__.startswith("torch") or type(x).__module__.startswith("numpy"):
+        if getattr(x, "ndim", 1) == 0 or getattr(x, "shape", None) == ():
+            return ir.const(float(x))
+        raise fail(
+            f"a {type(x).__name__} captured from outside the epilogue cannot be used in traced math",
+            "declare it as an operand (x: cd.Tensor / cd.VecN / cd.VecM / cd.Scalar) and pass it to cd.gemm",
+        )
+    raise fail(f"cannot use a value of type {type(x).__name__} in an epilogue", "use traced values or numbers")
+
+
+def apply(op: str, *args: Any) -> Value:
+    return Value(ir.compute(op, *(lift(a) for a in args)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Tracing a function
+# ---------------------------------------------------------------------------------------------
+def trace(fn: Callable, params: tuple[ir.Param, ...], name: str, source: str) -> ir.Program:
+    tracer = _Tracer(name)
+    prev, _Tracer.current = _Tracer.current, tracer
+    try:
+        args = [Value(ir.acc())]
+        for p in params:
+            if p.kind in ir.LOAD_KINDS:
+                args.append(Value(ir.load(p.kind, p.name)))
+            elif p.kind == "scalar":
+                args.append(Value(ir.scalar(p.name)))
+            else:
+                args.append(Value(ir.const_param(p.name)))
+        result = fn(*args)
+        outputs = _outputs(result, name, source)
+    finally:
+        _Tracer.current = prev
+    return ir.Program(name, params, outputs, source, tracer.locations)
+
+
+def _outputs(result: Any, name: str, source: str) -> tuple[ir.Output, ...]:
+    if isinstance(result, Value):
+        result = {"D": result}
+    if not isinstance(result, dict) or not result:
+        raise EpilogueError(
+            f"epilogue '{name}' ({source}) must return a traced value (stored as D) or a non-empty dict "
+            f"{{'D': ..., 'other': ...}}, got {type(result).__name__}"
+        )
+    outs = []
+    for key, v in result.items():
+        if not isinstance(key, str) or not key.isidentifier():
+            raise EpilogueError(f"epilogue '{name}' ({source}): output name {key!r} must be a Python identifier")
+        if not isinstance(v, Value):
+            raise EpilogueError(
+                f"epilogue '{name}' ({source}): output '{key}' is a {type(v).__name__}, not a traced value; "
+                "an output must depend on the operands (e.g. acc * 0 + c)"
+            )
+        node = v.node
+        dtype = node.attr if node.op == "cast" else None
+        if node.op == "reduce" and dtype is None:
+            dtype = "fp32"
+        outs.append(ir.Output(key, node, dtype))
+    return tuple(outs)
+
+
+def cast(x: Any, dtype) -> Value:
+    try:
+        name = dtype_name(dtype)
+    except ValueError as e:
+        raise fail(str(e)) from None
+    return Value(ir.cast(lift(x), name))
+
+
+def reduce(kind: str, x: Any, axis) -> Reduction:
+    if axis not in ir.REDUCE_AXES:
+        raise fail(f"axis={axis!r} is not an output axis", 'use axis="n" (per row, result [M]), '
+                   'axis="m" (per column, result [N]) or axis=None (whole tensor)')
+    return Reduction(ir.reduce(kind, axis, lift(x)))
+
+
+def signature_params(fn: Callable, reserved: set[str]) -> tuple[str, tuple[ir.Param, ...]]:
+    """Read operand kinds from the annotations; returns (source location, params after acc)."""
+    from . import types  # the annotation classes
+
+    code = fn.__code__
+    source = f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}"
+    sig = inspect.signature(fn)
+    try:
+        ann = inspect.get_annotations(fn, eval_str=True)
+    except Exception:
+        ann = dict(getattr(fn, "__annotations__", {}))
+    names = list(sig.parameters)
+    if not names:
+        raise EpilogueError(f"epilogue '{fn.__name__}' ({source}) needs at least the accumulator parameter: "
+                            f"def {fn.__name__}(acc, ...)")
+    params = []
+    for pname in names[1:]:
+        p = sig.parameters[pname]
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            raise EpilogueError(f"epilogue '{fn.__name__}' ({source}): *args/**kwargs are not supported ('{pname}')")
+        kind = types.kind_of(ann.get(pname, inspect.Parameter.empty))
+        if kind is None:
+            got = ann.get(pname, None)
+            raise EpilogueError(
+                f"epilogue '{fn.__name__}' ({source}): parameter '{pname}' "
+                + ("has no annotation" if got is None else f"has annotation {got!r}, which is not an operand kind")
+                + f"\n  fix: annotate it, e.g. `{pname}: cd.Tensor` ([M, N]), cd.VecN (one value per column n), "
+                "cd.VecM (one per row m), cd.Scalar (runtime number) or cd.Const (compile-time number)"
+            )
+        if pname in reserved:
+            raise EpilogueError(f"epilogue '{fn.__name__}' ({source}): parameter name '{pname}' is reserved by "
+                                f"cd.gemm ({', '.join(sorted(reserved))}); rename it")
+        params.append(ir.Param(pname, kind))
+    return source, tuple(params)

@@ -1,0 +1,155 @@
+"""The epilogue IR: an immutable DAG of nodes, plus the program that names its outputs.
+
+Nodes are hash-consed (structurally equal nodes are the same object), so a subexpression
+written twice is one node: common-subexpression elimination falls out of construction.
+
+Leaves:   acc, load(kind, name), scalar(name), const(value), const_param(name)
+Compute:  an op name of ir/ops.py with its inputs; cast(dtype) rounds through a storable dtype
+Reduce:   reduce(kind, axis) over one input (kind: sum | max | min | amax)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+LOAD_KINDS = ("tensor", "vec_m", "vec_n")  # [M, N], one value per row m, one per column n
+REDUCE_KINDS = ("sum", "max", "min", "amax")
+REDUCE_AXES = ("n", "m", None)
+
+
+class Node:
+    __slots__ = ("op", "inputs", "attr")
+    _interned: dict = {}
+
+    def __new__(cls, op: str, inputs: tuple = (), attr=None):
+        # repr keeps -0.0 apart from 0.0 (they compare equal)
+        key = (op, tuple(id(i) for i in inputs), repr(attr) if isinstance(attr, float) else attr)
+        node = cls._interned.get(key)
+        if node is None:
+            node = super().__new__(cls)
+            node.op, node.inputs, node.attr = op, tuple(inputs), attr
+            cls._interned[key] = node
+        return node
+
+    def __repr__(self) -> str:
+        return f"Node({self.op}, {self.attr!r}, {len(self.inputs)} inputs)"
+
+    @property
+    def is_leaf(self) -> bool:
+        return self.op in ("acc", "load", "scalar", "const", "const_param")
+
+
+def acc() -> Node:
+    return Node("acc")
+
+
+def load(kind: str, name: str) -> Node:
+    assert kind in LOAD_KINDS, kind
+    return Node("load", (), (kind, name))
+
+
+def scalar(name: str) -> Node:
+    return Node("scalar", (), name)
+
+
+def const(value: float) -> Node:
+    return Node("const", (), float(value))
+
+
+def const_param(name: str) -> Node:
+    return Node("const_param", (), name)
+
+
+def compute(op: str, *inputs: Node) -> Node:
+    return Node(op, inputs)
+
+
+def cast(x: Node, dtype: str) -> Node:
+    return Node("cast", (x,), dtype)
+
+
+def reduce(kind: str, axis, x: Node) -> Node:
+    assert kind in REDUCE_KINDS and axis in REDUCE_AXES
+    return Node("reduce", (x,), (kind, axis))
+
+
+@dataclass(frozen=True)
+class Output:
+    name: str
+    node: Node
+    dtype: str | None  # None: the default (A's dtype for tensors, fp32 for reductions)
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    kind: str  # tensor | vec_m | vec_n | scalar | const
+
+
+@dataclass
+class Program:
+    """A traced epilogue: its parameters (after acc) and named outputs."""
+
+    name: str
+    params: tuple[Param, ...]
+    outputs: tuple[Output, ...]
+    source: str = ""  # "file.py:line" of the def, for messages
+    locations: dict = field(default_factory=dict, compare=False)  # id(node) -> "file.py:line"
+
+    def output(self, name: str) -> Output | None:
+        return next((o for o in self.outputs if o.name == name), None)
+
+    def where(self, node: Node) -> str:
+        return self.locations.get(id(node), self.source)
+
+
+def topo_order(roots) -> list[Node]:
+    """Every node reachable from roots, inputs before users, in a deterministic order."""
+    seen: set[int] = set()
+    order: list[Node] = []
+
+    def visit(n: Node) -> None:
+        stack = [(n, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if id(node) in seen:
+                continue
+            if expanded:
+                seen.add(id(node))
+                order.append(node)
+                continue
+            stack.append((node, True))
+            for i in reversed(node.inputs):
+                if id(i) not in seen:
+                    stack.append((i, False))
+
+    for r in roots:
+        visit(r)
+    return order
+
+
+def walk(program: Program) -> Iterator[Node]:
+    yield from topo_order([o.node for o in program.outputs])
+
+
+def format_program(program: Program) -> str:
+    """A readable SSA listing of the program (used by `coda-dsl explain`)."""
+    names: dict[int, str] = {}
+    lines = [f"epilogue {program.name}({', '.join(f'{p.name}: {p.kind}' for p in program.params)})"]
+    for i, n in enumerate(walk(program)):
+        if n.op == "acc":
+            names[id(n)] = "acc"
+            continue
+        if n.op in ("load", "scalar", "const_param"):
+            names[id(n)] = n.attr[1] if n.op == "load" else n.attr
+            continue
+        if n.op == "const":
+            names[id(n)] = repr(n.attr)
+            continue
+        args = ", ".join(names[id(x)] for x in n.inputs)
+        attr = f"[{n.attr}]" if n.attr is not None else ""
+        names[id(n)] = f"%{i}"
+        lines.append(f"  %{i} = {n.op}{attr}({args})")
+    for o in program.outputs:
+        lines.append(f"  out {o.name}: {o.dtype or 'default'} = {names[id(o.node)]}")
+    return "\n".join(lines)

@@ -1,0 +1,213 @@
+"""The EVT plan: what one specialization's epilogue is, node by node, ready to render.
+
+A plan is a list of Sm90 visitor nodes in topological order (children before parents); the last
+one yields D. Each node kind is one class owning its part of the generated C++: its type (`cpp_type`),
+its Arguments initializer (`cpp_args`) and what it adds to the cache key (`key`). Runtime operands
+are bound by position: `inputs[i]` of the op is the plan's i-th input operand, `outputs[j]` its j-th
+output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..ir.ops import DTYPES
+
+ROUND = "cutlass::FloatRoundStyle::round_to_nearest"
+
+
+def cpp_element(dtype: str) -> str:
+    return DTYPES[dtype][1]
+
+
+@dataclass(frozen=True)
+class Config:
+    """Kernel configuration: CTA tile (M, N, K), cluster (M, N) and schedule."""
+
+    tile: tuple[int, int, int] = (128, 256, 64)
+    cluster: tuple[int, int] = (2, 1)
+    schedule: str = "cooperative"  # or "pingpong"
+
+    def __post_init__(self):
+        m, n, k = self.tile
+        if self.schedule not in ("cooperative", "pingpong"):
+            raise ValueError(f"schedule must be 'cooperative' or 'pingpong', not {self.schedule!r}")
+        if self.schedule == "cooperative" and m < 128:
+            raise ValueError(f"the cooperative schedule needs tile M >= 128 (got {m}); use schedule='pingpong'")
+        if n % 16 or k % 16 or m % 64:
+            raise ValueError(f"tile {self.tile}: M must be a multiple of 64, N and K of 16")
+        if self.cluster[0] * self.cluster[1] > 4:
+            raise ValueError(f"cluster {self.cluster}: at most 4 CTAs")
+
+    @property
+    def key(self) -> str:
+        return f"{'x'.join(map(str, self.tile))}_c{self.cluster[0]}x{self.cluster[1]}_{self.schedule}"
+
+    @staticmethod
+    def parse(text: str) -> "Config":
+        """'128x256x64_c2x1_cooperative' -> Config (the inverse of .key)."""
+        try:
+            tile, cluster, schedule = text.split("_")
+            return Config(tuple(int(x) for x in tile.split("x")),  # type: ignore[arg-type]
+                          tuple(int(x) for x in cluster[1:].split("x")), schedule)  # type: ignore[arg-type]
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"bad config {text!r}: expected e.g. 128x256x64_c2x1_cooperative ({e})") from None
+
+
+@dataclass(frozen=True)
+class Signature:
+    """Everything about a call that changes the generated code (never sizes, pointers or scalar values)."""
+
+    ab_dtype: str  # bf16 | fp16
+    b_layout: str  # "nk": B is [N, K] K-contiguous (nn.Linear weight); "kn": [K, N] N-contiguous
+    operand_dtypes: tuple[tuple[str, str], ...]  # (operand name, dtype) of every load operand
+    output_dtypes: tuple[tuple[str, str], ...]  # (output name, dtype) of every tensor output
+    consts: tuple[tuple[str, float], ...] = ()
+    config: Config = Config()
+
+    @property
+    def key(self) -> str:
+        return repr((self.ab_dtype, self.b_layout, self.operand_dtypes, self.output_dtypes, self.consts,
+                     self.config.key))
+
+
+# ---------------------------------------------------------------------------------------------
+# Visitor nodes
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class EvtNode:
+    name: str  # C++ type alias, unique in the plan
+    children: tuple[int, ...] = ()
+    comment: str = ""
+
+    def cpp_type(self) -> str:
+        raise NotImplementedError
+
+    def cpp_args(self) -> str:
+        return "{}"
+
+    def key(self) -> str:
+        return f"{type(self).__name__}{self.children}"
+
+
+@dataclass
+class AccFetch(EvtNode):
+    def cpp_type(self) -> str:
+        return "fusion::Sm90AccFetch"
+
+
+@dataclass
+class AuxLoad(EvtNode):
+    """A full [M, N] operand, TMA-loaded into shared memory by the producer warp."""
+
+    dtype: str = "bf16"
+    input_index: int = 0
+
+    def cpp_type(self) -> str:
+        e = cpp_element(self.dtype)
+        return f"coda::AuxLoadFor<EpilogueDescriptor, {e}>"
+
+    def cpp_args(self) -> str:
+        return f"coda::aux_load_args<{self.name}>(inputs[{self.input_index}])"
+
+    def key(self) -> str:
+        return f"AuxLoad{self.dtype}{self.children}"
+
+
+@dataclass
+class RowBroadcast(EvtNode):
+    """A vector over n (one value per column), broadcast down the rows: CUTLASS's RowBroadcast."""
+
+    dtype: str = "bf16"
+    input_index: int = 0
+
+    def cpp_type(self) -> str:
+        return (f"fusion::Sm90RowBroadcast<0, TileShape, {cpp_element(self.dtype)}, float, "
+                f"cute::Stride<cute::_0, cute::_1, int64_t>>")
+
+    def cpp_args(self) -> str:
+        return f"coda::vec_n_args<{self.name}>(inputs[{self.input_index}])"
+
+    def key(self) -> str:
+        return f"RowB{self.dtype}"
+
+
+@dataclass
+class ColBroadcast(EvtNode):
+    """A vector over m (one value per row), broadcast along the columns: CUTLASS's ColBroadcast."""
+
+    dtype: str = "bf16"
+    input_index: int = 0
+
+    def cpp_type(self) -> str:
+        return (f"fusion::Sm90ColBroadcast<0, TileShape, {cpp_element(self.dtype)}, float, "
+                f"cute::Stride<cute::_1, cute::_0, int64_t>>")
+
+    def cpp_args(self) -> str:
+        return f"coda::vec_m_args<{self.name}>(inputs[{self.input_index}])"
+
+    def key(self) -> str:
+        return f"ColB{self.dtype}"
+
+
+@dataclass
+class Functor:
+    """One fused elementwise region: C++ statements over fp32 inputs x0..xk and scalars p.<name>."""
+
+    name: str
+    arity: int
+    body: list[str]  # statements, each defining a float t<i>
+    result: str  # the expression returned
+    text: str = ""  # the region in DSL terms, for a comment
+
+
+@dataclass
+class Compute(EvtNode):
+    functor: Functor = field(default_factory=lambda: Functor("", 0, [], ""))
+
+    def cpp_type(self) -> str:
+        return f"fusion::Sm90Compute<{self.functor.name}, float, float, {ROUND}>"
+
+    def cpp_args(self) -> str:
+        return "scalars"
+
+    def key(self) -> str:
+        f = self.functor
+        return f"Compute{self.children}[{';'.join(f.body)};return {f.result}]"
+
+
+@dataclass
+class AuxStore(EvtNode):
+    """A full-size auxiliary output, staged in shared memory and TMA-stored."""
+
+    dtype: str = "bf16"
+    output_index: int = 0
+
+    def cpp_type(self) -> str:
+        return f"coda::AuxStoreFor<EpilogueDescriptor, {cpp_element(self.dtype)}>"
+
+    def cpp_args(self) -> str:
+        return f"coda::aux_store_args<{self.name}>(outputs[{self.output_index}])"
+
+    def key(self) -> str:
+        return f"AuxStore{self.dtype}{self.children}"
+
+
+@dataclass
+class Plan:
+    """One specialization: GEMM operand types, epilogue nodes, and the runtime binding order."""
+
+    name: str  # the epilogue's name (comments only)
+    signature: Signature
+    nodes: list[EvtNode]
+    functors: list[Functor]
+    inputs: list[str]  # operand names, in the order the op receives them
+    outputs: list[tuple[str, str]]  # (output name, dtype), aux outputs in the order the op receives them
+    d_dtype: str  # dtype of D
+    scalars: list[str]  # scalar operand names, in the order the op receives them
+
+    @property
+    def key(self) -> str:
+        """Canonical text of everything that shapes the generated code (never user-facing names)."""
+        s = self.signature
+        return "|".join([s.ab_dtype, s.b_layout, s.config.key, self.d_dtype, str(len(self.scalars)),
+                         *(n.key() for n in self.nodes)])

@@ -1,0 +1,49 @@
+"""Binding compile-time constants and folding constant subexpressions.
+
+Common subexpressions need no pass: IR nodes are hash-consed (ir/graph.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import EpilogueError
+from ..ir import graph as ir
+from ..ir.ops import DTYPES, OPS
+
+
+def _fold(node: ir.Node, memo: dict[int, ir.Node], consts: dict[str, float]) -> ir.Node:
+    done = memo.get(id(node))
+    if done is not None:
+        return done
+    if node.op == "const_param":
+        out = ir.const(consts[node.attr])
+    elif node.is_leaf:
+        out = node
+    else:
+        inputs = tuple(_fold(i, memo, consts) for i in node.inputs)
+        out = ir.Node(node.op, inputs, node.attr)
+        if node.op != "reduce" and all(i.op == "const" for i in inputs):
+            out = ir.const(_evaluate(node.op, node.attr, [i.attr for i in inputs]))
+    memo[id(node)] = out
+    return out
+
+
+def _evaluate(op: str, attr, values: list[float]) -> float:
+    """Fold with the reference semantics (fp32 torch ops), so folding never changes a result."""
+    args = [torch.tensor(v, dtype=torch.float32) for v in values]
+    if op == "cast":
+        return float(args[0].to(DTYPES[attr][0]).float())
+    return float(OPS[op].torch_fn(*args).float())
+
+
+def specialize(program: ir.Program, consts: dict[str, float]) -> ir.Program:
+    """The program with cd.Const parameters bound to values and constant subexpressions folded."""
+    missing = [p.name for p in program.params if p.kind == "const" and p.name not in consts]
+    if missing:
+        raise EpilogueError(f"epilogue '{program.name}': compile-time constant(s) {missing} need a value: "
+                            f"pass {missing[0]}=<number> to cd.gemm")
+    memo: dict[int, ir.Node] = {}
+    outputs = tuple(ir.Output(o.name, _fold(o.node, memo, consts), o.dtype) for o in program.outputs)
+    locations = {id(memo[k]): v for k, v in program.locations.items() if k in memo}
+    locations.update(program.locations)
+    return ir.Program(program.name, program.params, outputs, program.source, locations)

@@ -1,0 +1,75 @@
+"""Call-time checks of tensors and values: every message names the op, the operand and the fix."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..errors import OperandError, UnsupportedError
+from ..ir.ops import TORCH_TO_DTYPE
+
+
+def fail(where: str, message: str, fix: str = "") -> OperandError:
+    return OperandError(f"{where}: {message}" + (f"\n  fix: {fix}" if fix else ""))
+
+
+def dtype_of(t: torch.Tensor, where: str, name: str) -> str:
+    d = TORCH_TO_DTYPE.get(t.dtype)
+    if d is None:
+        raise fail(where, f"{name} has dtype {t.dtype}", "use torch.bfloat16, torch.float16 or torch.float32")
+    return d
+
+
+def tensor(where: str, name: str, t, shape: tuple, device: torch.device | None = None) -> None:
+    """Shape and device of a tensor operand ([M, N] may also be [L, M, N]; vectors [X] or [L, X])."""
+    if not isinstance(t, torch.Tensor):
+        raise fail(where, f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) not in (shape[1:], shape) if len(shape) > 1 else tuple(t.shape) != shape:
+        raise fail(where, f"{name} has shape {list(t.shape)}, expected {list(shape[1:])}"
+                   + (f" or {list(shape)}" if len(shape) > 1 and shape[0] != 1 else ""))
+    if device is not None and t.device != device:
+        raise fail(where, f"{name} is on {t.device} but A is on {device}", f"move it: {name}.to(A.device)")
+
+
+def tma_layout(where: str, name: str, t: torch.Tensor) -> None:
+    """TMA needs the last dim contiguous, 16-byte aligned base and strides (bf16: multiples of 8)."""
+    es = t.element_size()
+    per16 = 16 // es
+    if t.stride(-1) != 1:
+        raise fail(where, f"{name} must be contiguous in its last dimension (strides {list(t.stride())})",
+                   f"pass {name}.contiguous()")
+    if t.data_ptr() % 16:
+        raise fail(where, f"{name}'s data pointer is not 16-byte aligned (a sliced view?)",
+                   f"pass {name}.clone()")
+    bad = [s for s in t.stride()[:-1] if (s * es) % 16]
+    if bad:
+        raise fail(where, f"{name}'s row stride {bad[0]} is not a multiple of {per16} elements "
+                   f"({t.dtype}): TMA needs 16-byte aligned rows",
+                   f"pad the last dimension to a multiple of {per16} (e.g. N and K multiples of {per16})")
+
+
+def vector(where: str, name: str, t: torch.Tensor) -> None:
+    if t.stride(-1) != 1:
+        raise fail(where, f"{name} must be contiguous", f"pass {name}.contiguous()")
+    if t.data_ptr() % 16:
+        raise fail(where, f"{name}'s data pointer is not 16-byte aligned", f"pass {name}.clone()")
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def is_hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and _capability(device.index if device.index is not None else 0) == (9, 0)
+
+
+def require_hopper(where: str, device: torch.device) -> None:
+    if device.type != "cuda":
+        raise UnsupportedError(f"{where}: the cutlass backend needs CUDA tensors (A is on {device})\n"
+                               "  fix: move the tensors to an sm_90 GPU, or pass backend='reference'")
+    cap = _capability(device.index if device.index is not None else 0)
+    if cap != (9, 0):
+        raise UnsupportedError(
+            f"{where}: the cutlass backend needs an sm_90 (Hopper) GPU; {torch.cuda.get_device_name(device)} "
+            f"is sm_{cap[0]}{cap[1]}\n  fix: run on an H100/H200, or pass backend='reference' (slow)")

@@ -1,0 +1,296 @@
+"""The callable ops: cd.gemm, cd.compile and CompiledOp (the cached, ready-to-launch specialization)."""
+from __future__ import annotations
+
+import threading
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from .. import build, codegen
+from ..dsl import Epilogue, identity
+from ..errors import OperandError, UnsupportedError
+from ..ir import graph as ir
+from ..ir.ops import DTYPES
+from ..passes import lower, specialize
+from ..passes.plan import Config, Plan, Signature
+from . import checks, reference
+
+BACKENDS = ("auto", "cutlass", "reference")
+
+
+@dataclass
+class Call:
+    """One call's operands, normalized: 2-D/3-D A and B, tensors/scalars/consts by operand name."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    tensors: dict[str, torch.Tensor]
+    scalars: dict[str, float]
+    consts: dict[str, float]
+    batch: tuple[int, ...]  # leading dims of A folded into M (A 3-D with a 2-D B), to unfold outputs
+
+    @property
+    def mnkl(self) -> tuple[int, int, int, int]:
+        a, b = self.a, self.b
+        return a.shape[-2], b.shape[-2], a.shape[-1], (a.shape[0] if a.dim() == 3 else 1)
+
+
+def _where(ep: Epilogue) -> str:
+    return f"cd.gemm(epilogue '{ep.name}' from {ep.source})"
+
+
+def _normalize(ep: Epilogue, a, b, operands: dict) -> Call:
+    where = _where(ep)
+    for name, t in (("A", a), ("B", b)):
+        if not isinstance(t, torch.Tensor):
+            raise checks.fail(where, f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() not in (2, 3):
+            raise checks.fail(where, f"{name} must be 2-D or 3-D (batched), got shape {list(t.shape)}")
+    if a.shape[-1] != b.shape[-1]:
+        hint = ("B looks like [K, N]: pass B.t() (a view; no copy), since B is taken as [N, K] like an "
+                "nn.Linear weight" if b.shape[-2] == a.shape[-1] else "A is [M, K] and B is [N, K]")
+        raise checks.fail(where, f"K mismatch: A {list(a.shape)} and B {list(b.shape)}", hint)
+    batch: tuple[int, ...] = ()
+    if b.dim() == 3 and (a.dim() != 3 or a.shape[0] != b.shape[0]):
+        raise checks.fail(where, f"batched B {list(b.shape)} needs A of shape [{b.shape[0]}, M, K], got {list(a.shape)}")
+    if a.dim() == 3 and b.dim() == 2:  # one weight for every batch: fold the batch into M
+        batch = (a.shape[0],)
+        a = a.reshape(-1, a.shape[-1])
+
+    expected = {p.name for p in ep.params}
+    unknown = sorted(set(operands) - expected)
+    missing = [p.name for p in ep.params if p.name not in operands]
+    if unknown or missing:
+        raise checks.fail(where, (f"unexpected operand(s) {unknown}" if unknown else "")
+                          + ("; " if unknown and missing else "") + (f"missing operand(s) {missing}" if missing else ""),
+                          f"the epilogue declares {[p.name for p in ep.params] or 'no operands'}")
+    tensors, scalars, consts = {}, {}, {}
+    for p in ep.params:
+        v = operands[p.name]
+        if p.kind in ir.LOAD_KINDS:
+            if batch and isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] == batch[0] and (
+                    p.kind == "tensor" and v.dim() == 3 or p.kind == "vec_m" and v.dim() == 2):
+                v = v.reshape(-1, *v.shape[2:])  # follow A's folding
+            tensors[p.name] = v
+        else:
+            if isinstance(v, torch.Tensor) and v.numel() == 1 and p.kind == "scalar":
+                raise checks.fail(where, f"scalar '{p.name}' was given as a tensor",
+                                  f"pass a Python number (float({p.name})), or declare it cd.VecM/VecN")
+            if not isinstance(v, (int, float)):
+                raise checks.fail(where, f"'{p.name}' ({p.kind}) must be a Python number, got {type(v).__name__}")
+            (scalars if p.kind == "scalar" else consts)[p.name] = float(v)
+    return Call(a, b, tensors, scalars, consts, batch)
+
+
+def _check_tensors(ep: Epilogue, call: Call, cutlass: bool) -> dict[str, str]:
+    """Shapes, devices and (for the cutlass backend) layouts; returns operand dtypes."""
+    where = _where(ep)
+    m, n, k, l = call.mnkl
+    ab = checks.dtype_of(call.a, where, "A")
+    if call.b.dtype != call.a.dtype:
+        raise checks.fail(where, f"A is {call.a.dtype} but B is {call.b.dtype}", "use one dtype for A and B")
+    if cutlass and ab not in ("bf16", "fp16"):
+        raise checks.fail(where, f"A and B are {call.a.dtype}; the cutlass backend takes bf16 or fp16 inputs",
+                          "cast them: A.bfloat16(), B.bfloat16()")
+    dev = call.a.device
+    checks.tensor(where, "B", call.b, (l, n, k) if call.b.dim() == 3 else (n, k), dev)
+    shapes = {"tensor": (l, m, n), "vec_n": (l, n), "vec_m": (l, m)}
+    dtypes = {}
+    kinds = {p.name: p.kind for p in ep.params}
+    for name, t in call.tensors.items():
+        checks.tensor(where, f"operand '{name}'", t, shapes[kinds[name]], dev)
+        dtypes[name] = checks.dtype_of(t, where, f"operand '{name}'")
+        if cutlass:
+            (checks.tma_layout if kinds[name] == "tensor" else checks.vector)(where, f"operand '{name}'", t)
+    if cutlass:
+        checks.tma_layout(where, "A", call.a)
+        if call.b.stride(-1) != 1 and call.b.stride(-2) != 1:
+            raise checks.fail(where, f"B must be contiguous along K ([N, K]) or along N ([K, N] storage passed as "
+                              f"W.t()); its strides are {list(call.b.stride())}", "pass B.contiguous()")
+        checks.tma_layout(where, "B", call.b if call.b.stride(-1) == 1 else call.b.transpose(-1, -2))
+    return dtypes
+
+
+class CompiledOp:
+    """One built specialization of an epilogue. Call it like cd.gemm, without the epilogue argument."""
+
+    def __init__(self, epilogue: Epilogue, program: ir.Program, plan: Plan, key: str, source: str):
+        self.epilogue, self.program, self.plan, self.key, self.source = epilogue, program, plan, key, source
+        self.op_name = codegen.op_name(key)
+        self._op = None
+        self._where = _where(epilogue)
+        self._out_dtypes = dict(plan.signature.output_dtypes)
+        self._torch_dtypes = {name: DTYPES[d][0] for name, d in self._out_dtypes.items()}
+
+    def load(self) -> "CompiledOp":
+        """Build (or find in the cache) and load the kernel library."""
+        if self._op is None:
+            build.load_library(build.BuildUnit(self.key, self.source, self.op_name))
+            self._op = getattr(torch.ops.coda_dsl, self.op_name).default
+        return self
+
+    def launch(self, call: Call, out: dict | None) -> dict[str, torch.Tensor]:
+        m, n, _, l = call.mnkl
+        shape = (l, m, n) if call.a.dim() == 3 else (m, n)
+        unknown = set(out or ()) - set(self._torch_dtypes)
+        if unknown:
+            raise checks.fail(self._where, f"out has {sorted(unknown)}, which the epilogue does not produce "
+                              f"(its outputs: {list(self._torch_dtypes)})")
+        outs = {}
+        for name, dt in self._torch_dtypes.items():
+            t = out.get(name) if out else None
+            if t is None:
+                t = torch.empty(shape, dtype=dt, device=call.a.device)
+            else:
+                _check_out(self._where, name, t, shape, dt, call)
+            outs[name] = t
+        self.load()
+        plan = self.plan
+        self._op(call.a, call.b, outs["D"], [call.tensors[i] for i in plan.inputs],
+                 [call.scalars[s] for s in plan.scalars], [outs[o] for o, _ in plan.outputs])
+        return outs
+
+    def __call__(self, A, B, *, out: dict | None = None, **operands) -> dict[str, torch.Tensor]:
+        call = _normalize(self.epilogue, A, B, operands)
+        _check_tensors(self.epilogue, call, cutlass=True)
+        return _unfold(self.launch(call, _fold_out(out, call)), call)
+
+    def __repr__(self) -> str:
+        return f"<CompiledOp {self.epilogue.name} key={self.key} op=torch.ops.coda_dsl.{self.op_name}>"
+
+
+def _check_out(where: str, name: str, t: torch.Tensor, shape, dtype, call: Call) -> None:
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+        got = f"{list(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise checks.fail(where, f"out['{name}'] is {got}, expected {list(shape)} {dtype}")
+    if t.device != call.a.device:
+        raise checks.fail(where, f"out['{name}'] is on {t.device}, A on {call.a.device}")
+    checks.tma_layout(where, f"out['{name}']", t)
+    for src_name, src in [("A", call.a), ("B", call.b), *call.tensors.items()]:
+        if src.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+            raise checks.fail(where, f"out['{name}'] shares memory with input {src_name}: the kernel would read "
+                              "values it has already overwritten", "pass a separate output tensor")
+
+
+def _fold_out(out: dict | None, call: Call) -> dict | None:
+    if not out or not call.batch:
+        return out
+    return {k: v.reshape(-1, v.shape[-1]) if isinstance(v, torch.Tensor) and v.dim() == 3 else v
+            for k, v in out.items()}
+
+
+def _unfold(outs: dict[str, torch.Tensor], call: Call) -> dict[str, torch.Tensor]:
+    if not call.batch:
+        return outs
+    return {k: v.reshape(*call.batch, -1, v.shape[-1]) for k, v in outs.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Specialization cache (memory; the disk cache lives in build/)
+# ---------------------------------------------------------------------------------------------
+_ops: dict[tuple, CompiledOp] = {}
+_lock = threading.Lock()
+
+
+def _output_dtypes(ep: Epilogue, ab: str, out: dict | None) -> tuple[tuple[str, str], ...]:
+    res = []
+    for o in ep.program.outputs:
+        d = o.dtype or ab
+        if out and isinstance(out.get(o.name), torch.Tensor) and o.dtype is None:
+            d = checks.dtype_of(out[o.name], _where(ep), f"out['{o.name}']")
+        res.append((o.name, d))
+    return tuple(res)
+
+
+def specialization(ep: Epilogue, call: Call, operand_dtypes: dict[str, str], out: dict | None,
+                   config: Config | None) -> CompiledOp:
+    b_layout = "nk" if call.b.stride(-1) == 1 else "kn"
+    ab = checks.dtype_of(call.a, _where(ep), "A")
+    sig = Signature(ab, b_layout, tuple(sorted(operand_dtypes.items())), _output_dtypes(ep, ab, out),
+                    tuple(sorted(call.consts.items())), config or Config())
+    cache_key = (id(ep), sig)
+    op = _ops.get(cache_key)
+    if op is None:
+        with _lock:
+            op = _ops.get(cache_key)
+            if op is None:
+                program = specialize(ep.program, call.consts)
+                plan = lower(program, sig)
+                key = build.specialization_key(plan.key)
+                source = codegen.render(plan, key, ep.source)
+                op = _ops[cache_key] = CompiledOp(ep, program, plan, key, source)
+    return op
+
+
+def gemm(A, B, epilogue: Epilogue | None = None, *, out: dict | None = None, backend: str = "auto",
+         config: Config | str | None = None, **operands) -> dict[str, torch.Tensor]:
+    """D = epilogue(A @ B^T, operands...) in one fused kernel. A: [M, K] (or [L, M, K]); B: [N, K]
+    (an nn.Linear weight; pass W.t() for [K, N] storage) or [L, N, K]. Returns {output name: tensor}.
+
+    backend: "cutlass" (sm_90 GPU), "reference" (PyTorch, any device) or "auto" (cutlass where it
+    can run, else reference with a warning). out: preallocated outputs by name.
+    """
+    ep = epilogue or identity
+    if not isinstance(ep, Epilogue):
+        raise TypeError(f"cd.gemm: epilogue must be a function decorated with @cd.epilogue, got {ep!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"cd.gemm: backend must be one of {BACKENDS}, not {backend!r}")
+    if torch.compiler.is_compiling():
+        from .torch_op import traced_gemm
+        return traced_gemm(ep, A, B, out, backend, config, operands)
+    call = _normalize(ep, A, B, operands)
+    use_cutlass = backend == "cutlass" or (backend == "auto" and _cutlass_available(call.a.device))
+    if backend == "cutlass":
+        checks.require_hopper(_where(ep), call.a.device)
+    dtypes = _check_tensors(ep, call, cutlass=use_cutlass)
+    if not use_cutlass:
+        return _unfold(run_reference(ep, call, dtypes, _fold_out(out, call)), call)
+    if isinstance(config, str):
+        config = Config.parse(config)
+    op = specialization(ep, call, dtypes, out, config)
+    return _unfold(op.launch(call, _fold_out(out, call)), call)
+
+
+def compile(epilogue: Epilogue, A, B, *, out: dict | None = None, config: Config | str | None = None,
+            **operands) -> CompiledOp:  # noqa: A001
+    """Build (or load from cache) the kernel for these operands' dtypes and layouts; returns the op."""
+    call = _normalize(epilogue, A, B, operands)
+    checks.require_hopper(_where(epilogue), call.a.device) if call.a.is_cuda else None
+    dtypes = _check_tensors(epilogue, call, cutlass=True)
+    if isinstance(config, str):
+        config = Config.parse(config)
+    return specialization(epilogue, call, dtypes, out, config)
+
+
+_warned_fallback = False
+
+
+def _cutlass_available(device: torch.device) -> bool:
+    global _warned_fallback
+    if checks.is_hopper(device):
+        return True
+    if not _warned_fallback:
+        _warned_fallback = True
+        warnings.warn(f"coda_dsl: no sm_90 GPU for tensors on {device}; running epilogues on the (slow) reference "
+                      "backend. Pass backend='reference' to silence this.", stacklevel=3)
+    return False
+
+
+def run_reference(ep: Epilogue, call: Call, operand_dtypes: dict[str, str], out: dict | None):
+    ab = checks.dtype_of(call.a, _where(ep), "A")
+    program = specialize(ep.program, call.consts)
+    out_dtypes = dict(_output_dtypes(ep, ab, out))
+    operands = {**call.tensors, **call.scalars}
+    res = reference.evaluate(program, call.a, call.b, operands, out_dtypes)
+    if out:
+        for name, t in out.items():
+            if name not in res:
+                raise OperandError(f"{_where(ep)}: out has '{name}', which is not an output of the epilogue "
+                                   f"({list(res)})")
+            t.copy_(res[name])
+            res[name] = t
+    return res
+
+
+__all__ = ["gemm", "compile", "CompiledOp", "Config", "UnsupportedError"]

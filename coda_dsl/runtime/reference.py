@@ -1,0 +1,71 @@
+"""The reference backend: the IR evaluated with PyTorch ops in fp32. It defines the semantics.
+
+Runs on any device. Outputs are cast like the kernel casts them: tensors to their output dtype,
+reductions kept in fp32.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..ir import graph as ir
+from ..ir.ops import DTYPES, OPS
+
+_REDUCE = {
+    "sum": lambda x, dims: x.sum(dim=dims),
+    "max": lambda x, dims: x.amax(dim=dims),
+    "min": lambda x, dims: x.amin(dim=dims),
+    "amax": lambda x, dims: x.abs().amax(dim=dims),
+}
+
+
+def accumulator(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """fp32 A @ B^T (b is [N, K] or [L, N, K]), computed in full fp32 (no TF32)."""
+    return torch.matmul(a.float(), b.float().transpose(-1, -2))
+
+
+def _leaf(node: ir.Node, operands: dict, acc: torch.Tensor) -> torch.Tensor:
+    if node.op == "acc":
+        return acc
+    if node.op == "const":
+        return torch.tensor(node.attr, dtype=torch.float32, device=acc.device)
+    if node.op == "scalar":
+        return torch.tensor(float(operands[node.attr]), dtype=torch.float32, device=acc.device)
+    kind, name = node.attr
+    t = operands[name].to(acc.device).float()
+    if kind == "vec_n":  # [N] or [L, N] -> broadcast over rows
+        return t.unsqueeze(-2)
+    if kind == "vec_m":  # [M] or [L, M] -> broadcast over columns
+        return t.unsqueeze(-1)
+    return t
+
+
+def _reduce_dims(axis, ndim: int):
+    return {"n": (-1,), "m": (-2,), None: (-2, -1)}[axis] if ndim >= 2 else None
+
+
+def evaluate(program: ir.Program, a: torch.Tensor, b: torch.Tensor, operands: dict,
+             out_dtypes: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Run a specialized program (constants bound). out_dtypes: output name -> dtype name."""
+    acc = accumulator(a, b)
+    values: dict[int, torch.Tensor] = {}
+    for node in ir.walk(program):
+        if node.is_leaf:
+            values[id(node)] = _leaf(node, operands, acc)
+            continue
+        args = [values[id(i)] for i in node.inputs]
+        if node.op == "cast":
+            v = args[0].to(DTYPES[node.attr][0]).float()
+        elif node.op == "reduce":
+            kind, axis = node.attr
+            x = torch.broadcast_to(args[0], acc.shape)
+            v = _REDUCE[kind](x, _reduce_dims(axis, x.ndim))
+        else:
+            v = OPS[node.op].torch_fn(*args).float()
+        values[id(node)] = v
+    result = {}
+    for o in program.outputs:
+        v = values[id(o.node)]
+        if o.node.op != "reduce":
+            v = torch.broadcast_to(v, acc.shape)
+        result[o.name] = v.to(DTYPES[out_dtypes[o.name]][0]).contiguous()
+    return result

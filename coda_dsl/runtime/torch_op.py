@@ -1,0 +1,43 @@
+"""torch.compile support: one functional custom op, `coda_dsl::gemm`, that Dynamo records as a single
+node (no graph break); eager calls never go through it, so they pay no dispatcher overhead."""
+from __future__ import annotations
+
+import torch
+
+from ..dsl import Epilogue
+from ..ir import graph as ir
+from ..ir.ops import DTYPES
+
+
+def _operands(ep: Epilogue, tensors: list, numbers: list) -> dict:
+    it_t, it_n = iter(tensors), iter(numbers)
+    return {p.name: next(it_t) if p.kind in ir.LOAD_KINDS else next(it_n) for p in ep.params}
+
+
+@torch.library.custom_op("coda_dsl::gemm", mutates_args=())
+def _gemm(uid: str, a: torch.Tensor, b: torch.Tensor, tensors: list[torch.Tensor], numbers: list[float],
+          backend: str, config: str) -> list[torch.Tensor]:
+    from .op import gemm
+
+    ep = Epilogue.by_uid(uid)
+    res = gemm(a, b, ep, backend=backend, config=config or None, **_operands(ep, tensors, numbers))
+    return [res[name] for name in ep.output_names]
+
+
+@_gemm.register_fake
+def _(uid, a, b, tensors, numbers, backend, config):
+    ep = Epilogue.by_uid(uid)
+    shape = (*a.shape[:-1], b.shape[-2])
+    return [a.new_empty(shape, dtype=DTYPES[o.dtype][0] if o.dtype else a.dtype) for o in ep.program.outputs]
+
+
+def traced_gemm(ep: Epilogue, a, b, out, backend, config, operands) -> dict:
+    """What cd.gemm does while Dynamo traces it: one call of the custom op."""
+    tensors = [operands[p.name] for p in ep.params if p.kind in ir.LOAD_KINDS]
+    numbers = [float(operands[p.name]) for p in ep.params if p.kind not in ir.LOAD_KINDS]
+    cfg = config if isinstance(config, str) else (config.key if config is not None else "")
+    outs = dict(zip(ep.output_names, torch.ops.coda_dsl.gemm(ep.uid, a, b, tensors, numbers, backend, cfg)))
+    for name, t in (out or {}).items():
+        t.copy_(outs[name])
+        outs[name] = t
+    return outs

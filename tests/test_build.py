@@ -1,0 +1,318 @@
+"""Tests of coda_dsl.build: keys, cache validity, locking, errors, toolchain discovery.
+
+Builds are mocked (builder._run_ninja) except two real nvcc runs: a failing 3-line .cu (error format)
+and a compile-only build of a tiny TU with CUTLASS and torch headers (proves the flags).
+"""
+import json
+import multiprocessing
+import os
+import shutil
+import threading
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+import coda_dsl.build as b
+from coda_dsl.build import builder, cache, tools as tcmod
+
+HAVE_NVCC = any(os.access(p, os.X_OK) for p in [os.path.join(os.environ.get("CUDA_HOME", "/nonexistent"),
+                "bin/nvcc"), "/usr/local/cuda/bin/nvcc"]) or shutil.which("nvcc") is not None
+needs_nvcc = pytest.mark.skipif(not HAVE_NVCC, reason="nvcc not installed")
+
+FAKE_TC = b.Toolchain(nvcc="/fake/bin/nvcc", cuda_home="/fake", nvcc_version="13.0.88",
+                      cutlass_include=["/fake/include", "/fake/tools/util/include"],
+                      cutlass_version="4.2.0.0", torch_version="2.14.1", csrc_include="/fake/csrc")
+
+
+@pytest.fixture
+def cache_root(tmp_path, monkeypatch):
+    root = tmp_path / "cache"
+    monkeypatch.setenv("CODA_DSL_CACHE", str(root))
+    b.toolchain.cache_clear()
+    yield root
+    b.toolchain.cache_clear()
+
+
+@pytest.fixture
+def fake(cache_root, monkeypatch):
+    """Fake toolchain + fake ninja that 'builds' every target and records its calls (in a file, so
+    forked processes count too)."""
+    for mod in (cache, builder):
+        monkeypatch.setattr(mod, "toolchain", lambda: FAKE_TC)
+    counter = cache_root.parent / "ninja_calls"
+    state = types.SimpleNamespace(delay=0.0)
+    state.calls = lambda: counter.read_text().splitlines() if counter.exists() else []
+
+    def run(staging, targets, jobs, verbose, log):
+        with open(counter, "a") as f:
+            f.write(" ".join(targets) + "\n")
+        time.sleep(state.delay)
+        for t in targets:
+            d = staging / t.split("/")[0]
+            (d / "kernel.o").write_bytes(b"\0" * 64)
+            if t.endswith(".so"):
+                (d / "kernel.so").write_bytes(b"\0" * 128)
+            (d / "build.log").write_text("ok\n")
+        return 0, ""
+
+    monkeypatch.setattr(builder, "_run_ninja", run)
+    return state
+
+
+def unit(tag="a"):
+    return b.BuildUnit(key=b.specialization_key(f"canonical {tag}"), source=f"// {tag}\n")
+
+
+def quiet(*_):
+    pass
+
+
+# ---- keys and cache dir -------------------------------------------------------------------------
+
+def test_key_stable_and_sensitive(fake, monkeypatch):
+    k = b.specialization_key("ir: D = acc * 2; bf16; tile 128x256")
+    assert k == b.specialization_key("ir: D = acc * 2; bf16; tile 128x256")
+    assert len(k) == 24 and int(k, 16) >= 0
+    assert k != b.specialization_key("ir: D = acc * 3; bf16; tile 128x256")
+    import dataclasses
+    newer = dataclasses.replace(FAKE_TC, nvcc_version="13.1.0")
+    monkeypatch.setattr(cache, "toolchain", lambda: newer)
+    assert k != b.specialization_key("ir: D = acc * 2; bf16; tile 128x256")
+    monkeypatch.setattr(cache, "toolchain", lambda: FAKE_TC)
+    monkeypatch.setattr(cache, "CODEGEN_VERSION", "999")
+    assert k != b.specialization_key("ir: D = acc * 2; bf16; tile 128x256")
+
+
+def test_cache_dir_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("CODA_DSL_CACHE", str(tmp_path / "x" / "y"))
+    assert b.cache_dir() == tmp_path / "x" / "y" and b.cache_dir().is_dir()
+    monkeypatch.delenv("CODA_DSL_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert b.cache_dir() == tmp_path / "xdg" / "coda_dsl"
+
+
+def test_paths_point_at_repo_dirs():
+    from coda_dsl.build.paths import csrc_dir, templates_dir
+    repo = Path(__file__).resolve().parent.parent
+    assert csrc_dir() in (repo / "csrc", repo / "coda_dsl" / "_data" / "csrc")
+    assert templates_dir() in (repo / "templates", repo / "coda_dsl" / "_data" / "templates")
+
+
+# ---- cache validity ---------------------------------------------------------------------------
+
+def test_build_then_cached(fake):
+    u = unit()
+    lines = []
+    [so] = b.build_units([u], log=lines.append)
+    assert so == b.cache_dir() / u.key / "kernel.so" and so.exists()
+    assert len(lines) == 2 and "building 1 kernel specialization" in lines[0]
+    assert json.loads((so.parent / "meta.json").read_text())["key"] == u.key
+    assert (so.parent / "kernel.cu").read_text() == u.source
+    lines.clear()
+    assert b.build_units([u], log=lines.append) == [so]
+    assert len(fake.calls()) == 1 and lines == []  # warm: silent, no ninja
+    assert not list((b.cache_dir() / ".staging").iterdir())  # staging cleaned up
+
+
+@pytest.mark.parametrize("corrupt", ["meta_garbage", "meta_other_key", "no_meta", "so_missing",
+                                     "so_truncated", "entry_is_file"])
+def test_corrupt_entry_is_rebuilt(fake, corrupt):
+    u = unit()
+    [so] = b.build_units([u], log=quiet)
+    entry = so.parent
+    if corrupt == "meta_garbage":
+        (entry / "meta.json").write_text("{not json")
+    elif corrupt == "meta_other_key":
+        (entry / "meta.json").write_text(json.dumps({"key": "0" * 24, "files": {"kernel.so": 128}}))
+    elif corrupt == "no_meta":
+        (entry / "meta.json").unlink()
+    elif corrupt == "so_missing":
+        so.unlink()
+    elif corrupt == "so_truncated":
+        so.write_bytes(b"\0" * 10)
+    else:
+        shutil.rmtree(entry)
+        entry.write_text("junk")
+    assert cache.valid_output(u.key) is None
+    assert [e["has_so"] for e in b.cache_entries()] in ([], [False])
+    assert b.build_units([u], log=quiet) == [so]
+    assert len(fake.calls()) == 2 and cache.valid_output(u.key) == so
+
+
+def test_compile_only_never_makes_entry_valid(fake):
+    u = unit()
+    [o] = b.build_units([u], compile_only=True, log=quiet)
+    assert o.name == "kernel.o" and o.exists()
+    assert cache.valid_output(u.key) is None and not b.cache_entries()[0]["has_so"]
+    b.build_units([u], log=quiet)  # the .so still gets built ...
+    assert cache.valid_output(u.key) is not None
+    b.build_units([u], compile_only=True, log=quiet)  # ... and its .o serves later compile checks
+    assert fake.calls() == [f"{u.key}/kernel.o", f"{u.key}/kernel.so"]
+
+
+def test_many_units_one_ninja_call_and_dedupe(fake):
+    us = [unit("a"), unit("b"), unit("c")]
+    paths = b.build_units(us + [us[0]], log=quiet)
+    assert len(fake.calls()) == 1 and len(fake.calls()[0].split()) == 3
+    assert paths[0] == paths[3] and len(set(paths)) == 3
+
+
+def test_cache_entries_and_clear(fake):
+    us = [unit("a"), unit("b")]
+    b.build_units(us, log=quiet)
+    entries = b.cache_entries()
+    assert {e["key"] for e in entries} == {u.key for u in us}
+    e = entries[0]
+    assert e["has_so"] and e["size"] > 0 and e["mtime"] > 0 and Path(e["source"]).exists()
+    assert b.clear_cache() == 2
+    assert b.cache_entries() == [] and not list(b.cache_dir().glob("*.lock"))
+
+
+def test_partial_failure_keeps_good_units(fake, monkeypatch):
+    good, bad = unit("good"), unit("bad")
+    ok_run = builder._run_ninja
+
+    def run(staging, targets, jobs, verbose, log):
+        ok_run(staging, [t for t in targets if not t.startswith(bad.key)], jobs, verbose, log)
+        (staging / bad.key / "build.log").write_text(f"$ nvcc -c {bad.key}/kernel.cu\n"
+                                                     f"{bad.key}/kernel.cu(1): error: boom\n")
+        return 1, "FAILED"
+
+    monkeypatch.setattr(builder, "_run_ninja", run)
+    with pytest.raises(b.BuildError) as ei:
+        b.build_units([good, bad], log=quiet)
+    assert cache.valid_output(good.key) is not None and cache.valid_output(bad.key) is None
+    failed = b.cache_dir() / "failed" / bad.key
+    assert ei.value.first_error == f"{failed}/kernel.cu(1): error: boom"  # path rewritten to the kept copy
+
+
+def test_load_library_loads_once(fake, monkeypatch):
+    import torch
+    loaded = []
+    monkeypatch.setattr(torch.ops, "load_library", loaded.append)
+    monkeypatch.setattr(builder, "_loaded", {})
+    u = unit()
+    so = b.load_library(u)
+    assert b.load_library(u) == so and loaded == [str(so)] and len(fake.calls()) == 1
+    monkeypatch.setattr(builder, "_loaded", {})  # a new process: found on disk, not rebuilt
+    assert b.load_library(u) == so and len(fake.calls()) == 1
+
+
+# ---- concurrency ------------------------------------------------------------------------------
+
+def test_threads_build_same_key_once(fake):
+    fake.delay = 0.5
+    u = unit()
+    results, errors = [], []
+
+    def go():
+        try:
+            results.append(b.build_units([u], log=quiet)[0])
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    ts = [threading.Thread(target=go) for _ in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors and len(set(results)) == 1 and len(fake.calls()) == 1
+
+
+def _proc_build(key, source, q):
+    try:
+        q.put(str(b.build_units([b.BuildUnit(key, source)], log=quiet)[0]))
+    except Exception as e:  # pragma: no cover
+        q.put(repr(e))
+
+
+def test_processes_build_same_key_once(fake):
+    fake.delay = 0.5
+    u = unit()
+    ctx = multiprocessing.get_context("fork")  # children inherit the mocked build
+    q = ctx.Queue()
+    ps = [ctx.Process(target=_proc_build, args=(u.key, u.source, q)) for _ in range(3)]
+    for p in ps:
+        p.start()
+    out = [q.get(timeout=60) for _ in ps]
+    for p in ps:
+        p.join()
+    assert out == [str(b.cache_dir() / u.key / "kernel.so")] * 3
+    assert len(fake.calls()) == 1
+
+
+# ---- toolchain --------------------------------------------------------------------------------
+
+@needs_nvcc
+def test_toolchain_found(cache_root):
+    tc = b.toolchain()
+    assert os.access(tc.nvcc, os.X_OK) and Path(tc.cuda_home, "bin", "nvcc").exists()
+    assert tc.nvcc_version.count(".") == 2
+    assert Path(tc.cutlass_include[0], "cutlass", "cutlass.h").exists()
+    assert tc.cutlass_version and tc.torch_version and Path(tc.csrc_include).is_dir()
+    assert b.toolchain() is tc  # cached
+
+
+def test_toolchain_error_without_cutlass(cache_root, monkeypatch, tmp_path):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "cutlass_library" else real(name, *a))
+    monkeypatch.setattr(tcmod, "_find_nvcc", lambda: ("/fake/nvcc", "/fake"))
+    monkeypatch.setenv("CODA_DSL_CUTLASS_DIR", str(tmp_path / "nowhere"))
+    with pytest.raises(b.ToolchainError, match="CUTLASS headers not found"):
+        b.toolchain()
+    monkeypatch.delenv("CODA_DSL_CUTLASS_DIR")
+    with pytest.raises(b.ToolchainError, match="pip install nvidia-cutlass"):
+        b.toolchain()
+
+
+def test_toolchain_error_without_nvcc(cache_root, monkeypatch, tmp_path):
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    monkeypatch.setattr(tcmod.os, "access", lambda *a: False)
+    monkeypatch.setattr(tcmod.shutil, "which", lambda *a: None)
+    with pytest.raises(b.ToolchainError, match="nvcc not found: install the CUDA toolkit"):
+        b.toolchain()
+
+
+# ---- real nvcc --------------------------------------------------------------------------------
+
+@needs_nvcc
+def test_build_error_format_real_nvcc(cache_root):
+    u = b.BuildUnit(key=b.specialization_key("syntax error"),
+                    source="__global__ void k(float* x) {\n  x[0] = 1.0f\n}\n")
+    with pytest.raises(b.BuildError) as ei:
+        b.build_units([u], compile_only=True, log=quiet)
+    e = ei.value
+    failed = b.cache_dir() / "failed" / u.key
+    assert str(e).splitlines() == [f"nvcc failed to compile {failed / 'kernel.cu'}",
+                                   f"  first error: {e.first_error}", f"  full log: {failed / 'build.log'}"]
+    assert "error" in e.first_error and e.first_error.startswith(f"{failed / 'kernel.cu'}(")
+    assert Path(e.source_path).read_text() == u.source and Path(e.log_path).exists()
+    assert not (b.cache_dir() / u.key / "meta.json").exists()
+
+
+TINY_TU = r"""
+#include <cutlass/cutlass.h>
+#include <cute/tensor.hpp>
+#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+__global__ void coda_tiny(float* x) { x[threadIdx.x] *= 2.f; }
+static at::Tensor tiny(const at::Tensor& x) { return x; }
+TORCH_LIBRARY_FRAGMENT(coda_dsl_test, m) { m.def("tiny(Tensor x) -> Tensor", &tiny); }
+"""
+
+
+@needs_nvcc
+def test_real_compile_only_build(cache_root):
+    u = b.BuildUnit(key=b.specialization_key("tiny tu"), source=TINY_TU)
+    t0 = time.monotonic()
+    [o] = b.build_units([u], compile_only=True, log=quiet)
+    dt = time.monotonic() - t0
+    print(f"\nreal compile_only build: {dt:.1f} s")
+    assert o.exists() and o.stat().st_size > 0
+    log = (o.parent / "build.log").read_text()
+    assert "-gencode=arch=compute_90a,code=sm_90a" in log and "-std=c++20" in log
+    assert dt < 60
