@@ -88,7 +88,7 @@ typename Node::Arguments vec_m_args(at::Tensor const& t) {
 template <class Stride>
 Stride make_stride(int64_t s0, int64_t s1, int64_t s2) {
   Stride s{};
-  auto set = [](auto& mode, int64_t v) {
+  auto set = [](auto&& mode, int64_t v) {  // static modes come back as temporaries
     if constexpr (std::is_integral_v<std::decay_t<decltype(mode)>>) mode = v;
   };
   set(cute::get<0>(s), s0);

@@ -8,13 +8,13 @@
 
 namespace coda {
 
-CUTLASS_HOST_DEVICE inline float maximum(float a, float b) { return (a != a || b != b) ? a + b : fmaxf(a, b); }
-CUTLASS_HOST_DEVICE inline float minimum(float a, float b) { return (a != a || b != b) ? a + b : fminf(a, b); }
-CUTLASS_HOST_DEVICE inline float relu(float x) { return x > 0.f ? x : (x != x ? x : 0.f); }
-CUTLASS_HOST_DEVICE inline float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
-CUTLASS_HOST_DEVICE inline float silu(float x) { return x / (1.f + expf(-x)); }
-CUTLASS_HOST_DEVICE inline float gelu_erf(float x) { return 0.5f * x * (1.f + erff(x * 0.70710678118654752f)); }
-CUTLASS_HOST_DEVICE inline float gelu_tanh(float x) {
+CUTLASS_HOST_DEVICE float maximum(float a, float b) { return (a != a || b != b) ? a + b : fmaxf(a, b); }
+CUTLASS_HOST_DEVICE float minimum(float a, float b) { return (a != a || b != b) ? a + b : fminf(a, b); }
+CUTLASS_HOST_DEVICE float relu(float x) { return x > 0.f ? x : (x != x ? x : 0.f); }
+CUTLASS_HOST_DEVICE float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+CUTLASS_HOST_DEVICE float silu(float x) { return x / (1.f + expf(-x)); }
+CUTLASS_HOST_DEVICE float gelu_erf(float x) { return 0.5f * x * (1.f + erff(x * 0.70710678118654752f)); }
+CUTLASS_HOST_DEVICE float gelu_tanh(float x) {
   constexpr float k0 = 0.7978845608028654f, k1 = 0.044715f;  // sqrt(2/pi)
   return 0.5f * x * (1.f + tanhf(k0 * (x + k1 * x * x * x)));
 }
