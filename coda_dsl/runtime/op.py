@@ -123,10 +123,14 @@ class CompiledOp:
         self._out_dtypes = dict(plan.signature.output_dtypes)
         self._torch_dtypes = {name: DTYPES[d][0] for name, d in self._out_dtypes.items()}
 
+    @property
+    def unit(self) -> build.BuildUnit:
+        return build.BuildUnit(self.key, self.source, self.op_name)
+
     def load(self) -> "CompiledOp":
         """Build (or find in the cache) and load the kernel library."""
         if self._op is None:
-            build.load_library(build.BuildUnit(self.key, self.source, self.op_name))
+            build.load_library(self.unit)
             self._op = getattr(torch.ops.coda_dsl, self.op_name).default
         return self
 
@@ -261,6 +265,11 @@ def compile(epilogue: Epilogue, A, B, *, out: dict | None = None, config: Config
     if isinstance(config, str):
         config = Config.parse(config)
     return specialization(epilogue, call, dtypes, out, config)
+
+
+def prebuild(ops: list[CompiledOp], jobs: int | None = None) -> None:
+    """Build several specializations in parallel (one ninja run), e.g. before a test or benchmark run."""
+    build.build_units([op.unit for op in ops], jobs=jobs)
 
 
 _warned_fallback = False

@@ -1,0 +1,116 @@
+"""Fused GEMM + epilogue vs the bare cuBLAS GEMM (the floor), eager PyTorch, torch.compile and,
+where one exists, cuBLASLt's fused epilogue. Same shapes, same run, random data.
+
+    python -m bench.epilogues [--shapes 4096x4096x4096,...] [--only bias_gelu,...] [--autotune]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+import coda_dsl as cd
+from coda_dsl.runtime import op as runtime
+
+from .harness import Row, rotation, save, table, time_us
+
+SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (8192, 14336, 4096)]  # M, N, K
+
+
+@cd.epilogue
+def bias_gelu(acc, bias: cd.VecN):
+    return cd.gelu(acc + bias, approximate="tanh")
+
+
+@cd.epilogue
+def residual_add(acc, residual: cd.Tensor):
+    return acc + residual
+
+
+@dataclass
+class Case:
+    name: str
+    epilogue: cd.Epilogue
+    operands: Callable[[int, int], dict]  # (M, N) -> operand tensors
+    eager: Callable  # (a, w, **operands) -> output(s): the unfused PyTorch formulation
+    cublaslt: Callable | None = None  # a cuBLASLt fused epilogue doing the same, if one exists
+
+
+def _r(*s):
+    return torch.randn(*s, device="cuda", dtype=torch.bfloat16)
+
+
+CASES = {
+    "identity": Case("identity", cd.identity, lambda m, n: {}, lambda a, w: a @ w.t()),
+    "bias_gelu": Case("bias_gelu", bias_gelu, lambda m, n: {"bias": _r(n)},
+                      lambda a, w, bias: F.gelu(F.linear(a, w, bias), approximate="tanh"),
+                      lambda a, w, bias: torch._addmm_activation(bias, a, w.t(), use_gelu=True)),
+    "residual_add": Case("residual_add", residual_add, lambda m, n: {"residual": _r(m, n)},
+                         lambda a, w, residual: torch.addmm(residual, a, w.t())),
+}
+
+
+def run(cases: list[Case], shapes, autotune: bool, iters: int) -> list[Row]:
+    mode = "max-autotune-no-cudagraphs" if autotune else None
+    ops = {}  # build every kernel first, in parallel
+    for c in cases:
+        a, w = _r(256, 256), _r(256, 256)
+        ops[c.name] = cd.compile(c.epilogue, a, w, **c.operands(256, 256))
+    runtime.prebuild(list(ops.values()))
+    rows = []
+    for m, n, k in shapes:
+        shape = f"{m}×{n}×{k}"
+        flops = 2 * m * n * k
+        per_set = 2 * (m * k + n * k + m * n)
+        gemm_sets = rotation(lambda: (_r(m, k), _r(n, k)), per_set)
+        t_gemm = time_us(lambda a, w: a @ w.t(), gemm_sets, iters)
+        rows.append(Row("gemm", shape, "cuBLAS GEMM (floor)", t_gemm, flops / t_gemm / 1e6, 1.0))
+        for c in cases:
+            sets = rotation(lambda: (_r(m, k), _r(n, k), c.operands(m, n)), per_set)
+            op = ops[c.name]
+            variants = {"coda_dsl fused": lambda a, w, o: op(a, w, **o),
+                        "eager": lambda a, w, o: c.eager(a, w, **o),
+                        "torch.compile" + (" (max-autotune)" if autotune else ""):
+                            _compiled(c.eager, mode)}
+            if c.cublaslt:
+                variants["cuBLASLt fused"] = lambda a, w, o: c.cublaslt(a, w, **o)
+            check = sets[0]
+            ref = c.eager(check[0], check[1], **check[2])
+            got = op(check[0], check[1], **check[2])["D"]
+            err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+            for name, fn in variants.items():
+                t = time_us(fn, sets, iters)
+                rows.append(Row(c.name, shape, name, t, flops / t / 1e6, t / t_gemm,
+                                {"rel_err_vs_eager": err} if name.startswith("coda") else {}))
+            print(table(rows[-len(variants):]), file=sys.stderr, flush=True)
+    return rows
+
+
+def _compiled(eager: Callable, mode):
+    f = torch.compile(eager, mode=mode, dynamic=False)
+    return lambda a, w, o: f(a, w, **o)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES), help="MxNxK,...")
+    p.add_argument("--only", default=",".join(CASES), help=f"subset of {list(CASES)}")
+    p.add_argument("--autotune", action="store_true", help="torch.compile with max-autotune-no-cudagraphs")
+    p.add_argument("--iters", type=int, default=50)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks need a CUDA GPU (the fused kernels need sm_90)", file=sys.stderr)
+        return 1
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    rows = run([CASES[c] for c in args.only.split(",")], shapes, args.autotune, args.iters)
+    print(table(rows))
+    print(f"results: {save(rows, 'epilogues', ' '.join(['python -m bench.epilogues', *(argv or sys.argv[1:])]))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

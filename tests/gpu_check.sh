@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The whole GPU check in one command, on an sm_90 machine (the H200 of the device tool):
+#   bash tests/gpu_check.sh [pytest args]      (with the nvidia-cutlass wheel carried in .whl/ if
+#                                               the machine cannot pip install it)
+# 1. environment report, 2. every kernel of the GPU suite built in parallel (one ninja run),
+# 3. GPU tests, 4. a smoke benchmark. Logs and JSON go to $OUT (default /tmp/coda_out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/coda_out}; mkdir -p "$OUT"; export OUT
+export PYTHONUNBUFFERED=1 CODA_DSL_CACHE=${CODA_DSL_CACHE:-/tmp/coda_cache}
+if ! python3 -c "import cutlass_library" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -m coda_dsl doctor 2>&1 | tee "$OUT/doctor.log"
+rc=0
+s=$(date +%s)
+python3 -m pytest tests/test_gpu.py -q -rs -x "$@" 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
+echo "gpu tests: $(( $(date +%s) - s )) s (builds included)"
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  python3 -m bench.epilogues --shapes 4096x4096x4096 --iters 20 2>"$OUT/bench_progress.log" | tee "$OUT/bench_smoke.md" || rc=1
+fi
+exit $rc
