@@ -1,0 +1,474 @@
+"""`coda-dsl` (also `python -m coda_dsl`): emit, explain, build, cache, doctor, demo, bench.
+
+Targets are `FILE.py:FUNCTION` or `package.module:FUNCTION`, where FUNCTION is an epilogue
+(a function decorated with @cd.epilogue). Everything except `build`, `emit --check` and `demo`
+on a Hopper GPU runs without a GPU or a compiler run.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import build, codegen
+from .build import BuildError, ToolchainError
+from .dsl import Epilogue
+from .errors import CodaError
+from .ir import Program, format_program
+from .ir.graph import LOAD_KINDS
+from .ir.ops import DTYPES
+from .passes import lower, specialize
+from .passes.plan import Config, Plan, Signature
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class CliError(CodaError):
+    """A bad command line or target; printed as one line, exit code 2."""
+
+
+def _err(*args) -> None:
+    print(*args, file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------------
+# Targets and specializations
+# ---------------------------------------------------------------------------------------------
+def _import(where: str):
+    if not (where.endswith(".py") or os.sep in where or Path(where).is_file()):
+        return importlib.import_module(where)
+    path = Path(where).expanduser().resolve()
+    if not path.is_file():
+        raise CliError(f"no such file: {where}")
+    # The file's directory on sys.path, as `python FILE.py` would have it, so its own imports work.
+    sys.path.insert(0, str(path.parent))
+    name = f"_coda_dsl_target_{path.stem}"  # never shadows a real module (e.g. a user's test.py)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look the module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_epilogue(target: str) -> Epilogue:
+    """`path/to/file.py:fn` or `pkg.module:fn` -> the Epilogue object it names."""
+    where, sep, attr = target.rpartition(":")
+    if not sep or not where or not attr:
+        raise CliError(f"expected FILE.py:FUNCTION or module:FUNCTION, got {target!r}")
+    try:
+        module = _import(where)
+    except CodaError:
+        raise  # tracing errors already name the user's line
+    except ModuleNotFoundError as e:
+        if e.name and where.startswith(e.name):
+            raise CliError(f"no module named {where!r} (a file needs its path: {where.replace('.', '/')}.py)") from None
+        raise CliError(f"cannot import {where}: {e}") from None
+    except Exception as e:  # the user's module failed: say where, without a traceback
+        tb = traceback.extract_tb(e.__traceback__)
+        file, line = (e.filename, e.lineno) if isinstance(e, SyntaxError) else \
+            (tb[-1].filename, tb[-1].lineno) if tb else (None, None)
+        at = f" ({Path(file).name}:{line})" if file else ""
+        msg = e.msg if isinstance(e, SyntaxError) else e
+        raise CliError(f"importing {where} failed: {type(e).__name__}: {msg}{at}") from None
+    obj = getattr(module, attr, None)
+    if isinstance(obj, Epilogue):
+        return obj
+    found = sorted(k for k, v in vars(module).items() if isinstance(v, Epilogue) and not k.startswith("_"))
+    have = f"; its epilogues: {', '.join(found)}" if found else "; it defines no epilogue"
+    if obj is None:
+        raise CliError(f"{where} has no {attr!r}{have}")
+    raise CliError(f"{attr!r} in {where} is a {type(obj).__name__}, not an epilogue: decorate it with "
+                   f"@cd.epilogue{have}")
+
+
+def _pairs(items: list[str] | None, flag: str) -> dict[str, str]:
+    out = {}
+    for item in items or ():
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value:
+            raise CliError(f"{flag} expects NAME=VALUE, got {item!r}")
+        out[name.strip()] = value.strip()
+    return out
+
+
+@dataclass
+class Specialization:
+    """One epilogue specialization: what `cd.gemm` would build for the same dtypes and layout."""
+
+    program: Program  # consts bound
+    plan: Plan
+    key: str
+    source: str
+
+    @property
+    def unit(self) -> build.BuildUnit:
+        return build.BuildUnit(self.key, self.source, codegen.op_name(self.key))
+
+
+def specialization(ep: Epilogue, ab_dtype: str = "bf16", b_layout: str = "nk",
+                   operand_dtypes: dict[str, str] | None = None, consts: dict[str, str | float] | None = None,
+                   config: Config | str | None = None) -> Specialization:
+    """Signature -> plan -> key -> .cu, from options alone (no tensors, no GPU). Every tensor/vector
+    operand defaults to ab_dtype and every output to its own dtype or ab_dtype, as in cd.gemm."""
+    if ab_dtype not in ("bf16", "fp16"):
+        raise CliError(f"--dtype must be bf16 or fp16 (the dtype of A and B), not {ab_dtype!r}")
+    if b_layout not in ("nk", "kn"):
+        raise CliError(f"--b-layout must be nk or kn, not {b_layout!r}")
+    kinds = {p.name: p.kind for p in ep.params}
+    operand_dtypes = dict(operand_dtypes or {})
+    for name, dt in operand_dtypes.items():
+        if kinds.get(name) not in LOAD_KINDS:
+            loads = [n for n, k in kinds.items() if k in LOAD_KINDS]
+            raise CliError(f"--operand-dtype {name}: epilogue '{ep.name}' has no tensor/vector operand "
+                           f"{name!r} (it has: {', '.join(loads) or 'none'})")
+        if dt not in DTYPES:
+            raise CliError(f"--operand-dtype {name}={dt}: dtype must be one of {', '.join(DTYPES)}")
+    dtypes = {n: operand_dtypes.get(n, ab_dtype) for n, k in kinds.items() if k in LOAD_KINDS}
+
+    values = {}
+    for name, v in (consts or {}).items():
+        if kinds.get(name) != "const":
+            declared = [n for n, k in kinds.items() if k == "const"]
+            raise CliError(f"--const {name}: epilogue '{ep.name}' has no cd.Const parameter {name!r} "
+                           f"(it has: {', '.join(declared) or 'none'})")
+        try:
+            values[name] = float(v)
+        except ValueError:
+            raise CliError(f"--const {name}={v}: not a number") from None
+    missing = [n for n, k in kinds.items() if k == "const" and n not in values]
+    if missing:
+        raise CliError(f"epilogue '{ep.name}' needs a value for its cd.Const parameter(s) "
+                       f"{', '.join(missing)}: pass --const {missing[0]}=VALUE")
+    if isinstance(config, str):
+        try:
+            config = Config.parse(config)
+        except ValueError as e:
+            raise CliError(str(e)) from None
+
+    outputs = tuple((o.name, o.dtype or ab_dtype) for o in ep.program.outputs)
+    # Same normalization (sorted operands and consts) as runtime/op.py, so the key matches cd.gemm's.
+    sig = Signature(ab_dtype, b_layout, tuple(sorted(dtypes.items())), outputs, tuple(sorted(values.items())),
+                    config or Config())
+    program = specialize(ep.program, values)
+    plan = lower(program, sig)
+    key = build.specialization_key(plan.key)
+    return Specialization(program, plan, key, codegen.render(plan, key, ep.source))
+
+
+def _spec_from_args(args) -> tuple[Epilogue, Specialization]:
+    ep = load_epilogue(args.target)
+    return ep, specialization(ep, args.dtype, args.b_layout, _pairs(args.operand_dtype, "--operand-dtype"),
+                              _pairs(args.const, "--const"), args.config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands
+# ---------------------------------------------------------------------------------------------
+def cmd_emit(args) -> int:
+    _, spec = _spec_from_args(args)
+    if args.output:
+        Path(args.output).write_text(spec.source)
+        _err(f"wrote {args.output} (key {spec.key}, op torch.ops.coda_dsl.{codegen.op_name(spec.key)})")
+    else:
+        sys.stdout.write(spec.source)
+        sys.stdout.flush()
+    if args.check:
+        # stdout may be the .cu itself: progress goes to stderr
+        obj = build.build_units([spec.unit], compile_only=True, log=_err)[0]
+        _err(f"nvcc compile check passed: {obj}")
+    return 0
+
+
+def cmd_explain(args) -> int:
+    ep, spec = _spec_from_args(args)
+    plan, sig = spec.plan, spec.plan.signature
+    print(f"# epilogue {ep.name} ({ep.source})")
+    consts = ", ".join(f"{k}={v:g}" for k, v in sig.consts)
+    print(f"\n## IR{f' (consts bound: {consts})' if consts else ''}\n{format_program(spec.program)}")
+    print(f"\n## EVT plan: Sm90TopologicalVisitor over {len(plan.nodes)} nodes, children first; "
+          f"the last yields D ({plan.d_dtype})")
+    width = max(len(n.name) for n in plan.nodes)
+    for i, n in enumerate(plan.nodes):
+        kids = ", ".join(map(str, n.children)) or "-"
+        print(f"  [{i}] {n.name:<{width}}  <- ({kids})  {n.cpp_type()}" + (f"  // {n.comment}" if n.comment else ""))
+    print("\n## functors")
+    for f in plan.functors:
+        print(f"  {f.name}({', '.join(f'x{i}' for i in range(f.arity))})" + (f"  // {f.text}" if f.text else ""))
+        for line in [*f.body, f"return {f.result};"]:
+            print(f"    {line}")
+    print("\n## binding")
+    print(f"  inputs:  {', '.join(f'{n} ({d})' for n, d in sig.operand_dtypes if n in plan.inputs) or '-'}")
+    print(f"  scalars: {', '.join(plan.scalars) or '-'}")
+    print(f"  outputs: D ({plan.d_dtype})" + "".join(f", {n} ({d})" for n, d in plan.outputs))
+    print(f"\n## specialization\n  A/B {sig.ab_dtype}, B layout {sig.b_layout}, config {sig.config.key}")
+    print(f"  key {spec.key}  (op torch.ops.coda_dsl.{codegen.op_name(spec.key)})")
+    print(f"  canonical: {plan.key}")
+    return 0
+
+
+def cmd_build(args) -> int:
+    _, spec = _spec_from_args(args)
+    what = "kernel.o" if args.compile_only else "kernel.so"
+    cached = build.cache.valid_output(spec.key, what)
+    path = cached or build.build_units([spec.unit], compile_only=args.compile_only, log=_err)[0]
+    print(f"{'already in the cache' if cached else 'built'}: {path}")
+    return 0
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def _age(seconds: float) -> str:
+    for unit, s in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= s:
+            return f"{seconds / s:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def cmd_cache(args) -> int:
+    root = build.cache_dir()
+    if args.action == "clear":
+        n = build.clear_cache()
+        print(f"removed {n} cache entr{'y' if n == 1 else 'ies'} from {root}")
+        return 0
+    entries = build.cache_entries()
+    print(f"cache {root}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, "
+          f"{_size(sum(e['size'] for e in entries))}")
+    if entries:
+        print(f"  {'key':<24}  {'size':>9}  {'age':>4}  .so")
+        now = time.time()
+        for e in sorted(entries, key=lambda e: -e["mtime"]):
+            print(f"  {e['key']:<24}  {_size(e['size']):>9}  {_age(now - e['mtime']):>4}  "
+                  f"{'yes' if e['has_so'] else 'no'}")
+    return 0
+
+
+def _probe(fn):
+    """(value, None) or (None, message) for one doctor check."""
+    try:
+        return fn(), None
+    except (ToolchainError, OSError, ImportError, RuntimeError) as e:
+        return None, str(e)
+
+
+def cmd_doctor(args) -> int:
+    from .build import tools  # the per-piece probes behind toolchain(), to say which piece is missing
+    rows: list[tuple[str, str, str, str]] = []  # (status, what, detail, fix)
+
+    def row(status, what, detail, fix=""):
+        rows.append((status, what, detail, fix))
+
+    row("ok", "python", f"{platform.python_version()} ({sys.executable})")
+    import torch
+    if torch.version.cuda:
+        row("ok", "torch", f"{torch.__version__}, CUDA {torch.version.cuda} build")
+    else:
+        row("FAIL", "torch", f"{torch.__version__}, a CPU-only build: kernels link against torch's CUDA libraries",
+            "install a CUDA build of torch (https://pytorch.org/get-started/locally/)")
+    nvcc, err = _probe(tools._find_nvcc)
+    if nvcc:
+        version, err = _probe(lambda: tools._nvcc_version(nvcc[0]))
+    if err:
+        row("FAIL", "nvcc", err, "install the CUDA toolkit 12.4+ and set CUDA_HOME")
+    else:
+        row("ok", "nvcc", f"{nvcc[0]} ({version}; CUDA_HOME {nvcc[1]})")
+    cutlass, err = _probe(tools._find_cutlass)
+    if err:
+        row("FAIL", "CUTLASS", err, "pip install nvidia-cutlass")
+    else:
+        row("ok", "CUTLASS", f"{cutlass[1]} headers in {cutlass[0][0]}")
+    ninja, err = _probe(tools.ninja_binary)
+    if err:
+        row("FAIL", "ninja", err, "pip install ninja")
+    else:
+        v = subprocess.run([ninja, "--version"], capture_output=True, text=True).stdout.strip()
+        row("ok", "ninja", f"{ninja} ({v})")
+    cxx = shlex.split(os.environ.get("CXX", "c++"))[0]  # what build/tools.py links with
+    if shutil.which(cxx):
+        row("ok", "c++", f"{shutil.which(cxx)} (links the kernel libraries)")
+    else:
+        row("FAIL", "c++", f"{cxx} not found", "install a C++ compiler (g++), or set CXX")
+    template = build.templates_dir() / "kernel.cu.j2"
+    if template.is_file() and build.csrc_dir().is_dir():
+        row("ok", "templates", str(template.parent))
+    else:
+        row("FAIL", "templates", f"{template} or {build.csrc_dir()} missing", "reinstall coda_dsl")
+    try:
+        root = build.cache_dir()
+        ok = os.access(root, os.W_OK)
+        row("ok" if ok else "FAIL", "cache", f"{root} ({len(build.cache_entries())} entries)"
+            + ("" if ok else ", not writable"), "" if ok else "set CODA_DSL_CACHE to a writable directory")
+    except OSError as e:
+        row("FAIL", "cache", str(e), "set CODA_DSL_CACHE to a writable directory")
+
+    hopper = False
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            cap = torch.cuda.get_device_capability(i)
+            hopper |= cap == (9, 0)
+            row("ok" if cap == (9, 0) else "warn", f"GPU {i}", f"{torch.cuda.get_device_name(i)}, sm_{cap[0]}{cap[1]}")
+    else:
+        row("warn", "GPU", "no GPU visible to torch", "kernels can still be generated, compile-checked and "
+            "built; cd.gemm runs on the reference backend (slow)")
+    can_build = not any(r[0] == "FAIL" for r in rows)
+    if can_build and hopper:
+        row("ok", "cutlass backend", "can run here")
+    else:
+        row("warn", "cutlass backend", "cannot run here: " + ("it needs an sm_90 (Hopper) GPU" if not hopper
+                                                             else "kernels cannot be built"),
+            "run on an H100/H200" if not hopper else "fix the FAIL lines above")
+
+    width = max(len(r[1]) for r in rows)
+    for status, what, detail, fix in rows:
+        print(f"  {status:<4}  {what:<{width}}  {detail}")
+        if fix and status != "ok":
+            print(f"  {'':<4}  {'':<{width}}  {'fix' if status == 'FAIL' else 'note'}: {fix}")
+    print("ready to build kernels" if can_build else "cannot build kernels: fix the FAIL lines above")
+    return 0 if can_build else 1
+
+
+def _rel_err(out, ref) -> float:
+    out, ref = out.float(), ref.float()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def cmd_demo(args) -> int:
+    import torch
+
+    import coda_dsl as cd
+    from .examples import residual_rms
+
+    m, n, k = args.m, args.n, args.k
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=gen, dtype=torch.bfloat16)
+    w = torch.randn(n, k, generator=gen, dtype=torch.bfloat16) / k ** 0.5
+    r = torch.randn(m, n, generator=gen, dtype=torch.bfloat16)
+    g = torch.rand(n, generator=gen, dtype=torch.bfloat16) + 0.5
+    print(f"residual_rms: D = x @ w.T + residual, h_gamma = D * gamma   (M={m}, N={n}, K={k}, bf16)")
+
+    hopper = [i for i in range(torch.cuda.device_count()) if torch.cuda.get_device_capability(i) == (9, 0)] \
+        if torch.cuda.is_available() else []
+    if hopper:
+        dev = torch.device("cuda", hopper[0])
+        x, w, r, g = (t.to(dev) for t in (x, w, r, g))
+        print(f"GPU: {torch.cuda.get_device_name(dev)}; building (or loading from the cache) the fused kernel ...")
+        out = cd.gemm(x, w, residual_rms, residual=r, gamma=g, backend="cutlass")
+        torch.cuda.synchronize(dev)
+        ref = cd.gemm(x, w, residual_rms, residual=r, gamma=g, backend="reference")
+        ok = True
+        for name, t in out.items():
+            err = _rel_err(t, ref[name])
+            ok &= err <= 1e-2
+            print(f"  {name:<8} {list(t.shape)} {t.dtype}  rel. error vs reference {err:.2e}"
+                  f"{'' if err <= 1e-2 else '  (above 1e-2!)'}")
+        print("fused CUTLASS kernel matches the reference backend" if ok else "MISMATCH with the reference backend")
+        return 0 if ok else 1
+
+    reason = ("no GPU is visible to torch" if not torch.cuda.is_available() else
+              "the GPU(s) here are not sm_90: " + ", ".join(
+                  f"{torch.cuda.get_device_name(i)} (sm_{''.join(map(str, torch.cuda.get_device_capability(i)))})"
+                  for i in range(torch.cuda.device_count())))
+    out = cd.gemm(x, w, residual_rms, residual=r, gamma=g, backend="reference")
+    for name, t in out.items():
+        print(f"  {name:<8} {list(t.shape)} {t.dtype}  (reference backend, CPU)")
+    print(f"No Hopper (sm_90) GPU found ({reason}), so the fused kernel was not run: the outputs above come "
+          "from the reference backend (plain PyTorch).")
+    print("To see the CUDA kernel it would run:  coda-dsl emit coda_dsl.examples:residual_rms")
+    return 0
+
+
+def cmd_bench(args, extra: list[str]) -> int:
+    # `python -m bench` needs the package's __main__; an empty bench/ dir would be a namespace package
+    if not (REPO_ROOT / "bench" / "__main__.py").is_file():
+        print("benchmarks live in the repository's bench/ directory (not part of an installed package): "
+              "from a checkout of coda_dsl, run `python -m bench`")
+        return 1
+    return subprocess.call([sys.executable, "-m", "bench", *extra], cwd=REPO_ROOT)
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument parsing
+# ---------------------------------------------------------------------------------------------
+def _target_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("target", metavar="FILE.py:FUNCTION", help="an epilogue: path/to/file.py:fn or package.module:fn")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"), help="dtype of A and B (default bf16)")
+    p.add_argument("--b-layout", default="nk", choices=("nk", "kn"),
+                   help="nk: B is [N, K] like an nn.Linear weight (default); kn: [K, N] storage")
+    p.add_argument("--operand-dtype", action="append", metavar="NAME=DTYPE",
+                   help=f"dtype of a tensor/vector operand ({'|'.join(DTYPES)}; default: --dtype); repeatable")
+    p.add_argument("--const", action="append", metavar="NAME=VALUE", help="value of a cd.Const parameter; repeatable")
+    p.add_argument("--config", metavar="TILE_CLUSTER_SCHEDULE", help=f"kernel config (default {Config().key})")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="coda-dsl", description="GEMM epilogues in Python, fused into CUTLASS "
+                                 "Hopper kernels.")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("emit", help="print the generated .cu of an epilogue")
+    _target_options(p)
+    p.add_argument("-o", "--output", metavar="FILE", help="write the .cu here instead of stdout")
+    p.add_argument("--check", action="store_true", help="also compile-check it with nvcc (no GPU needed)")
+    p.set_defaults(func=cmd_emit)
+
+    p = sub.add_parser("explain", help="print the IR, the EVT plan and the specialization key")
+    _target_options(p)
+    p.set_defaults(func=cmd_explain)
+
+    p = sub.add_parser("build", help="build an epilogue's kernel into the cache")
+    _target_options(p)
+    p.add_argument("--compile-only", action="store_true", help="stop at the object file (no link)")
+    p.set_defaults(func=cmd_build)
+
+    p = sub.add_parser("cache", help="list or clear built kernels ($CODA_DSL_CACHE)")
+    p.add_argument("action", choices=("list", "clear"))
+    p.set_defaults(func=cmd_cache)
+
+    sub.add_parser("doctor", help="check the toolchain and GPU").set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("demo", help="run the residual_rms example (fused on Hopper, reference elsewhere)")
+    p.add_argument("--m", type=int, default=512)
+    p.add_argument("--n", type=int, default=1024)
+    p.add_argument("--k", type=int, default=256)
+    p.set_defaults(func=cmd_demo)
+
+    # add_help=False: `coda-dsl bench --help` is the benchmark's own help
+    sub.add_parser("bench", add_help=False, help="run the benchmarks (python -m bench ARGS)").set_defaults(
+        func=cmd_bench)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
+    args, extra = ap.parse_known_args(argv)
+    if args.command != "bench" and extra:
+        ap.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return args.func(args, extra) if args.command == "bench" else args.func(args)
+    except (CodaError, ToolchainError, BuildError) as e:
+        _err(f"coda-dsl {args.command}: error: {e}")
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # e.g. `coda-dsl emit ... | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,217 @@
+"""Tests of the `coda-dsl` command line (coda_dsl/cli.py). CPU only, no nvcc run: builds are faked,
+and the toolchain behind specialization keys is a fixed fake, so keys are stable everywhere."""
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import coda_dsl as cd
+from coda_dsl import build, cli
+from coda_dsl.build import cache
+from coda_dsl.examples import residual_rms
+
+FAKE_TC = build.Toolchain(nvcc="/fake/bin/nvcc", cuda_home="/fake", nvcc_version="13.0.88",
+                          cutlass_include=["/fake/include"], cutlass_version="4.2.0.0", torch_version="2.14.1",
+                          csrc_include="/fake/csrc")
+REPO = Path(__file__).resolve().parent.parent
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.fixture(autouse=True)
+def env(tmp_path, monkeypatch):
+    monkeypatch.setenv("CODA_DSL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cache, "toolchain", lambda: FAKE_TC)
+
+
+@pytest.fixture
+def eps(tmp_path):
+    path = tmp_path / "my_eps.py"
+    path.write_text(textwrap.dedent("""
+        import coda_dsl as cd
+
+        @cd.epilogue
+        def scaled(acc, res: cd.Tensor, s: cd.VecM, c: cd.Const):
+            return {"D": acc * s * c + res, "f": cd.cast(acc, cd.float32)}
+
+        def plain(x):
+            return x
+    """))
+    return path
+
+
+def run(capsys, *argv):
+    rc = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def key_of(text):
+    return next(line.split()[1] for line in text.splitlines() if line.strip().startswith("key "))
+
+
+# ---- emit / explain ------------------------------------------------------------------------------
+
+def test_emit_stdout_and_file(capsys, tmp_path):
+    rc, out, _ = run(capsys, "emit", "coda_dsl.examples:residual_rms")
+    assert rc == 0
+    assert "Sm90TopologicalVisitor" in out and "TORCH_LIBRARY" in out
+    dest = tmp_path / "k.cu"
+    rc, out2, err = run(capsys, "emit", "coda_dsl.examples:residual_rms", "-o", dest)
+    assert rc == 0 and out2 == "" and str(dest) in err
+    assert dest.read_text() == out
+
+
+def test_emit_from_file(capsys, eps):
+    rc, out, _ = run(capsys, "emit", f"{eps}:scaled", "--const", "c=2")
+    assert rc == 0 and "Sm90TopologicalVisitor" in out and "TORCH_LIBRARY" in out and "2.0f" in out
+
+
+def test_explain(capsys):
+    rc, out, _ = run(capsys, "explain", "coda_dsl.examples:residual_rms")
+    assert rc == 0
+    assert "add(acc, residual)" in out and "out h_gamma" in out  # the IR
+    for name in ("Acc", "Load_residual", "Load_gamma", "Store_h_gamma", "Sm90RowBroadcast", "Fn0"):
+        assert name in out
+    assert len(key_of(out)) == 24
+
+
+def test_options_change_key(capsys, eps):
+    def key(*opts):
+        rc, out, err = run(capsys, "explain", f"{eps}:scaled", *opts)
+        assert rc == 0, err
+        return key_of(out)
+
+    base = key("--const", "c=2")
+    variants = [key("--const", "c=3"), key("--const", "c=2", "--operand-dtype", "s=fp32"),
+                key("--const", "c=2", "--dtype", "fp16"), key("--const", "c=2", "--b-layout", "kn"),
+                key("--const", "c=2", "--config", "128x128x64_c1x1_pingpong")]
+    assert base == key("--const", "c=2.0") and len({base, *variants}) == 1 + len(variants)
+
+
+def test_key_matches_cd_compile(capsys):
+    """The CLI builds exactly what cd.gemm would for the same dtypes and layout."""
+    m, n, k = 64, 128, 32
+    a, w = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(n, k, dtype=torch.bfloat16)
+    r, g = torch.randn(m, n, dtype=torch.bfloat16), torch.randn(n, dtype=torch.float32)
+    op = cd.compile(residual_rms, a, w, residual=r, gamma=g)
+    rc, out, _ = run(capsys, "explain", "coda_dsl.examples:residual_rms", "--operand-dtype", "gamma=fp32")
+    assert rc == 0 and key_of(out) == op.key
+
+
+# ---- errors: one line on stderr, exit 2 ---------------------------------------------------------------
+
+@pytest.mark.parametrize("target, words", [
+    ("{eps}:nope", "has no 'nope'; its epilogues: scaled"),
+    ("{eps}:plain", "not an epilogue"),
+    ("{eps}", "expected FILE.py:FUNCTION"),
+    ("missing_file.py:f", "no such file"),
+    ("coda_dsl.no_such_module:f", "no module named"),
+    ("{bad}:f", "NameError"),
+])
+def test_bad_target(capsys, eps, target, words):
+    bad = eps.with_name("bad_eps.py")
+    bad.write_text("import coda_dsl as cd\nundefined_name\n")
+    rc, out, err = run(capsys, "emit", target.format(eps=eps, bad=bad))
+    assert rc == 2 and out == ""
+    assert words in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("opts, words", [
+    ((), "pass --const c=VALUE"),
+    (("--const", "c=x"), "not a number"),
+    (("--const", "c=1", "--const", "z=1"), "no cd.Const parameter 'z'"),
+    (("--const", "c=1", "--operand-dtype", "res=int8"), "dtype must be one of"),
+    (("--const", "c=1", "--operand-dtype", "q=fp32"), "no tensor/vector operand 'q'"),
+    (("--const", "c=1", "--config", "big"), "bad config"),
+])
+def test_bad_options(capsys, eps, opts, words):
+    rc, _, err = run(capsys, "explain", f"{eps}:scaled", *opts)
+    assert rc == 2 and words in err and "Traceback" not in err
+
+
+def test_tracing_error_is_one_message(capsys, tmp_path):
+    path = tmp_path / "trace_err.py"
+    path.write_text("import coda_dsl as cd\n@cd.epilogue\ndef f(acc, x):\n    return acc\n")
+    rc, _, err = run(capsys, "explain", f"{path}:f")
+    assert rc == 2 and err.startswith("coda-dsl explain: error:") and "Traceback" not in err
+
+
+def test_build_error_exit_2(capsys, monkeypatch):
+    def fail(units, **kw):
+        raise build.BuildError("/c/failed/k/kernel.cu", "/c/failed/k/build.log", "error: boom")
+    monkeypatch.setattr(build, "build_units", fail)
+    rc, _, err = run(capsys, "build", "coda_dsl.examples:bias_gelu")
+    assert rc == 2 and "error: boom" in err and "Traceback" not in err
+
+
+# ---- build / emit --check (build_units faked) ---------------------------------------------------------
+
+def test_build_and_check_use_build_units(capsys, monkeypatch, tmp_path):
+    calls = []
+
+    def fake(units, compile_only=False, log=print, **kw):
+        calls.append(([u.key for u in units], compile_only))
+        return [tmp_path / "kernel.o"]
+    monkeypatch.setattr(build, "build_units", fake)
+    rc, out, _ = run(capsys, "build", "coda_dsl.examples:bias_gelu", "--compile-only")
+    assert rc == 0 and "built:" in out
+    rc, out, err = run(capsys, "emit", "coda_dsl.examples:bias_gelu", "--check")
+    assert rc == 0 and "Sm90TopologicalVisitor" in out and "compile check passed" in err
+    assert calls[0] == calls[1] and calls[0][1] is True
+
+
+# ---- doctor / cache / demo / bench ------------------------------------------------------------------
+
+def test_doctor(capsys):
+    rc, out, _ = run(capsys, "doctor")
+    for what in ("python", "torch", "nvcc", "CUTLASS", "ninja", "cache", "cutlass backend"):
+        assert what in out
+    try:
+        build.tools.toolchain.__wrapped__()  # the real toolchain, not the fake
+        ready = torch.version.cuda is not None
+    except build.ToolchainError:
+        ready = False
+    assert rc == (0 if ready else 1)
+
+
+def test_cache_list_clear(capsys, tmp_path):
+    key = "0123456789abcdef01234567"
+    staged = tmp_path / "kernel.so"
+    staged.write_bytes(b"\0" * 2048)
+    cache.commit_entry(key, {"kernel.so": staged}, {"op_name": "k0"})
+    rc, out, _ = run(capsys, "cache", "list")
+    assert rc == 0 and str(tmp_path / "cache") in out and key in out and " KB" in out and "yes" in out
+    rc, out, _ = run(capsys, "cache", "clear")
+    assert rc == 0 and "removed 1 cache entry" in out
+    rc, out, _ = run(capsys, "cache", "list")
+    assert rc == 0 and key not in out and "0 entries" in out
+
+
+@pytest.mark.skipif(HOPPER, reason="on a Hopper GPU the demo builds the kernel (slow)")
+def test_demo_on_cpu(capsys):
+    rc, out, _ = run(capsys, "demo", "--m", "64", "--n", "128", "--k", "32")
+    assert rc == 0
+    assert "[64, 128]" in out and "h_gamma" in out
+    assert "No Hopper" in out and "coda-dsl emit coda_dsl.examples:residual_rms" in out
+
+
+def test_bench_passes_args(capsys, monkeypatch):
+    seen = []
+    monkeypatch.setattr(cli.subprocess, "call", lambda argv, cwd: seen.append((argv, cwd)) or 0)
+    rc, out, _ = run(capsys, "bench", "--shapes", "4096x4096x4096", "-h")
+    if (REPO / "bench" / "__main__.py").is_file():
+        assert rc == 0 and seen == [([sys.executable, "-m", "bench", "--shapes", "4096x4096x4096", "-h"], REPO)]
+    else:
+        assert rc == 1 and "bench/" in out
+
+
+def test_python_dash_m():
+    res = subprocess.run([sys.executable, "-m", "coda_dsl", "cache", "list"], capture_output=True, text=True,
+                         cwd=REPO)
+    assert res.returncode == 0 and "entries" in res.stdout
+    res = subprocess.run([sys.executable, "-m", "coda_dsl", "explain", "nope.py:f"], capture_output=True,
+                         text=True, cwd=REPO)
+    assert res.returncode == 2 and res.stderr.strip() == "coda-dsl explain: error: no such file: nope.py"
