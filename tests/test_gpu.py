@@ -104,7 +104,10 @@ def kernels():
     for ep, dtype, layout in CASES:
         a, b = _ab(64, 64, 64, dtype, layout)
         ops.append(cd.compile(ep, a, b, **_operands(ep, 64, 64, dtype)))
-    runtime.prebuild(ops)
+    try:
+        runtime.prebuild(ops)
+    except cd.CodaError as e:  # tests of the kernels that did build still run; the others fail on their own
+        print(f"prebuild: {e}")
     return ops
 
 

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import CodaError
 from .cache import cache_dir, commit_entry, entry_dir, key_locks, valid_output
 from .tools import Toolchain, compile_command, link_command, ninja_binary, toolchain
 
@@ -26,7 +27,7 @@ class BuildUnit:
         self.op_name = self.op_name or "k" + self.key[:16]
 
 
-class BuildError(Exception):
+class BuildError(CodaError):
     """A kernel failed to build. Its source and log are kept under cache_dir()/failed/<key>/."""
 
     def __init__(self, source_path, log_path, first_error, action="nvcc failed to compile"):

@@ -12,12 +12,13 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import CodaError
 from .paths import csrc_dir
 
 ARCH = "sm_90a"  # never plain sm_90: Sm90 kernels built for it compute nothing
 
 
-class ToolchainError(RuntimeError):
+class ToolchainError(CodaError, RuntimeError):
     """A compiler, header set or tool needed to build kernels is missing; the message says what to do."""
 
 

@@ -1,0 +1,46 @@
+"""Shared fixtures of the CPU test suite: fresh random seeds, the relative-error metric, and a helper
+that lowers an epilogue into an EVT plan without a GPU."""
+import random
+
+import pytest
+import torch
+
+from coda_dsl.passes import Config, Signature, lower, specialize
+
+
+@pytest.fixture
+def seed():
+    """A fresh seed per test (new data every run); printed so a failure can be replayed."""
+    s = random.randrange(2**31)
+    print(f"torch seed: {s}")
+    torch.manual_seed(s)
+    return s
+
+
+@pytest.fixture
+def rel():
+    """‖out − ref‖ / ‖ref‖, computed in fp64."""
+    def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+        out, ref = out.detach().double(), ref.detach().double()
+        assert out.shape == ref.shape, (out.shape, ref.shape)
+        return float((out - ref).norm() / ref.norm())
+    return rel_err
+
+
+def signature(ep, ab="bf16", b_layout="nk", operand_dtype="bf16", operand_dtypes=None, output_dtypes=None,
+              consts=None, config=None) -> Signature:
+    """The Signature cd.gemm would build for `ep`: every load operand `operand_dtype` unless given in
+    `operand_dtypes`, outputs their traced dtype (else `ab`) unless given in `output_dtypes`."""
+    loads = {p.name: (operand_dtypes or {}).get(p.name, operand_dtype) for p in ep.params
+             if p.kind in ("tensor", "vec_n", "vec_m")}
+    outs = tuple((o.name, (output_dtypes or {}).get(o.name, o.dtype or ab)) for o in ep.program.outputs)
+    return Signature(ab, b_layout, tuple(sorted(loads.items())), outs, tuple(sorted((consts or {}).items())),
+                     config or Config())
+
+
+@pytest.fixture
+def make_plan():
+    """make_plan(ep, consts={}, **signature options) -> the lowered Plan."""
+    def make(ep, consts=None, **kw):
+        return lower(specialize(ep.program, consts or {}), signature(ep, consts=consts, **kw))
+    return make

@@ -1,0 +1,493 @@
+"""Tracing: every op reachable from the DSL, operand kinds, hash-consing, and every user error
+(EpilogueError naming the epilogue, the user's own file:line, and a fix)."""
+import inspect
+import os
+
+import pytest
+import torch
+
+import coda_dsl as cd
+from coda_dsl import EpilogueError
+from coda_dsl.ir import graph as ir
+from coda_dsl.ir.ops import OPS
+
+HERE = os.path.basename(__file__)
+
+
+def loc(fn, marker="# <-"):
+    """'test_dsl.py:<line>' of the line of `fn` carrying `marker` (or of its def when marker is None)."""
+    lines, first = inspect.getsourcelines(fn)
+    if marker is None:
+        return f"{HERE}:{fn.__code__.co_firstlineno}"
+    hits = [first + i for i, text in enumerate(lines) if marker in text]
+    assert len(hits) == 1, f"marker {marker!r} must be on exactly one line of {fn.__name__}"
+    return f"{HERE}:{hits[0]}"
+
+
+def D(ep):
+    return ep.program.output("D").node
+
+
+X, Y, Z = ir.load("tensor", "x"), ir.load("vec_n", "y"), ir.load("vec_m", "z")
+ACC = ir.acc()
+
+# op name -> (DSL spelling over traced x (Tensor), y (VecN), z (VecM), expected inputs)
+SPELLINGS = {
+    "add": (lambda x, y, z: x + y, (X, Y)),
+    "sub": (lambda x, y, z: x - y, (X, Y)),
+    "mul": (lambda x, y, z: x * y, (X, Y)),
+    "div": (lambda x, y, z: x / y, (X, Y)),
+    "neg": (lambda x, y, z: -x, (X,)),
+    "maximum": (lambda x, y, z: cd.maximum(x, y), (X, Y)),
+    "minimum": (lambda x, y, z: cd.minimum(x, y), (X, Y)),
+    "lt": (lambda x, y, z: x < y, (X, Y)),
+    "le": (lambda x, y, z: x <= y, (X, Y)),
+    "gt": (lambda x, y, z: x > y, (X, Y)),
+    "ge": (lambda x, y, z: x >= y, (X, Y)),
+    "eq": (lambda x, y, z: x == y, (X, Y)),
+    "ne": (lambda x, y, z: x != y, (X, Y)),
+    "where": (lambda x, y, z: cd.where(x, y, z), (X, Y, Z)),
+    "exp": (lambda x, y, z: cd.exp(x), (X,)),
+    "log": (lambda x, y, z: cd.log(x), (X,)),
+    "sqrt": (lambda x, y, z: cd.sqrt(x), (X,)),
+    "rsqrt": (lambda x, y, z: cd.rsqrt(x), (X,)),
+    "tanh": (lambda x, y, z: cd.tanh(x), (X,)),
+    "sigmoid": (lambda x, y, z: cd.sigmoid(x), (X,)),
+    "abs": (lambda x, y, z: cd.abs(x), (X,)),
+    "relu": (lambda x, y, z: cd.relu(x), (X,)),
+    "gelu": (lambda x, y, z: cd.gelu(x), (X,)),
+    "gelu_tanh": (lambda x, y, z: cd.gelu(x, approximate="tanh"), (X,)),
+    "silu": (lambda x, y, z: cd.silu(x), (X,)),
+    "square": (lambda x, y, z: x ** 2, (X,)),
+}
+
+
+def _trace_with(spell):
+    def fn(acc, x: cd.Tensor, y: cd.VecN, z: cd.VecM):
+        return spell(x, y, z)
+    return cd.epilogue(fn)
+
+
+def test_every_op_has_a_dsl_spelling():
+    assert set(SPELLINGS) == set(OPS), "an op of ir/ops.py is not reachable from the DSL (or was removed)"
+
+
+@pytest.mark.parametrize("op", sorted(SPELLINGS))
+def test_op_traces_to_its_node(op):
+    spell, inputs = SPELLINGS[op]
+    node = D(_trace_with(spell))
+    assert node.op == op
+    assert node.inputs == inputs
+    assert len(inputs) == OPS[op].arity
+
+
+@pytest.mark.parametrize("spell, op, inputs", [
+    (lambda x: abs(x), "abs", (X,)),  # builtin abs()
+    (lambda x: x ** 0.5, "sqrt", (X,)),
+    (lambda x: x ** -0.5, "rsqrt", (X,)),
+    (lambda x: x ** 2.0, "square", (X,)),
+    (lambda x: +x, "load", ()),
+])
+def test_operator_aliases(spell, op, inputs):
+    node = D(_trace_with(lambda x, y, z: spell(x)))
+    assert node.op == op and node.inputs == inputs
+
+
+@pytest.mark.parametrize("dtype, name", [(cd.bfloat16, "bf16"), (torch.float16, "fp16"), (cd.float32, "fp32"),
+                                         ("bf16", "bf16")])
+def test_cast(dtype, name):
+    ep = _trace_with(lambda x, y, z: cd.cast(x, dtype))
+    node = D(ep)
+    assert (node.op, node.attr, node.inputs) == ("cast", name, (X,))
+    assert ep.program.output("D").dtype == name  # an output that is a cast is stored in that dtype
+
+
+@pytest.mark.parametrize("spell, op, args", [
+    (lambda x: 2 + x, "add", (2.0, X)),
+    (lambda x: 2 - x, "sub", (2.0, X)),
+    (lambda x: 3 * x, "mul", (3.0, X)),
+    (lambda x: 1 / x, "div", (1.0, X)),
+    (lambda x: x - 0.5, "sub", (X, 0.5)),
+    (lambda x: x / 4, "div", (X, 4.0)),
+    (lambda x: 1 < x, "gt", (X, 1.0)),  # Python reflects 1 < x into x > 1
+    (lambda x: 1 >= x, "le", (X, 1.0)),
+    (lambda x: True * x, "mul", (1.0, X)),
+    (lambda x: torch.tensor(2.5) * x, "mul", (2.5, X)),  # a 0-d tensor is a number (torch defers to us)
+    (lambda x: cd.where(x > 0, x, float("-inf")), "where", None),
+])
+def test_python_numbers_on_either_side(spell, op, args):
+    node = D(_trace_with(lambda x, y, z: spell(x)))
+    assert node.op == op
+    if args is None:
+        assert node.inputs[2] is ir.const(float("-inf"))
+        return
+    expected = tuple(a if isinstance(a, ir.Node) else ir.const(a) for a in args)
+    assert node.inputs == expected
+
+
+def test_operand_kinds_become_leaves():
+    @cd.epilogue
+    def kinds(acc, t: cd.Tensor, n: cd.VecN, m: cd.VecM, s: cd.Scalar, c: cd.Const):
+        return acc + t + n + m + s + c
+
+    assert [(p.name, p.kind) for p in kinds.params] == [
+        ("t", "tensor"), ("n", "vec_n"), ("m", "vec_m"), ("s", "scalar"), ("c", "const")]
+    leaves = {n for n in ir.walk(kinds.program) if n.is_leaf}
+    assert leaves == {ir.acc(), ir.load("tensor", "t"), ir.load("vec_n", "n"), ir.load("vec_m", "m"),
+                      ir.scalar("s"), ir.const_param("c")}
+    assert kinds.output_names == ("D",)
+
+
+def test_acc_annotation_is_optional():
+    @cd.epilogue
+    def annotated(acc: cd.Acc, b: cd.VecN):
+        return acc + b
+
+    assert D(annotated) is ir.compute("add", ACC, ir.load("vec_n", "b"))
+
+
+def test_hash_consing_same_subexpression_is_one_node():
+    @cd.epilogue
+    def twice(acc, b: cd.VecN, s: cd.VecM):
+        return {"D": cd.gelu(acc * s + b), "other": cd.exp(acc * s + b)}  # acc * s + b written twice
+
+    d, other = D(twice), twice.program.output("other").node
+    assert d.inputs[0] is other.inputs[0]
+    ops = [n.op for n in ir.walk(twice.program)]
+    assert ops.count("add") == 1 and ops.count("mul") == 1
+    # constants are consed by value, and -0.0 stays apart from 0.0
+    assert ir.const(2) is ir.const(2.0)
+    assert ir.const(-0.0) is not ir.const(0.0)
+
+
+def test_outputs_and_dtypes():
+    @cd.epilogue
+    def multi(acc, b: cd.VecN):
+        h = acc + b
+        return {"D": h, "h16": cd.cast(h, cd.float16), "s": cd.sum(h, axis="n"), "mx": cd.amax(h, axis=None)}
+
+    assert multi.output_names == ("D", "h16", "s", "mx")
+    dt = {o.name: o.dtype for o in multi.program.outputs}
+    assert dt == {"D": None, "h16": "fp16", "s": "fp32", "mx": "fp32"}
+    s = multi.program.output("s").node
+    assert (s.op, s.attr) == ("reduce", ("sum", "n"))
+    assert multi.program.output("mx").node.attr == ("amax", None)
+
+
+def test_bare_value_return_is_d():
+    ep = cd.epilogue(lambda acc: acc * 2)
+    assert ep.output_names == ("D",)
+    assert D(ep) is ir.compute("mul", ACC, ir.const(2.0))
+
+
+def test_string_annotations_resolve():
+    src = ("from __future__ import annotations\n"
+           "import coda_dsl as cd\n"
+           "def strs(acc, b: cd.VecN, m: 'cd.VecM', s: cd.Scalar, c: cd.Const, t: cd.Tensor):\n"
+           "    return acc * s + b + m + c + t\n")
+    ns: dict = {}
+    exec(compile(src, "user_epilogue.py", "exec"), ns)
+    ep = cd.epilogue(ns["strs"])
+    assert [(p.name, p.kind) for p in ep.params] == [
+        ("b", "vec_n"), ("m", "vec_m"), ("s", "scalar"), ("c", "const"), ("t", "tensor")]
+    # unresolvable at definition (cd is not a global there): the spelled class name still resolves
+    ns2: dict = {}
+    src2 = src.replace("import coda_dsl as cd\n", "").replace("'cd.VecM'", "cd.VecM")
+    exec(compile(src2, "user_epilogue2.py", "exec"), ns2)
+    assert [p.kind for p in cd.epilogue(ns2["strs"]).params] == ["vec_n", "vec_m", "scalar", "const", "tensor"]
+
+
+def test_epilogue_is_not_called_directly():
+    @cd.epilogue
+    def direct(acc, b: cd.VecN):
+        return acc + b
+    with pytest.raises(TypeError, match=r"cd\.gemm\(A, B, direct, b=\.\.\.\)"):
+        direct(1, 2)
+
+
+def test_named_epilogue():
+    ep = cd.epilogue(lambda acc: acc, name="my_name")
+    assert ep.name == "my_name" and "my_name" in repr(ep)
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors inside the function body: message names the epilogue and the user's line, with a fix
+# ---------------------------------------------------------------------------------------------
+CAPTURED = torch.randn(8)
+
+
+def e_if(acc):
+    if acc > 0:  # <-
+        return acc
+    return -acc
+
+
+def e_bool(acc):
+    return bool(acc)  # <-
+
+
+def e_and(acc, b: cd.VecN):
+    return acc and b  # <-
+
+
+def e_not(acc):
+    return acc * 0 + (not acc)  # <-
+
+
+def e_float(acc):
+    return acc * float(acc)  # <-
+
+
+def e_int(acc):
+    return acc * int(acc)  # <-
+
+
+def e_attr(acc):
+    return acc.foo()  # <-
+
+
+def e_method(acc):
+    return acc.exp()  # <-
+
+
+def e_captured_right(acc):
+    return acc + CAPTURED  # <-
+
+
+def e_captured_left(acc):
+    return CAPTURED * acc  # <-
+
+
+def e_captured_in_fn(acc):
+    return cd.maximum(acc, CAPTURED)  # <-
+
+
+def e_reduction_in_math(acc):
+    s = cd.sum(acc, axis="n")
+    return acc / s  # <-
+
+
+def e_reduction_in_fn(acc):
+    return cd.exp(cd.max(acc, axis="m"))  # <-
+
+
+def e_reduction_of_reduction(acc):
+    return {"D": acc, "s": cd.sum(cd.sum(acc, axis="n"), axis=None)}  # <-
+
+
+def e_reduction_compare(acc):
+    return cd.where(acc > cd.amax(acc, axis="n") * 0.5, acc, 0.0)  # <-
+
+
+def e_bad_axis(acc):
+    return {"D": acc, "s": cd.sum(acc, axis="k")}  # <-
+
+
+def e_axis_int(acc):
+    return {"D": acc, "s": cd.min(acc, axis=1)}  # <-
+
+
+def e_gelu(acc):
+    return cd.gelu(acc, approximate="bad")  # <-
+
+
+def e_cast_int(acc):
+    return cd.cast(acc, torch.int8)  # <-
+
+
+def e_cast_str(acc):
+    return cd.cast(acc, "fp8")  # <-
+
+
+def e_pow(acc):
+    return acc ** 3  # <-
+
+
+def e_iter(acc):
+    g, u = acc  # <-
+    return g * u
+
+
+def e_string(acc):
+    return acc + "1"  # <-
+
+
+BODY_ERRORS = [
+    (e_if, ["no truth value", "cd.where"]),
+    (e_bool, ["no truth value", "cd.where"]),
+    (e_and, ["no truth value", "cd.where"]),
+    (e_not, ["no truth value", "cd.where"]),
+    (e_float, ["float()", "keep it as a traced value"]),
+    (e_int, ["float()", "keep it as a traced value"]),
+    (e_attr, ["attribute or method 'foo'", "cd.foo(x)"]),
+    (e_method, ["attribute or method 'exp'", "cd.exp(x)"]),
+    (e_captured_right, ["captured from outside", "cd.Tensor"]),
+    (e_captured_left, ["captured from outside", "cd.Tensor"]),
+    (e_captured_in_fn, ["captured from outside", "cd.Tensor"]),
+    (e_reduction_in_math, ["reduction", "tile", "NEXT GEMM", "cd.VecM"]),
+    (e_reduction_in_fn, ["reduction", "tile", "NEXT GEMM"]),
+    (e_reduction_of_reduction, ["reduction", "tile", "NEXT GEMM"]),
+    (e_reduction_compare, ["reduction", "tile", "NEXT GEMM"]),
+    (e_bad_axis, ["axis='k'", 'axis="n"', 'axis="m"', "axis=None"]),
+    (e_axis_int, ["axis=1", 'axis="n"']),
+    (e_gelu, ["approximate='bad'", '"none"', '"tanh"']),
+    (e_cast_int, ["int8", "torch.bfloat16", "torch.float16", "torch.float32"]),
+    (e_cast_str, ["fp8", "torch.bfloat16"]),
+    (e_pow, ["** 3", "x * x"]),
+    (e_iter, ["not iterable", "cd.pairs"]),
+    (e_string, ["str"]),
+]
+
+
+@pytest.mark.parametrize("fn, needles", BODY_ERRORS, ids=[f.__name__ for f, _ in BODY_ERRORS])
+def test_body_error_names_function_line_and_fix(fn, needles):
+    with pytest.raises(EpilogueError) as info:
+        cd.epilogue(fn)
+    msg = str(info.value)
+    assert f"'{fn.__name__}'" in msg, msg
+    assert loc(fn) in msg, msg  # the user's own line, not a coda_dsl frame
+    for needle in needles:
+        assert needle in msg, (needle, msg)
+
+
+def test_reduction_misuse_message_explains_the_rule():
+    with pytest.raises(EpilogueError) as info:
+        cd.epilogue(e_reduction_in_math)
+    msg = str(info.value)
+    assert "complete only after every tile" in msg and "fix:" in msg
+    assert "return the reduction as an output" in msg
+
+
+def test_error_line_inside_a_helper_is_the_helpers_line():
+    def helper(v):
+        return v.nope  # <-
+
+    def uses_helper(acc):
+        return helper(acc) + 1
+
+    with pytest.raises(EpilogueError) as info:
+        cd.epilogue(uses_helper)
+    assert "'uses_helper'" in str(info.value) and loc(helper) in str(info.value)
+
+
+def test_epilogue_error_is_a_type_error():
+    """EpilogueError is also a TypeError (the Python category of these mistakes) and a CodaError."""
+    with pytest.raises(TypeError):
+        cd.epilogue(e_bool)
+    with pytest.raises(cd.CodaError):
+        cd.epilogue(e_bool)
+
+
+def test_tracer_state_is_restored_after_an_error():
+    with pytest.raises(EpilogueError):
+        cd.epilogue(e_bool)
+    # the next epilogue traces cleanly and names itself, not the failed one
+    with pytest.raises(EpilogueError) as info:
+        cd.epilogue(e_float)
+    assert "'e_float'" in str(info.value) and "'e_bool'" not in str(info.value)
+    assert D(cd.epilogue(lambda acc: acc + 1)).op == "add"
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors in the signature and the return value: name the epilogue and its def line
+# ---------------------------------------------------------------------------------------------
+def s_missing(acc, bias):
+    return acc + bias
+
+
+def s_wrong(acc, bias: torch.Tensor):
+    return acc + bias
+
+
+def s_wrong_str(acc, bias: "cd.Bias"):  # noqa: F821
+    return acc + bias
+
+
+def s_acc_kind(acc, other: cd.Acc):
+    return acc + other
+
+
+def s_reserved(acc, out: cd.Tensor):
+    return acc + out
+
+
+def s_reserved_backend(acc, backend: cd.Scalar):
+    return acc * backend
+
+
+def s_varargs(acc, *rest: cd.Tensor):
+    return acc
+
+
+def s_no_params():
+    return 1
+
+
+def r_number(acc):
+    return 1.0
+
+
+def r_list(acc):
+    return [acc]
+
+
+def r_empty(acc):
+    return {}
+
+
+def r_nonvalue(acc):
+    return {"D": acc, "c": 2.0}
+
+
+def r_space_name(acc):
+    return {"D": acc, "my out": acc}
+
+
+def r_int_name(acc):
+    return {"D": acc, 1: acc}
+
+
+SIG_ERRORS = [
+    (s_missing, ["parameter 'bias' has no annotation", "bias: cd.Tensor", "cd.VecN"]),
+    (s_wrong, ["parameter 'bias'", "not an operand kind", "fix:", "cd.VecM"]),
+    (s_wrong_str, ["parameter 'bias'", "not an operand kind", "fix:"]),
+    (s_acc_kind, ["parameter 'other'", "not an operand kind"]),
+    (s_reserved, ["'out' is reserved", "rename it"]),
+    (s_reserved_backend, ["'backend' is reserved", "rename it"]),
+    (s_varargs, ["*args", "'rest'"]),
+    (s_no_params, ["accumulator", "(acc, ...)"]),
+    (r_number, ["must return a traced value", "{'D': ...", "got float"]),
+    (r_list, ["must return a traced value", "got list"]),
+    (r_empty, ["non-empty dict"]),
+    (r_nonvalue, ["output 'c'", "not a traced value", "acc * 0 + c"]),
+    (r_space_name, ["'my out'", "Python identifier"]),
+    (r_int_name, ["1", "Python identifier"]),
+]
+
+
+@pytest.mark.parametrize("fn, needles", SIG_ERRORS, ids=[f.__name__ for f, _ in SIG_ERRORS])
+def test_signature_and_return_errors(fn, needles):
+    with pytest.raises(EpilogueError) as info:
+        cd.epilogue(fn)
+    msg = str(info.value)
+    assert f"'{fn.__name__}'" in msg, msg
+    assert loc(fn, marker=None) in msg, msg
+    for needle in needles:
+        assert needle in msg, (needle, msg)
+
+
+@pytest.mark.xfail(reason="BUG: dsl/__init__.py RESERVED lacks 'A' and 'B' (and CompiledOp's 'self'): an operand "
+                   "named A is accepted at definition, but cd.gemm(x, w, ep, A=...) then fails with Python's "
+                   "'got multiple values for argument A' TypeError", strict=True)
+def test_operand_named_like_a_gemm_argument_is_rejected_or_usable():
+    def named_a(acc, A: cd.Tensor):
+        return acc + A
+
+    try:
+        ep = cd.epilogue(named_a)
+    except EpilogueError as e:  # rejected at definition, like 'out': fine
+        assert "'A'" in str(e)
+        return
+    x, w, r = torch.randn(4, 8), torch.randn(6, 8), torch.randn(4, 6)
+    out = cd.gemm(x, w, ep, A=r, backend="reference")["D"]  # or usable
+    torch.testing.assert_close(out, x @ w.T + r)

@@ -1,0 +1,342 @@
+"""Passes: constant binding and folding (specialize), validation, and lowering into an EVT plan."""
+import pytest
+import torch
+
+import coda_dsl as cd
+from coda_dsl import EpilogueError, UnsupportedError
+from coda_dsl.ir import graph as ir
+from coda_dsl.passes import Config, lower, specialize, validate
+from coda_dsl.passes.plan import AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, RowBroadcast
+
+
+def D(program):
+    return program.output("D").node
+
+
+def computes(plan):
+    return [(i, n) for i, n in enumerate(plan.nodes) if isinstance(n, Compute)]
+
+
+def is_identity(node):
+    return isinstance(node, Compute) and node.functor.body == [] and node.functor.result == "x0" \
+        and len(node.children) == 1
+
+
+def d_index(plan):
+    """Index of the visitor node whose value is stored as D: the last node, seen through an identity
+    functor or an AuxStore (which passes its input through)."""
+    last = plan.nodes[-1]
+    return last.children[0] if isinstance(last, AuxStore) or is_identity(last) else len(plan.nodes) - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# specialize
+# ---------------------------------------------------------------------------------------------
+@cd.epilogue
+def scaled(acc, c: cd.Const):
+    return acc * (c * 2)
+
+
+def test_const_binds_and_folds():
+    prog = specialize(scaled.program, {"c": 3})
+    d = D(prog)
+    assert d is ir.compute("mul", ir.acc(), ir.const(6.0))  # c * 2 folded to one literal
+    assert D(scaled.program).inputs[1].op == "mul"  # the traced program is untouched
+    assert D(specialize(scaled.program, {"c": 0.25})).inputs[1] is ir.const(0.5)
+
+
+def test_folded_const_is_a_single_multiply_in_the_plan(make_plan):
+    plan = make_plan(scaled, consts={"c": 3.0})
+    (_, comp), = computes(plan)
+    assert comp.functor.body == ["float t0 = (x0 * 6.0f);"]
+    assert "3.0" not in plan.key and "6.0f" in plan.key
+
+
+def test_fold_uses_fp32_and_cast_semantics():
+    @cd.epilogue
+    def folds(acc, c: cd.Const):
+        return acc + cd.cast(c, cd.bfloat16) + cd.exp(c - c) + cd.where(c > 1, 10, 20)
+
+    prog = specialize(folds.program, {"c": 0.1})
+    consts = [n.attr for n in ir.walk(prog) if n.op == "const"]
+    bf = float(torch.tensor(0.1).to(torch.bfloat16).float())  # 0.10009765625
+    assert bf in consts and 1.0 in consts and 20.0 in consts
+    assert not any(n.op in ("const_param", "cast", "exp", "where", "gt") for n in ir.walk(prog))
+
+
+def test_fold_keeps_nonconstant_parts():
+    @cd.epilogue
+    def partial(acc, s: cd.Scalar, c: cd.Const):
+        return acc * s + c * c
+
+    d = D(specialize(partial.program, {"c": -3}))
+    assert d is ir.compute("add", ir.compute("mul", ir.acc(), ir.scalar("s")), ir.const(9.0))
+
+
+def test_missing_const_value():
+    with pytest.raises(EpilogueError) as info:
+        specialize(scaled.program, {})
+    msg = str(info.value)
+    assert "'scaled'" in msg and "['c']" in msg and "c=<number>" in msg
+
+
+# ---------------------------------------------------------------------------------------------
+# lower: node kinds
+# ---------------------------------------------------------------------------------------------
+@cd.epilogue
+def kinds(acc, r: cd.Tensor, bias: cd.VecN, rstd: cd.VecM, alpha: cd.Scalar):
+    return (acc * rstd + bias) * alpha + r
+
+
+def test_operand_kinds_lower_to_cutlass_nodes(make_plan):
+    plan = make_plan(kinds, operand_dtypes={"rstd": "fp32"})
+    by_name = {n.name: n for n in plan.nodes}
+    assert isinstance(plan.nodes[0], AccFetch)
+    # the CUTLASS inversion: a vector over n is broadcast along rows -> RowBroadcast, and vice versa
+    assert type(by_name["Load_bias"]) is RowBroadcast
+    assert type(by_name["Load_rstd"]) is ColBroadcast
+    assert type(by_name["Load_r"]) is AuxLoad
+    assert by_name["Load_rstd"].dtype == "fp32" and by_name["Load_bias"].dtype == "bf16"
+    # runtime binding: inputs[i] is the operand whose load node has input_index i
+    assert sorted(plan.inputs) == ["bias", "r", "rstd"]
+    for name in plan.inputs:
+        assert by_name[f"Load_{name}"].input_index == plan.inputs.index(name)
+    assert plan.scalars == ["alpha"]
+    # one fused functor over acc and the three loads, and it is D
+    (i, comp), = computes(plan)
+    assert sorted(comp.children) == sorted(plan.nodes.index(by_name[n]) for n in ("Acc", "Load_r", "Load_bias",
+                                                                                   "Load_rstd"))
+    assert i == len(plan.nodes) - 1
+    assert any("p.alpha" in line for line in comp.functor.body)
+
+
+def test_children_come_before_parents(make_plan):
+    plan = make_plan(kinds)
+    for i, n in enumerate(plan.nodes):
+        assert all(c < i for c in n.children), (i, n)
+    names = [n.name for n in plan.nodes]
+    assert len(set(names)) == len(names)
+
+
+def test_shared_subexpression_is_materialized_once(make_plan):
+    @cd.epilogue
+    def shared(acc, bias: cd.VecN, rstd: cd.VecM):
+        h = acc * rstd + bias
+        return {"D": cd.gelu(h), "e": cd.cast(cd.exp(h), cd.float32)}
+
+    plan = make_plan(shared)
+    leaves = {i for i, n in enumerate(plan.nodes) if not n.children}
+    h_nodes = [i for i, n in computes(plan) if set(n.children) == leaves]
+    assert len(h_nodes) == 1, plan.nodes  # h computed by exactly one functor
+    h = h_nodes[0]
+    gelu = [i for i, n in computes(plan) if any("gelu" in s for s in n.functor.body)]
+    exp = [i for i, n in computes(plan) if any("expf" in s for s in n.functor.body)]
+    assert len(gelu) == 1 and len(exp) == 1
+    assert plan.nodes[gelu[0]].children == (h,) and plan.nodes[exp[0]].children == (h,)
+    # nothing else recomputes h: only the h functor reads the leaves
+    assert [i for i, n in computes(plan) if set(n.children) & leaves] == [h]
+    (store,) = [n for n in plan.nodes if isinstance(n, AuxStore)]
+    assert store.children == (exp[0],) and store.dtype == "fp32"
+    assert d_index(plan) == gelu[0]
+
+
+def test_square_of_a_value_is_not_shared(make_plan):
+    """h * h uses h once (one user): it fuses into a single functor."""
+    ep = cd.epilogue(lambda acc: (acc + 1) * (acc + 1))
+    plan = make_plan(ep)
+    assert len(computes(plan)) == 1
+
+
+def test_d_is_the_last_nodes_value(make_plan):
+    @cd.epilogue
+    def d_first(acc, bias: cd.VecN):
+        h = acc + bias
+        return {"D": h, "g": cd.cast(cd.silu(h), cd.float16), "t": cd.cast(cd.tanh(h), cd.bfloat16)}
+
+    plan = make_plan(d_first)
+    h = [i for i, n in computes(plan) if any("+" in s for s in n.functor.body)]
+    assert len(h) == 1
+    last = plan.nodes[-1]
+    assert is_identity(last) and last.children == (h[0],)
+    stores = [n for n in plan.nodes if isinstance(n, AuxStore)]
+    assert [(s.name, s.dtype, s.output_index) for s in stores] == [("Store_g", "fp16", 0), ("Store_t", "bf16", 1)]
+
+
+def test_d_after_aux_store_needs_no_identity(make_plan):
+    @cd.epilogue
+    def same(acc, bias: cd.VecN):
+        h = acc + bias
+        return {"D": h, "copy": h}
+
+    plan = make_plan(same)
+    assert isinstance(plan.nodes[-1], AuxStore)
+    assert d_index(plan) == plan.nodes[-1].children[0]
+    assert not any(is_identity(n) for n in plan.nodes)
+
+
+def test_return_acc_gets_an_identity_functor(make_plan):
+    plan = make_plan(cd.epilogue(lambda acc: acc))
+    assert [type(n) for n in plan.nodes] == [AccFetch, Compute]
+    assert is_identity(plan.nodes[1]) and plan.nodes[1].children == (0,)
+    assert plan.inputs == [] and plan.outputs == [] and plan.scalars == []
+
+
+def test_identity_epilogue(make_plan):
+    plan = make_plan(cd.identity)
+    assert [type(n) for n in plan.nodes] == [AccFetch, Compute] and is_identity(plan.nodes[1])
+
+
+def test_operand_passthrough_and_constant_outputs(make_plan):
+    @cd.epilogue
+    def passthrough(acc, r: cd.Tensor, s: cd.Scalar):
+        return {"D": r, "s_out": s * 1, "k": acc * 0 + 2}
+
+    plan = make_plan(passthrough)
+    assert isinstance(plan.nodes[d_index(plan)], AuxLoad)
+    stores = {n.name: n for n in plan.nodes if isinstance(n, AuxStore)}
+    assert set(stores) == {"Store_s_out", "Store_k"}
+    s_fn = plan.nodes[stores["Store_s_out"].children[0]].functor
+    assert "p.s" in s_fn.result or any("p.s" in b for b in s_fn.body)
+
+
+def test_output_dtypes(make_plan):
+    @cd.epilogue
+    def outs(acc, bias: cd.VecN):
+        h = acc + bias
+        return {"D": h, "h32": cd.cast(h, cd.float32), "h16": cd.cast(h, cd.float16), "hb": h * 2}
+
+    plan = make_plan(outs, ab="fp16", output_dtypes={"hb": "fp32"})
+    assert plan.d_dtype == "fp16"
+    assert plan.outputs == [("h32", "fp32"), ("h16", "fp16"), ("hb", "fp32")]
+    stores = [n for n in plan.nodes if isinstance(n, AuxStore)]
+    assert [(n.dtype, n.output_index) for n in stores] == [("fp32", 0), ("fp16", 1), ("fp32", 2)]
+    plan_d32 = make_plan(outs, output_dtypes={"D": "fp32"})
+    assert plan_d32.d_dtype == "fp32"
+
+
+# ---------------------------------------------------------------------------------------------
+# plan.key
+# ---------------------------------------------------------------------------------------------
+@cd.epilogue
+def keyed(acc, res: cd.Tensor, bias: cd.VecN, rstd: cd.VecM, c: cd.Const):
+    h = acc * rstd + bias
+    return {"D": h + res * c, "aux": cd.cast(cd.gelu(h), cd.float32)}
+
+
+@cd.epilogue
+def keyed_renamed(a, residual: cd.Tensor, b: cd.VecN, scale: cd.VecM, k: cd.Const):
+    g = a * scale + b
+    return {"D": g + residual * k, "other": cd.cast(cd.gelu(g), cd.float32)}
+
+
+@cd.epilogue
+def keyed_swapped_params(acc, c: cd.Const, rstd: cd.VecM, bias: cd.VecN, res: cd.Tensor):
+    h = acc * rstd + bias
+    return {"D": h + res * c, "aux": cd.cast(cd.gelu(h), cd.float32)}
+
+
+def test_key_independent_of_user_names(make_plan):
+    base = make_plan(keyed, consts={"c": 0.5}).key
+    assert make_plan(keyed_renamed, consts={"k": 0.5}).key == base
+    assert make_plan(keyed_swapped_params, consts={"c": 0.5}).key == base
+    for forbidden in ("keyed", "res", "bias", "rstd", "aux", "test_passes"):
+        assert forbidden not in base
+
+
+@pytest.mark.parametrize("change", [
+    dict(ab="fp16"),
+    dict(b_layout="kn"),
+    dict(config=Config(tile=(128, 128, 64))),
+    dict(config=Config(cluster=(1, 1))),
+    dict(config=Config(tile=(64, 128, 64), schedule="pingpong")),
+    dict(consts={"c": 0.25}),
+    dict(operand_dtypes={"bias": "fp32"}),
+    dict(operand_dtypes={"res": "fp16"}),
+    dict(operand_dtypes={"rstd": "fp32"}),
+    dict(output_dtypes={"D": "fp32"}),
+    dict(output_dtypes={"aux": "bf16"}),
+])
+def test_key_sensitive_to_what_changes_the_code(make_plan, change):
+    base = make_plan(keyed, consts={"c": 0.5}).key
+    kw = {"consts": {"c": 0.5}, **change}
+    assert make_plan(keyed, **kw).key != base
+
+
+def test_key_sensitive_to_the_program(make_plan):
+    a = make_plan(cd.epilogue(lambda acc: cd.gelu(acc))).key
+    b = make_plan(cd.epilogue(lambda acc: cd.gelu(acc, approximate="tanh"))).key
+    c = make_plan(cd.epilogue(lambda acc: acc + 1)).key
+    d = make_plan(cd.epilogue(lambda acc: 1 + acc)).key
+    assert len({a, b, c, d}) == 4
+
+
+@cd.epilogue
+def two_scalars(acc, alpha: cd.Scalar, beta: cd.Scalar):
+    return acc * alpha + beta
+
+
+@cd.epilogue
+def two_scalars_swapped(acc, beta: cd.Scalar, alpha: cd.Scalar):  # same body, other binding order
+    return acc * alpha + beta
+
+
+@cd.epilogue
+def two_scalars_renamed(acc, a: cd.Scalar, b: cd.Scalar):
+    return acc * a + b
+
+
+@pytest.mark.xfail(reason="BUG: passes/lower.py region() spells scalars as `p.<user name>` and Plan.key only "
+                   "adds len(scalars): two epilogues whose scalar parameters are declared in a different order "
+                   "get the SAME key but bind scalar_values by position in a different order, so the cached "
+                   ".so of one computes the other with alpha and beta swapped", strict=True)
+def test_scalar_binding_order_is_in_the_key(make_plan):
+    p1, p2 = make_plan(two_scalars), make_plan(two_scalars_swapped)
+    assert p1.scalars != p2.scalars
+    assert p1.key != p2.key
+
+
+@pytest.mark.xfail(reason="BUG: passes/lower.py region() writes the user's scalar name (p.alpha) into the functor "
+                   "body, which Plan.key includes: renaming a cd.Scalar forces a rebuild", strict=True)
+def test_scalar_rename_keeps_the_key(make_plan):
+    assert make_plan(two_scalars).key == make_plan(two_scalars_renamed).key
+
+
+# ---------------------------------------------------------------------------------------------
+# validate / reductions
+# ---------------------------------------------------------------------------------------------
+def test_program_without_d_is_unsupported(make_plan):
+    ep = cd.epilogue(lambda acc: {"y": acc * 2})
+    with pytest.raises(UnsupportedError, match="no 'D' output"):
+        validate(ep.program)
+    with pytest.raises(UnsupportedError):
+        make_plan(ep)
+
+
+@pytest.mark.parametrize("kind", ["sum", "max", "min", "amax"])
+@pytest.mark.parametrize("axis", ["n", "m", None])
+def test_reductions_lower_or_say_unsupported(make_plan, kind, axis):
+    def fn(acc, bias: cd.VecN):
+        h = acc + bias
+        return {"D": h, "r": getattr(cd, kind)(h * h, axis=axis)}
+
+    ep = cd.epilogue(fn)
+    try:
+        plan = make_plan(ep)
+    except UnsupportedError as e:  # today: traced and run on the reference backend only
+        msg = str(e)
+        assert "'fn'" in msg and "reduction" in msg and "test_passes.py:" in msg
+        return
+    # once reductions are lowered: some visitor node is a reduction fed by the value h * h
+    names = " ".join(type(n).__name__ + n.cpp_type() for n in plan.nodes)
+    assert "Reduction" in names, names
+
+
+def test_config_roundtrip_and_validation():
+    cfg = Config(tile=(256, 128, 64), cluster=(1, 2), schedule="cooperative")
+    assert Config.parse(cfg.key) == cfg
+    with pytest.raises(ValueError, match="pingpong"):
+        Config(tile=(64, 128, 64))
+    with pytest.raises(ValueError, match="at most 4"):
+        Config(cluster=(4, 2))
+    with pytest.raises(ValueError, match="bad config"):
+        Config.parse("128x128")
