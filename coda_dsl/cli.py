@@ -17,18 +17,17 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 
 from . import build, codegen
 from .build import BuildError, ToolchainError
 from .dsl import Epilogue
 from .errors import CodaError
-from .ir import Program, format_program
+from .ir import format_program
 from .ir.graph import LOAD_KINDS
 from .ir.ops import DTYPES
-from .passes import lower, specialize
-from .passes.plan import Config, Plan, Signature
+from .passes.plan import Config, Signature
+from .runtime.op import CompiledOp
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -101,23 +100,9 @@ def _pairs(items: list[str] | None, flag: str) -> dict[str, str]:
     return out
 
 
-@dataclass
-class Specialization:
-    """One epilogue specialization: what `cd.gemm` would build for the same dtypes and layout."""
-
-    program: Program  # consts bound
-    plan: Plan
-    key: str
-    source: str
-
-    @property
-    def unit(self) -> build.BuildUnit:
-        return build.BuildUnit(self.key, self.source, codegen.op_name(self.key))
-
-
 def specialization(ep: Epilogue, ab_dtype: str = "bf16", b_layout: str = "nk",
                    operand_dtypes: dict[str, str] | None = None, consts: dict[str, str | float] | None = None,
-                   config: Config | str | None = None) -> Specialization:
+                   config: Config | str | None = None) -> CompiledOp:
     """Signature -> plan -> key -> .cu, from options alone (no tensors, no GPU). Every tensor/vector
     operand defaults to ab_dtype and every output to its own dtype or ab_dtype, as in cd.gemm."""
     if ab_dtype not in ("bf16", "fp16"):
@@ -159,13 +144,10 @@ def specialization(ep: Epilogue, ab_dtype: str = "bf16", b_layout: str = "nk",
     # Same normalization (sorted operands and consts) as runtime/op.py, so the key matches cd.gemm's.
     sig = Signature(ab_dtype, b_layout, tuple(sorted(dtypes.items())), outputs, tuple(sorted(values.items())),
                     config or Config())
-    program = specialize(ep.program, values)
-    plan = lower(program, sig)
-    key = build.specialization_key(plan.key)
-    return Specialization(program, plan, key, codegen.render(plan, key, ep.source))
+    return CompiledOp.create(ep, sig, values)
 
 
-def _spec_from_args(args) -> tuple[Epilogue, Specialization]:
+def _spec_from_args(args) -> tuple[Epilogue, CompiledOp]:
     ep = load_epilogue(args.target)
     return ep, specialization(ep, args.dtype, args.b_layout, _pairs(args.operand_dtype, "--operand-dtype"),
                               _pairs(args.const, "--const"), args.config)

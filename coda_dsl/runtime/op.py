@@ -123,6 +123,14 @@ class CompiledOp:
         self._out_dtypes = dict(plan.signature.output_dtypes)
         self._torch_dtypes = {name: DTYPES[d][0] for name, d in self._out_dtypes.items()}
 
+    @classmethod
+    def create(cls, epilogue: Epilogue, sig: Signature, consts: dict[str, float]) -> "CompiledOp":
+        """Specialize, lower, key and render (no build yet: see load())."""
+        program = specialize(epilogue.program, consts)
+        plan = lower(program, sig)
+        key = build.specialization_key(plan.key)
+        return cls(epilogue, program, plan, key, codegen.render(plan, key, epilogue.source))
+
     @property
     def unit(self) -> build.BuildUnit:
         return build.BuildUnit(self.key, self.source, self.op_name)
@@ -219,11 +227,7 @@ def specialization(ep: Epilogue, call: Call, operand_dtypes: dict[str, str], out
         with _lock:
             op = _ops.get(cache_key)
             if op is None:
-                program = specialize(ep.program, call.consts)
-                plan = lower(program, sig)
-                key = build.specialization_key(plan.key)
-                source = codegen.render(plan, key, ep.source)
-                op = _ops[cache_key] = CompiledOp(ep, program, plan, key, source)
+                op = _ops[cache_key] = CompiledOp.create(ep, sig, call.consts)
     return op
 
 
