@@ -182,7 +182,7 @@ def test_cast_saturates_like_storage(seed):
     ep = cd.epilogue(lambda acc: {"D": acc, "h": cd.cast(cd.cast(acc * 1e4, cd.float16), cd.float32)})
     a, w = torch.randn(M, K), torch.randn(N, K)
     out = gemm(a, w, ep)
-    big = (out["D"].double() * 1e4).abs() > 65520
+    big = (out["D"] * 1e4).abs() >= 65520  # fp32 product, as the epilogue computes it; fp16 max is 65504
     assert big.any()
     assert torch.isinf(out["h"][big]).all() and torch.isfinite(out["h"][~big]).all()
 
@@ -360,12 +360,12 @@ def test_reduction_of_broadcast_operand(seed, rel):
 
 
 def test_reductions_batched(seed, rel):
-    ep = cd.epilogue(lambda acc: {"D": acc, "n": cd.max(acc, axis="n"), "all": cd.sum(acc, axis=None)})
+    ep = cd.epilogue(lambda acc: {"D": acc, "n": cd.max(acc, axis="n"), "all": cd.sum(acc * acc, axis=None)})
     a, w = torch.randn(L, M, K), torch.randn(L, N, K)
     out = gemm(a, w, ep)
     acc = torch.einsum("lmk,lnk->lmn", a.double(), w.double())
     assert out["n"].shape == (L, M) and rel(out["n"], acc.amax(-1)) <= FP32_TOL
-    assert out["all"].shape == (L,) and rel(out["all"], acc.sum((-2, -1))) <= 1e-4
+    assert out["all"].shape == (L,) and rel(out["all"], (acc * acc).sum((-2, -1))) <= FP32_TOL
 
 
 # ---------------------------------------------------------------------------------------------
@@ -410,3 +410,38 @@ def test_identity_default_epilogue(seed, rel):
     a, w = torch.randn(M, K).half(), torch.randn(N, K).half()
     d = cd.gemm(a, w, backend="reference")["D"]
     assert d.dtype == torch.float16 and rel(d, acc64(a, w)) <= BF16_TOL
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile: cd.gemm is one custom op in the graph (runtime/torch_op.py)
+# ---------------------------------------------------------------------------------------------
+def test_torch_compile_fullgraph(seed, rel):
+    @cd.epilogue
+    def affine16(acc, b: cd.VecN, s: cd.Scalar):
+        return {"D": acc * s + b, "h": cd.cast(acc, cd.float16)}
+
+    def block(a, w, b):
+        o = cd.gemm(a, w, affine16, backend="reference", b=b, s=2.0)
+        return o["D"] + 1, o["h"]
+
+    torch._dynamo.reset()
+    a, w, b = torch.randn(M, K), torch.randn(N, K), torch.randn(N)
+    d, h = torch.compile(block, fullgraph=True)(a, w, b)
+    assert d.shape == h.shape == (M, N) and h.dtype == torch.float16
+    assert rel(d, acc64(a, w) * 2 + b.double() + 1) <= FP32_TOL
+    assert rel(h, acc64(a, w)) <= BF16_TOL
+
+
+@pytest.mark.xfail(reason="BUG: runtime/torch_op.py register_fake gives every output the [.., M, N] shape, reductions "
+                   "included ([M], [N] or [] in fact): under torch.compile (inductor) an epilogue with a reduction "
+                   "fails with 'wrong number of dimensions1 for op: torch.ops.coda_dsl.gemm.default'", strict=True)
+def test_torch_compile_with_a_reduction(seed, rel):
+    ep = cd.epilogue(lambda acc: {"D": acc, "s": cd.sum(acc, axis="n")})
+
+    def block(a, w):
+        return cd.gemm(a, w, ep, backend="reference")["s"] * 2
+
+    torch._dynamo.reset()
+    a, w = torch.randn(M, K), torch.randn(N, K)
+    s = torch.compile(block, fullgraph=True)(a, w)
+    assert s.shape == (M,) and rel(s, acc64(a, w).sum(-1) * 2) <= FP32_TOL
