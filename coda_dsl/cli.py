@@ -191,7 +191,7 @@ def cmd_explain(args) -> int:
     print("\n## binding")
     print(f"  inputs:  {', '.join(f'{n} ({d})' for n, d in sig.operand_dtypes if n in plan.inputs) or '-'}")
     print(f"  scalars: {', '.join(plan.scalars) or '-'}")
-    print(f"  outputs: D ({plan.d_dtype})" + "".join(f", {n} ({d})" for n, d in plan.outputs))
+    print(f"  outputs: D ({plan.d_dtype})" + "".join(f", {n} ({d}{', per ' + k if k in ('m', 'n') else ''})" for n, d, k in plan.outputs))
     print(f"\n## specialization\n  A/B {sig.ab_dtype}, B layout {sig.b_layout}, config {sig.config.key}")
     print(f"  key {spec.key}  (op torch.ops.coda_dsl.{codegen.op_name(spec.key)})")
     print(f"  canonical: {plan.key}")

@@ -93,17 +93,11 @@ def test_finite_and_inf_literals_compile(toolchain, tmp_path):
     compile_functors(toolchain, tmp_path, literals)
 
 
-@pytest.mark.xfail(reason="BUG: ir/ops.py cpp_float spells NaN as __int_as_float(0x7fc00000), a __device__-only "
-                   "intrinsic, inside the __host__ __device__ functor: nvcc fails with 'calling a __device__ "
-                   "function from a __host__ __device__ function is not allowed' (use NAN from <cmath>, or "
-                   "__builtin_nanf(\"\"))", strict=True)
 def test_nan_literal_compiles(toolchain, tmp_path):
     nan_mask = cd.epilogue(lambda acc: cd.where(acc > 0, acc, float("nan")))
     compile_functors(toolchain, tmp_path, nan_mask)
 
 
-@pytest.mark.xfail(reason="BUG: ir/ops.py cpp_float renders a double beyond the fp32 range (-1e40) as `-inff`",
-                   strict=True)
 def test_beyond_fp32_literal_compiles(toolchain, tmp_path):
     big_mask = cd.epilogue(lambda acc: cd.where(acc > 0, acc, -1e40))
     compile_functors(toolchain, tmp_path, big_mask)

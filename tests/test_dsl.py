@@ -476,9 +476,6 @@ def test_signature_and_return_errors(fn, needles):
         assert needle in msg, (needle, msg)
 
 
-@pytest.mark.xfail(reason="BUG: dsl/__init__.py RESERVED lacks 'A' and 'B' (and CompiledOp's 'self'): an operand "
-                   "named A is accepted at definition, but cd.gemm(x, w, ep, A=...) then fails with Python's "
-                   "'got multiple values for argument A' TypeError", strict=True)
 def test_operand_named_like_a_gemm_argument_is_rejected_or_usable():
     def named_a(acc, A: cd.Tensor):
         return acc + A

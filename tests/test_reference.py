@@ -255,10 +255,6 @@ def test_batched_a_with_shared_b(seed, rel):
     assert out["D"].shape == (L, M, N) and rel(out["D"], ref) <= BF16_TOL
 
 
-@pytest.mark.xfail(reason="BUG: runtime/op.py _normalize folds A [L,M,K] with a 2-D B into [L*M, K]; operands are "
-                   "then checked against the folded shape: a VecN [L, N] (documented as allowed) and a Tensor "
-                   "[M, N] / VecM [M] broadcast over L are rejected (the same shapes work with B [L,N,K]), and the "
-                   "error quotes the folded shape ([L*M, N])", strict=True)
 @pytest.mark.parametrize("shapes", [
     dict(r=(M, N), sm=(L, M), bn=(N,)),
     dict(r=(L, M, N), sm=(M,), bn=(N,)),
@@ -272,9 +268,6 @@ def test_batched_a_shared_b_accepts_what_batched_b_accepts(seed, rel, shapes):
     assert shared.shape == (L, M, N) and rel(shared, expanded) <= 1e-6
 
 
-@pytest.mark.xfail(reason="BUG: runtime/op.py _unfold reshapes every output to [L, -1, last dim], reductions "
-                   "included: with A [L,M,K] and a 2-D B, any cd.sum/max/... output raises a RuntimeError (and "
-                   "an axis='m' or None reduction would run over all L*M rows instead of per batch)", strict=True)
 @pytest.mark.parametrize("axis, shape", [("n", (L, M)), ("m", (L, N)), (None, (L,))])
 def test_batched_a_shared_b_reductions(seed, rel, axis, shape):
     ep = cd.epilogue(lambda acc: {"D": acc, "s": cd.sum(acc, axis=axis)})
@@ -432,9 +425,6 @@ def test_torch_compile_fullgraph(seed, rel):
     assert rel(h, acc64(a, w)) <= BF16_TOL
 
 
-@pytest.mark.xfail(reason="BUG: runtime/torch_op.py register_fake gives every output the [.., M, N] shape, reductions "
-                   "included ([M], [N] or [] in fact): under torch.compile (inductor) an epilogue with a reduction "
-                   "fails with 'wrong number of dimensions1 for op: torch.ops.coda_dsl.gemm.default'", strict=True)
 def test_torch_compile_with_a_reduction(seed, rel):
     ep = cd.epilogue(lambda acc: {"D": acc, "s": cd.sum(acc, axis="n")})
 

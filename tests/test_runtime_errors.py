@@ -196,10 +196,6 @@ def test_out_with_unknown_name():
     assert names_epilogue(msg) and "'E'" in msg and "['D']" in msg
 
 
-@pytest.mark.xfail(reason="BUG: runtime/op.py run_reference copies into `out` tensors without checking their shape "
-                   "(or device): an out['D'] of shape [2, M, N] is silently broadcast-filled, and a wrong-size one "
-                   "fails with a bare RuntimeError from copy_; the cutlass path checks with _check_out",
-                   strict=True)
 def test_out_with_wrong_shape():
     a, b = ab()
     with pytest.raises(OperandError, match="out\\['D'\\]"):
@@ -221,9 +217,6 @@ def test_unknown_backend():
     assert "'triton'" in msg and "'cutlass'" in msg and "'reference'" in msg and "'auto'" in msg
 
 
-@pytest.mark.xfail(reason="BUG (consistency): runtime/op.py gemm raises a plain ValueError for an unknown backend, "
-                   "not a CodaError (OperandError is a ValueError subclass, so raising it would be compatible) and "
-                   "without naming the epilogue", strict=True)
 def test_unknown_backend_is_a_coda_error_naming_the_epilogue():
     a, b = ab()
     with pytest.raises(CodaError) as info:

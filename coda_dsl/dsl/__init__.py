@@ -11,7 +11,7 @@ from .trace import Reduction, Value, signature_params, trace
 from .types import Acc, Const, Scalar, Tensor, VecM, VecN
 
 # keyword arguments of cd.gemm; an operand may not take these names
-RESERVED = {"out", "backend", "config", "accumulate", "deterministic", "tune", "epilogue"}
+RESERVED = {"out", "backend", "config", "accumulate", "deterministic", "tune"}
 
 
 class Epilogue:

@@ -14,13 +14,13 @@ from ..errors import EpilogueError
 from ..ir import graph as ir
 from ..ir.ops import dtype_name
 
-_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_DSL_DIR = os.path.dirname(os.path.abspath(__file__))  # frames in here are the tracer, not the user
 
 
 def user_location() -> str:
-    """'file.py:line' of the innermost stack frame outside coda_dsl (the user's line)."""
+    """'file.py:line' of the innermost stack frame outside the DSL package (the user's line)."""
     f = sys._getframe(1)
-    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_PKG_DIR + os.sep):
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_DSL_DIR + os.sep):
         f = f.f_back
     if f is None:
         return "<unknown>"

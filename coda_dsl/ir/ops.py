@@ -86,8 +86,9 @@ def dtype_name(dtype) -> str:
 
 def cpp_float(v: float) -> str:
     """A C++ float literal that round-trips exactly (inf/nan included)."""
+    v = float(torch.tensor(v, dtype=torch.float32).item())  # round first: 1e40 is inf in fp32
     if math.isnan(v):
-        return "__int_as_float(0x7fc00000)"
+        return "NAN"
     if math.isinf(v):
         return "INFINITY" if v > 0 else "(-INFINITY)"
-    return f"{float(torch.tensor(v, dtype=torch.float32).item())!r}f"
+    return f"{v!r}f"

@@ -14,8 +14,8 @@ from collections import Counter
 from ..errors import EpilogueError, UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import OPS, cpp_float
-from .plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, EvtNode, Functor, Plan, RowBroadcast,
-                   Signature, cpp_element)
+from .plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, EvtNode, Functor, Plan, Reduction,
+                   RowBroadcast, Signature, cpp_element)
 
 _LOAD_NODE = {"tensor": AuxLoad, "vec_n": RowBroadcast, "vec_m": ColBroadcast}
 
@@ -26,10 +26,7 @@ def validate(program: ir.Program) -> None:
         raise UnsupportedError(f"epilogue '{program.name}' ({program.source}) has no 'D' output; "
                                "an epilogue without D is not supported yet: return {'D': ..., ...}")
     for node in ir.walk(program):
-        if node.op == "reduce":
-            raise UnsupportedError(f"epilogue '{program.name}' ({program.where(node)}): reductions are "
-                                   "traced and run on the reference backend, but not lowered to CUTLASS yet")
-        if not node.is_leaf and node.op not in OPS and node.op != "cast":
+        if not node.is_leaf and node.op not in OPS and node.op not in ("cast", "reduce"):
             raise EpilogueError(f"epilogue '{program.name}' ({program.where(node)}): unknown op '{node.op}'")
 
 
@@ -77,8 +74,8 @@ class _Lowering:
                 names[id(n)] = f"x{children.index(child)}"
             elif n.op == "const":
                 names[id(n)] = cpp_float(n.attr)
-            elif n.op == "scalar":
-                names[id(n)] = f"p.{n.attr}"
+            elif n.op == "scalar":  # by position: the key must not depend on names, nor C++ on them
+                names[id(n)] = f"p.s{self.scalars.index(n.attr)}"
             else:
                 args = [expr(i) for i in n.inputs]
                 if n.op == "cast":
@@ -114,25 +111,35 @@ class _Lowering:
                 uses[i] += 1
         outputs_at = {id(o.node) for o in program.outputs}
         for n in order:  # materialize shared values and outputs, inputs first
-            if not n.is_leaf and (uses[id(n)] >= 2 or id(n) in outputs_at):
+            if not n.is_leaf and n.op != "reduce" and (uses[id(n)] >= 2 or id(n) in outputs_at):
                 self.value(n)
         for n in order:
             if id(n) in outputs_at and n.op in ("const", "scalar"):
                 self.region(n)
         aux = [o for o in program.outputs if o.name != "D"]
         out_dtypes = dict(self.sig.output_dtypes)
+        outputs = []
         for j, o in enumerate(aux):
-            child = self.value(o.node)
-            self.add(AuxStore(f"Store_{o.name}", (child,), dtype=out_dtypes[o.name], output_index=j,
-                              comment=f"output {o.name}: {out_dtypes[o.name]}"))
+            if o.node.op == "reduce":  # a tap on the reduced value, which is fed by its own region
+                kind, axis = o.node.attr
+                child = self.value(o.node.inputs[0])
+                self.add(Reduction(f"Reduce_{o.name}", (child,), comment=f"output {o.name}: {kind} over "
+                                   f"{axis or 'm and n'}, fp32", kind=kind, axis=axis, output_index=j))
+                outputs.append((o.name, "fp32", {"n": "m", "m": "n", None: ""}[axis]))
+            else:
+                child = self.value(o.node)
+                self.add(AuxStore(f"Store_{o.name}", (child,), dtype=out_dtypes[o.name], output_index=j,
+                                  comment=f"output {o.name}: {out_dtypes[o.name]}"))
+                outputs.append((o.name, out_dtypes[o.name], "mn"))
         d = self.value(program.output("D").node)
-        last_value = self.nodes[-1].children[0] if isinstance(self.nodes[-1], AuxStore) else len(self.nodes) - 1
+        last = self.nodes[-1]
+        last_value = last.children[0] if isinstance(last, (AuxStore, Reduction)) else len(self.nodes) - 1
         if len(self.nodes) < 2 or last_value != d:  # the visitor's last node must yield D
             functor = Functor(f"Fn{len(self.functors)}", 1, [], "x0", text="D")
             self.functors.append(functor)
             self.add(Compute(f"Region{len(self.functors) - 1}", (d,), comment=f"{functor.name}: D", functor=functor))
-        return Plan(program.name, self.sig, self.nodes, self.functors, self.inputs,
-                    [(o.name, out_dtypes[o.name]) for o in aux], out_dtypes["D"], self.scalars)
+        return Plan(program.name, self.sig, self.nodes, self.functors, self.inputs, outputs, out_dtypes["D"],
+                    self.scalars)
 
 
 def lower(program: ir.Program, sig: Signature) -> Plan:

@@ -192,6 +192,55 @@ class AuxStore(EvtNode):
         return f"AuxStore{self.dtype}{self.children}"
 
 
+# kind -> (register reduce, warp-shuffle reduce, global atomic reduce, identity)
+_REDUCE_FNS = {
+    "sum": ("cutlass::plus", "cutlass::plus", "cutlass::atomic_add", "0.f"),
+    "max": ("cutlass::maximum", "cutlass::maximum", "cutlass::atomic_maximum", "-INFINITY"),
+    "min": ("cutlass::minimum", "cutlass::minimum", "coda::atomic_minimum", "INFINITY"),
+    "amax": ("coda::amax_reduce", "cutlass::maximum", "cutlass::atomic_maximum", "0.f"),
+}
+
+
+@dataclass
+class Reduction(EvtNode):
+    """A statistic of its input over an output axis, fp32, combined across tiles with global atomics.
+
+    axis "n" (per row, [M]) is CUTLASS's ColReduction, "m" (per column, [N]) its RowReduction:
+    CUTLASS names them after the shape of the result, the opposite of the ML reading.
+    """
+
+    kind: str = "sum"
+    axis: str | None = "n"
+    output_index: int = 0
+
+    def cpp_type(self) -> str:
+        reg, shuffle, gmem, _ = _REDUCE_FNS[self.kind]
+        if self.axis is None:
+            return (f"fusion::Sm90ScalarReduction<{reg}, {gmem}, float, float, {ROUND}, "
+                    "cute::Stride<cute::_0, cute::_0, int64_t>>")
+        node, stride = ("Sm90ColReduction", "cute::_1, cute::_0") if self.axis == "n" else \
+            ("Sm90RowReduction", "cute::_0, cute::_1")
+        return (f"fusion::{node}<{reg}, {shuffle}, {gmem}, 0, TileShape, float, float, {ROUND}, "
+                f"cute::Stride<{stride}, int64_t>>")
+
+    def cpp_args(self) -> str:
+        stride, batch = {"n": ("cute::_1{}, cute::_0{}", "M"), "m": ("cute::_0{}, cute::_1{}", "N"),
+                         None: ("cute::_0{}, cute::_0{}", "1")}[self.axis]
+        return (f"{{outputs[{self.output_index}].data_ptr<float>(), {self.identity}, "
+                f"{{{stride}, int64_t({batch})}}}}")
+
+    @property
+    def identity(self) -> str:
+        return _REDUCE_FNS[self.kind][3]
+
+    def cpp_init(self) -> str:
+        """Atomics accumulate into the output: fill it with the identity on every launch."""
+        return f"outputs[{self.output_index}].fill_({self.identity});"
+
+    def key(self) -> str:
+        return f"Reduce{self.kind}{self.axis}{self.children}"
+
+
 @dataclass
 class Plan:
     """One specialization: GEMM operand types, epilogue nodes, and the runtime binding order."""
@@ -201,7 +250,8 @@ class Plan:
     nodes: list[EvtNode]
     functors: list[Functor]
     inputs: list[str]  # operand names, in the order the op receives them
-    outputs: list[tuple[str, str]]  # (output name, dtype), aux outputs in the order the op receives them
+    outputs: list[tuple[str, str, str]]  # (name, dtype, shape kind) in the order the op receives them;
+    # shape kind: "mn" full tensor, "m" per row (reduced over n), "n" per column, "" a scalar
     d_dtype: str  # dtype of D
     scalars: list[str]  # scalar operand names, in the order the op receives them
 

@@ -21,14 +21,14 @@ BACKENDS = ("auto", "cutlass", "reference")
 
 @dataclass
 class Call:
-    """One call's operands, normalized: 2-D/3-D A and B, tensors/scalars/consts by operand name."""
+    """One call's operands: 2-D/3-D A and B, tensors/scalars/consts by operand name."""
 
     a: torch.Tensor
     b: torch.Tensor
     tensors: dict[str, torch.Tensor]
     scalars: dict[str, float]
     consts: dict[str, float]
-    batch: tuple[int, ...]  # leading dims of A folded into M (A 3-D with a 2-D B), to unfold outputs
+    batch: tuple[int, ...] = ()  # batch dims of A folded into M for the kernel (A 3-D, B 2-D)
 
     @property
     def mnkl(self) -> tuple[int, int, int, int]:
@@ -51,12 +51,8 @@ def _normalize(ep: Epilogue, a, b, operands: dict) -> Call:
         hint = ("B looks like [K, N]: pass B.t() (a view; no copy), since B is taken as [N, K] like an "
                 "nn.Linear weight" if b.shape[-2] == a.shape[-1] else "A is [M, K] and B is [N, K]")
         raise checks.fail(where, f"K mismatch: A {list(a.shape)} and B {list(b.shape)}", hint)
-    batch: tuple[int, ...] = ()
     if b.dim() == 3 and (a.dim() != 3 or a.shape[0] != b.shape[0]):
         raise checks.fail(where, f"batched B {list(b.shape)} needs A of shape [{b.shape[0]}, M, K], got {list(a.shape)}")
-    if a.dim() == 3 and b.dim() == 2:  # one weight for every batch: fold the batch into M
-        batch = (a.shape[0],)
-        a = a.reshape(-1, a.shape[-1])
 
     expected = {p.name for p in ep.params}
     unknown = sorted(set(operands) - expected)
@@ -69,9 +65,6 @@ def _normalize(ep: Epilogue, a, b, operands: dict) -> Call:
     for p in ep.params:
         v = operands[p.name]
         if p.kind in ir.LOAD_KINDS:
-            if batch and isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] == batch[0] and (
-                    p.kind == "tensor" and v.dim() == 3 or p.kind == "vec_m" and v.dim() == 2):
-                v = v.reshape(-1, *v.shape[2:])  # follow A's folding
             tensors[p.name] = v
         else:
             if isinstance(v, torch.Tensor) and v.numel() == 1 and p.kind == "scalar":
@@ -80,7 +73,7 @@ def _normalize(ep: Epilogue, a, b, operands: dict) -> Call:
             if not isinstance(v, (int, float)):
                 raise checks.fail(where, f"'{p.name}' ({p.kind}) must be a Python number, got {type(v).__name__}")
             (scalars if p.kind == "scalar" else consts)[p.name] = float(v)
-    return Call(a, b, tensors, scalars, consts, batch)
+    return Call(a, b, tensors, scalars, consts)
 
 
 def _check_tensors(ep: Epilogue, call: Call, cutlass: bool) -> dict[str, str]:
@@ -103,6 +96,10 @@ def _check_tensors(ep: Epilogue, call: Call, cutlass: bool) -> dict[str, str]:
         dtypes[name] = checks.dtype_of(t, where, f"operand '{name}'")
         if cutlass:
             (checks.tma_layout if kinds[name] == "tensor" else checks.vector)(where, f"operand '{name}'", t)
+            if kinds[name] == "tensor" and t.dim() == 2 and call.b.dim() == 3:
+                raise UnsupportedError(f"{where}: operand '{name}' is [M, N] but the GEMM is batched; the kernel "
+                                       f"reads one [M, N] slice per batch\n  fix: pass "
+                                       f"{name}.expand({l}, -1, -1).contiguous()")
     if cutlass:
         checks.tma_layout(where, "A", call.a)
         if call.b.stride(-1) != 1 and call.b.stride(-2) != 1:
@@ -120,8 +117,9 @@ class CompiledOp:
         self.op_name = codegen.op_name(key)
         self._op = None
         self._where = _where(epilogue)
-        self._out_dtypes = dict(plan.signature.output_dtypes)
-        self._torch_dtypes = {name: DTYPES[d][0] for name, d in self._out_dtypes.items()}
+        d_dtype = dict(plan.signature.output_dtypes)["D"]
+        # (name, torch dtype, shape kind) of D and then of what the op receives in `outputs`
+        self._outputs = [(name, DTYPES[d][0], kind) for name, d, kind in [("D", d_dtype, "mn"), *plan.outputs]]
 
     @classmethod
     def create(cls, epilogue: Epilogue, sig: Signature, consts: dict[str, float]) -> "CompiledOp":
@@ -143,59 +141,87 @@ class CompiledOp:
         return self
 
     def launch(self, call: Call, out: dict | None) -> dict[str, torch.Tensor]:
+        """Allocate (or check) the outputs and launch on the current stream. `call` is already folded."""
         m, n, _, l = call.mnkl
-        shape = (l, m, n) if call.a.dim() == 3 else (m, n)
-        unknown = set(out or ()) - set(self._torch_dtypes)
+        lead = (l,) if call.a.dim() == 3 else ()
+        shapes = {"mn": (*lead, m, n), "m": (*lead, m), "n": (*lead, n), "": lead}
+        names = [name for name, _, _ in self._outputs]
+        unknown = set(out or ()) - set(names)
         if unknown:
             raise checks.fail(self._where, f"out has {sorted(unknown)}, which the epilogue does not produce "
-                              f"(its outputs: {list(self._torch_dtypes)})")
+                              f"(its outputs: {names})")
         outs = {}
-        for name, dt in self._torch_dtypes.items():
+        for name, dt, kind in self._outputs:
             t = out.get(name) if out else None
             if t is None:
-                t = torch.empty(shape, dtype=dt, device=call.a.device)
+                t = torch.empty(shapes[kind], dtype=dt, device=call.a.device)
             else:
-                _check_out(self._where, name, t, shape, dt, call)
+                _check_out(self._where, name, t, shapes[kind], dt, call, tma=kind == "mn")
             outs[name] = t
         self.load()
-        plan = self.plan
-        self._op(call.a, call.b, outs["D"], [call.tensors[i] for i in plan.inputs],
-                 [call.scalars[s] for s in plan.scalars], [outs[o] for o, _ in plan.outputs])
+        self._op(call.a, call.b, outs["D"], [call.tensors[i] for i in self.plan.inputs],
+                 [call.scalars[s] for s in self.plan.scalars], [outs[name] for name in names[1:]])
         return outs
 
-    def __call__(self, A, B, *, out: dict | None = None, **operands) -> dict[str, torch.Tensor]:
+    def __call__(self, A, B, /, *, out: dict | None = None, **operands) -> dict[str, torch.Tensor]:
         call = _normalize(self.epilogue, A, B, operands)
         _check_tensors(self.epilogue, call, cutlass=True)
+        call = _fold(self.epilogue, call)
         return _unfold(self.launch(call, _fold_out(out, call)), call)
 
     def __repr__(self) -> str:
         return f"<CompiledOp {self.epilogue.name} key={self.key} op=torch.ops.coda_dsl.{self.op_name}>"
 
 
-def _check_out(where: str, name: str, t: torch.Tensor, shape, dtype, call: Call) -> None:
+def _check_out(where: str, name: str, t: torch.Tensor, shape, dtype, call: Call, tma: bool = True) -> None:
     if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
         got = f"{list(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
         raise checks.fail(where, f"out['{name}'] is {got}, expected {list(shape)} {dtype}")
     if t.device != call.a.device:
         raise checks.fail(where, f"out['{name}'] is on {t.device}, A on {call.a.device}")
-    checks.tma_layout(where, f"out['{name}']", t)
+    (checks.tma_layout if tma else checks.vector)(where, f"out['{name}']", t)
     for src_name, src in [("A", call.a), ("B", call.b), *call.tensors.items()]:
         if src.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
             raise checks.fail(where, f"out['{name}'] shares memory with input {src_name}: the kernel would read "
                               "values it has already overwritten", "pass a separate output tensor")
 
 
+def _fold(ep: Epilogue, call: Call) -> Call:
+    """For the kernel: a 3-D A with one 2-D weight is one GEMM of L*M rows; batched operands follow.
+    What cannot follow (per-batch column vectors, statistics over m) is refused with the fix."""
+    if call.a.dim() != 3 or call.b.dim() != 2:
+        return call
+    kinds = {p.name: p.kind for p in ep.params}
+    l, m = call.a.shape[0], call.a.shape[1]
+    cross = [o.name for o in ep.program.outputs if o.node.op == "reduce" and o.node.attr[1] != "n"]
+    per_batch_n = [n for n, t in call.tensors.items() if kinds[n] == "vec_n" and t.dim() == 2]
+    if cross or per_batch_n:
+        raise UnsupportedError(
+            f"{_where(ep)}: with a 3-D A and a 2-D B the kernel runs one GEMM over all L*M rows, so "
+            f"{'reductions over m ' + str(cross) if cross else 'per-batch VecN operands ' + str(per_batch_n)} "
+            "cannot be computed per batch\n  fix: pass B as [L, N, K]: B.expand(L, -1, -1).contiguous()")
+    tensors = {}
+    for name, t in call.tensors.items():
+        if kinds[name] == "tensor":
+            t = (t if t.dim() == 3 else t.expand(l, *t.shape)).reshape(l * m, t.shape[-1])
+        elif kinds[name] == "vec_m":
+            t = (t if t.dim() == 2 else t.expand(l, m)).reshape(l * m)
+        tensors[name] = t
+    return Call(call.a.reshape(l * m, -1), call.b, tensors, call.scalars, call.consts, (l,))
+
+
 def _fold_out(out: dict | None, call: Call) -> dict | None:
     if not out or not call.batch:
         return out
-    return {k: v.reshape(-1, v.shape[-1]) if isinstance(v, torch.Tensor) and v.dim() == 3 else v
+    # views, so the kernel writes into the caller's tensors (view() refuses where reshape would copy)
+    return {k: v.view(-1, *v.shape[2:]) if isinstance(v, torch.Tensor) and v.dim() >= 2 else v
             for k, v in out.items()}
 
 
 def _unfold(outs: dict[str, torch.Tensor], call: Call) -> dict[str, torch.Tensor]:
     if not call.batch:
         return outs
-    return {k: v.reshape(*call.batch, -1, v.shape[-1]) for k, v in outs.items()}
+    return {k: v.reshape(*call.batch, -1, *v.shape[1:]) for k, v in outs.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,7 +257,7 @@ def specialization(ep: Epilogue, call: Call, operand_dtypes: dict[str, str], out
     return op
 
 
-def gemm(A, B, epilogue: Epilogue | None = None, *, out: dict | None = None, backend: str = "auto",
+def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, backend: str = "auto",
          config: Config | str | None = None, **operands) -> dict[str, torch.Tensor]:
     """D = epilogue(A @ B^T, operands...) in one fused kernel. A: [M, K] (or [L, M, K]); B: [N, K]
     (an nn.Linear weight; pass W.t() for [K, N] storage) or [L, N, K]. Returns {output name: tensor}.
@@ -243,7 +269,7 @@ def gemm(A, B, epilogue: Epilogue | None = None, *, out: dict | None = None, bac
     if not isinstance(ep, Epilogue):
         raise TypeError(f"cd.gemm: epilogue must be a function decorated with @cd.epilogue, got {ep!r}")
     if backend not in BACKENDS:
-        raise ValueError(f"cd.gemm: backend must be one of {BACKENDS}, not {backend!r}")
+        raise OperandError(f"{_where(ep)}: backend must be one of {BACKENDS}, not {backend!r}")
     if torch.compiler.is_compiling():
         from .torch_op import traced_gemm
         return traced_gemm(ep, A, B, out, backend, config, operands)
@@ -253,18 +279,20 @@ def gemm(A, B, epilogue: Epilogue | None = None, *, out: dict | None = None, bac
         checks.require_hopper(_where(ep), call.a.device)
     dtypes = _check_tensors(ep, call, cutlass=use_cutlass)
     if not use_cutlass:
-        return _unfold(run_reference(ep, call, dtypes, _fold_out(out, call)), call)
+        return run_reference(ep, call, out)
     if isinstance(config, str):
         config = Config.parse(config)
     op = specialization(ep, call, dtypes, out, config)
+    call = _fold(ep, call)
     return _unfold(op.launch(call, _fold_out(out, call)), call)
 
 
-def compile(epilogue: Epilogue, A, B, *, out: dict | None = None, config: Config | str | None = None,
+def compile(epilogue: Epilogue, A, B, /, *, out: dict | None = None, config: Config | str | None = None,
             **operands) -> CompiledOp:  # noqa: A001
     """Build (or load from cache) the kernel for these operands' dtypes and layouts; returns the op."""
     call = _normalize(epilogue, A, B, operands)
-    checks.require_hopper(_where(epilogue), call.a.device) if call.a.is_cuda else None
+    if call.a.is_cuda:
+        checks.require_hopper(_where(epilogue), call.a.device)
     dtypes = _check_tensors(epilogue, call, cutlass=True)
     if isinstance(config, str):
         config = Config.parse(config)
@@ -290,7 +318,7 @@ def _cutlass_available(device: torch.device) -> bool:
     return False
 
 
-def run_reference(ep: Epilogue, call: Call, operand_dtypes: dict[str, str], out: dict | None):
+def run_reference(ep: Epilogue, call: Call, out: dict | None):
     ab = checks.dtype_of(call.a, _where(ep), "A")
     program = specialize(ep.program, call.consts)
     out_dtypes = dict(_output_dtypes(ep, ab, out))
@@ -301,7 +329,11 @@ def run_reference(ep: Epilogue, call: Call, operand_dtypes: dict[str, str], out:
             if name not in res:
                 raise OperandError(f"{_where(ep)}: out has '{name}', which is not an output of the epilogue "
                                    f"({list(res)})")
-            t.copy_(res[name])
+            r = res[name]
+            if not isinstance(t, torch.Tensor) or t.shape != r.shape or t.dtype != r.dtype or t.device != r.device:
+                got = f"{list(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise checks.fail(_where(ep), f"out['{name}'] is {got}, expected {list(r.shape)} {r.dtype} on {r.device}")
+            t.copy_(r)
             res[name] = t
     return res
 

@@ -27,8 +27,14 @@ def _gemm(uid: str, a: torch.Tensor, b: torch.Tensor, tensors: list[torch.Tensor
 @_gemm.register_fake
 def _(uid, a, b, tensors, numbers, backend, config):
     ep = Epilogue.by_uid(uid)
-    shape = (*a.shape[:-1], b.shape[-2])
-    return [a.new_empty(shape, dtype=DTYPES[o.dtype][0] if o.dtype else a.dtype) for o in ep.program.outputs]
+    lead, m, n = a.shape[:-2], a.shape[-2], b.shape[-2]
+    outs = []
+    for o in ep.program.outputs:
+        shape = (*lead, m, n)
+        if o.node.op == "reduce":  # reduced over n -> [.., M]; over m -> [.., N]; over both -> [..]
+            shape = {"n": (*lead, m), "m": (*lead, n), None: tuple(lead)}[o.node.attr[1]]
+        outs.append(a.new_empty(shape, dtype=DTYPES[o.dtype][0] if o.dtype else a.dtype))
+    return outs
 
 
 def traced_gemm(ep: Epilogue, a, b, out, backend, config, operands) -> dict:

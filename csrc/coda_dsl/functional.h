@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include "cutlass/cutlass.h"
+#include "cutlass/functional.h"
 #include "cutlass/numeric_conversion.h"
 
 namespace coda {
@@ -26,3 +27,31 @@ CUTLASS_HOST_DEVICE float round_to(float x) {
 }
 
 }  // namespace coda
+
+// Reductions CUTLASS lacks: max |x| as a one-parameter template, and a float atomic minimum.
+namespace coda {
+
+template <class T>
+using amax_reduce = cutlass::maximum_absolute_value_reduction<T, true>;
+
+template <class T>
+struct atomic_minimum {
+  CUTLASS_DEVICE void operator()(T* ptr, T value) const { atomicMin(ptr, value); }
+};
+template <>
+struct atomic_minimum<float> {
+  // Non-negative floats order like signed ints; negative ones order in reverse as unsigned ints.
+  CUTLASS_DEVICE void operator()(float* ptr, float value) const {
+#if defined(__CUDA_ARCH__)
+    if (!::signbit(value)) atomicMin(reinterpret_cast<int*>(ptr), __float_as_int(value));
+    else atomicMax(reinterpret_cast<unsigned int*>(ptr), __float_as_uint(value));
+#endif
+  }
+};
+
+}  // namespace coda
+
+namespace cutlass {
+template <class T>
+struct is_atomic<coda::atomic_minimum<T>> : platform::true_type {};
+}  // namespace cutlass
