@@ -54,8 +54,23 @@ def activations(acc, t: cd.Scalar):
     return {
         "D": picked + cd.maximum(x, -x * 0.5) - cd.minimum(x, 1.0),
         "c": cd.cast((x <= t) + (x >= 0) * 2.0 + (x == 0) * 4.0 + (x != 1.0) * 8.0 + (x < -t) * 16.0, cd.float32),
-        "r": cd.cast(cd.relu(-x) + cd.cast(x, cd.bfloat16) ** 2, cd.float32),
+        "r": cd.relu(-x) + cd.cast(x, cd.bfloat16) ** 2,  # bf16: a rounding boundary may flip with acc order
     }
+
+
+@cd.epilogue
+def row_stats(acc, residual: cd.Tensor):
+    h = acc + residual
+    return {"D": h, "sumsq": cd.sum(h * h, axis="n"), "rowmax": cd.max(h, axis="n"),
+            "rowmin": cd.min(h, axis="n"), "rowamax": cd.amax(h, axis="n")}
+
+
+@cd.epilogue
+def col_and_total_stats(acc, scale: cd.Scalar):
+    x = acc * scale
+    return {"D": x, "colsum": cd.sum(x, axis="m"), "colmax": cd.max(x, axis="m"), "colmin": cd.min(x, axis="m"),
+            "colamax": cd.amax(x, axis="m"), "total": cd.sum(x, axis=None), "tmax": cd.max(x, axis=None),
+            "tmin": cd.min(x, axis=None), "tamax": cd.amax(x, axis=None)}
 
 
 def _rand(*shape, dtype=torch.bfloat16):
@@ -72,6 +87,8 @@ def _operands(ep, m, n, dtype, batch=None):
         transcendental: lambda: {},
         activations: lambda: dict(t=0.3),
         cd.identity: lambda: {},
+        row_stats: lambda: dict(residual=_rand(*lead, m, n, dtype=dtype)),
+        col_and_total_stats: lambda: dict(scale=0.5),
     }
     return make[ep]()
 
@@ -87,6 +104,8 @@ CASES = [
     (all_kinds, torch.bfloat16, "nk"),
     (transcendental, torch.bfloat16, "nk"),
     (activations, torch.bfloat16, "nk"),
+    (row_stats, torch.bfloat16, "nk"),
+    (col_and_total_stats, torch.bfloat16, "nk"),
 ]
 
 
@@ -116,7 +135,7 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _tol(t: torch.Tensor) -> float:
-    return 1e-4 if t.dtype == torch.float32 else 1e-2
+    return 1e-5 if t.dtype == torch.float32 else 1e-2  # fp32: reductions and fp32 outputs of fp32 math
 
 
 def _check(ep, a, b, operands, batch=None):
@@ -153,6 +172,27 @@ def test_batched_a_shared_weight(kernels):
     b = _rand(136, 64)  # one weight for every batch: folded into M
     ops = _operands(residual_rms, 100, 136, torch.bfloat16, batch=3)
     _check(residual_rms, a, b, ops)
+
+
+@pytest.mark.parametrize("sign", [-1.0, 1.0], ids=["all-negative", "all-positive"])
+def test_reductions_extreme_inputs(kernels, sign):
+    """All-negative values (max must not report the 0 of a wrong identity), large magnitudes for sums."""
+    m, n, k = 777, 4104, 1000
+    a = (torch.rand(m, k, device="cuda") + 0.1).bfloat16()
+    b = (torch.rand(n, k, device="cuda") * sign + 0.1 * sign).bfloat16()  # acc has one sign everywhere
+    _check(row_stats, a, b, dict(residual=_rand(m, n) * 1e3))
+    _check(col_and_total_stats, a, b, dict(scale=1e3))
+
+
+def test_reductions_batched(kernels):
+    m, n, k, l = 300, 264, 128, 3
+    a, b = _ab(m, n, k, torch.bfloat16, "nk", batch=l)
+    _check(row_stats, a, b, dict(residual=_rand(l, m, n)))
+    _check(col_and_total_stats, a, b, dict(scale=0.25))
+    a2d = _rand(l, m, k)  # 3-D A with a shared 2-D B: per-row statistics fold, per-column ones are refused
+    _check(row_stats, a2d, b[0], dict(residual=_rand(l, m, n)))
+    with pytest.raises(cd.UnsupportedError, match="reductions over m"):
+        cd.gemm(a2d, b[0], col_and_total_stats, scale=1.0, backend="cutlass")
 
 
 def test_scalar_change_does_not_rebuild(kernels):
