@@ -96,11 +96,16 @@ class AccFetch(EvtNode):
 
 
 @dataclass
-class AuxLoad(EvtNode):
-    """A full [M, N] operand, TMA-loaded into shared memory by the producer warp."""
+class Operand(EvtNode):
+    """A leaf reading one runtime operand, `inputs[input_index]`, of element type `dtype`."""
 
     dtype: str = "bf16"
     input_index: int = 0
+
+
+@dataclass
+class AuxLoad(Operand):
+    """A full [M, N] operand, TMA-loaded into shared memory by the producer warp."""
 
     def cpp_type(self) -> str:
         e = cpp_element(self.dtype)
@@ -114,11 +119,8 @@ class AuxLoad(EvtNode):
 
 
 @dataclass
-class RowBroadcast(EvtNode):
+class RowBroadcast(Operand):
     """A vector over n (one value per column), broadcast down the rows: CUTLASS's RowBroadcast."""
-
-    dtype: str = "bf16"
-    input_index: int = 0
 
     def cpp_type(self) -> str:
         return (f"fusion::Sm90RowBroadcast<0, TileShape, {cpp_element(self.dtype)}, float, "
@@ -132,11 +134,8 @@ class RowBroadcast(EvtNode):
 
 
 @dataclass
-class ColBroadcast(EvtNode):
+class ColBroadcast(Operand):
     """A vector over m (one value per row), broadcast along the columns: CUTLASS's ColBroadcast."""
-
-    dtype: str = "bf16"
-    input_index: int = 0
 
     def cpp_type(self) -> str:
         return (f"fusion::Sm90ColBroadcast<0, TileShape, {cpp_element(self.dtype)}, float, "
