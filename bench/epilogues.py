@@ -111,7 +111,8 @@ def _compiled(eager: Callable, mode):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m bench.epilogues", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES), help="MxNxK,...")
     p.add_argument("--only", default=",".join(CASES), help=f"subset of {list(CASES)}")
     p.add_argument("--autotune", action="store_true", help="torch.compile with max-autotune-no-cudagraphs")

@@ -26,7 +26,7 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
   python3 -m bench.epilogues ${BENCH_ARGS---shapes 4096x4096x4096 --iters 20} 2>"$OUT/bench_progress.log" \
     | tee "$OUT/bench.md" || rc=1
 fi
-# keep the logs of failed builds (first 200 lines each) for the caller
+# keep the logs of failed builds (first 60 kB each) for the caller
 for d in "$CODA_DSL_CACHE"/failed/*/; do
   [ -f "$d/build.log" ] && { echo "=== $d"; head -c 60000 "$d/build.log"; } >> "$OUT/failed_builds.log"
 done

@@ -49,7 +49,7 @@ def test_rich_kernel_compiles(toolchain, cache, make_plan):
     # the plan really is rich: every operand kind, two aux outputs of different dtypes, a shared value
     kinds = Counter(type(n) for n in plan.nodes)
     assert kinds[AuxLoad] == kinds[RowBroadcast] == kinds[ColBroadcast] == 1 and kinds[AuxStore] == 2
-    assert sorted(d for _, d in plan.outputs) == ["fp16", "fp32"] and plan.scalars == ["alpha", "beta"]
+    assert sorted(d for _, d, _ in plan.outputs) == ["fp16", "fp32"] and plan.scalars == ["alpha", "beta"]
     parents = Counter(c for n in plan.nodes for c in n.children)
     assert any(parents[i] >= 3 for i, n in enumerate(plan.nodes) if n.children)
     key = build.specialization_key(plan.key)
