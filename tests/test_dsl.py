@@ -334,7 +334,7 @@ BODY_ERRORS = [
     (e_cast_int, ["int8", "torch.bfloat16", "torch.float16", "torch.float32"]),
     (e_cast_str, ["fp8", "torch.bfloat16"]),
     (e_pow, ["** 3", "x * x"]),
-    (e_iter, ["not iterable", "cd.pairs"]),
+    (e_iter, ["not iterable", "per element"]),
     (e_string, ["str"]),
 ]
 
