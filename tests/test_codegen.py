@@ -52,7 +52,7 @@ def using_types(src):
 
 def evt_edges(src):
     """(edges, node names) of the EVT type: a topological visitor, or (two nodes) a plain Sm90EVT tree."""
-    tree = re.search(r"^using EVT = fusion::Sm90EVT<(\w+), (\w+)>;", src, re.M)
+    tree = re.search(r"^using Visitor = fusion::Sm90EVT<(\w+), (\w+)>;", src, re.M)
     if tree:
         assert "Sm90TopologicalVisitor" not in src
         return [(), (0,)], [tree.group(2), tree.group(1)]

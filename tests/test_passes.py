@@ -298,12 +298,12 @@ def test_scalar_rename_keeps_the_key(make_plan):
 # ---------------------------------------------------------------------------------------------
 # validate / reductions
 # ---------------------------------------------------------------------------------------------
-def test_program_without_d_is_unsupported(make_plan):
-    ep = cd.epilogue(lambda acc: {"y": acc * 2})
-    with pytest.raises(UnsupportedError, match="no 'D' output"):
-        validate(ep.program)
-    with pytest.raises(UnsupportedError):
-        make_plan(ep)
+def test_program_without_d_stores_no_d(make_plan):
+    ep = cd.epilogue(lambda acc: {"y": acc * 2, "s": cd.sum(acc, axis="n")})
+    plan = make_plan(ep)
+    assert plan.d_dtype is None
+    assert [o[0] for o in plan.outputs] == ["y", "s"]
+    assert not any(isinstance(n, Compute) and n.functor.text == "D" for n in plan.nodes)
 
 
 @pytest.mark.parametrize("kind", ["sum", "max", "min", "amax"])

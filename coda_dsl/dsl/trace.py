@@ -127,6 +127,21 @@ class Reduction(Value):
             "cd.VecM operand: the reparameterization of the CODA paper)",
         )
 
+    def then(self, fn: Callable) -> "Reduction":
+        """A finishing expression on the complete statistic, run after the GEMM in one small kernel:
+        cd.sum(h * h, axis="n").then(lambda s: cd.rsqrt(s * inv_n + eps)). It may use scalars and
+        constants, not [M, N] values or other reductions."""
+        if self.node.op == "finish":
+            raise fail(".then() was already applied to this reduction", "compose both steps in one function")
+        result = fn(Value(ir.reduced()))
+        node = lift(result)
+        bad = [n.op for n in ir.topo_order([node]) if n.op in ("acc", "load", "reduce")]
+        if bad:
+            raise fail(f"a finishing expression sees only the statistic, scalars and constants, but it uses "
+                       f"{'the accumulator' if bad[0] == 'acc' else 'an operand' if bad[0] == 'load' else 'a reduction'}",
+                       "move that math into the epilogue body (before the reduction) or the next GEMM")
+        return Reduction(ir.finish(self.node, node))
+
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _misuse
     __truediv__ = __rtruediv__ = __neg__ = __abs__ = __pow__ = _misuse
     __lt__ = __le__ = __gt__ = __ge__ = __eq__ = __ne__ = _misuse  # type: ignore[assignment]
@@ -198,7 +213,7 @@ def _outputs(result: Any, name: str, source: str) -> tuple[ir.Output, ...]:
             )
         node = v.node
         dtype = node.attr if node.op == "cast" else None
-        if node.op == "reduce" and dtype is None:
+        if node.op in ("reduce", "finish"):
             dtype = "fp32"
         outs.append(ir.Output(key, node, dtype))
     return tuple(outs)

@@ -6,6 +6,8 @@ written twice is one node: common-subexpression elimination falls out of constru
 Leaves:   acc, load(kind, name), scalar(name), const(value), const_param(name)
 Compute:  an op name of ir/ops.py with its inputs; cast(dtype) rounds through a storable dtype
 Reduce:   reduce(kind, axis) over one input (kind: sum | max | min | amax)
+Finish:   finish(reduce) applies attr, an expression over the leaf `reduced` (plus scalars and
+          constants), to the complete statistic after the GEMM
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ class Node:
 
     @property
     def is_leaf(self) -> bool:
-        return self.op in ("acc", "load", "scalar", "const", "const_param")
+        return self.op in ("acc", "load", "scalar", "const", "const_param", "reduced")
 
 
 def acc() -> Node:
@@ -71,6 +73,21 @@ def cast(x: Node, dtype: str) -> Node:
 def reduce(kind: str, axis, x: Node) -> Node:
     assert kind in REDUCE_KINDS and axis in REDUCE_AXES
     return Node("reduce", (x,), (kind, axis))
+
+
+def reduced() -> Node:
+    """Stands for the complete statistic inside a finishing expression."""
+    return Node("reduced")
+
+
+def finish(r: Node, expression: Node) -> Node:
+    assert r.op == "reduce"
+    return Node("finish", (r,), expression)
+
+
+def reduction_of(node: Node) -> Node | None:
+    """The reduce node behind an output (itself, or under its finishing step), else None."""
+    return node if node.op == "reduce" else node.inputs[0] if node.op == "finish" else None
 
 
 @dataclass(frozen=True)
@@ -132,6 +149,12 @@ def walk(program: Program) -> Iterator[Node]:
     yield from topo_order([o.node for o in program.outputs])
 
 
+def _leaf_name(n: Node, names: dict) -> str:
+    if id(n) in names:
+        return names[id(n)]
+    return {"const": repr(n.attr), "reduced": "reduced"}.get(n.op, str(n.attr))
+
+
 def format_program(program: Program) -> str:
     """A readable SSA listing of the program (used by `coda-dsl explain`)."""
     names: dict[int, str] = {}
@@ -140,6 +163,9 @@ def format_program(program: Program) -> str:
         if n.op == "acc":
             names[id(n)] = "acc"
             continue
+        if n.op == "reduced":
+            names[id(n)] = "reduced"
+            continue
         if n.op in ("load", "scalar", "const_param"):
             names[id(n)] = n.attr[1] if n.op == "load" else n.attr
             continue
@@ -147,7 +173,13 @@ def format_program(program: Program) -> str:
             names[id(n)] = repr(n.attr)
             continue
         args = ", ".join(names[id(x)] for x in n.inputs)
-        attr = f"[{n.attr}]" if n.attr is not None else ""
+        attr = f"[{n.attr}]" if n.attr is not None and n.op != "finish" else ""
+        if n.op == "finish":  # list the finishing expression first, over `reduced`
+            for m in topo_order([n.attr]):
+                if id(m) not in names and not m.is_leaf:
+                    names[id(m)] = f"%f{len(names)}"
+                    lines.append(f"  {names[id(m)]} = {m.op}({', '.join(_leaf_name(x, names) for x in m.inputs)})")
+            attr = f"[{_leaf_name(n.attr, names)}]"
         names[id(n)] = f"%{i}"
         lines.append(f"  %{i} = {n.op}{attr}({args})")
     for o in program.outputs:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ..errors import EpilogueError, UnsupportedError
+from ..errors import EpilogueError
 from ..ir import graph as ir
 from ..ir.ops import OPS, cpp_float
 from .plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, EvtNode, Functor, Plan, Reduction,
@@ -22,11 +22,8 @@ _LOAD_NODE = {"tensor": AuxLoad, "vec_n": RowBroadcast, "vec_m": ColBroadcast}
 
 def validate(program: ir.Program) -> None:
     """Reject what no lowering can run, with the user's line."""
-    if program.output("D") is None:
-        raise UnsupportedError(f"epilogue '{program.name}' ({program.source}) has no 'D' output; "
-                               "an epilogue without D is not supported yet: return {'D': ..., ...}")
     for node in ir.walk(program):
-        if not node.is_leaf and node.op not in OPS and node.op not in ("cast", "reduce"):
+        if not node.is_leaf and node.op not in OPS and node.op not in ("cast", "reduce", "finish"):
             raise EpilogueError(f"epilogue '{program.name}' ({program.where(node)}): unknown op '{node.op}'")
 
 
@@ -58,20 +55,18 @@ class _Lowering:
                                                  comment=f"{name}: {kind}, {self.dtypes[name]}"))
         return self.index[id(n)]
 
-    def region(self, root: ir.Node) -> int:
-        """Fuse the expression below `root` (down to leaves and other materialized values) into one functor."""
-        children: list[int] = []
+    def expression(self, root: ir.Node, operand) -> tuple[list[str], str]:
+        """C++ statements computing `root` in fp32 and the name of the result. `operand(n)` names the
+        functor input that holds node n (or returns None where n is computed here)."""
         body: list[str] = []
         names: dict[int, str] = {}
 
         def expr(n: ir.Node) -> str:
             if id(n) in names:
                 return names[id(n)]
-            if n is not root and (id(n) in self.index or n.op in ("acc", "load")):
-                child = self.index[id(n)] if id(n) in self.index else self.leaf(n)
-                if child not in children:
-                    children.append(child)
-                names[id(n)] = f"x{children.index(child)}"
+            given = operand(n)
+            if given is not None:
+                names[id(n)] = given
             elif n.op == "const":
                 names[id(n)] = cpp_float(n.attr)
             elif n.op == "scalar":  # by position: the key must not depend on names, nor C++ on them
@@ -86,16 +81,47 @@ class _Lowering:
                 body.append(f"float t{len(body)} = {value};")
             return names[id(n)]
 
-        result = expr(root)
+        return body, expr(root)
+
+    def functor(self, arity: int, body: list[str], result: str, text: str) -> Functor:
+        f = Functor(f"Fn{len(self.functors)}", arity, body, result, text=text)
+        self.functors.append(f)
+        return f
+
+    def region(self, root: ir.Node) -> int:
+        """Fuse the expression below `root` (down to leaves and other materialized values) into one functor."""
+        children: list[int] = []
+
+        def operand(n: ir.Node):
+            if n is root or not (id(n) in self.index or n.op in ("acc", "load")):
+                return None
+            child = self.index[id(n)] if id(n) in self.index else self.leaf(n)
+            if child not in children:
+                children.append(child)
+            return f"x{children.index(child)}"
+
+        body, result = self.expression(root, operand)
         if not children:  # a constant output still needs one input for Sm90Compute
             children.append(self.leaf(ir.acc()))
-        functor = Functor(f"Fn{len(self.functors)}", len(children), body, result,
-                          text=self.program.where(root))
-        self.functors.append(functor)
-        idx = self.add(Compute(f"Region{len(self.functors) - 1}", tuple(children), comment=f"{functor.name}: {functor.text}",
-                               functor=functor))
+        f = self.functor(len(children), body, result, self.program.where(root))
+        idx = self.add(Compute(f"Region{f.name[2:]}", tuple(children), comment=f"{f.name}: {f.text}", functor=f))
         self.index[id(root)] = idx
         return idx
+
+    def reduction(self, name: str, node: ir.Node, output_index: int) -> str:
+        """A reduction tap (with its finishing expression, if any); returns the output's shape kind."""
+        finish = None
+        if node.op == "finish":
+            body, result = self.expression(node.attr, lambda n: "x0" if n.op == "reduced" else None)
+            finish = self.functor(1, body, result, f"{name}: finishing expression")
+            node = node.inputs[0]
+        kind, axis = node.attr
+        child = self.value(node.inputs[0])
+        mode = "deterministic" if self.sig.deterministic else "atomic"
+        self.add(Reduction(f"Reduce_{name}", (child,), comment=f"output {name}: {kind} over {axis or 'm and n'}, "
+                           f"fp32, {mode}" + (f", then {finish.name}" if finish else ""), kind=kind, axis=axis,
+                           output_index=output_index, deterministic=self.sig.deterministic, finish=finish))
+        return {"n": "m", "m": "n", None: ""}[axis]
 
     def value(self, n: ir.Node) -> int:
         if n.op in ("acc", "load"):
@@ -111,7 +137,7 @@ class _Lowering:
                 uses[i] += 1
         outputs_at = {id(o.node) for o in program.outputs}
         for n in order:  # materialize shared values and outputs, inputs first
-            if not n.is_leaf and n.op != "reduce" and (uses[id(n)] >= 2 or id(n) in outputs_at):
+            if not n.is_leaf and n.op not in ("reduce", "finish") and (uses[id(n)] >= 2 or id(n) in outputs_at):
                 self.value(n)
         for n in order:
             if id(n) in outputs_at and n.op in ("const", "scalar"):
@@ -120,26 +146,22 @@ class _Lowering:
         out_dtypes = dict(self.sig.output_dtypes)
         outputs = []
         for j, o in enumerate(aux):
-            if o.node.op == "reduce":  # a tap on the reduced value, which is fed by its own region
-                kind, axis = o.node.attr
-                child = self.value(o.node.inputs[0])
-                self.add(Reduction(f"Reduce_{o.name}", (child,), comment=f"output {o.name}: {kind} over "
-                                   f"{axis or 'm and n'}, fp32", kind=kind, axis=axis, output_index=j))
-                outputs.append((o.name, "fp32", {"n": "m", "m": "n", None: ""}[axis]))
+            if o.node.op in ("reduce", "finish"):  # a tap on the reduced value, fed by its own region
+                outputs.append((o.name, "fp32", self.reduction(o.name, o.node, j)))
             else:
                 child = self.value(o.node)
                 self.add(AuxStore(f"Store_{o.name}", (child,), dtype=out_dtypes[o.name], output_index=j,
                                   comment=f"output {o.name}: {out_dtypes[o.name]}"))
                 outputs.append((o.name, out_dtypes[o.name], "mn"))
-        d = self.value(program.output("D").node)
+        d_out = program.output("D")
+        d = self.value(d_out.node) if d_out else None
         last = self.nodes[-1]
         last_value = last.children[0] if isinstance(last, (AuxStore, Reduction)) else len(self.nodes) - 1
-        if len(self.nodes) < 2 or last_value != d:  # the visitor's last node must yield D
-            functor = Functor(f"Fn{len(self.functors)}", 1, [], "x0", text="D")
-            self.functors.append(functor)
-            self.add(Compute(f"Region{len(self.functors) - 1}", (d,), comment=f"{functor.name}: D", functor=functor))
-        return Plan(program.name, self.sig, self.nodes, self.functors, self.inputs, outputs, out_dtypes["D"],
-                    self.scalars)
+        if d is not None and (len(self.nodes) < 2 or last_value != d):  # the last node must yield D
+            f = self.functor(1, [], "x0", "D")
+            self.add(Compute(f"Region{f.name[2:]}", (d,), comment=f"{f.name}: D", functor=f))
+        return Plan(program.name, self.sig, self.nodes, self.functors, self.inputs, outputs,
+                    out_dtypes["D"] if d_out else None, self.scalars)
 
 
 def lower(program: ir.Program, sig: Signature) -> Plan:

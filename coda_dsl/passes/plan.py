@@ -63,11 +63,12 @@ class Signature:
     output_dtypes: tuple[tuple[str, str], ...]  # (output name, dtype) of every tensor output
     consts: tuple[tuple[str, float], ...] = ()
     config: Config = Config()
+    deterministic: bool = False  # reductions: fixed-order combine instead of atomics
 
     @property
     def key(self) -> str:
         return repr((self.ab_dtype, self.b_layout, self.operand_dtypes, self.output_dtypes, self.consts,
-                     self.config.key))
+                     self.config.key, self.deterministic))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,53 +192,90 @@ class AuxStore(EvtNode):
         return f"AuxStore{self.dtype}{self.children}"
 
 
-# kind -> (register reduce, warp-shuffle reduce, global atomic reduce, identity)
+# kind -> (register reduce, warp-shuffle reduce, global atomic reduce, tile combine, identity)
 _REDUCE_FNS = {
-    "sum": ("cutlass::plus", "cutlass::plus", "cutlass::atomic_add", "0.f"),
-    "max": ("cutlass::maximum", "cutlass::maximum", "cutlass::atomic_maximum", "-INFINITY"),
-    "min": ("cutlass::minimum", "cutlass::minimum", "coda::atomic_minimum", "INFINITY"),
-    "amax": ("coda::amax_reduce", "cutlass::maximum", "cutlass::atomic_maximum", "0.f"),
+    "sum": ("cutlass::plus", "cutlass::plus", "cutlass::atomic_add", "cutlass::plus", "0.f"),
+    "max": ("cutlass::maximum", "cutlass::maximum", "cutlass::atomic_maximum", "cutlass::maximum", "-INFINITY"),
+    "min": ("cutlass::minimum", "cutlass::minimum", "coda::atomic_minimum", "cutlass::minimum", "INFINITY"),
+    "amax": ("coda::amax_reduce", "cutlass::maximum", "cutlass::atomic_maximum", "cutlass::maximum", "0.f"),
 }
+_FINISH_COMBINE = {"sum": "coda::Plus", "max": "coda::Max", "min": "coda::Min", "amax": "coda::Max"}
 
 
 @dataclass
 class Reduction(EvtNode):
-    """A statistic of its input over an output axis, fp32, combined across tiles with global atomics.
+    """A statistic of its input over an output axis, in fp32.
 
     axis "n" (per row, [M]) is CUTLASS's ColReduction, "m" (per column, [N]) its RowReduction:
     CUTLASS names them after the shape of the result, the opposite of the ML reading.
+    Default: tiles combine with global atomics into the output (filled with the identity first).
+    deterministic: every tile writes its partial (FinalReduction=false) and a small finishing kernel
+    combines them in a fixed order. `finish` (from `.then`) runs in that kernel too.
     """
 
     kind: str = "sum"
     axis: str | None = "n"
     output_index: int = 0
-
-    def cpp_type(self) -> str:
-        reg, shuffle, gmem, _ = _REDUCE_FNS[self.kind]
-        if self.axis is None:
-            return (f"fusion::Sm90ScalarReduction<{reg}, {gmem}, float, float, {ROUND}, "
-                    "cute::Stride<cute::_0, cute::_0, int64_t>>")
-        node, stride = ("Sm90ColReduction", "cute::_1, cute::_0") if self.axis == "n" else \
-            ("Sm90RowReduction", "cute::_0, cute::_1")
-        return (f"fusion::{node}<{reg}, {shuffle}, {gmem}, 0, TileShape, float, float, {ROUND}, "
-                f"cute::Stride<{stride}, int64_t>>")
-
-    def cpp_args(self) -> str:
-        stride, batch = {"n": ("cute::_1{}, cute::_0{}", "M"), "m": ("cute::_0{}, cute::_1{}", "N"),
-                         None: ("cute::_0{}, cute::_0{}", "1")}[self.axis]
-        return (f"{{outputs[{self.output_index}].data_ptr<float>(), {self.identity}, "
-                f"{{{stride}, int64_t({batch})}}}}")
+    deterministic: bool = False
+    finish: Functor | None = None
 
     @property
     def identity(self) -> str:
-        return _REDUCE_FNS[self.kind][3]
+        return _REDUCE_FNS[self.kind][4]
+
+    @property
+    def _partials(self) -> str:
+        return f"partial_{self.output_index}"
+
+    def cpp_type(self) -> str:
+        reg, shuffle, atomic, combine, _ = _REDUCE_FNS[self.kind]
+        if self.axis is None and not self.deterministic:
+            return (f"fusion::Sm90ScalarReduction<{reg}, {atomic}, float, float, {ROUND}, "
+                    "cute::Stride<cute::_0, cute::_0, int64_t>>")
+        node, stride = ("Sm90RowReduction", "cute::_0, cute::_1") if self.axis == "m" else \
+            ("Sm90ColReduction", "cute::_1, cute::_0")  # deterministic totals reduce per-row partials
+        tail = ", 4, true, false" if self.deterministic else ""  # alignment, nullptr check, no final pass
+        return (f"fusion::{node}<{reg}, {shuffle}, {combine if self.deterministic else atomic}, 0, TileShape, "
+                f"float, float, {ROUND}, cute::Stride<{stride}, int64_t>{tail}>")
+
+    def cpp_args(self) -> str:
+        axis = "n" if self.axis is None and self.deterministic else self.axis
+        stride, batch = {"n": ("cute::_1{}, cute::_0{}", "M"), "m": ("cute::_0{}, cute::_1{}", "N"),
+                         None: ("cute::_0{}, cute::_0{}", "1")}[axis]
+        ptr = f"{self._partials}.data_ptr<float>()" if self.deterministic else \
+            f"outputs[{self.output_index}].data_ptr<float>()"
+        return f"{{{ptr}, {self.identity}, {{{stride}, int64_t({batch})}}}}"
 
     def cpp_init(self) -> str:
-        """Atomics accumulate into the output: fill it with the identity on every launch."""
-        return f"outputs[{self.output_index}].fill_({self.identity});"
+        """Before the launch: atomics accumulate into the output, so fill it with the identity;
+        deterministic mode gets a buffer for the per-tile partials instead."""
+        if not self.deterministic:
+            return f"outputs[{self.output_index}].fill_({self.identity});"
+        p = self._partials
+        return (f"auto {p}_shape = coda::partials<TileShape>(M, N, {'false' if self.axis == 'm' else 'true'});\n"
+                f"  at::Tensor {p} = at::empty({{int64_t(L) * {p}_shape.tiles * {p}_shape.rows_padded}}, "
+                "a.options().dtype(at::kFloat));")
+
+    def cpp_finish(self) -> str:
+        """After the launch: combine partials and/or apply the finishing expression (else nothing)."""
+        if not self.deterministic and self.finish is None:
+            return ""
+        fn = f"{self.finish.name}<float>" if self.finish else "coda::Identity<float>"
+        out = f"outputs[{self.output_index}].data_ptr<float>()"
+        if self.deterministic:
+            p = self._partials
+            shape = f"{p}_shape.rows, {p}_shape.rows_padded, {p}_shape.tiles, L, {str(self.axis is None).lower()}"
+            src = f"{p}.data_ptr<float>()"
+        else:  # in place on the atomically reduced output
+            rows = {"n": "M", "m": "N", None: "1"}[self.axis]
+            shape, src = f"{rows}, {rows}, 1, L, false", out
+        return (f"coda::finish<{_FINISH_COMBINE[self.kind]}, {fn}>({src}, {out}, {shape}, {self.identity}, "
+                "scalars, op_name);")
 
     def key(self) -> str:
-        return f"Reduce{self.kind}{self.axis}{self.children}"
+        f = self.finish
+        body = f"[{';'.join(f.body)};return {f.result}]" if f else ""
+        return f"Reduce{self.kind}{self.axis}{'det' if self.deterministic else ''}{self.children}{body}"
 
 
 @dataclass
@@ -251,12 +289,12 @@ class Plan:
     inputs: list[str]  # operand names, in the order the op receives them
     outputs: list[tuple[str, str, str]]  # (name, dtype, shape kind) in the order the op receives them;
     # shape kind: "mn" full tensor, "m" per row (reduced over n), "n" per column, "" a scalar
-    d_dtype: str  # dtype of D
+    d_dtype: str | None  # dtype of D; None: the epilogue stores no D
     scalars: list[str]  # scalar operand names, in the order the op receives them
 
     @property
     def key(self) -> str:
         """Canonical text of everything that shapes the generated code (never user-facing names)."""
         s = self.signature
-        return "|".join([s.ab_dtype, s.b_layout, s.config.key, self.d_dtype, str(len(self.scalars)),
+        return "|".join([s.ab_dtype, s.b_layout, s.config.key, str(self.d_dtype), str(len(self.scalars)),
                          *(n.key() for n in self.nodes)])

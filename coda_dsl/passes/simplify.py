@@ -21,8 +21,9 @@ def _fold(node: ir.Node, memo: dict[int, ir.Node], consts: dict[str, float]) -> 
         out = node
     else:
         inputs = tuple(_fold(i, memo, consts) for i in node.inputs)
-        out = ir.Node(node.op, inputs, node.attr)
-        if node.op != "reduce" and all(i.op == "const" for i in inputs):
+        attr = _fold(node.attr, memo, consts) if node.op == "finish" else node.attr
+        out = ir.Node(node.op, inputs, attr)
+        if node.op not in ("reduce", "finish") and all(i.op == "const" for i in inputs):
             out = ir.const(_evaluate(node.op, node.attr, [i.attr for i in inputs]))
     memo[id(node)] = out
     return out

@@ -117,9 +117,9 @@ class CompiledOp:
         self.op_name = codegen.op_name(key)
         self._op = None
         self._where = _where(epilogue)
-        d_dtype = dict(plan.signature.output_dtypes)["D"]
-        # (name, torch dtype, shape kind) of D and then of what the op receives in `outputs`
-        self._outputs = [(name, DTYPES[d][0], kind) for name, d, kind in [("D", d_dtype, "mn"), *plan.outputs]]
+        d = [("D", plan.d_dtype, "mn")] if plan.d_dtype else []
+        # (name, torch dtype, shape kind) of D (if stored) and then of what the op receives in `outputs`
+        self._outputs = [(name, DTYPES[dt][0], kind) for name, dt, kind in [*d, *plan.outputs]]
 
     @classmethod
     def create(cls, epilogue: Epilogue, sig: Signature, consts: dict[str, float]) -> "CompiledOp":
@@ -159,8 +159,8 @@ class CompiledOp:
                 _check_out(self._where, name, t, shapes[kind], dt, call, tma=kind == "mn")
             outs[name] = t
         self.load()
-        self._op(call.a, call.b, outs["D"], [call.tensors[i] for i in self.plan.inputs],
-                 [call.scalars[s] for s in self.plan.scalars], [outs[name] for name in names[1:]])
+        self._op(call.a, call.b, outs.get("D"), [call.tensors[i] for i in self.plan.inputs],
+                 [call.scalars[s] for s in self.plan.scalars], [outs[o[0]] for o in self.plan.outputs])
         return outs
 
     def __call__(self, A, B, /, *, out: dict | None = None, **operands) -> dict[str, torch.Tensor]:
@@ -193,7 +193,8 @@ def _fold(ep: Epilogue, call: Call) -> Call:
         return call
     kinds = {p.name: p.kind for p in ep.params}
     l, m = call.a.shape[0], call.a.shape[1]
-    cross = [o.name for o in ep.program.outputs if o.node.op == "reduce" and o.node.attr[1] != "n"]
+    cross = [o.name for o in ep.program.outputs
+             if (r := ir.reduction_of(o.node)) is not None and r.attr[1] != "n"]
     per_batch_n = [n for n, t in call.tensors.items() if kinds[n] == "vec_n" and t.dim() == 2]
     if cross or per_batch_n:
         raise UnsupportedError(
@@ -242,11 +243,11 @@ def _output_dtypes(ep: Epilogue, ab: str, out: dict | None) -> tuple[tuple[str, 
 
 
 def specialization(ep: Epilogue, call: Call, operand_dtypes: dict[str, str], out: dict | None,
-                   config: Config | None) -> CompiledOp:
+                   config: Config | None, deterministic: bool = False) -> CompiledOp:
     b_layout = "nk" if call.b.stride(-1) == 1 else "kn"
     ab = checks.dtype_of(call.a, _where(ep), "A")
     sig = Signature(ab, b_layout, tuple(sorted(operand_dtypes.items())), _output_dtypes(ep, ab, out),
-                    tuple(sorted(call.consts.items())), config or Config())
+                    tuple(sorted(call.consts.items())), config or Config(), deterministic)
     cache_key = (id(ep), sig)
     op = _ops.get(cache_key)
     if op is None:
@@ -258,12 +259,14 @@ def specialization(ep: Epilogue, call: Call, operand_dtypes: dict[str, str], out
 
 
 def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, backend: str = "auto",
-         config: Config | str | None = None, **operands) -> dict[str, torch.Tensor]:
+         config: Config | str | None = None, deterministic: bool = False, **operands) -> dict[str, torch.Tensor]:
     """D = epilogue(A @ B^T, operands...) in one fused kernel. A: [M, K] (or [L, M, K]); B: [N, K]
     (an nn.Linear weight; pass W.t() for [K, N] storage) or [L, N, K]. Returns {output name: tensor}.
 
     backend: "cutlass" (sm_90 GPU), "reference" (PyTorch, any device) or "auto" (cutlass where it
-    can run, else reference with a warning). out: preallocated outputs by name.
+    can run, else reference with a warning). out: preallocated outputs by name. deterministic:
+    reductions bit-identical run to run (per-tile partials combined in a fixed order) instead of
+    fp32 atomics.
     """
     ep = epilogue or identity
     if not isinstance(ep, Epilogue):
@@ -272,7 +275,7 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
         raise OperandError(f"{_where(ep)}: backend must be one of {BACKENDS}, not {backend!r}")
     if torch.compiler.is_compiling():
         from .torch_op import traced_gemm
-        return traced_gemm(ep, A, B, out, backend, config, operands)
+        return traced_gemm(ep, A, B, out, backend, config, deterministic, operands)
     call = _normalize(ep, A, B, operands)
     use_cutlass = backend == "cutlass" or (backend == "auto" and _cutlass_available(call.a.device))
     if backend == "cutlass":
@@ -282,13 +285,13 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
         return run_reference(ep, call, out)
     if isinstance(config, str):
         config = Config.parse(config)
-    op = specialization(ep, call, dtypes, out, config)
+    op = specialization(ep, call, dtypes, out, config, deterministic)
     call = _fold(ep, call)
     return _unfold(op.launch(call, _fold_out(out, call)), call)
 
 
 def compile(epilogue: Epilogue, A, B, /, *, out: dict | None = None, config: Config | str | None = None,
-            **operands) -> CompiledOp:  # noqa: A001
+            deterministic: bool = False, **operands) -> CompiledOp:  # noqa: A001
     """Build (or load from cache) the kernel for these operands' dtypes and layouts; returns the op."""
     call = _normalize(epilogue, A, B, operands)
     if call.a.is_cuda:
@@ -296,7 +299,7 @@ def compile(epilogue: Epilogue, A, B, /, *, out: dict | None = None, config: Con
     dtypes = _check_tensors(epilogue, call, cutlass=True)
     if isinstance(config, str):
         config = Config.parse(config)
-    return specialization(epilogue, call, dtypes, out, config)
+    return specialization(epilogue, call, dtypes, out, config, deterministic)
 
 
 def prebuild(ops: list[CompiledOp], jobs: int | None = None) -> None:

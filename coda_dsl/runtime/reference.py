@@ -43,12 +43,10 @@ def _reduce_dims(axis, ndim: int):
     return {"n": (-1,), "m": (-2,), None: (-2, -1)}[axis] if ndim >= 2 else None
 
 
-def evaluate(program: ir.Program, a: torch.Tensor, b: torch.Tensor, operands: dict,
-             out_dtypes: dict[str, str]) -> dict[str, torch.Tensor]:
-    """Run a specialized program (constants bound). out_dtypes: output name -> dtype name."""
-    acc = accumulator(a, b)
-    values: dict[int, torch.Tensor] = {}
-    for node in ir.walk(program):
+def _evaluate(nodes, values: dict, operands: dict, acc: torch.Tensor) -> dict[int, torch.Tensor]:
+    for node in nodes:
+        if id(node) in values:
+            continue
         if node.is_leaf:
             values[id(node)] = _leaf(node, operands, acc)
             continue
@@ -59,13 +57,26 @@ def evaluate(program: ir.Program, a: torch.Tensor, b: torch.Tensor, operands: di
             kind, axis = node.attr
             x = torch.broadcast_to(args[0], acc.shape)
             v = _REDUCE[kind](x, _reduce_dims(axis, x.ndim))
+        elif node.op == "finish":  # the finishing expression, with `reduced` bound to the statistic
+            done = _evaluate(ir.topo_order([node.attr]), {id(ir.reduced()): args[0]}, operands, acc)
+            v = done[id(node.attr)]
         else:
             v = OPS[node.op].torch_fn(*args).float()
         values[id(node)] = v
+    return values
+
+
+def evaluate(program: ir.Program, a: torch.Tensor, b: torch.Tensor, operands: dict,
+             out_dtypes: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Run a specialized program (constants bound). out_dtypes: output name -> dtype name."""
+    acc = accumulator(a, b)
+    values = _evaluate(ir.walk(program), {}, operands, acc)
     result = {}
     for o in program.outputs:
         v = values[id(o.node)]
-        if o.node.op != "reduce":
+        if ir.reduction_of(o.node) is None:
             v = torch.broadcast_to(v, acc.shape)
+        elif o.node.op == "finish":  # constants in the expression must not shrink the statistic's shape
+            v = torch.broadcast_to(v, values[id(o.node.inputs[0])].shape)
         result[o.name] = v.to(DTYPES[out_dtypes[o.name]][0]).contiguous()
     return result

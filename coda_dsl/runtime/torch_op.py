@@ -16,33 +16,36 @@ def _operands(ep: Epilogue, tensors: list, numbers: list) -> dict:
 
 @torch.library.custom_op("coda_dsl::gemm", mutates_args=())
 def _gemm(uid: str, a: torch.Tensor, b: torch.Tensor, tensors: list[torch.Tensor], numbers: list[float],
-          backend: str, config: str) -> list[torch.Tensor]:
+          backend: str, config: str, deterministic: bool) -> list[torch.Tensor]:
     from .op import gemm
 
     ep = Epilogue.by_uid(uid)
-    res = gemm(a, b, ep, backend=backend, config=config or None, **_operands(ep, tensors, numbers))
+    res = gemm(a, b, ep, backend=backend, config=config or None, deterministic=deterministic,
+               **_operands(ep, tensors, numbers))
     return [res[name] for name in ep.output_names]
 
 
 @_gemm.register_fake
-def _(uid, a, b, tensors, numbers, backend, config):
+def _(uid, a, b, tensors, numbers, backend, config, deterministic):
     ep = Epilogue.by_uid(uid)
     lead, m, n = a.shape[:-2], a.shape[-2], b.shape[-2]
     outs = []
     for o in ep.program.outputs:
         shape = (*lead, m, n)
-        if o.node.op == "reduce":  # reduced over n -> [.., M]; over m -> [.., N]; over both -> [..]
-            shape = {"n": (*lead, m), "m": (*lead, n), None: tuple(lead)}[o.node.attr[1]]
+        r = ir.reduction_of(o.node)
+        if r is not None:  # reduced over n -> [.., M]; over m -> [.., N]; over both -> [..]
+            shape = {"n": (*lead, m), "m": (*lead, n), None: tuple(lead)}[r.attr[1]]
         outs.append(a.new_empty(shape, dtype=DTYPES[o.dtype][0] if o.dtype else a.dtype))
     return outs
 
 
-def traced_gemm(ep: Epilogue, a, b, out, backend, config, operands) -> dict:
+def traced_gemm(ep: Epilogue, a, b, out, backend, config, deterministic, operands) -> dict:
     """What cd.gemm does while Dynamo traces it: one call of the custom op."""
     tensors = [operands[p.name] for p in ep.params if p.kind in ir.LOAD_KINDS]
     numbers = [float(operands[p.name]) for p in ep.params if p.kind not in ir.LOAD_KINDS]
     cfg = config if isinstance(config, str) else (config.key if config is not None else "")
-    outs = dict(zip(ep.output_names, torch.ops.coda_dsl.gemm(ep.uid, a, b, tensors, numbers, backend, cfg)))
+    outs = dict(zip(ep.output_names, torch.ops.coda_dsl.gemm(ep.uid, a, b, tensors, numbers, backend, cfg,
+                                                                   deterministic)))
     for name, t in (out or {}).items():
         t.copy_(outs[name])
         outs[name] = t

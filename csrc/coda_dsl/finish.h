@@ -1,0 +1,84 @@
+// The small kernel that completes a reduction after the GEMM: combine per-tile partials in a fixed
+// order (deterministic mode) and apply the finishing expression (`.then(...)`), in one pass.
+#pragma once
+
+#include <cstdint>
+
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+
+#include "cutlass/cutlass.h"
+#include "coda_dsl/functional.h"
+
+namespace coda {
+
+struct Plus { CUTLASS_DEVICE float operator()(float a, float b) const { return a + b; } };
+struct Max { CUTLASS_DEVICE float operator()(float a, float b) const { return coda::maximum(a, b); } };
+struct Min { CUTLASS_DEVICE float operator()(float a, float b) const { return coda::minimum(a, b); } };
+
+template <class T>
+struct Identity {
+  template <class Args>
+  CUTLASS_HOST_DEVICE T operator()(T const& x, Args const&) const { return x; }
+};
+
+// out[l, r] = fn(combine_t partial[l, t, r]) for r < rows; partials are [L, tiles, rows_padded].
+template <class Combine, class Fn, class Args>
+__global__ void finish_rows(float const* partial, float* out, int rows, int64_t rows_padded, int tiles, int L,
+                            float identity, Args args) {
+  int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= int64_t(rows) * L) return;
+  int64_t l = i / rows, r = i % rows;
+  float const* p = partial + l * tiles * rows_padded + r;
+  float acc = identity;
+  for (int t = 0; t < tiles; ++t) acc = Combine{}(acc, p[t * rows_padded]);
+  out[i] = Fn{}(acc, args);
+}
+
+// out[l] = fn(combine over r < rows, t < tiles of partial[l, t, r]): one block per l, fixed-order tree.
+template <class Combine, class Fn, class Args>
+__global__ void finish_total(float const* partial, float* out, int rows, int64_t rows_padded, int tiles,
+                             float identity, Args args) {
+  __shared__ float part[256];
+  float const* p = partial + int64_t(blockIdx.x) * tiles * rows_padded;
+  float acc = identity;
+  for (int64_t i = threadIdx.x; i < int64_t(rows) * tiles; i += blockDim.x)
+    acc = Combine{}(acc, p[(i / rows) * rows_padded + i % rows]);
+  part[threadIdx.x] = acc;
+  __syncthreads();
+  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) part[threadIdx.x] = Combine{}(part[threadIdx.x], part[threadIdx.x + s]);
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) out[blockIdx.x] = Fn{}(part[0], args);
+}
+
+template <class Combine, class Fn, class Args>
+void finish(float const* partial, float* out, int rows, int64_t rows_padded, int tiles, int L, bool total,
+            float identity, Args const& args, char const* op_name) {
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  if (L == 0 || (!total && rows == 0)) return;
+  if (total) {
+    finish_total<Combine, Fn, Args><<<L, 256, 0, stream>>>(partial, out, rows, rows_padded, tiles, identity, args);
+  } else {
+    int64_t n = int64_t(rows) * L;
+    finish_rows<Combine, Fn, Args><<<int((n + 255) / 256), 256, 0, stream>>>(partial, out, rows, rows_padded, tiles,
+                                                                             L, identity, args);
+  }
+  cudaError_t e = cudaGetLastError();
+  TORCH_CHECK(e == cudaSuccess, op_name, ": finishing kernel failed: ", cudaGetErrorString(e));
+}
+
+// Layout of CUTLASS's per-tile partials (FinalReduction=false): [L, tiles, rows_padded], rows m-major.
+struct Partials {
+  int rows, tiles;
+  int64_t rows_padded;
+};
+template <class TileShape>
+Partials partials(int M, int N, bool over_n) {
+  int tm = cute::size<0>(TileShape{}), tn = cute::size<1>(TileShape{});
+  int rows = over_n ? M : N, rt = over_n ? tm : tn, other = over_n ? N : M, ot = over_n ? tn : tm;
+  return {rows, (other + ot - 1) / ot, int64_t((rows + rt - 1) / rt) * rt};
+}
+
+}  // namespace coda
