@@ -9,7 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import torch.nn.functional as F
+
 import coda_dsl as cd
+from coda_dsl.library import rms_consumer, rms_producer, rmsnorm_linear
 from coda_dsl.runtime import op as runtime
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -73,6 +76,17 @@ def col_and_total_stats(acc, scale: cd.Scalar):
             "tmin": cd.min(x, axis=None), "tamax": cd.amax(x, axis=None)}
 
 
+@cd.epilogue
+def no_d(acc, bias: cd.VecN):
+    y = cd.silu(acc + bias)
+    return {"y": y, "ysum": cd.sum(y, axis="n")}
+
+
+@cd.epilogue
+def scaled_bias(acc, bias: cd.VecN, alpha: cd.Scalar):
+    return alpha * acc + bias
+
+
 def _rand(*shape, dtype=torch.bfloat16):
     return torch.randn(*shape, device="cuda").to(dtype)
 
@@ -89,6 +103,11 @@ def _operands(ep, m, n, dtype, batch=None):
         cd.identity: lambda: {},
         row_stats: lambda: dict(residual=_rand(*lead, m, n, dtype=dtype)),
         col_and_total_stats: lambda: dict(scale=0.5),
+        no_d: lambda: dict(bias=_rand(n, dtype=dtype)),
+        scaled_bias: lambda: dict(bias=_rand(n, dtype=dtype), alpha=0.5),
+        rms_producer: lambda: dict(residual=_rand(*lead, m, n, dtype=dtype), gamma=_rand(n, dtype=dtype),
+                                   inv_n=1.0 / n, eps=1e-6),
+        rms_consumer(None): lambda: dict(rstd=_rand(*lead, m, dtype=torch.float32).abs() + 0.5),
     }
     return make[ep]()
 
@@ -106,6 +125,17 @@ CASES = [
     (activations, torch.bfloat16, "nk"),
     (row_stats, torch.bfloat16, "nk"),
     (col_and_total_stats, torch.bfloat16, "nk"),
+    (no_d, torch.bfloat16, "nk"),
+    (rms_producer, torch.bfloat16, "nk"),
+    (rms_consumer(None), torch.bfloat16, "nk"),
+]
+# further specializations: (case, compile options)
+VARIANTS = [
+    ((row_stats, torch.bfloat16, "nk"), dict(deterministic=True)),
+    ((col_and_total_stats, torch.bfloat16, "nk"), dict(deterministic=True)),
+    ((rms_producer, torch.bfloat16, "nk"), dict(deterministic=True)),
+    ((scaled_bias, torch.bfloat16, "nk"), dict(accumulate=True, out_dtype=torch.float32)),
+    ((scaled_bias, torch.bfloat16, "nk"), dict(accumulate=True, out_dtype=torch.bfloat16)),
 ]
 
 
@@ -120,9 +150,12 @@ def _ab(m, n, k, dtype, layout, batch=None):
 def kernels():
     """Build every kernel of the suite in one parallel ninja run."""
     ops = []
-    for ep, dtype, layout in CASES:
+    for (ep, dtype, layout), opts in [(c, {}) for c in CASES] + VARIANTS:
         a, b = _ab(64, 64, 64, dtype, layout)
-        ops.append(cd.compile(ep, a, b, **_operands(ep, 64, 64, dtype)))
+        opts = dict(opts)
+        if "out_dtype" in opts:
+            opts["out"] = {"D": torch.empty(64, 64, device="cuda", dtype=opts.pop("out_dtype"))}
+        ops.append(cd.compile(ep, a, b, **opts, **_operands(ep, 64, 64, dtype)))
     try:
         runtime.prebuild(ops)
     except cd.CodaError as e:  # tests of the kernels that did build still run; the others fail on their own
@@ -138,10 +171,10 @@ def _tol(t: torch.Tensor) -> float:
     return 1e-5 if t.dtype == torch.float32 else 1e-2  # fp32: reductions and fp32 outputs of fp32 math
 
 
-def _check(ep, a, b, operands, batch=None):
+def _check(ep, a, b, operands, batch=None, **opts):
     ref = cd.gemm(a, b, ep, backend="reference", **operands)
     out = {k: torch.full_like(v, float("nan")) for k, v in ref.items()}  # poison: unwritten -> NaN
-    got = cd.gemm(a, b, ep, backend="cutlass", out=out, **operands)
+    got = cd.gemm(a, b, ep, backend="cutlass", out=out, **opts, **operands)
     for name, r in ref.items():
         g = got[name]
         assert g.data_ptr() == out[name].data_ptr(), "out= tensor not used"
@@ -193,6 +226,56 @@ def test_reductions_batched(kernels):
     _check(row_stats, a2d, b[0], dict(residual=_rand(l, m, n)))
     with pytest.raises(cd.UnsupportedError, match="reductions over m"):
         cd.gemm(a2d, b[0], col_and_total_stats, scale=1.0, backend="cutlass")
+
+
+@pytest.mark.parametrize("ep", [row_stats, col_and_total_stats, rms_producer], ids=lambda e: e.name)
+def test_deterministic_reductions(kernels, ep):
+    """Per-tile partials combined in a fixed order: matches the reference and is bit-identical run to run."""
+    m, n, k = RAGGED
+    a, b = _ab(m, n, k, torch.bfloat16, "nk")
+    ops = _operands(ep, m, n, torch.bfloat16)
+    _check(ep, a, b, ops, deterministic=True)
+    runs = [cd.gemm(a, b, ep, deterministic=True, **ops) for _ in range(5)]
+    for name in runs[0]:
+        for r in runs[1:]:
+            assert torch.equal(r[name], runs[0][name]), f"{ep.name}.{name} differs between runs"
+
+
+def test_epilogue_without_d(kernels):
+    m, n, k = RAGGED
+    a, b = _ab(m, n, k, torch.bfloat16, "nk")
+    _check(no_d, a, b, _operands(no_d, m, n, torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_accumulate_in_place(kernels, dtype):
+    m, n, k = RAGGED
+    a, b = _ab(m, n, k, torch.bfloat16, "nk")
+    ops = _operands(scaled_bias, m, n, torch.bfloat16)
+    target = torch.randn(m, n, device="cuda").to(dtype)
+    expected = target.clone()
+    cd.gemm(a, b, scaled_bias, out={"D": expected}, accumulate=True, backend="reference", **ops)
+    before = target.data_ptr()
+    got = cd.gemm(a, b, scaled_bias, out={"D": target}, accumulate=True, **ops)["D"]
+    assert got.data_ptr() == before
+    assert _rel(target, expected) <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_rmsnorm_reparameterization_end_to_end(kernels, deterministic):
+    """x -> GEMM1 + residual -> RMSNorm(gamma) -> GEMM2 as two fused GEMMs, vs F.rms_norm in fp32."""
+    m, d, f = 777, 1024, 2056
+    x, r = _rand(m, d), _rand(m, d)
+    w1, w2 = (_rand(d, d) * d ** -0.5).bfloat16(), (_rand(f, d) * d ** -0.5).bfloat16()
+    gamma = (torch.rand(d, device="cuda") + 0.5).bfloat16()
+    if deterministic:  # the producer's statistic through the deterministic path, then the consumer
+        p = cd.gemm(x, w1, rms_producer, residual=r, gamma=gamma, inv_n=1.0 / d, eps=1e-6, deterministic=True)
+        h, y = p["D"], cd.gemm(p["h_gamma"], w2, rms_consumer(None), rstd=p["rstd"])["D"]
+    else:
+        h, y = rmsnorm_linear(x, w1, r, gamma, w2, eps=1e-6)
+    h_ref = x.float() @ w1.float().t() + r.float()
+    y_ref = F.rms_norm(h_ref, (d,), gamma.float(), 1e-6) @ w2.float().t()
+    assert _rel(h, h_ref) <= 1e-2 and _rel(y, y_ref) <= 1e-2
 
 
 def test_scalar_change_does_not_rebuild(kernels):

@@ -38,7 +38,7 @@ class Node:
 
     @property
     def is_leaf(self) -> bool:
-        return self.op in ("acc", "load", "scalar", "const", "const_param", "reduced")
+        return self.op in ("acc", "load", "source", "scalar", "const", "const_param", "reduced")
 
 
 def acc() -> Node:
@@ -48,6 +48,14 @@ def acc() -> Node:
 def load(kind: str, name: str) -> Node:
     assert kind in LOAD_KINDS, kind
     return Node("load", (), (kind, name))
+
+
+def source() -> Node:
+    """The current contents of D, for in-place accumulation (D += ...)."""
+    return Node("source")
+
+
+SOURCE_OPERAND = "<D>"  # the operands key the reference backend reads `source` from (never an identifier)
 
 
 def scalar(name: str) -> Node:
@@ -163,8 +171,8 @@ def format_program(program: Program) -> str:
         if n.op == "acc":
             names[id(n)] = "acc"
             continue
-        if n.op == "reduced":
-            names[id(n)] = "reduced"
+        if n.op in ("reduced", "source"):
+            names[id(n)] = n.op
             continue
         if n.op in ("load", "scalar", "const_param"):
             names[id(n)] = n.attr[1] if n.op == "load" else n.attr

@@ -15,7 +15,7 @@ from ..errors import EpilogueError
 from ..ir import graph as ir
 from ..ir.ops import OPS, cpp_float
 from .plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, EvtNode, Functor, Plan, Reduction,
-                   RowBroadcast, Signature, cpp_element)
+                   RowBroadcast, Signature, SrcFetch, cpp_element)
 
 _LOAD_NODE = {"tensor": AuxLoad, "vec_n": RowBroadcast, "vec_m": ColBroadcast}
 
@@ -46,6 +46,8 @@ class _Lowering:
         if id(n) not in self.index:
             if n.op == "acc":
                 self.index[id(n)] = self.add(AccFetch("Acc", comment="fp32 accumulator of A @ B^T"))
+            elif n.op == "source":
+                self.index[id(n)] = self.add(SrcFetch("Source", comment="current D (accumulate: D += ...)"))
             else:
                 kind, name = n.attr
                 self.inputs.append(name)
@@ -93,7 +95,7 @@ class _Lowering:
         children: list[int] = []
 
         def operand(n: ir.Node):
-            if n is root or not (id(n) in self.index or n.op in ("acc", "load")):
+            if n is root or not (id(n) in self.index or n.op in ("acc", "load", "source")):
                 return None
             child = self.index[id(n)] if id(n) in self.index else self.leaf(n)
             if child not in children:
@@ -124,7 +126,7 @@ class _Lowering:
         return {"n": "m", "m": "n", None: ""}[axis]
 
     def value(self, n: ir.Node) -> int:
-        if n.op in ("acc", "load"):
+        if n.op in ("acc", "load", "source"):
             return self.leaf(n)
         return self.index[id(n)] if id(n) in self.index else self.region(n)
 

@@ -64,11 +64,12 @@ class Signature:
     consts: tuple[tuple[str, float], ...] = ()
     config: Config = Config()
     deterministic: bool = False  # reductions: fixed-order combine instead of atomics
+    accumulate: bool = False  # D += epilogue value (D is read through the C operand)
 
     @property
     def key(self) -> str:
         return repr((self.ab_dtype, self.b_layout, self.operand_dtypes, self.output_dtypes, self.consts,
-                     self.config.key, self.deterministic))
+                     self.config.key, self.deterministic, self.accumulate))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,6 +95,17 @@ class EvtNode:
 class AccFetch(EvtNode):
     def cpp_type(self) -> str:
         return "fusion::Sm90AccFetch"
+
+
+@dataclass
+class SrcFetch(EvtNode):
+    """The current contents of D, read through CUTLASS's C operand (in-place accumulation)."""
+
+    def cpp_type(self) -> str:
+        return "fusion::Sm90SrcFetch<ElementD>"
+
+    def key(self) -> str:
+        return "Src"
 
 
 @dataclass
@@ -293,8 +305,13 @@ class Plan:
     scalars: list[str]  # scalar operand names, in the order the op receives them
 
     @property
+    def reads_d(self) -> bool:
+        return any(isinstance(n, SrcFetch) for n in self.nodes)
+
+    @property
     def key(self) -> str:
         """Canonical text of everything that shapes the generated code (never user-facing names)."""
         s = self.signature
         return "|".join([s.ab_dtype, s.b_layout, s.config.key, str(self.d_dtype), str(len(self.scalars)),
+                         str(self.reads_d),
                          *(n.key() for n in self.nodes)])

@@ -12,7 +12,7 @@ from ..dsl import Epilogue, identity
 from ..errors import OperandError, UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import DTYPES
-from ..passes import lower, specialize
+from ..passes import accumulate_into_d, lower, specialize
 from ..passes.plan import Config, Plan, Signature
 from . import checks, reference
 
@@ -125,6 +125,8 @@ class CompiledOp:
     def create(cls, epilogue: Epilogue, sig: Signature, consts: dict[str, float]) -> "CompiledOp":
         """Specialize, lower, key and render (no build yet: see load())."""
         program = specialize(epilogue.program, consts)
+        if sig.accumulate:
+            program = accumulate_into_d(program)
         plan = lower(program, sig)
         key = build.specialization_key(plan.key)
         return cls(epilogue, program, plan, key, codegen.render(plan, key, epilogue.source))
@@ -243,11 +245,11 @@ def _output_dtypes(ep: Epilogue, ab: str, out: dict | None) -> tuple[tuple[str, 
 
 
 def specialization(ep: Epilogue, call: Call, operand_dtypes: dict[str, str], out: dict | None,
-                   config: Config | None, deterministic: bool = False) -> CompiledOp:
+                   config: Config | None, deterministic: bool = False, accumulate: bool = False) -> CompiledOp:
     b_layout = "nk" if call.b.stride(-1) == 1 else "kn"
     ab = checks.dtype_of(call.a, _where(ep), "A")
     sig = Signature(ab, b_layout, tuple(sorted(operand_dtypes.items())), _output_dtypes(ep, ab, out),
-                    tuple(sorted(call.consts.items())), config or Config(), deterministic)
+                    tuple(sorted(call.consts.items())), config or Config(), deterministic, accumulate)
     cache_key = (id(ep), sig)
     op = _ops.get(cache_key)
     if op is None:
@@ -259,14 +261,16 @@ def specialization(ep: Epilogue, call: Call, operand_dtypes: dict[str, str], out
 
 
 def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, backend: str = "auto",
-         config: Config | str | None = None, deterministic: bool = False, **operands) -> dict[str, torch.Tensor]:
+         config: Config | str | None = None, deterministic: bool = False, accumulate: bool = False,
+         **operands) -> dict[str, torch.Tensor]:
     """D = epilogue(A @ B^T, operands...) in one fused kernel. A: [M, K] (or [L, M, K]); B: [N, K]
     (an nn.Linear weight; pass W.t() for [K, N] storage) or [L, N, K]. Returns {output name: tensor}.
 
     backend: "cutlass" (sm_90 GPU), "reference" (PyTorch, any device) or "auto" (cutlass where it
     can run, else reference with a warning). out: preallocated outputs by name. deterministic:
     reductions bit-identical run to run (per-tile partials combined in a fixed order) instead of
-    fp32 atomics.
+    fp32 atomics. accumulate: D += epilogue value, in place in out["D"] (fp32 or the epilogue's
+    D dtype), with no extra pass over memory.
     """
     ep = epilogue or identity
     if not isinstance(ep, Epilogue):
@@ -275,23 +279,28 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
         raise OperandError(f"{_where(ep)}: backend must be one of {BACKENDS}, not {backend!r}")
     if torch.compiler.is_compiling():
         from .torch_op import traced_gemm
+        if accumulate:
+            raise UnsupportedError(f"{_where(ep)}: accumulate=True inside torch.compile is not supported yet; "
+                                   "write D + epilogue(...) functionally there")
         return traced_gemm(ep, A, B, out, backend, config, deterministic, operands)
+    if accumulate and not (out and isinstance(out.get("D"), torch.Tensor)):
+        raise checks.fail(_where(ep), "accumulate=True adds into an existing tensor: pass it as out={'D': t}")
     call = _normalize(ep, A, B, operands)
     use_cutlass = backend == "cutlass" or (backend == "auto" and _cutlass_available(call.a.device))
     if backend == "cutlass":
         checks.require_hopper(_where(ep), call.a.device)
     dtypes = _check_tensors(ep, call, cutlass=use_cutlass)
     if not use_cutlass:
-        return run_reference(ep, call, out)
+        return run_reference(ep, call, out, accumulate)
     if isinstance(config, str):
         config = Config.parse(config)
-    op = specialization(ep, call, dtypes, out, config, deterministic)
+    op = specialization(ep, call, dtypes, out, config, deterministic, accumulate)
     call = _fold(ep, call)
     return _unfold(op.launch(call, _fold_out(out, call)), call)
 
 
 def compile(epilogue: Epilogue, A, B, /, *, out: dict | None = None, config: Config | str | None = None,
-            deterministic: bool = False, **operands) -> CompiledOp:  # noqa: A001
+            deterministic: bool = False, accumulate: bool = False, **operands) -> CompiledOp:  # noqa: A001
     """Build (or load from cache) the kernel for these operands' dtypes and layouts; returns the op."""
     call = _normalize(epilogue, A, B, operands)
     if call.a.is_cuda:
@@ -299,7 +308,7 @@ def compile(epilogue: Epilogue, A, B, /, *, out: dict | None = None, config: Con
     dtypes = _check_tensors(epilogue, call, cutlass=True)
     if isinstance(config, str):
         config = Config.parse(config)
-    return specialization(epilogue, call, dtypes, out, config, deterministic)
+    return specialization(epilogue, call, dtypes, out, config, deterministic, accumulate)
 
 
 def prebuild(ops: list[CompiledOp], jobs: int | None = None) -> None:
@@ -321,11 +330,14 @@ def _cutlass_available(device: torch.device) -> bool:
     return False
 
 
-def run_reference(ep: Epilogue, call: Call, out: dict | None):
+def run_reference(ep: Epilogue, call: Call, out: dict | None, accumulate: bool = False):
     ab = checks.dtype_of(call.a, _where(ep), "A")
     program = specialize(ep.program, call.consts)
     out_dtypes = dict(_output_dtypes(ep, ab, out))
     operands = {**call.tensors, **call.scalars}
+    if accumulate:
+        program = accumulate_into_d(program)
+        operands[ir.SOURCE_OPERAND] = out["D"]
     res = reference.evaluate(program, call.a, call.b, operands, out_dtypes)
     if out:
         for name, t in out.items():

@@ -28,6 +28,8 @@ def _leaf(node: ir.Node, operands: dict, acc: torch.Tensor) -> torch.Tensor:
         return acc
     if node.op == "const":
         return torch.tensor(node.attr, dtype=torch.float32, device=acc.device)
+    if node.op == "source":
+        return operands[ir.SOURCE_OPERAND].to(acc.device).float()
     if node.op == "scalar":
         return torch.tensor(float(operands[node.attr]), dtype=torch.float32, device=acc.device)
     kind, name = node.attr
