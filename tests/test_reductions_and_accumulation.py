@@ -1,0 +1,128 @@
+"""CPU tests (reference backend and lowering) of reductions with finishing steps, deterministic mode,
+epilogues without D, in-place accumulation and the RMSNorm library."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import coda_dsl as cd
+from coda_dsl.library import rms_consumer, rmsnorm_linear
+from coda_dsl.passes import accumulate_into_d, lower, specialize
+from coda_dsl.passes.plan import Reduction, Signature, SrcFetch
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _ab(m=37, n=56, k=24):
+    return torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
+
+
+@cd.epilogue
+def stats(acc, eps: cd.Scalar, inv_n: cd.Scalar):
+    return {"D": acc, "rstd": cd.sum(acc * acc, axis="n").then(lambda s: cd.rsqrt(s * inv_n + eps)),
+            "colmax": cd.max(acc, axis="m").then(lambda v: v * 2.0)}
+
+
+def test_finishing_expression_matches_torch():
+    a, b = _ab()
+    r = cd.gemm(a, b, stats, eps=1e-5, inv_n=1 / 56, backend="reference")
+    acc = a.float() @ b.float().t()
+    assert r["rstd"].shape == (37,) and r["rstd"].dtype == torch.float32
+    assert _rel(r["rstd"], torch.rsqrt(acc.pow(2).mean(-1) + 1e-5)) < 1e-6
+    assert _rel(r["colmax"], acc.amax(0) * 2) < 1e-6
+
+
+def test_finishing_expression_rejects_tile_values():
+    with pytest.raises(cd.EpilogueError, match="finishing expression sees only"):
+        @cd.epilogue
+        def bad(acc, bias: cd.VecN):
+            return {"D": acc, "s": cd.sum(acc).then(lambda s: s + bias)}
+    with pytest.raises(cd.EpilogueError, match="already applied"):
+        @cd.epilogue
+        def twice(acc):
+            return {"D": acc, "s": cd.sum(acc).then(lambda s: s * 2).then(lambda s: s)}
+
+
+def _plan(ep, **kw):
+    outs = tuple((o.name, o.dtype or "bf16") for o in ep.program.outputs)
+    loads = tuple((p.name, "bf16") for p in ep.params if p.kind in ("tensor", "vec_m", "vec_n"))
+    sig = Signature("bf16", "nk", loads, outs, **kw)
+    program = specialize(ep.program, {})
+    return lower(accumulate_into_d(program) if sig.accumulate else program, sig)
+
+
+def test_deterministic_lowering_uses_partials_and_a_finishing_kernel():
+    atomic, det = _plan(stats), _plan(stats, deterministic=True)
+    assert atomic.key != det.key
+    for plan, expect_atomic in ((atomic, True), (det, False)):
+        reds = [n for n in plan.nodes if isinstance(n, Reduction)]
+        assert len(reds) == 2 and all(r.finish is not None for r in reds)
+        for r in reds:
+            assert ("atomic" in r.cpp_type()) == expect_atomic
+            assert ("fill_" in r.cpp_init()) == expect_atomic  # atomics need the identity, partials don't
+            assert "coda::finish<" in r.cpp_finish()
+
+
+def test_epilogue_without_d_on_reference_and_in_code():
+    @cd.epilogue
+    def only_stats(acc, bias: cd.VecN):
+        y = cd.silu(acc + bias)
+        return {"y": y, "total": cd.sum(y, axis=None)}
+
+    a, b = _ab()
+    bias = torch.randn(56).bfloat16()
+    r = cd.gemm(a, b, only_stats, bias=bias, backend="reference")
+    y = F.silu(a.float() @ b.float().t() + bias.float())
+    assert set(r) == {"y", "total"} and r["total"].shape == ()
+    assert _rel(r["total"], y.sum()) < 1e-5
+    plan = _plan(only_stats)  # no D: ElementD = void, and an EVT exposing ElementAux for CUTLASS
+    assert plan.d_dtype is None
+    from coda_dsl.codegen import render
+    text = render(plan, "0" * 24)
+    assert "using ElementD = void;" in text and "using ElementAux = float;" in text
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_accumulate_reference(dtype):
+    @cd.epilogue
+    def scaled(acc, alpha: cd.Scalar):
+        return acc * alpha
+
+    a, b = _ab()
+    t = torch.randn(37, 56).to(dtype)
+    t0 = t.clone()
+    got = cd.gemm(a, b, scaled, alpha=0.25, out={"D": t}, accumulate=True, backend="reference")["D"]
+    assert got.data_ptr() == t.data_ptr()
+    assert _rel(t, t0.float() + 0.25 * (a.float() @ b.float().t())) < (1e-6 if dtype == torch.float32 else 1e-2)
+    with pytest.raises(cd.OperandError, match="out=\\{'D'"):
+        cd.gemm(a, b, scaled, alpha=1.0, accumulate=True, backend="reference")
+
+
+def test_accumulate_lowers_to_a_source_fetch():
+    @cd.epilogue
+    def plain(acc):
+        return acc * 2.0
+
+    plan = _plan(plain, accumulate=True)
+    assert plan.reads_d and any(isinstance(n, SrcFetch) for n in plan.nodes)
+    from coda_dsl.codegen import render
+    assert "Sm90SrcFetch<ElementD>" in render(plan, "0" * 24)
+    assert _plan(plain).key != plan.key
+
+
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_rmsnorm_linear_matches_f_rms_norm(activation):
+    m, d, f = 45, 64, 72
+    x, r = torch.randn(m, d).bfloat16(), torch.randn(m, d).bfloat16()
+    w1, w2 = (torch.randn(d, d) / 8).bfloat16(), (torch.randn(f, d) / 8).bfloat16()
+    gamma = (torch.rand(d) + 0.5).bfloat16()
+    h, y = rmsnorm_linear(x, w1, r, gamma, w2, eps=1e-6, activation=activation, backend="reference")
+    h_ref = x.float() @ w1.float().t() + r.float()
+    y_ref = F.rms_norm(h_ref, (d,), gamma.float(), 1e-6) @ w2.float().t()
+    y_ref = F.silu(y_ref) if activation else y_ref
+    assert _rel(h, h_ref) < 1e-2 and _rel(y, y_ref) < 1e-2
+    with pytest.raises(ValueError, match="activation"):
+        rms_consumer("swish")
