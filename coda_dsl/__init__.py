@@ -15,7 +15,7 @@ from .dsl.ops import (abs, amax, cast, exp, gelu, log, max, maximum, min, minimu
                       sqrt, sum, tanh, where)
 from .errors import CodaError, EpilogueError, OperandError, UnsupportedError
 from .passes.plan import Config
-from .runtime import CompiledOp, compile, gemm
+from .runtime import CompiledOp, compile, gemm, prebuild, set_tuning
 
 bfloat16, float16, float32 = _torch.bfloat16, _torch.float16, _torch.float32
 __version__ = "0.1.0"

@@ -92,7 +92,7 @@ def test_build_and_registration_text(make_plan, which):
     assert "-gencode" not in src  # flags belong to the build, not the source
     assert "TORCH_LIBRARY_FRAGMENT(coda_dsl, m)" in src
     assert f'm.def("{op_name(KEY)}(Tensor a, Tensor b' in src
-    assert f'm.impl("{op_name(KEY)}", &run)' in src
+    assert f'm.impl("{op_name(KEY)}", &{op_name(KEY)}_ns::run)' in src
     assert f"Specialization key: {KEY}" in src
     assert f"epilogue {plan.name}" in src and ep.source in src
     assert f"inputs.size() == {len(plan.inputs)} && outputs.size() == {len(plan.outputs)}" in src

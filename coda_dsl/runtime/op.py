@@ -1,6 +1,7 @@
 """The callable ops: cd.gemm, cd.compile and CompiledOp (the cached, ready-to-launch specialization)."""
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from ..ir import graph as ir
 from ..ir.ops import DTYPES
 from ..passes import accumulate_into_d, lower, specialize
 from ..passes.plan import Config, Plan, Signature
-from . import checks, reference
+from . import checks, reference, tune as tuning
 
 BACKENDS = ("auto", "cutlass", "reference")
 
@@ -262,7 +263,7 @@ def specialization(ep: Epilogue, call: Call, operand_dtypes: dict[str, str], out
 
 def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, backend: str = "auto",
          config: Config | str | None = None, deterministic: bool = False, accumulate: bool = False,
-         **operands) -> dict[str, torch.Tensor]:
+         tune: bool | None = None, **operands) -> dict[str, torch.Tensor]:
     """D = epilogue(A @ B^T, operands...) in one fused kernel. A: [M, K] (or [L, M, K]); B: [N, K]
     (an nn.Linear weight; pass W.t() for [K, N] storage) or [L, N, K]. Returns {output name: tensor}.
 
@@ -270,7 +271,9 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
     can run, else reference with a warning). out: preallocated outputs by name. deterministic:
     reductions bit-identical run to run (per-tile partials combined in a fixed order) instead of
     fp32 atomics. accumulate: D += epilogue value, in place in out["D"] (fp32 or the epilogue's
-    D dtype), with no extra pass over memory.
+    D dtype), with no extra pass over memory. config: tile/cluster/schedule (Config or its key);
+    by default a configuration tuned earlier on this device for this kind of shape, else a good
+    default; tune=True (or set_tuning(True)) measures the candidates now and records the winner.
     """
     ep = epilogue or identity
     if not isinstance(ep, Epilogue):
@@ -294,9 +297,11 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
         return run_reference(ep, call, out, accumulate)
     if isinstance(config, str):
         config = Config.parse(config)
-    op = specialization(ep, call, dtypes, out, config, deterministic, accumulate)
-    call = _fold(ep, call)
-    return _unfold(op.launch(call, _fold_out(out, call)), call)
+    spec = lambda cfg: specialization(ep, call, dtypes, out, cfg, deterministic, accumulate)  # noqa: E731
+    folded = _fold(ep, call)
+    if config is None:
+        config = _choose_config(spec, folded, _tuning if tune is None else tune)
+    return _unfold(spec(config).launch(folded, _fold_out(out, folded)), folded)
 
 
 def compile(epilogue: Epilogue, A, B, /, *, out: dict | None = None, config: Config | str | None = None,
@@ -309,6 +314,30 @@ def compile(epilogue: Epilogue, A, B, /, *, out: dict | None = None, config: Con
     if isinstance(config, str):
         config = Config.parse(config)
     return specialization(epilogue, call, dtypes, out, config, deterministic, accumulate)
+
+
+_tuning = os.environ.get("CODA_DSL_TUNE", "") not in ("", "0")
+_configs: dict[tuple, Config] = {}  # (specialization without config, shape bucket) -> config
+
+
+def set_tuning(enabled: bool) -> None:
+    """Tune every specialization on first use of a shape bucket (like tune=True on each call)."""
+    global _tuning
+    _tuning = bool(enabled)
+
+
+def _choose_config(spec, call: Call, tune: bool) -> Config:
+    base = spec(tuning.DEFAULT)
+    key = (base.key, tuning.record_key(base.plan.key, tuning.DEFAULT, *call.mnkl))
+    config = _configs.get(key)
+    if config is None:
+        config = tuning.recorded(call.a.device, base.plan.key, tuning.DEFAULT, call.mnkl)
+        if config is None and tune:
+            config = tuning.tune(spec, lambda op: op.launch(call, None), call.a.device, call.mnkl)
+        if config is None:  # not tuned: the default, until someone tunes this bucket
+            return tuning.DEFAULT
+        _configs[key] = config
+    return config
 
 
 def prebuild(ops: list[CompiledOp], jobs: int | None = None) -> None:

@@ -1,0 +1,52 @@
+"""Tuning, and its reuse by a later process.
+
+    python -m bench.tuning            # process 1: tune=True builds and times the candidates, records the winner
+    python -m bench.tuning --reuse    # process 2: the same call finds the record: no build, no timing
+
+Prints the chosen configuration, the time of the tuned kernel vs the default one and vs cuBLAS.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+import coda_dsl as cd
+from coda_dsl.runtime import tune as tuning
+
+from .harness import rotation, time_us
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.tuning", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="8192x8192x8192", help="MxNxK")
+    p.add_argument("--reuse", action="store_true", help="expect a recorded choice (second process)")
+    args = p.parse_args(argv)
+    m, n, k = (int(x) for x in args.shape.split("x"))
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    cd.gemm(a, w, tune=True)
+    torch.cuda.synchronize()
+    first_call = time.perf_counter() - t0
+    chosen = tuning.recorded(a.device, cd.compile(cd.identity, a, w).plan.key, tuning.DEFAULT, (m, n, k, 1))
+    print(f"first call with tune=True: {first_call:.2f} s (builds and timing included); chosen: "
+          f"{chosen.key if chosen else None}; device: {tuning.device_key(a.device)}")
+    if args.reuse and first_call > 5.0:
+        print("ERROR: the second process should reuse the record without building or timing", file=sys.stderr)
+        return 1
+    sets = rotation(lambda: (torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
+                             torch.randn(n, k, device="cuda", dtype=torch.bfloat16)), 2 * (m * k + n * k + m * n))
+    t_blas = time_us(lambda x, y: x @ y.t(), sets)
+    t_tuned = time_us(lambda x, y: cd.gemm(x, y), sets)
+    t_default = time_us(lambda x, y: cd.gemm(x, y, config=tuning.DEFAULT), sets)
+    print(f"| {m}x{n}x{k} | cuBLAS {t_blas:.1f} us | tuned {t_tuned:.1f} us ({t_tuned / t_blas:.3f}x) | "
+          f"default {t_default:.1f} us ({t_default / t_blas:.3f}x) |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

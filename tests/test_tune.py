@@ -1,0 +1,46 @@
+"""Tuning records (CPU): keys, persistence across processes, no rebuild when a record exists."""
+from __future__ import annotations
+
+import torch
+
+import coda_dsl as cd
+from coda_dsl.passes.plan import Config
+from coda_dsl.runtime import tune as tuning
+
+
+def test_record_key_ignores_config_and_buckets_shapes():
+    plan_key = f"bf16|nk|{tuning.DEFAULT.key}|bf16|0|AccFetch()"
+    other = plan_key.replace(tuning.DEFAULT.key, Config((256, 128, 64)).key)
+    k = tuning.record_key(plan_key, tuning.DEFAULT, 4000, 4096, 4096, 1)
+    assert k == tuning.record_key(other, Config((256, 128, 64)), 4096, 4096, 4096, 1)  # same bucket
+    assert k != tuning.record_key(plan_key, tuning.DEFAULT, 8192, 4096, 4096, 1)
+
+
+def test_records_persist_and_are_found(tmp_path, monkeypatch):
+    monkeypatch.setenv("CODA_DSL_CACHE", str(tmp_path))
+    monkeypatch.setattr(tuning, "device_key", lambda device: "FakeGPU|sm90")
+    plan_key = f"k|{tuning.DEFAULT.key}|x"
+    dev = torch.device("cpu")
+    assert tuning.recorded(dev, plan_key, tuning.DEFAULT, (100, 200, 300, 1)) is None
+    best = Config((256, 128, 64), (2, 1), "cooperative")
+    tuning._store("FakeGPU|sm90", tuning.record_key(plan_key, tuning.DEFAULT, 100, 200, 300, 1), best, {"a": 1.0})
+    assert tuning.recorded(dev, plan_key, tuning.DEFAULT, (120, 250, 300, 1)) == best
+    (tmp_path / "tuned.json").write_text("{not json")  # a corrupt record file means: tune again
+    assert tuning.recorded(dev, plan_key, tuning.DEFAULT, (120, 250, 300, 1)) is None
+
+
+def test_tune_uses_a_record_without_building(tmp_path, monkeypatch):
+    monkeypatch.setenv("CODA_DSL_CACHE", str(tmp_path))
+    monkeypatch.setattr(tuning, "device_key", lambda device: "FakeGPU|sm90")
+    a, b = torch.randn(64, 32).bfloat16(), torch.randn(48, 32).bfloat16()
+    from coda_dsl.runtime.op import _check_tensors, _normalize, specialization
+    call = _normalize(cd.identity, a, b, {})
+    dtypes = _check_tensors(cd.identity, call, cutlass=True)
+    spec = lambda cfg: specialization(cd.identity, call, dtypes, None, cfg)  # noqa: E731
+    best = Config((128, 128, 64), (2, 1), "pingpong")
+    tuning._store("FakeGPU|sm90", tuning.record_key(spec(tuning.DEFAULT).plan.key, tuning.DEFAULT, 64, 48, 32, 1),
+                  best, {})
+    built = []
+    monkeypatch.setattr(tuning.build, "build_units", lambda units, **kw: built.append(units))
+    assert tuning.tune(spec, lambda op: None, torch.device("cpu"), (64, 48, 32, 1)) == best
+    assert built == []
