@@ -25,6 +25,10 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
   # BENCH_ARGS="" runs every shape; the default is a quick smoke run
   python3 -m bench.epilogues ${BENCH_ARGS---shapes 4096x4096x4096 --iters 20} 2>"$OUT/bench_progress.log" \
     | tee "$OUT/bench.md" || rc=1
+  if [ "${TUNE:-0}" = 1 ]; then  # tune in one process, reuse the record in a second one
+    python3 -m bench.tuning 2>&1 | tee "$OUT/tuning.log" || rc=1
+    python3 -m bench.tuning --reuse 2>&1 | tee -a "$OUT/tuning.log" || rc=1
+  fi
 fi
 # keep the logs of failed builds (first 60 kB each) for the caller
 for d in "$CODA_DSL_CACHE"/failed/*/; do
