@@ -49,7 +49,7 @@ def tma_layout(where: str, name: str, t: torch.Tensor) -> None:
 
 
 def vector(where: str, name: str, t: torch.Tensor) -> None:
-    if t.stride(-1) != 1:
+    if t.dim() and t.stride(-1) != 1:  # a 0-d tensor (a whole-tensor statistic) has no stride
         raise fail(where, f"{name} must be contiguous", f"pass {name}.contiguous()")
     if t.data_ptr() % 16:
         raise fail(where, f"{name}'s data pointer is not 16-byte aligned", f"pass {name}.clone()")
