@@ -317,7 +317,8 @@ def compile(epilogue: Epilogue, A, B, /, *, out: dict | None = None, config: Con
 
 
 _tuning = os.environ.get("CODA_DSL_TUNE", "") not in ("", "0")
-_configs: dict[tuple, Config] = {}  # (specialization without config, shape bucket) -> config
+# (specialization without config, shape bucket) -> (config, whether it was measured on this device)
+_configs: dict[tuple, tuple[Config, bool]] = {}
 
 
 def set_tuning(enabled: bool) -> None:
@@ -327,17 +328,17 @@ def set_tuning(enabled: bool) -> None:
 
 
 def _choose_config(spec, call: Call, tune: bool) -> Config:
+    """The recorded choice for this device and shape bucket, else (tuning now if asked) the default.
+    Decided once per process and bucket: the warm path reads no file."""
     base = spec(tuning.DEFAULT)
-    key = (base.key, tuning.record_key(base.plan.key, tuning.DEFAULT, *call.mnkl))
-    config = _configs.get(key)
-    if config is None:
+    key = (base.key, tuning.bucket(*call.mnkl))
+    choice = _configs.get(key)
+    if choice is None or (tune and not choice[1]):
         config = tuning.recorded(call.a.device, base.plan.key, tuning.DEFAULT, call.mnkl)
         if config is None and tune:
             config = tuning.tune(spec, lambda op: op.launch(call, None), call.a.device, call.mnkl)
-        if config is None:  # not tuned: the default, until someone tunes this bucket
-            return tuning.DEFAULT
-        _configs[key] = config
-    return config
+        choice = _configs[key] = (config or tuning.DEFAULT, config is not None)
+    return choice[0]
 
 
 def prebuild(ops: list[CompiledOp], jobs: int | None = None) -> None:

@@ -9,6 +9,7 @@ with the same key uses the record: no build of the losers, no timing.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -31,12 +32,13 @@ CANDIDATES = [
 ]
 
 
-def _bucket(m: int, n: int, k: int, l: int) -> str:
+def bucket(m: int, n: int, k: int, l: int) -> str:
     """Shapes that behave alike share a record: powers of two above each size."""
     p2 = lambda x: 1 << max(0, (x - 1).bit_length())  # noqa: E731
     return f"{p2(m)}x{p2(n)}x{p2(k)}x{l}"
 
 
+@functools.cache
 def device_key(device: torch.device) -> str:
     p = torch.cuda.get_device_properties(device)
     driver = torch._C._cuda_getDriverVersion() if hasattr(torch._C, "_cuda_getDriverVersion") else "?"
@@ -67,7 +69,7 @@ def _store(device: str, key: str, config: Config, times: dict[str, float]) -> No
 
 def record_key(plan_key: str, config: Config, m: int, n: int, k: int, l: int) -> str:
     base = plan_key.replace(config.key, "*")  # the specialization without its configuration
-    return f"{hashlib.sha256(base.encode()).hexdigest()[:20]}@{_bucket(m, n, k, l)}"
+    return f"{hashlib.sha256(base.encode()).hexdigest()[:20]}@{bucket(m, n, k, l)}"
 
 
 def recorded(device: torch.device, plan_key: str, config: Config, mnkl) -> Config | None:
