@@ -11,8 +11,8 @@
 import torch as _torch
 
 from .dsl import Acc, Const, Epilogue, Scalar, Tensor, VecM, VecN, epilogue, identity
-from .dsl.ops import (abs, amax, cast, exp, gelu, log, max, maximum, min, minimum, relu, rsqrt, sigmoid, silu,
-                      sqrt, sum, tanh, where)
+from .dsl.ops import (abs, amax, cast, cos, exp, gelu, interleave, log, max, maximum, min, minimum, pairs, relu,
+                      rsqrt, sigmoid, silu, sin, sqrt, sum, tanh, where)
 from .errors import CodaError, EpilogueError, OperandError, UnsupportedError
 from .passes.plan import Config
 from .runtime import CompiledOp, compile, gemm, prebuild, set_tuning

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from coda_dsl.passes import Config, Signature, lower, specialize
+from coda_dsl.passes import Config, Signature, accumulate_into_d, lower, specialize
 
 
 @pytest.fixture
@@ -28,19 +28,21 @@ def rel():
 
 
 def signature(ep, ab="bf16", b_layout="nk", operand_dtype="bf16", operand_dtypes=None, output_dtypes=None,
-              consts=None, config=None) -> Signature:
+              consts=None, config=None, deterministic=False, accumulate=False) -> Signature:
     """The Signature cd.gemm would build for `ep`: every load operand `operand_dtype` unless given in
     `operand_dtypes`, outputs their traced dtype (else `ab`) unless given in `output_dtypes`."""
     loads = {p.name: (operand_dtypes or {}).get(p.name, operand_dtype) for p in ep.params
              if p.kind in ("tensor", "vec_n", "vec_m")}
     outs = tuple((o.name, (output_dtypes or {}).get(o.name, o.dtype or ab)) for o in ep.program.outputs)
     return Signature(ab, b_layout, tuple(sorted(loads.items())), outs, tuple(sorted((consts or {}).items())),
-                     config or Config())
+                     config or Config(), deterministic, accumulate)
 
 
 @pytest.fixture
 def make_plan():
     """make_plan(ep, consts={}, **signature options) -> the lowered Plan."""
     def make(ep, consts=None, **kw):
-        return lower(specialize(ep.program, consts or {}), signature(ep, consts=consts, **kw))
+        sig = signature(ep, consts=consts, **kw)
+        program = specialize(ep.program, consts or {})
+        return lower(accumulate_into_d(program) if sig.accumulate else program, sig)
     return make

@@ -44,6 +44,20 @@ def rich(acc, residual: cd.Tensor, bias: cd.VecN, rstd: cd.VecM, alpha: cd.Scala
             "g16": cd.cast(cd.where(h > 0, g, float("-inf")), cd.float16)}
 
 
+@cd.epilogue
+def statistics_only(acc, bias: cd.VecN, eps: cd.Scalar):
+    y = cd.silu(acc + bias)
+    return {"y": y, "rstd": cd.sum(y * y, axis="n").then(lambda s: cd.rsqrt(s + eps)),
+            "colmax": cd.max(y, axis="m"), "lowest": cd.min(y, axis=None), "peak": cd.amax(y, axis="n")}
+
+
+@cd.epilogue
+def accumulate_with_stats(acc, alpha: cd.Scalar):
+    x = acc * alpha
+    return {"D": x, "rowsum": cd.sum(x, axis="n").then(lambda s: s * 0.5), "colmin": cd.min(x, axis="m"),
+            "total": cd.sum(x, axis=None)}
+
+
 def test_rich_kernel_compiles(toolchain, cache, make_plan):
     plan = make_plan(rich, consts={"c": 0.5}, operand_dtypes={"rstd": "fp32"})
     # the plan really is rich: every operand kind, two aux outputs of different dtypes, a shared value
@@ -55,9 +69,19 @@ def test_rich_kernel_compiles(toolchain, cache, make_plan):
     key = build.specialization_key(plan.key)
     source = render(plan, key, rich.source)
 
-    (obj,) = build.build_units([build.BuildUnit(key, source, op_name(key))], compile_only=True)
+    # built in the same (parallel) ninja run: the template's other branches. No D with deterministic
+    # reductions and finishing kernels; in-place accumulation (C = D) with atomic reductions of every axis.
+    others = [make_plan(statistics_only, deterministic=True), make_plan(accumulate_with_stats, accumulate=True)]
+    assert others[0].d_dtype is None and others[1].reads_d
+    units = [build.BuildUnit(key, source, op_name(key))]
+    for p in others:
+        k = build.specialization_key(p.key)
+        units.append(build.BuildUnit(k, render(p, k, ""), op_name(k)))
+
+    objs = build.build_units(units, compile_only=True)
+    obj = objs[0]
     assert obj.parent.parent == cache and obj.name == "kernel.o"
-    assert obj.is_file() and obj.stat().st_size > 0
+    assert all(o.is_file() and o.stat().st_size > 0 for o in objs)
     assert (obj.parent / "kernel.cu").read_text() == source
 
 

@@ -52,6 +52,8 @@ SPELLINGS = {
     "sqrt": (lambda x, y, z: cd.sqrt(x), (X,)),
     "rsqrt": (lambda x, y, z: cd.rsqrt(x), (X,)),
     "tanh": (lambda x, y, z: cd.tanh(x), (X,)),
+    "sin": (lambda x, y, z: cd.sin(x), (X,)),
+    "cos": (lambda x, y, z: cd.cos(x), (X,)),
     "sigmoid": (lambda x, y, z: cd.sigmoid(x), (X,)),
     "abs": (lambda x, y, z: cd.abs(x), (X,)),
     "relu": (lambda x, y, z: cd.relu(x), (X,)),

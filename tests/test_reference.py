@@ -95,6 +95,8 @@ ELEMENTWISE = {
     "sqrt": (lambda a, y: cd.sqrt(cd.abs(a) + 0.5), lambda a, y: _pos(a) ** 0.5, "real"),
     "rsqrt": (lambda a, y: cd.rsqrt(cd.abs(a) + 0.5), lambda a, y: 1 / _pos(a) ** 0.5, "real"),
     "tanh": (lambda a, y: cd.tanh(a * 0.3), lambda a, y: torch.tanh(a * 0.3), "real"),
+    "sin": (lambda a, y: cd.sin(a * 0.3), lambda a, y: torch.sin(a * 0.3), "real"),
+    "cos": (lambda a, y: cd.cos(a * 0.3), lambda a, y: torch.cos(a * 0.3), "real"),
     "sigmoid": (lambda a, y: cd.sigmoid(a), lambda a, y: sigmoid(a), "real"),
     "abs": (lambda a, y: cd.abs(a), lambda a, y: torch.where(a < 0, -a, a), "real"),
     "relu": (lambda a, y: cd.relu(a), lambda a, y: torch.where(a > 0, a, 0 * a), "real"),

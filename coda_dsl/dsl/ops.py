@@ -1,10 +1,23 @@
 """The functions an epilogue calls: cd.exp(x), cd.where(c, a, b), cd.sum(x, axis="n"), ..."""
 from __future__ import annotations
 
-from .trace import Reduction, Value, apply, cast, fail, reduce
+from ..ir import graph as ir
+from .trace import Reduction, Value, apply, cast, fail, lift, reduce
 
-__all__ = ["where", "maximum", "minimum", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "abs", "relu",
+__all__ = ["pairs", "interleave", "where", "maximum", "minimum", "exp", "log", "sqrt", "rsqrt", "tanh", "sin", "cos", "sigmoid", "abs", "relu",
            "gelu", "silu", "cast", "sum", "max", "min", "amax"]
+
+
+def pairs(x) -> tuple[Value, Value]:
+    """The even and odd columns (2j, 2j+1) of x, each half as wide. A Hopper thread holds both
+    columns of a pair in its own registers, so pairwise math stays in the epilogue (SwiGLU, RoPE)."""
+    node = lift(x)
+    return Value(ir.pair(node, 0)), Value(ir.pair(node, 1))
+
+
+def interleave(a, b) -> Value:
+    """The inverse of cd.pairs: columns a0 b0 a1 b1 ..., twice as wide as a and b."""
+    return Value(ir.interleave(lift(a), lift(b)))
 
 
 def where(cond, a, b) -> Value:
@@ -25,6 +38,8 @@ def log(x) -> Value: return apply("log", x)
 def sqrt(x) -> Value: return apply("sqrt", x)
 def rsqrt(x) -> Value: return apply("rsqrt", x)
 def tanh(x) -> Value: return apply("tanh", x)
+def sin(x) -> Value: return apply("sin", x)
+def cos(x) -> Value: return apply("cos", x)
 def sigmoid(x) -> Value: return apply("sigmoid", x)
 def abs(x) -> Value: return apply("abs", x)  # noqa: A001  (cd.abs mirrors torch.abs)
 def relu(x) -> Value: return apply("relu", x)

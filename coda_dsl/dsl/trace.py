@@ -101,7 +101,8 @@ class Value:
     __int__ = __index__ = __float__
 
     def __iter__(self):
-        raise fail("a traced value is not iterable", "write the math per element; there is no indexing into a tile")
+        raise fail("a traced value is not iterable",
+                   "write the math per element; g, u = cd.pairs(x) splits adjacent column pairs")
 
     def __getattr__(self, name):
         if name.startswith("__"):  # protocol probes (numpy, torch, copy) must see a plain AttributeError

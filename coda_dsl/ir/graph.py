@@ -5,6 +5,7 @@ written twice is one node: common-subexpression elimination falls out of constru
 
 Leaves:   acc, load(kind, name), scalar(name), const(value), const_param(name)
 Compute:  an op name of ir/ops.py with its inputs; cast(dtype) rounds through a storable dtype
+Pairwise: pair(x, 0 | 1) the even / odd columns of x; interleave(a, b) their inverse
 Reduce:   reduce(kind, axis) over one input (kind: sum | max | min | amax)
 Finish:   finish(reduce) applies attr, an expression over the leaf `reduced` (plus scalars and
           constants), to the complete statistic after the GEMM
@@ -76,6 +77,16 @@ def compute(op: str, *inputs: Node) -> Node:
 
 def cast(x: Node, dtype: str) -> Node:
     return Node("cast", (x,), dtype)
+
+
+def pair(x: Node, which: int) -> Node:
+    """Columns 2j + which of x: half x's width (which = 0: even columns, 1: odd)."""
+    return Node("pair", (x,), which)
+
+
+def interleave(a: Node, b: Node) -> Node:
+    """Columns a0 b0 a1 b1 ...: twice the width of a and b."""
+    return Node("interleave", (a, b))
 
 
 def reduce(kind: str, axis, x: Node) -> Node:

@@ -56,6 +56,8 @@ OPS: dict[str, OpDef] = {
         OpDef("sqrt", 1, torch.sqrt, "sqrtf({0})"),
         OpDef("rsqrt", 1, torch.rsqrt, "rsqrtf({0})"),
         OpDef("tanh", 1, torch.tanh, "tanhf({0})"),
+        OpDef("sin", 1, torch.sin, "sinf({0})"),
+        OpDef("cos", 1, torch.cos, "cosf({0})"),
         OpDef("sigmoid", 1, torch.sigmoid, "coda::sigmoid({0})"),
         OpDef("abs", 1, torch.abs, "fabsf({0})"),
         OpDef("relu", 1, torch.relu, "coda::relu({0})"),

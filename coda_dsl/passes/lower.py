@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ..errors import EpilogueError
+from ..errors import EpilogueError, UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import OPS, cpp_float
+from . import widths
 from .plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, EvtNode, Functor, Plan, Reduction,
                    RowBroadcast, Signature, SrcFetch, cpp_element)
 
@@ -22,7 +23,12 @@ _LOAD_NODE = {"tensor": AuxLoad, "vec_n": RowBroadcast, "vec_m": ColBroadcast}
 
 def validate(program: ir.Program) -> None:
     """Reject what no lowering can run, with the user's line."""
+    widths.infer(program)  # raises on mixed widths, naming the line
     for node in ir.walk(program):
+        if node.op in ("pair", "interleave"):
+            raise UnsupportedError(f"epilogue '{program.name}' ({program.where(node)}): pairwise ops (cd.pairs, "
+                                   "cd.interleave) run on the reference backend; their CUTLASS lowering (custom "
+                                   "visitor nodes) is not built yet")
         if not node.is_leaf and node.op not in OPS and node.op not in ("cast", "reduce", "finish"):
             raise EpilogueError(f"epilogue '{program.name}' ({program.where(node)}): unknown op '{node.op}'")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,7 @@ from ..errors import OperandError, UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import DTYPES
 from ..passes import accumulate_into_d, lower, specialize
+from ..passes.widths import load_widths
 from ..passes.plan import Config, Plan, Signature
 from . import checks, reference, tune as tuning
 
@@ -89,11 +91,16 @@ def _check_tensors(ep: Epilogue, call: Call, cutlass: bool) -> dict[str, str]:
                           "cast them: A.bfloat16(), B.bfloat16()")
     dev = call.a.device
     checks.tensor(where, "B", call.b, (l, n, k) if call.b.dim() == 3 else (n, k), dev)
-    shapes = {"tensor": (l, m, n), "vec_n": (l, n), "vec_m": (l, m)}
     dtypes = {}
     kinds = {p.name: p.kind for p in ep.params}
+    widths, pairwise = _widths(ep)
+    if pairwise and n % 2:
+        raise checks.fail(where, f"N = {n} is odd, but the epilogue works on column pairs (cd.pairs)",
+                          "pairwise ops need an even N (for SwiGLU: interleaved gate/up rows, 2F of them)")
     for name, t in call.tensors.items():
-        checks.tensor(where, f"operand '{name}'", t, shapes[kinds[name]], dev)
+        wn = int(n * widths.get(name, 1))  # pairwise epilogues read N/2- or 2N-wide operands
+        shape = {"tensor": (l, m, int(wn)), "vec_n": (l, int(wn)), "vec_m": (l, m)}[kinds[name]]
+        checks.tensor(where, f"operand '{name}'", t, shape, dev)
         dtypes[name] = checks.dtype_of(t, where, f"operand '{name}'")
         if cutlass:
             (checks.tma_layout if kinds[name] == "tensor" else checks.vector)(where, f"operand '{name}'", t)
@@ -108,6 +115,18 @@ def _check_tensors(ep: Epilogue, call: Call, cutlass: bool) -> dict[str, str]:
                               f"W.t()); its strides are {list(call.b.stride())}", "pass B.contiguous()")
         checks.tma_layout(where, "B", call.b if call.b.stride(-1) == 1 else call.b.transpose(-1, -2))
     return dtypes
+
+
+_widths_of: "weakref.WeakKeyDictionary[Epilogue, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _widths(ep: Epilogue) -> tuple[dict, bool]:
+    """(operand name -> width as a fraction of N, whether any op works on column pairs), per epilogue."""
+    got = _widths_of.get(ep)
+    if got is None:
+        pairwise = any(n.op in ("pair", "interleave") for n in ir.walk(ep.program))
+        got = _widths_of[ep] = (load_widths(ep.program), pairwise)
+    return got
 
 
 class CompiledOp:
@@ -298,10 +317,17 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
     if isinstance(config, str):
         config = Config.parse(config)
     spec = lambda cfg: specialization(ep, call, dtypes, out, cfg, deterministic, accumulate)  # noqa: E731
-    folded = _fold(ep, call)
-    if config is None:
-        config = _choose_config(spec, folded, _tuning if tune is None else tune)
-    return _unfold(spec(config).launch(folded, _fold_out(out, folded)), folded)
+    try:
+        folded = _fold(ep, call)
+        if config is None:
+            config = _choose_config(spec, folded, _tuning if tune is None else tune)
+        op = spec(config)
+    except UnsupportedError as e:
+        if backend == "cutlass":
+            raise
+        warnings.warn(f"coda_dsl: running on the reference backend (slow): {e}", stacklevel=2)
+        return run_reference(ep, call, out, accumulate)
+    return _unfold(op.launch(folded, _fold_out(out, folded)), folded)
 
 
 def compile(epilogue: Epilogue, A, B, /, *, out: dict | None = None, config: Config | str | None = None,

@@ -9,6 +9,7 @@ import torch
 
 from ..ir import graph as ir
 from ..ir.ops import DTYPES, OPS
+from ..passes.widths import infer as infer_widths
 
 _REDUCE = {
     "sum": lambda x, dims: x.sum(dim=dims),
@@ -45,7 +46,12 @@ def _reduce_dims(axis, ndim: int):
     return {"n": (-1,), "m": (-2,), None: (-2, -1)}[axis] if ndim >= 2 else None
 
 
-def _evaluate(nodes, values: dict, operands: dict, acc: torch.Tensor) -> dict[int, torch.Tensor]:
+def _full(v: torch.Tensor, acc: torch.Tensor, width) -> torch.Tensor:
+    """v broadcast to the [.., M, width * N] shape of its value (constants and vectors expand)."""
+    return torch.broadcast_to(v, (*acc.shape[:-1], int(acc.shape[-1] * width)))
+
+
+def _evaluate(nodes, values: dict, operands: dict, acc: torch.Tensor, widths: dict) -> dict[int, torch.Tensor]:
     for node in nodes:
         if id(node) in values:
             continue
@@ -57,11 +63,16 @@ def _evaluate(nodes, values: dict, operands: dict, acc: torch.Tensor) -> dict[in
             v = args[0].to(DTYPES[node.attr][0]).float()
         elif node.op == "reduce":
             kind, axis = node.attr
-            x = torch.broadcast_to(args[0], acc.shape)
+            x = _full(args[0], acc, widths.get(id(node.inputs[0]), 1))
             v = _REDUCE[kind](x, _reduce_dims(axis, x.ndim))
         elif node.op == "finish":  # the finishing expression, with `reduced` bound to the statistic
-            done = _evaluate(ir.topo_order([node.attr]), {id(ir.reduced()): args[0]}, operands, acc)
+            done = _evaluate(ir.topo_order([node.attr]), {id(ir.reduced()): args[0]}, operands, acc, widths)
             v = done[id(node.attr)]
+        elif node.op == "pair":
+            v = _full(args[0], acc, widths[id(node.inputs[0])])[..., node.attr::2]
+        elif node.op == "interleave":
+            w = widths[id(node.inputs[0])] if id(node.inputs[0]) in widths else widths[id(node)] / 2
+            v = torch.stack([_full(x, acc, w) for x in args], dim=-1).flatten(-2)
         else:
             v = OPS[node.op].torch_fn(*args).float()
         values[id(node)] = v
@@ -72,12 +83,13 @@ def evaluate(program: ir.Program, a: torch.Tensor, b: torch.Tensor, operands: di
              out_dtypes: dict[str, str]) -> dict[str, torch.Tensor]:
     """Run a specialized program (constants bound). out_dtypes: output name -> dtype name."""
     acc = accumulator(a, b)
-    values = _evaluate(ir.walk(program), {}, operands, acc)
+    widths = infer_widths(program)
+    values = _evaluate(ir.walk(program), {}, operands, acc, widths)
     result = {}
     for o in program.outputs:
         v = values[id(o.node)]
         if ir.reduction_of(o.node) is None:
-            v = torch.broadcast_to(v, acc.shape)
+            v = _full(v, acc, widths.get(id(o.node), 1))
         elif o.node.op == "finish":  # constants in the expression must not shrink the statistic's shape
             v = torch.broadcast_to(v, values[id(o.node.inputs[0])].shape)
         result[o.name] = v.to(DTYPES[out_dtypes[o.name]][0]).contiguous()

@@ -7,6 +7,7 @@ import torch
 from ..dsl import Epilogue
 from ..ir import graph as ir
 from ..ir.ops import DTYPES
+from ..passes.widths import infer as infer_widths
 
 
 def _operands(ep: Epilogue, tensors: list, numbers: list) -> dict:
@@ -29,9 +30,10 @@ def _gemm(uid: str, a: torch.Tensor, b: torch.Tensor, tensors: list[torch.Tensor
 def _(uid, a, b, tensors, numbers, backend, config, deterministic):
     ep = Epilogue.by_uid(uid)
     lead, m, n = a.shape[:-2], a.shape[-2], b.shape[-2]
+    widths = infer_widths(ep.program)
     outs = []
     for o in ep.program.outputs:
-        shape = (*lead, m, n)
+        shape = (*lead, m, int(n * widths.get(id(o.node), 1)))
         r = ir.reduction_of(o.node)
         if r is not None:  # reduced over n -> [.., M]; over m -> [.., N]; over both -> [..]
             shape = {"n": (*lead, m), "m": (*lead, n), None: tuple(lead)}[r.attr[1]]

@@ -1,0 +1,51 @@
+"""Gated activations with gate and up projections interleaved in one weight (rows 2j: gate, 2j+1: up),
+so one GEMM produces both and the epilogue pairs adjacent columns: D has N/2 columns."""
+from __future__ import annotations
+
+import torch
+
+from .. import dsl as cd
+from ..dsl import ops
+from ..runtime import gemm
+
+
+def _glu(act, name: str) -> cd.Epilogue:
+    def glu(acc):
+        g, u = ops.pairs(acc)
+        return act(g) * u
+    return cd.epilogue(glu, name=name)
+
+
+swiglu = _glu(ops.silu, "swiglu")
+geglu = _glu(lambda g: ops.gelu(g, approximate="tanh"), "geglu")
+reglu = _glu(ops.relu, "reglu")
+
+
+@cd.epilogue
+def swiglu_keep_preactivation(acc):
+    """SwiGLU that also stores the full-width pre-activation, the input of its backward."""
+    g, u = ops.pairs(acc)
+    return {"D": ops.silu(g) * u, "pre": acc}
+
+
+@cd.epilogue
+def swiglu_backward(acc, pre: cd.Tensor):
+    """acc = dY (= dOut @ W_down, N/2 wide); pre = saved pre-activation (N wide, interleaved).
+    D = d(pre-activation), interleaved like pre; "y" recomputes the activation for the weight gradient."""
+    g, u = ops.pairs(pre)
+    sig = ops.sigmoid(g)
+    silu = g * sig
+    dg = acc * u * sig * (1.0 + g * (1.0 - sig))
+    return {"D": ops.interleave(dg, acc * silu), "y": silu * u}
+
+
+def interleave_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """[F, d] gate and up weights -> one [2F, d] weight with rows gate0, up0, gate1, up1, ..."""
+    if w_gate.shape != w_up.shape:
+        raise ValueError(f"gate {list(w_gate.shape)} and up {list(w_up.shape)} weights must have one shape")
+    return torch.stack((w_gate, w_up), dim=1).reshape(-1, w_gate.shape[-1])
+
+
+def linear_swiglu(x: torch.Tensor, w_interleaved: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """silu(x @ W_gate^T) * (x @ W_up^T) in one GEMM, with w_interleaved = interleave_gate_up(W_gate, W_up)."""
+    return gemm(x, w_interleaved, swiglu, backend=backend)["D"]

@@ -1,0 +1,53 @@
+"""Rotary position embedding in the epilogue of the Q/K (or fused QKV) projection.
+
+Column pairs (2j, 2j+1) rotate by an angle: (x0 cos - x1 sin, x0 sin + x1 cos), the interleaved
+(GPT-J) convention. Columns that must not rotate (V in a fused QKV) get cos 1, sin 0 (tables) or an
+inverse frequency of 0 (positions). For the half-split (Llama/NeoX) convention, permute each
+head's weight rows with `neox_to_interleaved_rows` for Q and K alike: attention scores are
+q·k sums over a head's dimensions, which a common permutation leaves unchanged.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import dsl as cd
+from ..dsl import ops
+
+
+def _rotate(acc, cos, sin):
+    x0, x1 = ops.pairs(acc)
+    return ops.interleave(x0 * cos - x1 * sin, x0 * sin + x1 * cos)
+
+
+@cd.epilogue
+def rope_tables(acc, cos: cd.Tensor, sin: cd.Tensor):
+    """cos, sin: [M, N/2] (one angle per row and column pair)."""
+    return _rotate(acc, cos, sin)
+
+
+@cd.epilogue
+def rope_positions(acc, pos: cd.VecM, inv_freq: cd.VecN):
+    """pos: [M] token positions; inv_freq: [N/2] per column pair (0 for columns that pass through).
+    The angle is computed in fp32 in the epilogue."""
+    angle = pos * inv_freq
+    x0, x1 = ops.pairs(acc)
+    c, s = ops.cos(angle), ops.sin(angle)
+    return ops.interleave(x0 * c - x1 * s, x0 * s + x1 * c)
+
+
+def neox_to_interleaved_rows(n_heads: int, head_dim: int) -> torch.Tensor:
+    """Row order that turns half-split (i, i + d/2) rotation pairs into adjacent ones, per head:
+    W_q[perm] with rope_* gives the NeoX/Llama rotation (up to the same permutation of q and k)."""
+    half = head_dim // 2
+    within = torch.stack((torch.arange(half), torch.arange(half) + half), dim=1).reshape(-1)
+    return (torch.arange(n_heads)[:, None] * head_dim + within[None, :]).reshape(-1)
+
+
+def rope_frequencies(n_cols: int, head_dim: int, base: float = 10000.0, rotate_cols: int | None = None):
+    """inv_freq [n_cols / 2] for rope_positions: per head, 1 / base^(2i / head_dim); pairs at or after
+    `rotate_cols` (e.g. V of a fused QKV) get 0, i.e. no rotation."""
+    i = torch.arange(n_cols // 2) % (head_dim // 2)
+    inv = 1.0 / base ** (2.0 * i / head_dim)
+    if rotate_cols is not None:
+        inv[rotate_cols // 2:] = 0.0
+    return inv.float()

@@ -1,0 +1,94 @@
+"""Width inference: how many columns each value has, relative to the accumulator's N.
+
+Pairwise ops change widths: `cd.pairs(x)` gives two values of half x's width (even and odd
+columns); `cd.interleave(a, b)` one of twice theirs. Elementwise ops need equal widths. An operand's
+width follows from what it is combined with (a cos table combined with a pair half is N/2 wide);
+operands combined with nothing of known width are N wide. Scalars and constants fit any width.
+"""
+from __future__ import annotations
+
+from fractions import Fraction
+
+from ..errors import EpilogueError
+from ..ir import graph as ir
+
+_ANY = ("scalar", "const", "const_param", "reduced")  # broadcast to any width
+
+
+def infer(program: ir.Program) -> dict[int, Fraction]:
+    """id(node) -> width (as a fraction of N) for every node with columns; loads keyed as well."""
+    nodes = [n for n in ir.walk(program)]
+    width: dict[int, Fraction] = {id(ir.acc()): Fraction(1)}
+    load_of = {id(n): n for n in nodes if n.op == "load"}
+
+    def fail(node: ir.Node, what: str) -> EpilogueError:
+        return EpilogueError(f"epilogue '{program.name}' ({program.where(node)}): {what}\n  fix: combine values "
+                             "of one width; cd.pairs(x) halves a width, cd.interleave(a, b) doubles it")
+
+    def unify(node: ir.Node, key: int, w: Fraction) -> bool:
+        old = width.get(key)
+        if old is None:
+            width[key] = w
+            return True
+        if old != w:
+            raise fail(node, f"a value {_name(old)} wide meets one {_name(w)} wide")
+        return False
+
+    changed = True
+    while changed:  # propagate forward and backward until nothing new is learned
+        changed = False
+        for n in nodes:
+            if n.is_leaf or n.op in ("reduce", "finish"):
+                continue
+            ins = [i for i in n.inputs if i.op not in _ANY]
+            if n.op == "pair":
+                (x,) = n.inputs
+                if id(x) in width:
+                    changed |= unify(n, id(n), width[id(x)] / 2)
+                elif id(n) in width:
+                    changed |= unify(n, id(x), width[id(n)] * 2)
+                continue
+            known = [width[id(i)] for i in ins if id(i) in width]
+            if n.op == "interleave":
+                if known:
+                    changed |= unify(n, id(n), known[0] * 2)
+                elif id(n) in width:
+                    known = [width[id(n)] / 2]
+            elif id(n) in width:
+                known.append(width[id(n)])
+            if known:
+                for i in ins:
+                    changed |= unify(n, id(i), known[0])
+                if n.op != "interleave":
+                    changed |= unify(n, id(n), known[0])
+    for key, n in load_of.items():  # operands combined with nothing of known width: N wide
+        width.setdefault(key, Fraction(1))
+    changed = True
+    while changed:  # values built only from such operands
+        changed = False
+        for n in nodes:
+            if n.is_leaf or n.op in ("reduce", "finish") or id(n) in width:
+                continue
+            ins = [width.get(id(i)) for i in n.inputs if i.op not in _ANY]
+            if ins and all(w is not None for w in ins):
+                w = ins[0] / 2 if n.op == "pair" else ins[0] * 2 if n.op == "interleave" else ins[0]
+                changed |= unify(n, id(n), w)
+    for n in nodes:
+        if n.op == "reduce" and id(n.inputs[0]) not in width and n.inputs[0].op not in _ANY:
+            width[id(n.inputs[0])] = Fraction(1)
+    return width
+
+
+def output_width(program: ir.Program, widths: dict[int, Fraction], out: ir.Output) -> Fraction:
+    return widths.get(id(out.node), Fraction(1))
+
+
+def load_widths(program: ir.Program) -> dict[str, Fraction]:
+    """Operand name -> width of every tensor/vector operand the program reads."""
+    widths = infer(program)
+    return {n.attr[1]: widths[id(n)] for n in ir.walk(program) if n.op == "load"}
+
+
+def _name(w: Fraction) -> str:
+    return "N" if w == 1 else f"{w}·N" if w.denominator == 1 else f"N/{w.denominator}" if w.numerator == 1 \
+        else f"{w}·N"

@@ -1,0 +1,121 @@
+"""Pairwise transforms on the reference backend vs plain PyTorch: SwiGLU/GeGLU/ReGLU with interleaved
+weights, RoPE (tables, positions, NeoX permutation), the SwiGLU backward vs autograd, width errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import coda_dsl as cd
+from coda_dsl.library import (geglu, interleave_gate_up, linear_swiglu, neox_to_interleaved_rows, reglu,
+                              rope_frequencies, rope_positions, rope_tables, swiglu_backward,
+                              swiglu_keep_preactivation)
+
+M, D, FF = 29, 48, 40  # ragged rows; N = 2F interleaved columns
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _w(*s):
+    return (torch.randn(*s) / s[-1] ** 0.5).bfloat16()
+
+
+@pytest.mark.parametrize("ep,act", [(None, F.silu), (geglu, lambda g: F.gelu(g, approximate="tanh")),
+                                    (reglu, F.relu)], ids=["swiglu", "geglu", "reglu"])
+def test_gated_activations_match_separate_projections(ep, act):
+    x, wg, wu = _w(M, D), _w(FF, D), _w(FF, D)
+    w = interleave_gate_up(wg, wu)
+    assert w.shape == (2 * FF, D) and torch.equal(w[0::2], wg) and torch.equal(w[1::2], wu)
+    got = linear_swiglu(x, w, backend="reference") if ep is None else \
+        cd.gemm(x, w, ep, backend="reference")["D"]
+    ref = act(x.float() @ wg.float().t()) * (x.float() @ wu.float().t())
+    assert got.shape == (M, FF) and _rel(got, ref) < 1e-2
+
+
+def test_full_and_half_width_outputs_together():
+    x, w = _w(M, D), _w(2 * FF, D)
+    out = cd.gemm(x, w, swiglu_keep_preactivation, backend="reference")
+    pre = x.float() @ w.float().t()
+    assert out["pre"].shape == (M, 2 * FF) and out["D"].shape == (M, FF)
+    assert _rel(out["D"], F.silu(pre[:, 0::2]) * pre[:, 1::2]) < 1e-2
+
+
+def test_swiglu_backward_matches_autograd():
+    x, w, w_down = _w(M, D), _w(2 * FF, D), _w(D, FF)
+    pre = (x.float() @ w.float().t()).requires_grad_()
+    y = F.silu(pre[:, 0::2]) * pre[:, 1::2]
+    d_out = torch.randn(M, D)
+    (y @ w_down.float().t()).backward(d_out)
+    d_out16 = d_out.bfloat16()
+    # dY = dOut @ W_down (the GEMM whose epilogue this is): A = dOut [M, D], B = W_down^T as [FF, D]
+    got = cd.gemm(d_out16, w_down.t(), swiglu_backward, pre=pre.detach().bfloat16(), backend="reference")
+    assert got["D"].shape == (M, 2 * FF) and got["y"].shape == (M, FF)
+    assert _rel(got["D"], pre.grad) < 2e-2
+    assert _rel(got["y"], y.detach()) < 1e-2
+
+
+def _rope_ref(x, angle):  # interleaved (GPT-J) rotation of column pairs
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    c, s = torch.cos(angle), torch.sin(angle)
+    return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), -1).flatten(-2)
+
+
+def test_rope_tables_and_positions_agree_with_a_standard_rope():
+    n_heads, hd = 3, 16
+    n = n_heads * hd
+    x, w = _w(M, D), _w(n, D)
+    pos = torch.arange(M).float() + 5
+    inv = rope_frequencies(n, hd)
+    angle = pos[:, None] * inv[None, :]
+    ref = _rope_ref(x.float() @ w.float().t(), angle)
+    by_tables = cd.gemm(x, w, rope_tables, cos=torch.cos(angle), sin=torch.sin(angle), backend="reference")["D"]
+    by_positions = cd.gemm(x, w, rope_positions, pos=pos, inv_freq=inv, backend="reference")["D"]
+    assert _rel(by_tables, ref) < 1e-2 and _rel(by_positions, ref) < 1e-2
+
+
+def test_rope_passes_v_through_and_neox_permutation_keeps_scores():
+    n_heads, hd = 2, 8
+    qk = 2 * n_heads * hd  # Q and K rotate, V passes through
+    n = qk + n_heads * hd
+    x, w = _w(M, D), _w(n, D)
+    pos = torch.arange(M).float()
+    inv = rope_frequencies(n, hd, rotate_cols=qk)
+    out = cd.gemm(x, w, rope_positions, pos=pos, inv_freq=inv, backend="reference")["D"].float()
+    plain = x.float() @ w.float().t()
+    assert _rel(out[:, qk:], plain[:, qk:]) < 1e-2  # V untouched
+    # NeoX/Llama: rotate (i, i + d/2); permuting Q and K rows alike gives the same attention scores
+    wq, wk = _w(n_heads * hd, D), _w(n_heads * hd, D)
+    perm = neox_to_interleaved_rows(n_heads, hd)
+    inv_h = rope_frequencies(n_heads * hd, hd)
+    q = cd.gemm(x, wq[perm], rope_positions, pos=pos, inv_freq=inv_h, backend="reference")["D"].float()
+    k = cd.gemm(x, wk[perm], rope_positions, pos=pos, inv_freq=inv_h, backend="reference")["D"].float()
+
+    def neox(t):  # standard half-split rotation
+        t = t.view(M, n_heads, hd)
+        t1, t2 = t[..., : hd // 2], t[..., hd // 2:]
+        ang = pos[:, None, None] * (1.0 / 10000 ** (2 * torch.arange(hd // 2) / hd))
+        return torch.cat((t1 * ang.cos() - t2 * ang.sin(), t2 * ang.cos() + t1 * ang.sin()), -1)
+
+    qn, kn = neox(x.float() @ wq.float().t()), neox(x.float() @ wk.float().t())
+    scores = torch.einsum("mhd,nhd->hmn", q.view(M, n_heads, hd), k.view(M, n_heads, hd))
+    assert _rel(scores, torch.einsum("mhd,nhd->hmn", qn, kn)) < 2e-2
+
+
+def test_width_errors_and_odd_n():
+    with pytest.raises(cd.EpilogueError, match="wide"):
+        @cd.epilogue
+        def mixed(acc):
+            g, u = cd.pairs(acc)
+            return g + acc
+        cd.gemm(_w(8, 16), _w(8, 16), mixed, backend="reference")
+    with pytest.raises(cd.OperandError, match="even N"):
+        cd.gemm(_w(8, 16), _w(7, 16), reglu, backend="reference")
+    with pytest.raises(cd.OperandError, match="shape"):  # a cos table must be [M, N/2]
+        cd.gemm(_w(8, 16), _w(8, 16), rope_tables, cos=torch.ones(8, 8), sin=torch.ones(8, 8),
+                backend="reference")
+    with pytest.raises(cd.UnsupportedError, match="pairwise"):  # not lowered to CUTLASS yet
+        from coda_dsl.passes import lower, specialize
+        from coda_dsl.passes.plan import Signature
+        lower(specialize(reglu.program, {}), Signature("bf16", "nk", (), (("D", "bf16"),)))
