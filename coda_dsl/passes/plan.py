@@ -21,11 +21,13 @@ def cpp_element(dtype: str) -> str:
 
 @dataclass(frozen=True)
 class Config:
-    """Kernel configuration: CTA tile (M, N, K), cluster (M, N) and schedule."""
+    """Kernel configuration: CTA tile (M, N, K), cluster (M, N), schedule, and the epilogue subtile
+    (M, N) the epilogue works through (None: CUTLASS's choice, 128x32 / 64x32)."""
 
     tile: tuple[int, int, int] = (128, 256, 64)
     cluster: tuple[int, int] = (2, 1)
     schedule: str = "cooperative"  # or "pingpong"
+    epilogue_tile: tuple[int, int] | None = None
 
     def __post_init__(self):
         m, n, k = self.tile
@@ -37,20 +39,28 @@ class Config:
             raise ValueError(f"tile {self.tile}: M must be a multiple of 64, N and K of 16")
         if self.cluster[0] * self.cluster[1] > 4:
             raise ValueError(f"cluster {self.cluster}: at most 4 CTAs")
+        if self.epilogue_tile is not None:
+            em, en = self.epilogue_tile
+            if em != (128 if self.schedule == "cooperative" else 64) or en % 16 or n % en:
+                raise ValueError(f"epilogue tile {self.epilogue_tile}: M must be 128 (cooperative) or 64 "
+                                 f"(pingpong), N a multiple of 16 dividing the tile's {n}")
 
     @property
     def key(self) -> str:
-        return f"{'x'.join(map(str, self.tile))}_c{self.cluster[0]}x{self.cluster[1]}_{self.schedule}"
+        epi = f"_e{self.epilogue_tile[0]}x{self.epilogue_tile[1]}" if self.epilogue_tile else ""
+        return f"{'x'.join(map(str, self.tile))}_c{self.cluster[0]}x{self.cluster[1]}_{self.schedule}{epi}"
 
     @staticmethod
     def parse(text: str) -> "Config":
-        """'128x256x64_c2x1_cooperative' -> Config (the inverse of .key)."""
+        """'128x256x64_c2x1_cooperative[_e128x64]' -> Config (the inverse of .key)."""
         try:
-            tile, cluster, schedule = text.split("_")
-            return Config(tuple(int(x) for x in tile.split("x")),  # type: ignore[arg-type]
-                          tuple(int(x) for x in cluster[1:].split("x")), schedule)  # type: ignore[arg-type]
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"bad config {text!r}: expected e.g. 128x256x64_c2x1_cooperative ({e})") from None
+            tile, cluster, schedule, *epi = text.split("_")
+            ints = lambda s: tuple(int(x) for x in s.split("x"))  # noqa: E731
+            return Config(ints(tile), ints(cluster[1:]), schedule,  # type: ignore[arg-type]
+                          ints(epi[0][1:]) if epi else None)  # type: ignore[arg-type]
+        except (ValueError, TypeError, IndexError) as e:
+            raise ValueError(f"bad config {text!r}: expected e.g. 128x256x64_c2x1_cooperative or "
+                             f"128x256x64_c2x1_cooperative_e128x64 ({e})") from None
 
 
 @dataclass(frozen=True)

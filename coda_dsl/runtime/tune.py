@@ -26,9 +26,11 @@ from ..passes.plan import Config
 DEFAULT = Config((128, 256, 64), (2, 1), "cooperative")  # within 2-6 % of cuBLAS at 4096^3-8192^3 (H200)
 CANDIDATES = [
     DEFAULT,
+    Config((128, 256, 64), (2, 1), "cooperative", (128, 64)),  # half the epilogue iterations
     Config((256, 128, 64), (2, 1), "cooperative"),
     Config((128, 128, 64), (1, 1), "cooperative"),
-    Config((128, 128, 64), (2, 1), "pingpong"),
+    Config((128, 128, 64), (2, 1), "pingpong"),  # overlaps one tile's epilogue with another's mainloop
+    Config((64, 256, 64), (2, 1), "pingpong"),
 ]
 
 
