@@ -99,7 +99,7 @@ def _check_tensors(ep: Epilogue, call: Call, cutlass: bool) -> dict[str, str]:
                           "pairwise ops need an even N (for SwiGLU: interleaved gate/up rows, 2F of them)")
     for name, t in call.tensors.items():
         wn = int(n * widths.get(name, 1))  # pairwise epilogues read N/2- or 2N-wide operands
-        shape = {"tensor": (l, m, int(wn)), "vec_n": (l, int(wn)), "vec_m": (l, m)}[kinds[name]]
+        shape = {"tensor": (l, m, wn), "vec_n": (l, wn), "vec_m": (l, m)}[kinds[name]]
         checks.tensor(where, f"operand '{name}'", t, shape, dev)
         dtypes[name] = checks.dtype_of(t, where, f"operand '{name}'")
         if cutlass:
