@@ -11,11 +11,17 @@
 import torch as _torch
 
 from .dsl import Acc, Const, Epilogue, Scalar, Tensor, VecM, VecN, epilogue, identity
-from .dsl.ops import (abs, amax, cast, cos, exp, gelu, interleave, log, max, maximum, min, minimum, pairs, relu,
-                      rsqrt, sigmoid, silu, sin, sqrt, sum, tanh, where)
+from .dsl.ops import (abs, amax, cast, cos, exp, gelu, interleave, log, logsumexp, max, maximum, min, minimum,
+                      pairs, relu, rsqrt, sigmoid, silu, sin, sqrt, sum, take, tanh, where)
 from .errors import CodaError, EpilogueError, OperandError, UnsupportedError
 from .passes.plan import Config
 from .runtime import CompiledOp, compile, gemm, prebuild, set_tuning
 
 bfloat16, float16, float32 = _torch.bfloat16, _torch.float16, _torch.float32
 __version__ = "0.1.0"
+
+
+def linear_cross_entropy(*args, **kwargs):
+    """Cross-entropy of x @ w.T fused into the GEMM epilogue (see coda_dsl.library.cross_entropy)."""
+    from .library import linear_cross_entropy as fn
+    return fn(*args, **kwargs)

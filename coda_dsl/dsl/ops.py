@@ -5,7 +5,7 @@ from ..ir import graph as ir
 from .trace import Reduction, Value, apply, cast, fail, lift, reduce
 
 __all__ = ["pairs", "interleave", "where", "maximum", "minimum", "exp", "log", "sqrt", "rsqrt", "tanh", "sin", "cos", "sigmoid", "abs", "relu",
-           "gelu", "silu", "cast", "sum", "max", "min", "amax"]
+           "gelu", "silu", "cast", "sum", "max", "min", "amax", "logsumexp", "take"]
 
 
 def pairs(x) -> tuple[Value, Value]:
@@ -64,6 +64,17 @@ def max(x, axis="n") -> Reduction:  # noqa: A001
 
 def min(x, axis="n") -> Reduction:  # noqa: A001
     return reduce("min", x, axis)
+
+
+def logsumexp(x, axis="n") -> Reduction:
+    """log sum_n exp(x) per row, computed online (running max and sum of exponentials), fp32."""
+    return reduce("logsumexp", x, axis)
+
+
+def take(x, index, axis="n") -> Reduction:
+    """x at column index[m] of each row m (cross-entropy's target logit); index: a cd.VecM of int64.
+    Rows whose index is outside [0, N) (e.g. ignore_index = -100) get 0."""
+    return reduce("take", x, axis, index)
 
 
 def amax(x, axis="n") -> Reduction:

@@ -228,11 +228,19 @@ def cast(x: Any, dtype) -> Value:
     return Value(ir.cast(lift(x), name))
 
 
-def reduce(kind: str, x: Any, axis) -> Reduction:
+def reduce(kind: str, x: Any, axis, index: Any = None) -> Reduction:
     if axis not in ir.REDUCE_AXES:
         raise fail(f"axis={axis!r} is not an output axis", 'use axis="n" (per row, result [M]), '
                    'axis="m" (per column, result [N]) or axis=None (whole tensor)')
-    return Reduction(ir.reduce(kind, axis, lift(x)))
+    if kind in ("logsumexp", "take") and axis != "n":
+        raise fail(f"cd.{kind} works over axis='n' (per row), not {axis!r}")
+    idx = None
+    if kind == "take":
+        idx = lift(index)
+        if idx.op != "load" or idx.attr[0] != "vec_m":
+            raise fail("cd.take needs a cd.VecM operand of int64 column indices (one per row)",
+                       "declare it `target: cd.VecM` and pass a torch.int64 tensor of shape [M]")
+    return Reduction(ir.reduce(kind, axis, lift(x), idx))
 
 
 def signature_params(fn: Callable, reserved: set[str]) -> tuple[str, tuple[ir.Param, ...]]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 LOAD_KINDS = ("tensor", "vec_m", "vec_n")  # [M, N], one value per row m, one per column n
-REDUCE_KINDS = ("sum", "max", "min", "amax")
+REDUCE_KINDS = ("sum", "max", "min", "amax", "logsumexp", "take")  # take: x at a per-row index
 REDUCE_AXES = ("n", "m", None)
 
 
@@ -89,9 +89,10 @@ def interleave(a: Node, b: Node) -> Node:
     return Node("interleave", (a, b))
 
 
-def reduce(kind: str, axis, x: Node) -> Node:
-    assert kind in REDUCE_KINDS and axis in REDUCE_AXES
-    return Node("reduce", (x,), (kind, axis))
+def reduce(kind: str, axis, x: Node, index: Node | None = None) -> Node:
+    """A statistic of x over an axis; kind "take" reads x at the column index[m] (a vec_m load)."""
+    assert kind in REDUCE_KINDS and axis in REDUCE_AXES and (index is not None) == (kind == "take")
+    return Node("reduce", (x,) if index is None else (x, index), (kind, axis))
 
 
 def reduced() -> Node:

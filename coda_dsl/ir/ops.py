@@ -75,6 +75,7 @@ DTYPES: dict[str, tuple[torch.dtype, str]] = {
     "fp32": (torch.float32, "float"),
 }
 TORCH_TO_DTYPE = {t: name for name, (t, _) in DTYPES.items()}
+INDEX_DTYPE = "i64"  # cd.take's per-row column indices: read, never computed with or stored
 
 
 def dtype_name(dtype) -> str:

@@ -25,6 +25,9 @@ def validate(program: ir.Program) -> None:
     """Reject what no lowering can run, with the user's line."""
     widths.infer(program)  # raises on mixed widths, naming the line
     for node in ir.walk(program):
+        if node.op == "reduce" and node.attr[0] in ("logsumexp", "take"):
+            raise UnsupportedError(f"epilogue '{program.name}' ({program.where(node)}): cd.{node.attr[0]} runs on "
+                                   "the reference backend; its CUTLASS visitor node is not built yet")
         if node.op in ("pair", "interleave"):
             raise UnsupportedError(f"epilogue '{program.name}' ({program.where(node)}): pairwise ops (cd.pairs, "
                                    "cd.interleave) run on the reference backend; their CUTLASS lowering (custom "

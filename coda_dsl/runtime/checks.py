@@ -6,14 +6,19 @@ import functools
 import torch
 
 from ..errors import OperandError, UnsupportedError
-from ..ir.ops import TORCH_TO_DTYPE
+from ..ir.ops import INDEX_DTYPE, TORCH_TO_DTYPE
 
 
 def fail(where: str, message: str, fix: str = "") -> OperandError:
     return OperandError(f"{where}: {message}" + (f"\n  fix: {fix}" if fix else ""))
 
 
-def dtype_of(t: torch.Tensor, where: str, name: str) -> str:
+def dtype_of(t: torch.Tensor, where: str, name: str, index: bool = False) -> str:
+    if index:
+        if t.dtype != torch.int64:
+            raise fail(where, f"{name} holds column indices for cd.take and must be torch.int64, not {t.dtype}",
+                       f"pass {name.split()[-1]}.long()")
+        return INDEX_DTYPE
     d = TORCH_TO_DTYPE.get(t.dtype)
     if d is None:
         raise fail(where, f"{name} has dtype {t.dtype}", "use torch.bfloat16, torch.float16 or torch.float32")

@@ -101,7 +101,7 @@ def _check_tensors(ep: Epilogue, call: Call, cutlass: bool) -> dict[str, str]:
         wn = int(n * widths.get(name, 1))  # pairwise epilogues read N/2- or 2N-wide operands
         shape = {"tensor": (l, m, wn), "vec_n": (l, wn), "vec_m": (l, m)}[kinds[name]]
         checks.tensor(where, f"operand '{name}'", t, shape, dev)
-        dtypes[name] = checks.dtype_of(t, where, f"operand '{name}'")
+        dtypes[name] = checks.dtype_of(t, where, f"operand '{name}'", index=name in _indices(ep))
         if cutlass:
             (checks.tma_layout if kinds[name] == "tensor" else checks.vector)(where, f"operand '{name}'", t)
             if kinds[name] == "tensor" and t.dim() == 2 and call.b.dim() == 3:
@@ -127,6 +127,11 @@ def _widths(ep: Epilogue) -> tuple[dict, bool]:
         pairwise = any(n.op in ("pair", "interleave") for n in ir.walk(ep.program))
         got = _widths_of[ep] = (load_widths(ep.program), pairwise)
     return got
+
+
+def _indices(ep: Epilogue) -> set[str]:
+    """Operands that cd.take reads as column indices."""
+    return {n.inputs[1].attr[1] for n in ir.walk(ep.program) if n.op == "reduce" and n.attr[0] == "take"}
 
 
 class CompiledOp:

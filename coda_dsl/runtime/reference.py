@@ -16,7 +16,16 @@ _REDUCE = {
     "max": lambda x, dims: x.amax(dim=dims),
     "min": lambda x, dims: x.amin(dim=dims),
     "amax": lambda x, dims: x.abs().amax(dim=dims),
+    "logsumexp": lambda x, dims: torch.logsumexp(x, dim=dims),
 }
+
+
+def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[..., m, index[m]]; 0 where the index is outside [0, N)."""
+    index = index.to(x.device)
+    inside = (index >= 0) & (index < x.shape[-1])
+    got = x.gather(-1, torch.where(inside, index, 0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(inside, got, torch.zeros_like(got))
 
 
 def accumulator(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -34,7 +43,8 @@ def _leaf(node: ir.Node, operands: dict, acc: torch.Tensor) -> torch.Tensor:
     if node.op == "scalar":
         return torch.tensor(float(operands[node.attr]), dtype=torch.float32, device=acc.device)
     kind, name = node.attr
-    t = operands[name].to(acc.device).float()
+    t = operands[name].to(acc.device)
+    t = t if t.dtype == torch.int64 else t.float()  # cd.take indices stay integers
     if kind == "vec_n":  # [N] or [L, N] -> broadcast over rows
         return t.unsqueeze(-2)
     if kind == "vec_m":  # [M] or [L, M] -> broadcast over columns
@@ -64,7 +74,10 @@ def _evaluate(nodes, values: dict, operands: dict, acc: torch.Tensor, widths: di
         elif node.op == "reduce":
             kind, axis = node.attr
             x = _full(args[0], acc, widths.get(id(node.inputs[0]), 1))
-            v = _REDUCE[kind](x, _reduce_dims(axis, x.ndim))
+            if kind == "take":
+                v = _take(x, operands[node.inputs[1].attr[1]])
+            else:
+                v = _REDUCE[kind](x, _reduce_dims(axis, x.ndim))
         elif node.op == "finish":  # the finishing expression, with `reduced` bound to the statistic
             done = _evaluate(ir.topo_order([node.attr]), {id(ir.reduced()): args[0]}, operands, acc, widths)
             v = done[id(node.attr)]
