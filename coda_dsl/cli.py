@@ -178,7 +178,7 @@ def cmd_explain(args) -> int:
     consts = ", ".join(f"{k}={v:g}" for k, v in sig.consts)
     print(f"\n## IR{f' (consts bound: {consts})' if consts else ''}\n{format_program(spec.program)}")
     print(f"\n## EVT plan: {'Sm90EVT' if len(plan.nodes) == 2 else 'Sm90TopologicalVisitor'} over {len(plan.nodes)} nodes, children first; "
-          f"the last yields D ({plan.d_dtype})")
+          + (f"the last yields D ({plan.d_dtype})" if plan.d_dtype else "no D is stored"))
     width = max(len(n.name) for n in plan.nodes)
     for i, n in enumerate(plan.nodes):
         kids = ", ".join(map(str, n.children)) or "-"
@@ -191,7 +191,10 @@ def cmd_explain(args) -> int:
     print("\n## binding")
     print(f"  inputs:  {', '.join(f'{n} ({d})' for n, d in sig.operand_dtypes if n in plan.inputs) or '-'}")
     print(f"  scalars: {', '.join(plan.scalars) or '-'}")
-    print(f"  outputs: D ({plan.d_dtype})" + "".join(f", {n} ({d}{', per ' + k if k in ('m', 'n') else ''})" for n, d, k in plan.outputs))
+    shapes = {"mn": "[M, N]", "m": "[M]", "n": "[N]", "": "scalar"}
+    outs = ([f"D ({plan.d_dtype}, [M, N])"] if plan.d_dtype else []) + [
+        f"{n} ({d}, {shapes[k]})" for n, d, k in plan.outputs]
+    print(f"  outputs: {', '.join(outs)}")
     print(f"\n## specialization\n  A/B {sig.ab_dtype}, B layout {sig.b_layout}, config {sig.config.key}")
     print(f"  key {spec.key}  (op torch.ops.coda_dsl.{codegen.op_name(spec.key)})")
     print(f"  canonical: {plan.key}")
