@@ -14,14 +14,15 @@ import torch
 import torch.nn.functional as F
 
 import coda_dsl as cd
-from coda_dsl.library import rms_consumer, rms_producer, rmsnorm_linear
+from coda_dsl.library import (interleave_gate_up, linear_swiglu, rms_consumer, rms_producer, rmsnorm_linear,
+                              rope_frequencies, rope_positions, rope_tables, swiglu, swiglu_keep_preactivation)
 from coda_dsl.runtime import op as runtime
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU; none visible to torch")
 
 RAGGED = (777, 4104, 1000)  # M, N, K: none a multiple of the 128x256x64 tile
-SHAPES = [RAGGED, (128, 256, 64), (8, 16, 8)]
+SHAPES = [RAGGED, (128, 256, 64), (8, 16, 8), (300, 4112, 256)]
 
 
 # ---- epilogues under test --------------------------------------------------------------------
@@ -111,6 +112,11 @@ def _operands(ep, m, n, dtype, batch=None):
         rms_producer: lambda: dict(residual=_rand(*lead, m, n, dtype=dtype), gamma=_rand(n, dtype=dtype),
                                    inv_n=1.0 / n, eps=1e-6),
         rms_consumer(None): lambda: dict(rstd=_rand(*lead, m, dtype=torch.float32).abs() + 0.5),
+        swiglu: lambda: {},
+        swiglu_keep_preactivation: lambda: {},
+        rope_tables: lambda: dict(cos=_rand(*lead, m, n // 2, dtype=dtype), sin=_rand(*lead, m, n // 2, dtype=dtype)),
+        rope_positions: lambda: dict(pos=torch.arange(m, device="cuda", dtype=torch.float32),
+                                     inv_freq=rope_frequencies(n, 128).cuda()),
     }
     return make[ep]()
 
@@ -132,6 +138,12 @@ CASES = [
     (rms_producer, torch.bfloat16, "nk"),
     (rms_consumer(None), torch.bfloat16, "nk"),
 ]
+# Pairwise kernels compile but are opt-in until this suite has passed them on a GPU
+# (CODA_DSL_PAIRWISE_KERNELS=1, which tests/gpu_check.sh sets).
+PAIRWISE = os.environ.get("CODA_DSL_PAIRWISE_KERNELS") == "1"
+PAIR_CASES = [(ep, torch.bfloat16, "nk") for ep in (swiglu, swiglu_keep_preactivation, rope_tables, rope_positions)]
+if PAIRWISE:
+    CASES += PAIR_CASES
 # further specializations: (case, compile options)
 VARIANTS = [
     ((row_stats, torch.bfloat16, "nk"), dict(deterministic=True)),
@@ -282,6 +294,17 @@ def test_rmsnorm_reparameterization_end_to_end(kernels, deterministic):
     h_ref = x.float() @ w1.float().t() + r.float()
     y_ref = F.rms_norm(h_ref, (d,), gamma.float(), 1e-6) @ w2.float().t()
     assert _rel(h, h_ref) <= 1e-2 and _rel(y, y_ref) <= 1e-2
+
+
+@pytest.mark.skipif(not PAIRWISE, reason="pairwise kernels are opt-in: CODA_DSL_PAIRWISE_KERNELS=1")
+def test_linear_swiglu_matches_separate_projections(kernels):
+    m, d, f = 777, 1024, 2056
+    x, wg, wu = _rand(m, d), _rand(f, d) * d ** -0.5, _rand(f, d) * d ** -0.5
+    out = torch.full((m, f), float("nan"), device="cuda", dtype=torch.bfloat16)
+    got = cd.gemm(x, interleave_gate_up(wg, wu), swiglu, out={"D": out}, backend="cutlass")["D"]
+    ref = F.silu(x.float() @ wg.float().t()) * (x.float() @ wu.float().t())
+    assert not torch.isnan(got).any() and _rel(got, ref) <= 1e-2
+    assert _rel(linear_swiglu(x, interleave_gate_up(wg, wu)), ref) <= 1e-2
 
 
 def test_scalar_change_does_not_rebuild(kernels):

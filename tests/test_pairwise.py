@@ -119,3 +119,24 @@ def test_width_errors_and_odd_n():
         from coda_dsl.passes import lower, specialize
         from coda_dsl.passes.plan import Signature
         lower(specialize(reglu.program, {}), Signature("bf16", "nk", (), (("D", "bf16"),)))
+
+
+def test_pairwise_lowering_when_opted_in(monkeypatch):
+    """The opt-in kernels: half-width D stored per pair, N/2-wide tables widened, pair-loop functors."""
+    import sys
+
+    from coda_dsl.codegen import render
+    from coda_dsl.library import swiglu_keep_preactivation
+    from coda_dsl.passes import lower, specialize
+    from coda_dsl.passes.plan import PairStore, Signature
+
+    monkeypatch.setattr(sys.modules["coda_dsl.passes.lower"], "PAIRWISE_KERNELS", True)
+    plan = lower(specialize(swiglu_keep_preactivation.program, {}),
+                 Signature("bf16", "nk", (), (("D", "bf16"), ("pre", "bf16"))))
+    assert plan.d_dtype is None and ("D", "bf16", "mh") in plan.outputs
+    assert any(isinstance(n, PairStore) for n in plan.nodes)
+    src = render(plan, "0" * 24)
+    assert "coda::PairStore<cutlass::bfloat16_t>" in src and "for (int q = 0; q < N / 2; ++q)" in src
+    tables = lower(specialize(rope_tables.program, {}),
+                   Signature("bf16", "nk", (("cos", "bf16"), ("sin", "bf16")), (("D", "bf16"),)))
+    assert sorted(tables.widened) == ["cos", "sin"] and tables.d_dtype == "bf16"

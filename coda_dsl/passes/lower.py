@@ -11,42 +11,61 @@ current D (`source` -> Sm90SrcFetch, CUTLASS's C operand).
 """
 from __future__ import annotations
 
+import os
 from collections import Counter
+from fractions import Fraction
 
 from ..errors import EpilogueError, UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import OPS, cpp_float
 from . import widths
-from .plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, EvtNode, Functor, Plan, Reduction,
-                   RowBroadcast, Signature, SrcFetch, cpp_element)
+from .plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, EvtNode, Functor, PairStore, Plan,
+                   Reduction, RowBroadcast, Signature, SrcFetch, cpp_element)
 
 _LOAD_NODE = {"tensor": AuxLoad, "vec_n": RowBroadcast, "vec_m": ColBroadcast}
 
 
-def validate(program: ir.Program) -> None:
-    """Reject what no lowering can run, with the user's line."""
-    widths.infer(program)  # raises on mixed widths, naming the line
+# Pairwise kernels compile but have not run on a GPU yet: opt in until the GPU suite has checked them.
+PAIRWISE_KERNELS = os.environ.get("CODA_DSL_PAIRWISE_KERNELS", "") == "1"
+
+
+def validate(program: ir.Program) -> dict[int, Fraction]:
+    """Reject what no lowering can run, with the user's line; returns the widths of the values."""
+    w = widths.infer(program)  # raises on mixed widths, naming the line
+
+    def unsupported(node, what):
+        return UnsupportedError(f"epilogue '{program.name}' ({program.where(node)}): {what}")
+
     for node in ir.walk(program):
         if node.op == "reduce" and node.attr[0] in ("logsumexp", "take"):
-            raise UnsupportedError(f"epilogue '{program.name}' ({program.where(node)}): cd.{node.attr[0]} runs on "
-                                   "the reference backend; its CUTLASS visitor node is not built yet")
-        if node.op in ("pair", "interleave"):
-            raise UnsupportedError(f"epilogue '{program.name}' ({program.where(node)}): pairwise ops (cd.pairs, "
-                                   "cd.interleave) run on the reference backend; their CUTLASS lowering (custom "
-                                   "visitor nodes) is not built yet")
-        if not node.is_leaf and node.op not in OPS and node.op not in ("cast", "reduce", "finish"):
+            raise unsupported(node, f"cd.{node.attr[0]} runs on the reference backend; its CUTLASS visitor node "
+                                    "is not built yet")
+        if node.op in ("pair", "interleave") and not PAIRWISE_KERNELS:
+            raise unsupported(node, "pairwise ops (cd.pairs, cd.interleave) run on the reference backend; their "
+                                    "kernels are not validated on a GPU yet (CODA_DSL_PAIRWISE_KERNELS=1 opts in)")
+        if w.get(id(node), 1) > 1:
+            raise unsupported(node, "values wider than N (2N-wide operands or outputs) run on the reference "
+                                    "backend only")
+        if node.op == "reduce" and w.get(id(node.inputs[0]), 1) != 1:
+            raise unsupported(node, "reductions of half-width values run on the reference backend only")
+        if not node.is_leaf and node.op not in OPS and node.op not in ("cast", "reduce", "finish", "pair", "interleave"):
             raise EpilogueError(f"epilogue '{program.name}' ({program.where(node)}): unknown op '{node.op}'")
+    return w
+
+
+HALF = Fraction(1, 2)
 
 
 class _Lowering:
-    def __init__(self, program: ir.Program, sig: Signature):
-        self.program, self.sig = program, sig
+    def __init__(self, program: ir.Program, sig: Signature, width: dict[int, Fraction]):
+        self.program, self.sig, self.width = program, sig, width
         self.nodes: list[EvtNode] = []
         self.functors: list[Functor] = []
         self.index: dict[int, int] = {}  # id(IR node) -> index of the visitor node holding its value
         self.inputs: list[str] = []
         self.dtypes = dict(sig.operand_dtypes)
         self.scalars = [p.name for p in program.params if p.kind == "scalar"]
+        self.widened: list[str] = []
 
     def add(self, node: EvtNode) -> int:
         self.nodes.append(node)
@@ -62,6 +81,8 @@ class _Lowering:
             else:
                 kind, name = n.attr
                 self.inputs.append(name)
+                if self.width.get(id(n), 1) == HALF:  # widened to N columns (each value twice) by the runtime
+                    self.widened.append(name)
                 cls = _LOAD_NODE[kind]
                 self.index[id(n)] = self.add(cls(f"Load_{name}", dtype=self.dtypes[name],
                                                  input_index=len(self.inputs) - 1,
@@ -96,6 +117,50 @@ class _Lowering:
 
         return body, expr(root)
 
+    def _pairwise(self, root: ir.Node) -> bool:
+        """Does this region touch column pairs (pair/interleave, or any half-width value)?"""
+        below = ir.topo_order([root])
+        return any(n.op in ("pair", "interleave") or self.width.get(id(n), 1) != 1 for n in below)
+
+    def pair_expression(self, root: ir.Node, operand) -> tuple[list[str], str, str]:
+        """Like expression(), per column pair q: a full-width value has an even and an odd part, a
+        half-width one a single value (kept in both slots of its pair)."""
+        body: list[str] = []
+        names: dict[int, tuple[str, str]] = {}
+
+        def emit(value: str) -> str:
+            body.append(f"float t{len(body)} = {value};")
+            return f"t{len(body) - 1}"
+
+        def expr(n: ir.Node) -> tuple[str, str]:
+            if id(n) in names:
+                return names[id(n)]
+            given = operand(n)
+            if given is not None:
+                even = f"float({given}[2 * q])"
+                r = (even, f"float({given}[2 * q + 1])") if self.width.get(id(n), 1) == 1 else (even, even)
+            elif n.op == "const":
+                r = (cpp_float(n.attr),) * 2
+            elif n.op == "scalar":
+                r = (f"p.s{self.scalars.index(n.attr)}",) * 2
+            elif n.op == "pair":
+                part = expr(n.inputs[0])[n.attr]
+                r = (part, part)
+            elif n.op == "interleave":
+                r = (expr(n.inputs[0])[0], expr(n.inputs[1])[0])
+            else:
+                args = [expr(i) for i in n.inputs]
+                fmt = (lambda x: f"coda::round_to<{cpp_element(n.attr)}>({x})") if n.op == "cast" else \
+                    OPS[n.op].cpp.format
+                even = emit(fmt(*(a[0] for a in args)))
+                half = self.width.get(id(n), 1) == HALF
+                r = (even, even if half else emit(fmt(*(a[1] for a in args))))
+            names[id(n)] = r
+            return r
+
+        even, odd = expr(root)
+        return body, even, odd
+
     def functor(self, arity: int, body: list[str], result: str, text: str) -> Functor:
         f = Functor(f"Fn{len(self.functors)}", arity, body, result, text=text)
         self.functors.append(f)
@@ -113,10 +178,15 @@ class _Lowering:
                 children.append(child)
             return f"x{children.index(child)}"
 
-        body, result = self.expression(root, operand)
+        if self._pairwise(root):
+            body, result, odd = self.pair_expression(root, operand)
+        else:
+            (body, result), odd = self.expression(root, operand), None
         if not children:  # a constant output still needs one input for Sm90Compute
             children.append(self.leaf(ir.acc()))
         f = self.functor(len(children), body, result, self.program.where(root))
+        if odd is not None:
+            f.pairwise, f.result_odd = True, odd
         idx = self.add(Compute(f"Region{f.name[2:]}", tuple(children), comment=f"{f.name}: {f.text}", functor=f))
         self.index[id(root)] = idx
         return idx
@@ -149,24 +219,32 @@ class _Lowering:
             for i in {id(x) for x in n.inputs}:
                 uses[i] += 1
         outputs_at = {id(o.node) for o in program.outputs}
-        for n in order:  # materialize shared values and outputs, inputs first
-            if not n.is_leaf and n.op not in ("reduce", "finish") and (uses[id(n)] >= 2 or id(n) in outputs_at):
+        for n in order:  # materialize shared values and outputs, inputs first (a pair half is free to re-read)
+            shared = uses[id(n)] >= 2 and n.op != "pair"
+            if not n.is_leaf and n.op not in ("reduce", "finish") and (shared or id(n) in outputs_at):
                 self.value(n)
         for n in order:
             if id(n) in outputs_at and n.op in ("const", "scalar"):
                 self.region(n)
-        aux = [o for o in program.outputs if o.name != "D"]
+        d_out = program.output("D")
+        if d_out is not None and self.width.get(id(d_out.node), 1) != 1:  # a half-width D is stored as a tap
+            d_out = None
+        aux = [o for o in program.outputs if o is not program.output("D") or d_out is None]
         out_dtypes = dict(self.sig.output_dtypes)
         outputs = []
         for j, o in enumerate(aux):
             if o.node.op in ("reduce", "finish"):  # a tap on the reduced value, fed by its own region
                 outputs.append((o.name, "fp32", self.reduction(o.name, o.node, j)))
+            elif self.width.get(id(o.node), 1) == HALF:  # one value per column pair: [M, N/2]
+                child = self.value(o.node)
+                self.add(PairStore(f"Store_{o.name}", (child,), dtype=out_dtypes[o.name], output_index=j,
+                                   comment=f"output {o.name}: {out_dtypes[o.name]}, [M, N/2]"))
+                outputs.append((o.name, out_dtypes[o.name], "mh"))
             else:
                 child = self.value(o.node)
                 self.add(AuxStore(f"Store_{o.name}", (child,), dtype=out_dtypes[o.name], output_index=j,
                                   comment=f"output {o.name}: {out_dtypes[o.name]}"))
                 outputs.append((o.name, out_dtypes[o.name], "mn"))
-        d_out = program.output("D")
         d = self.value(d_out.node) if d_out else None
         last = self.nodes[-1]
         last_value = last.children[0] if isinstance(last, (AuxStore, Reduction)) else len(self.nodes) - 1
@@ -174,9 +252,8 @@ class _Lowering:
             f = self.functor(1, [], "x0", "D")
             self.add(Compute(f"Region{f.name[2:]}", (d,), comment=f"{f.name}: D", functor=f))
         return Plan(program.name, self.sig, self.nodes, self.functors, self.inputs, outputs,
-                    out_dtypes["D"] if d_out else None, self.scalars)
+                    out_dtypes["D"] if d_out else None, self.scalars, self.widened)
 
 
 def lower(program: ir.Program, sig: Signature) -> Plan:
-    validate(program)
-    return _Lowering(program, sig).run()
+    return _Lowering(program, sig, validate(program)).run()

@@ -180,6 +180,10 @@ class Functor:
     body: list[str]  # statements, each defining a float t<i>
     result: str  # the expression returned
     text: str = ""  # the region in DSL terms, for a comment
+    # Pairwise functors work on column pairs q of the fragment (slots 2q, 2q+1): the body sees
+    # x<k>[2 * q] and x<k>[2 * q + 1]; `result` goes to the even slot, `result_odd` to the odd one.
+    pairwise: bool = False
+    result_odd: str = ""
 
 
 @dataclass
@@ -194,7 +198,8 @@ class Compute(EvtNode):
 
     def key(self) -> str:
         f = self.functor
-        return f"Compute{self.children}[{';'.join(f.body)};return {f.result}]"
+        pair = f",{f.result_odd}" if f.pairwise else ""
+        return f"Compute{self.children}[{';'.join(f.body)};return {f.result}{pair}]"
 
 
 @dataclass
@@ -212,6 +217,25 @@ class AuxStore(EvtNode):
 
     def key(self) -> str:
         return f"AuxStore{self.dtype}{self.children}"
+
+
+@dataclass
+class PairStore(EvtNode):
+    """A half-width output ([M, N/2], one value per column pair), stored straight from registers."""
+
+    dtype: str = "bf16"
+    output_index: int = 0
+
+    def cpp_type(self) -> str:
+        return f"coda::PairStore<{cpp_element(self.dtype)}>"
+
+    def cpp_args(self) -> str:
+        t = f"outputs[{self.output_index}]"
+        return (f"{{reinterpret_cast<{cpp_element(self.dtype)}*>({t}.data_ptr()), {t}.stride(-2), "
+                f"coda::batch_stride({t})}}")
+
+    def key(self) -> str:
+        return f"PairStore{self.dtype}{self.children}"
 
 
 # kind -> (register reduce, warp-shuffle reduce, global atomic reduce, tile combine, identity)
@@ -310,9 +334,10 @@ class Plan:
     functors: list[Functor]
     inputs: list[str]  # operand names, in the order the op receives them
     outputs: list[tuple[str, str, str]]  # (name, dtype, shape kind) in the order the op receives them;
-    # shape kind: "mn" full tensor, "m" per row (reduced over n), "n" per column, "" a scalar
+    # shape kind: "mn" full tensor, "mh" [M, N/2] (pairwise), "m" per row, "n" per column, "" a scalar
     d_dtype: str | None  # dtype of D; None: the epilogue stores no D
     scalars: list[str]  # scalar operand names, in the order the op receives them
+    widened: list[str] = field(default_factory=list)  # N/2-wide operands the runtime widens to N
 
     @property
     def reads_d(self) -> bool:

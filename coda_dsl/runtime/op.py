@@ -102,7 +102,7 @@ def _check_tensors(ep: Epilogue, call: Call, cutlass: bool) -> dict[str, str]:
         shape = {"tensor": (l, m, wn), "vec_n": (l, wn), "vec_m": (l, m)}[kinds[name]]
         checks.tensor(where, f"operand '{name}'", t, shape, dev)
         dtypes[name] = checks.dtype_of(t, where, f"operand '{name}'", index=name in _indices(ep))
-        if cutlass:
+        if cutlass and widths.get(name, 1) == 1:  # N/2-wide operands are widened into fresh tensors
             (checks.tma_layout if kinds[name] == "tensor" else checks.vector)(where, f"operand '{name}'", t)
             if kinds[name] == "tensor" and t.dim() == 2 and call.b.dim() == 3:
                 raise UnsupportedError(f"{where}: operand '{name}' is [M, N] but the GEMM is batched; the kernel "
@@ -171,7 +171,7 @@ class CompiledOp:
         """Allocate (or check) the outputs and launch on the current stream. `call` is already folded."""
         m, n, _, l = call.mnkl
         lead = (l,) if call.a.dim() == 3 else ()
-        shapes = {"mn": (*lead, m, n), "m": (*lead, m), "n": (*lead, n), "": lead}
+        shapes = {"mn": (*lead, m, n), "mh": (*lead, m, n // 2), "m": (*lead, m), "n": (*lead, n), "": lead}
         names = [name for name, _, _ in self._outputs]
         unknown = set(out or ()) - set(names)
         if unknown:
@@ -186,8 +186,11 @@ class CompiledOp:
                 _check_out(self._where, name, t, shapes[kind], dt, call, tma=kind == "mn")
             outs[name] = t
         self.load()
-        self._op(call.a, call.b, outs.get("D"), [call.tensors[i] for i in self.plan.inputs],
-                 [call.scalars[s] for s in self.plan.scalars], [outs[o[0]] for o in self.plan.outputs])
+        plan = self.plan
+        inputs = [call.tensors[i].repeat_interleave(2, dim=-1) if i in plan.widened else call.tensors[i]
+                  for i in plan.inputs]  # N/2-wide operands are read as N columns, each value twice
+        self._op(call.a, call.b, outs.get("D") if plan.d_dtype else None, inputs,
+                 [call.scalars[s] for s in plan.scalars], [outs[o[0]] for o in plan.outputs])
         return outs
 
     def __call__(self, A, B, /, *, out: dict | None = None, **operands) -> dict[str, torch.Tensor]:
