@@ -89,9 +89,6 @@ def test_wrong_operand_shape(name, bad, expected):
     assert f"has shape {list(bad.shape)}" in msg and f"expected {expected}" in msg
 
 
-@pytest.mark.xfail(reason="BUG (message quality): runtime/checks.py tensor() reports a wrong operand shape with no "
-                   "fix, unlike the other call-time errors (e.g. 'a VecN is one value per output column: pass "
-                   "shape [N] or [L, N]')", strict=True)
 def test_wrong_operand_shape_gives_a_fix():
     a, b = ab()
     ops = operands()

@@ -25,13 +25,14 @@ def dtype_of(t: torch.Tensor, where: str, name: str, index: bool = False) -> str
     return d
 
 
-def tensor(where: str, name: str, t, shape: tuple, device: torch.device | None = None) -> None:
-    """Shape and device of a tensor operand ([M, N] may also be [L, M, N]; vectors [X] or [L, X])."""
+def tensor(where: str, name: str, t, shape: tuple, device: torch.device | None = None, meaning: str = "") -> None:
+    """Shape and device of a tensor operand ([M, N] may also be [L, M, N]; vectors [X] or [L, X]).
+    `meaning` says what the shape stands for, for the fix line."""
     if not isinstance(t, torch.Tensor):
         raise fail(where, f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if tuple(t.shape) not in (shape[1:], shape) if len(shape) > 1 else tuple(t.shape) != shape:
         raise fail(where, f"{name} has shape {list(t.shape)}, expected {list(shape[1:])}"
-                   + (f" or {list(shape)}" if len(shape) > 1 and shape[0] != 1 else ""))
+                   + (f" or {list(shape)}" if len(shape) > 1 and shape[0] != 1 else ""), meaning)
     if device is not None and t.device != device:
         raise fail(where, f"{name} is on {t.device} but A is on {device}", f"move it: {name}.to(A.device)")
 

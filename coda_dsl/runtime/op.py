@@ -79,6 +79,11 @@ def _normalize(ep: Epilogue, a, b, operands: dict) -> Call:
     return Call(a, b, tensors, scalars, consts)
 
 
+_MEANING = {"tensor": "a cd.Tensor has the output's shape: [M, N] (or [L, M, N])",
+            "vec_n": "a cd.VecN is one value per output column: shape [N] (or [L, N])",
+            "vec_m": "a cd.VecM is one value per output row: shape [M] (or [L, M])"}
+
+
 def _check_tensors(ep: Epilogue, call: Call, cutlass: bool) -> dict[str, str]:
     """Shapes, devices and (for the cutlass backend) layouts; returns operand dtypes."""
     where = _where(ep)
@@ -100,7 +105,7 @@ def _check_tensors(ep: Epilogue, call: Call, cutlass: bool) -> dict[str, str]:
     for name, t in call.tensors.items():
         wn = int(n * widths.get(name, 1))  # pairwise epilogues read N/2- or 2N-wide operands
         shape = {"tensor": (l, m, wn), "vec_n": (l, wn), "vec_m": (l, m)}[kinds[name]]
-        checks.tensor(where, f"operand '{name}'", t, shape, dev)
+        checks.tensor(where, f"operand '{name}'", t, shape, dev, _MEANING[kinds[name]])
         dtypes[name] = checks.dtype_of(t, where, f"operand '{name}'", index=name in _indices(ep))
         if cutlass and widths.get(name, 1) == 1:  # N/2-wide operands are widened into fresh tensors
             (checks.tma_layout if kinds[name] == "tensor" else checks.vector)(where, f"operand '{name}'", t)
