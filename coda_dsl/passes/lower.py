@@ -19,8 +19,8 @@ from ..errors import EpilogueError, UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import OPS, cpp_float
 from . import widths
-from .plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, EvtNode, Functor, PairStore, Plan,
-                   Reduction, RowBroadcast, Signature, SrcFetch, cpp_element)
+from .plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, EvtNode, Functor, PairLoad, PairStore,
+                   Plan, Reduction, RowBroadcast, Signature, SrcFetch, cpp_element)
 
 _LOAD_NODE = {"tensor": AuxLoad, "vec_n": RowBroadcast, "vec_m": ColBroadcast}
 
@@ -81,9 +81,12 @@ class _Lowering:
             else:
                 kind, name = n.attr
                 self.inputs.append(name)
-                if self.width.get(id(n), 1) == HALF:  # widened to N columns (each value twice) by the runtime
-                    self.widened.append(name)
                 cls = _LOAD_NODE[kind]
+                if self.width.get(id(n), 1) == HALF:
+                    if kind == "tensor":  # [M, N/2]: read per column pair
+                        cls = PairLoad
+                    else:  # a VecN of N/2 values: the runtime widens it to N (each value twice)
+                        self.widened.append(name)
                 self.index[id(n)] = self.add(cls(f"Load_{name}", dtype=self.dtypes[name],
                                                  input_index=len(self.inputs) - 1,
                                                  comment=f"{name}: {kind}, {self.dtypes[name]}"))

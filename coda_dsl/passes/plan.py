@@ -142,6 +142,21 @@ class AuxLoad(Operand):
 
 
 @dataclass
+class PairLoad(Operand):
+    """An [M, N/2] operand (one value per column pair), read straight into registers."""
+
+    def cpp_type(self) -> str:
+        return f"coda::PairLoad<{cpp_element(self.dtype)}>"
+
+    def cpp_args(self) -> str:
+        t, e = f"inputs[{self.input_index}]", cpp_element(self.dtype)
+        return f"{{reinterpret_cast<{e} const*>({t}.data_ptr()), {t}.stride(-2), coda::batch_stride({t})}}"
+
+    def key(self) -> str:
+        return f"PairLoad{self.dtype}"
+
+
+@dataclass
 class RowBroadcast(Operand):
     """A vector over n (one value per column), broadcast down the rows: CUTLASS's RowBroadcast."""
 

@@ -12,7 +12,11 @@ from fractions import Fraction
 from ..errors import EpilogueError
 from ..ir import graph as ir
 
-_ANY = ("scalar", "const", "const_param", "reduced")  # broadcast to any width
+_ANY = ("scalar", "const", "const_param", "reduced")  # broadcast to any width (and so do VecM loads)
+
+
+def _any_width(n: ir.Node) -> bool:
+    return n.op in _ANY or (n.op == "load" and n.attr[0] == "vec_m")
 
 
 def infer(program: ir.Program) -> dict[int, Fraction]:
@@ -40,7 +44,7 @@ def infer(program: ir.Program) -> dict[int, Fraction]:
         for n in nodes:
             if n.is_leaf or n.op in ("reduce", "finish"):
                 continue
-            ins = [i for i in n.inputs if i.op not in _ANY]
+            ins = [i for i in n.inputs if not _any_width(i)]
             if n.op == "pair":
                 (x,) = n.inputs
                 if id(x) in width:
@@ -62,19 +66,20 @@ def infer(program: ir.Program) -> dict[int, Fraction]:
                 if n.op != "interleave":
                     changed |= unify(n, id(n), known[0])
     for key, n in load_of.items():  # operands combined with nothing of known width: N wide
-        width.setdefault(key, Fraction(1))
+        if n.attr[0] != "vec_m":
+            width.setdefault(key, Fraction(1))
     changed = True
     while changed:  # values built only from such operands
         changed = False
         for n in nodes:
             if n.is_leaf or n.op in ("reduce", "finish") or id(n) in width:
                 continue
-            ins = [width.get(id(i)) for i in n.inputs if i.op not in _ANY]
+            ins = [width.get(id(i)) for i in n.inputs if not _any_width(i)]
             if ins and all(w is not None for w in ins):
                 w = ins[0] / 2 if n.op == "pair" else ins[0] * 2 if n.op == "interleave" else ins[0]
                 changed |= unify(n, id(n), w)
     for n in nodes:
-        if n.op == "reduce" and id(n.inputs[0]) not in width and n.inputs[0].op not in _ANY:
+        if n.op == "reduce" and id(n.inputs[0]) not in width and not _any_width(n.inputs[0]):
             width[id(n.inputs[0])] = Fraction(1)
     return width
 
@@ -86,7 +91,7 @@ def output_width(program: ir.Program, widths: dict[int, Fraction], out: ir.Outpu
 def load_widths(program: ir.Program) -> dict[str, Fraction]:
     """Operand name -> width of every tensor/vector operand the program reads."""
     widths = infer(program)
-    return {n.attr[1]: widths[id(n)] for n in ir.walk(program) if n.op == "load"}
+    return {n.attr[1]: widths.get(id(n), Fraction(1)) for n in ir.walk(program) if n.op == "load"}
 
 
 def _name(w: Fraction) -> str:

@@ -107,8 +107,11 @@ def _check_tensors(ep: Epilogue, call: Call, cutlass: bool) -> dict[str, str]:
         shape = {"tensor": (l, m, wn), "vec_n": (l, wn), "vec_m": (l, m)}[kinds[name]]
         checks.tensor(where, f"operand '{name}'", t, shape, dev, _MEANING[kinds[name]])
         dtypes[name] = checks.dtype_of(t, where, f"operand '{name}'", index=name in _indices(ep))
-        if cutlass and widths.get(name, 1) == 1:  # N/2-wide operands are widened into fresh tensors
+        if cutlass and widths.get(name, 1) == 1:  # N/2-wide ones are read per pair or widened: no TMA
             (checks.tma_layout if kinds[name] == "tensor" else checks.vector)(where, f"operand '{name}'", t)
+        elif cutlass and t.stride(-1) != 1:
+            raise checks.fail(where, f"operand '{name}' must be contiguous in its last dimension",
+                              f"pass {name}.contiguous()")
             if kinds[name] == "tensor" and t.dim() == 2 and call.b.dim() == 3:
                 raise UnsupportedError(f"{where}: operand '{name}' is [M, N] but the GEMM is batched; the kernel "
                                        f"reads one [M, N] slice per batch\n  fix: pass "
@@ -193,7 +196,7 @@ class CompiledOp:
         self.load()
         plan = self.plan
         inputs = [call.tensors[i].repeat_interleave(2, dim=-1) if i in plan.widened else call.tensors[i]
-                  for i in plan.inputs]  # N/2-wide operands are read as N columns, each value twice
+                  for i in plan.inputs]  # an N/2-wide VecN is read as N columns, each value twice
         self._op(call.a, call.b, outs.get("D") if plan.d_dtype else None, inputs,
                  [call.scalars[s] for s in plan.scalars], [outs[o[0]] for o in plan.outputs])
         return outs

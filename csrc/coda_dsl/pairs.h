@@ -1,8 +1,8 @@
-// Visitor node for half-width outputs of pairwise epilogues (cd.pairs): the value of column pair
-// (2j, 2j+1) is stored once, at column j of an [M, N/2] tensor. Pairwise functors keep a half-width
-// value in both slots of its pair, so the even column's slot is the one written. Direct predicated
-// stores from registers, like CUTLASS's Sm90AuxStore<0>, but addressed through the element
-// coordinates because column j = n / 2 is not an affine function of n.
+// Visitor nodes for half-width operands and outputs of pairwise epilogues (cd.pairs): column pair
+// (2j, 2j+1) of the tile corresponds to column j of an [M, N/2] tensor. Pairwise functors keep a
+// half-width value in both slots of its pair: PairLoad fills both, PairStore writes the even one.
+// Direct predicated accesses from registers, like CUTLASS's Sm90AuxLoad<0> / Sm90AuxStore<0>, but
+// addressed through the element coordinates, since j = n / 2 is not an affine function of n.
 #pragma once
 
 #include "cutlass/cutlass.h"
@@ -11,12 +11,14 @@
 
 namespace coda {
 
-template <class Element>
-struct PairStore {
+// What both nodes share: an [M, N/2] (or [L, M, N/2]) tensor, no shared memory, no workspace, no
+// producer-warp work, and the coordinates of this thread's values.
+template <class Pointer>
+struct PairNode {
   struct SharedStorage {};
   struct Arguments {
-    Element* ptr = nullptr;
-    int64_t ld = 0;     // row stride of the [M, N/2] output, in elements
+    Pointer ptr = nullptr;
+    int64_t ld = 0;     // row stride of the [M, N/2] tensor, in elements
     int64_t batch = 0;  // batch stride
   };
   using Params = Arguments;
@@ -33,8 +35,8 @@ struct PairStore {
     return cutlass::Status::kSuccess;
   }
 
-  CUTLASS_HOST_DEVICE PairStore() {}
-  CUTLASS_HOST_DEVICE PairStore(Params const& params, SharedStorage const&) : params_ptr(&params) {}
+  CUTLASS_HOST_DEVICE PairNode() {}
+  CUTLASS_HOST_DEVICE PairNode(Params const& params, SharedStorage const&) : params_ptr(&params) {}
   Params const* params_ptr = nullptr;
 
   CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
@@ -45,16 +47,81 @@ struct PairStore {
     return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
   }
 
+  // (m, n, l) coordinates of this thread's values, per epilogue subtile, and the problem's (M, N, L)
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE static auto coordinates(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
+    auto [M, N, K, L] = args.problem_shape_mnkl;
+    auto problem_shape_mnl = cute::make_shape(M, N, L);
+    cute::Tensor coords = cute::make_identity_tensor(problem_shape_mnl);
+    return cute::make_tuple(cutlass::epilogue::fusion::sm90_partition_for_epilogue<ReferenceSrc>(
+        coords, args.tile_shape_mnk, args.tile_coord_mnkl, args.epi_tile, args.tiled_copy, args.thread_idx),
+        problem_shape_mnl);
+  }
+
+  template <class Coord>
+  CUTLASS_DEVICE int64_t offset(Coord const& c) const {
+    return cute::get<2>(c) * params_ptr->batch + cute::get<0>(c) * params_ptr->ld + cute::get<1>(c) / 2;
+  }
+};
+
+template <class Element>
+struct PairLoad : PairNode<Element const*> {
+  using Base = PairNode<Element const*>;
+  using Base::Base;
+
   template <class RTensor, class CTensor, class ProblemShapeMNL>
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE ConsumerStoreCallbacks(RTensor&& r, CTensor&& c, ProblemShapeMNL shape, Params const* params)
+    CUTLASS_DEVICE ConsumerStoreCallbacks(RTensor&& r, CTensor&& c, ProblemShapeMNL shape, PairLoad const* node)
         : tC_rAux(cute::forward<RTensor>(r)), tC_cAux(cute::forward<CTensor>(c)), problem_shape_mnl(shape),
-          params_ptr(params) {}
+          node(node) {}
+
+    RTensor tC_rAux;
+    CTensor tC_cAux;
+    ProblemShapeMNL problem_shape_mnl;
+    PairLoad const* node;
+
+    CUTLASS_DEVICE void begin_loop(int epi_m, int epi_n) {
+      cute::Tensor coords = tC_cAux(cute::_, cute::_, cute::_, epi_m, epi_n);
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < cute::size(tC_rAux); ++k) {
+        auto c = coords(k);
+        tC_rAux(k) = cute::elem_less(c, problem_shape_mnl) ? node->params_ptr->ptr[node->offset(c)] : Element(0);
+      }
+    }
+
+    template <typename ElementAccumulator, int FragmentSize>
+    CUTLASS_DEVICE cutlass::Array<Element, FragmentSize> visit(
+        cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int, int) {
+      return cute::recast<cutlass::Array<Element, FragmentSize>>(cute::coalesce(tC_rAux))(epi_v);
+    }
+  };
+
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(
+      cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
+    auto [tC_cAux, problem_shape_mnl] = Base::template coordinates<ReferenceSrc>(args);
+    cute::Tensor tC_rAux = cute::make_tensor<Element>(cute::take<0, 3>(cute::shape(tC_cAux)));
+    return ConsumerStoreCallbacks<decltype(tC_rAux), decltype(tC_cAux), decltype(problem_shape_mnl)>(
+        cute::move(tC_rAux), cute::move(tC_cAux), problem_shape_mnl, this);
+  }
+};
+
+template <class Element>
+struct PairStore : PairNode<Element*> {
+  using Base = PairNode<Element*>;
+  using Base::Base;
+  using Params = typename Base::Params;
+
+  template <class RTensor, class CTensor, class ProblemShapeMNL>
+  struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
+    CUTLASS_DEVICE ConsumerStoreCallbacks(RTensor&& r, CTensor&& c, ProblemShapeMNL shape, PairStore const* node)
+        : tC_rAux(cute::forward<RTensor>(r)), tC_cAux(cute::forward<CTensor>(c)), problem_shape_mnl(shape),
+          node(node) {}
 
     RTensor tC_rAux;  // this thread's values of the current epilogue subtile
     CTensor tC_cAux;  // their (m, n, l) coordinates, per subtile
     ProblemShapeMNL problem_shape_mnl;
-    Params const* params_ptr;
+    PairStore const* node;
 
     template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
     CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int, int,
@@ -67,15 +134,12 @@ struct PairStore {
     }
 
     CUTLASS_DEVICE void end_loop(int epi_m, int epi_n) {
-      if (params_ptr->ptr == nullptr) return;
       cute::Tensor coords = tC_cAux(cute::_, cute::_, cute::_, epi_m, epi_n);
       CUTLASS_PRAGMA_UNROLL
       for (int k = 0; k < cute::size(tC_rAux); ++k) {
         auto c = coords(k);
-        int n = cute::get<1>(c);
-        if ((n & 1) == 0 && cute::elem_less(c, problem_shape_mnl)) {
-          params_ptr->ptr[cute::get<2>(c) * params_ptr->batch + cute::get<0>(c) * params_ptr->ld + n / 2] =
-              tC_rAux(k);
+        if ((cute::get<1>(c) & 1) == 0 && cute::elem_less(c, problem_shape_mnl)) {
+          node->params_ptr->ptr[node->offset(c)] = tC_rAux(k);
         }
       }
     }
@@ -84,14 +148,10 @@ struct PairStore {
   template <bool ReferenceSrc, class... Args>
   CUTLASS_DEVICE auto get_consumer_store_callbacks(
       cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
-    auto [M, N, K, L] = args.problem_shape_mnkl;
-    auto problem_shape_mnl = cute::make_shape(M, N, L);
-    cute::Tensor coords = cute::make_identity_tensor(problem_shape_mnl);
-    cute::Tensor tC_cAux = cutlass::epilogue::fusion::sm90_partition_for_epilogue<ReferenceSrc>(
-        coords, args.tile_shape_mnk, args.tile_coord_mnkl, args.epi_tile, args.tiled_copy, args.thread_idx);
+    auto [tC_cAux, problem_shape_mnl] = Base::template coordinates<ReferenceSrc>(args);
     cute::Tensor tC_rAux = cute::make_tensor<Element>(cute::take<0, 3>(cute::shape(tC_cAux)));
     return ConsumerStoreCallbacks<decltype(tC_rAux), decltype(tC_cAux), decltype(problem_shape_mnl)>(
-        cute::move(tC_rAux), cute::move(tC_cAux), problem_shape_mnl, params_ptr);
+        cute::move(tC_rAux), cute::move(tC_cAux), problem_shape_mnl, this);
   }
 };
 
