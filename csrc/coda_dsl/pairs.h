@@ -47,15 +47,20 @@ struct PairNode {
     return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
   }
 
-  // (m, n, l) coordinates of this thread's values, per epilogue subtile, and the problem's (M, N, L)
-  template <bool ReferenceSrc, class... Args>
-  CUTLASS_DEVICE static auto coordinates(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
+  // A derived node's callbacks over this thread's values: their (m, n, l) coordinates per epilogue
+  // subtile, registers for them, and the problem's (M, N, L) for predication.
+  template <template <class, class, class> class Callbacks, class Element, bool ReferenceSrc, class Node,
+            class... Args>
+  CUTLASS_DEVICE static auto callbacks(Node const* node,
+                                       cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
     auto [M, N, K, L] = args.problem_shape_mnkl;
     auto problem_shape_mnl = cute::make_shape(M, N, L);
-    cute::Tensor coords = cute::make_identity_tensor(problem_shape_mnl);
-    return cute::make_tuple(cutlass::epilogue::fusion::sm90_partition_for_epilogue<ReferenceSrc>(
-        coords, args.tile_shape_mnk, args.tile_coord_mnkl, args.epi_tile, args.tiled_copy, args.thread_idx),
-        problem_shape_mnl);
+    cute::Tensor tC_cAux = cutlass::epilogue::fusion::sm90_partition_for_epilogue<ReferenceSrc>(
+        cute::make_identity_tensor(problem_shape_mnl), args.tile_shape_mnk, args.tile_coord_mnkl, args.epi_tile,
+        args.tiled_copy, args.thread_idx);
+    cute::Tensor tC_rAux = cute::make_tensor<Element>(cute::take<0, 3>(cute::shape(tC_cAux)));
+    return Callbacks<decltype(tC_rAux), decltype(tC_cAux), decltype(problem_shape_mnl)>(
+        cute::move(tC_rAux), cute::move(tC_cAux), problem_shape_mnl, node);
   }
 
   template <class Coord>
@@ -99,10 +104,7 @@ struct PairLoad : PairNode<Element const*> {
   template <bool ReferenceSrc, class... Args>
   CUTLASS_DEVICE auto get_consumer_store_callbacks(
       cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
-    auto [tC_cAux, problem_shape_mnl] = Base::template coordinates<ReferenceSrc>(args);
-    cute::Tensor tC_rAux = cute::make_tensor<Element>(cute::take<0, 3>(cute::shape(tC_cAux)));
-    return ConsumerStoreCallbacks<decltype(tC_rAux), decltype(tC_cAux), decltype(problem_shape_mnl)>(
-        cute::move(tC_rAux), cute::move(tC_cAux), problem_shape_mnl, this);
+    return Base::template callbacks<ConsumerStoreCallbacks, Element, ReferenceSrc>(this, args);
   }
 };
 
@@ -148,10 +150,7 @@ struct PairStore : PairNode<Element*> {
   template <bool ReferenceSrc, class... Args>
   CUTLASS_DEVICE auto get_consumer_store_callbacks(
       cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
-    auto [tC_cAux, problem_shape_mnl] = Base::template coordinates<ReferenceSrc>(args);
-    cute::Tensor tC_rAux = cute::make_tensor<Element>(cute::take<0, 3>(cute::shape(tC_cAux)));
-    return ConsumerStoreCallbacks<decltype(tC_rAux), decltype(tC_cAux), decltype(problem_shape_mnl)>(
-        cute::move(tC_rAux), cute::move(tC_cAux), problem_shape_mnl, this);
+    return Base::template callbacks<ConsumerStoreCallbacks, Element, ReferenceSrc>(this, args);
   }
 };
 
