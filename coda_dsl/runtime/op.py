@@ -252,9 +252,14 @@ def _fold(ep: Epilogue, call: Call) -> Call:
 def _fold_out(out: dict | None, call: Call) -> dict | None:
     if not out or not call.batch:
         return out
-    # views, so the kernel writes into the caller's tensors (view() refuses where reshape would copy)
-    return {k: v.view(-1, *v.shape[2:]) if isinstance(v, torch.Tensor) and v.dim() >= 2 else v
-            for k, v in out.items()}
+    folded = {}
+    for k, v in out.items():  # views, so the kernel writes into the caller's tensors
+        try:
+            folded[k] = v.view(-1, *v.shape[2:]) if isinstance(v, torch.Tensor) and v.dim() >= 2 else v
+        except RuntimeError:
+            raise checks.fail("cd.gemm", f"out['{k}'] cannot be viewed as one [L*M, ...] block (strides "
+                              f"{list(v.stride())})", f"pass a contiguous tensor: out['{k}'].contiguous()") from None
+    return folded
 
 
 def _unfold(outs: dict[str, torch.Tensor], call: Call) -> dict[str, torch.Tensor]:
