@@ -20,8 +20,4 @@ from .runtime import CompiledOp, compile, gemm, prebuild, set_tuning
 bfloat16, float16, float32 = _torch.bfloat16, _torch.float16, _torch.float32
 __version__ = "0.1.0"
 
-
-def linear_cross_entropy(*args, **kwargs):
-    """Cross-entropy of x @ w.T fused into the GEMM epilogue (see coda_dsl.library.cross_entropy)."""
-    from .library import linear_cross_entropy as fn
-    return fn(*args, **kwargs)
+from .library import linear_cross_entropy  # noqa: E402  (the library is written in the DSL above)

@@ -26,8 +26,8 @@ from .errors import CodaError
 from .ir import format_program
 from .ir.graph import LOAD_KINDS
 from .ir.ops import DTYPES
-from .passes.plan import Config, Signature
-from .runtime.op import CompiledOp
+from .passes.plan import Config
+from .runtime.op import CompiledOp, signature
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -140,11 +140,7 @@ def specialization(ep: Epilogue, ab_dtype: str = "bf16", b_layout: str = "nk",
         except ValueError as e:
             raise CliError(str(e)) from None
 
-    outputs = tuple((o.name, o.dtype or ab_dtype) for o in ep.program.outputs)
-    # Same normalization (sorted operands and consts) as runtime/op.py, so the key matches cd.gemm's.
-    sig = Signature(ab_dtype, b_layout, tuple(sorted(dtypes.items())), outputs, tuple(sorted(values.items())),
-                    config or Config())
-    return CompiledOp.create(ep, sig, values)
+    return CompiledOp.create(ep, signature(ep, ab_dtype, b_layout, dtypes, values, config), values)
 
 
 def _spec_from_args(args) -> tuple[Epilogue, CompiledOp]:

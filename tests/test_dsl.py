@@ -341,15 +341,20 @@ BODY_ERRORS = [
 ]
 
 
-@pytest.mark.parametrize("fn, needles", BODY_ERRORS, ids=[f.__name__ for f, _ in BODY_ERRORS])
-def test_body_error_names_function_line_and_fix(fn, needles):
+def assert_epilogue_error(fn, needles, where):
+    """Tracing fn fails with a message naming the function, the line `where`, and every needle."""
     with pytest.raises(EpilogueError) as info:
         cd.epilogue(fn)
     msg = str(info.value)
     assert f"'{fn.__name__}'" in msg, msg
-    assert loc(fn) in msg, msg  # the user's own line, not a coda_dsl frame
+    assert where in msg, msg
     for needle in needles:
         assert needle in msg, (needle, msg)
+
+
+@pytest.mark.parametrize("fn, needles", BODY_ERRORS, ids=[f.__name__ for f, _ in BODY_ERRORS])
+def test_body_error_names_function_line_and_fix(fn, needles):
+    assert_epilogue_error(fn, needles, loc(fn))  # the user's own line, not a coda_dsl frame
 
 
 def test_reduction_misuse_message_explains_the_rule():
@@ -469,13 +474,7 @@ SIG_ERRORS = [
 
 @pytest.mark.parametrize("fn, needles", SIG_ERRORS, ids=[f.__name__ for f, _ in SIG_ERRORS])
 def test_signature_and_return_errors(fn, needles):
-    with pytest.raises(EpilogueError) as info:
-        cd.epilogue(fn)
-    msg = str(info.value)
-    assert f"'{fn.__name__}'" in msg, msg
-    assert loc(fn, marker=None) in msg, msg
-    for needle in needles:
-        assert needle in msg, (needle, msg)
+    assert_epilogue_error(fn, needles, loc(fn, marker=None))
 
 
 def test_operand_named_like_a_gemm_argument_is_rejected_or_usable():

@@ -34,7 +34,6 @@ def render(plan: Plan, key: str, source: str = "") -> str:
         source=source,
         cfg=sig.config,
         ab_dtype=sig.ab_dtype,
-        batched_hint=True,
         element_ab=cpp_element(sig.ab_dtype),
         element_d=cpp_element(plan.d_dtype) if plan.d_dtype else "void",
     )

@@ -14,22 +14,20 @@ import functools
 
 import torch
 
-from .. import dsl as cd
-from ..dsl import ops
-from ..runtime import gemm
+import coda_dsl as cd  # the library is written against the public API, like user code
 
 
 def _softcapped(acc, cap):
-    return cap * ops.tanh(acc * (1.0 / cap)) if cap else acc
+    return cap * cd.tanh(acc * (1.0 / cap)) if cap else acc
 
 
 @functools.cache
 def _forward_epilogue(smoothing: bool, cap: float | None) -> cd.Epilogue:
     def ce_forward(acc, target: cd.VecM):
         z = _softcapped(acc, cap)
-        out = {"lse": ops.logsumexp(z, axis="n"), "z_target": ops.take(z, target, axis="n")}
+        out = {"lse": cd.logsumexp(z, axis="n"), "z_target": cd.take(z, target, axis="n")}
         if smoothing:
-            out["z_sum"] = ops.sum(z, axis="n")
+            out["z_sum"] = cd.sum(z, axis="n")
         return out
     return cd.epilogue(ce_forward, name=f"ce_forward{'_smooth' if smoothing else ''}{'_cap' if cap else ''}")
 
@@ -37,16 +35,16 @@ def _forward_epilogue(smoothing: bool, cap: float | None) -> cd.Epilogue:
 @cd.epilogue
 def ce_backward(acc, lse: cd.VecM, scale: cd.VecM, uniform: cd.Scalar):
     """The logits' gradient but for the one-hot term: (softmax - eps/V) * scale."""
-    return (ops.exp(acc - lse) - uniform) * scale
+    return (cd.exp(acc - lse) - uniform) * scale
 
 
 @functools.cache
 def _backward_softcap_epilogue(cap: float) -> cd.Epilogue:
     def ce_backward_softcap(acc, lse: cd.VecM, scale: cd.VecM, target: cd.VecM, uniform: cd.Scalar):
-        t = ops.tanh(acc * (1.0 / cap))
+        t = cd.tanh(acc * (1.0 / cap))
         dz = 1.0 - t * t  # d softcap(acc) / d acc
-        g = (ops.exp(cap * t - lse) - uniform) * scale
-        return {"D": g * dz, "dz_target": ops.take(dz, target, axis="n")}
+        g = (cd.exp(cap * t - lse) - uniform) * scale
+        return {"D": g * dz, "dz_target": cd.take(dz, target, axis="n")}
     return cd.epilogue(ce_backward_softcap)
 
 
@@ -55,7 +53,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, x, w, target, ignore_index, reduction, smoothing, cap, backend, chunk):
         valid = target != ignore_index
         safe = torch.where(valid, target, -1)  # out of range: take gives 0, the row is masked anyway
-        st = gemm(x, w, _forward_epilogue(smoothing > 0, cap), target=safe, backend=backend)
+        st = cd.gemm(x, w, _forward_epilogue(smoothing > 0, cap), target=safe, backend=backend)
         v = w.shape[0]
         loss = st["lse"] - (1 - smoothing) * st["z_target"]
         if smoothing:
@@ -85,8 +83,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             e = min(m, s + chunk)
             xs, ts, sc = x[s:e], safe[s:e], scale[s:e]
             common = dict(lse=lse[s:e].contiguous(), scale=sc, uniform=smoothing / v, backend=backend)
-            out = gemm(xs, w, _backward_softcap_epilogue(cap), target=ts, **common) if cap else \
-                gemm(xs, w, ce_backward, **common)
+            out = cd.gemm(xs, w, _backward_softcap_epilogue(cap), target=ts, **common) if cap else \
+                cd.gemm(xs, w, ce_backward, **common)
             p = out["D"]  # [chunk, V] bf16: the logits' gradient, but for the one-hot term
             hot = (1 - smoothing) * sc * (out["dz_target"] if cap else 1.0)  # at the target column
             rows = ts.clamp_min(0)

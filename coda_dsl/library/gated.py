@@ -4,39 +4,37 @@ from __future__ import annotations
 
 import torch
 
-from .. import dsl as cd
-from ..dsl import ops
-from ..runtime import gemm
+import coda_dsl as cd  # the library is written against the public API, like user code
 
 
 def _glu(act, name: str) -> cd.Epilogue:
     def glu(acc):
-        g, u = ops.pairs(acc)
+        g, u = cd.pairs(acc)
         return act(g) * u
     return cd.epilogue(glu, name=name)
 
 
-swiglu = _glu(ops.silu, "swiglu")
-geglu = _glu(lambda g: ops.gelu(g, approximate="tanh"), "geglu")
-reglu = _glu(ops.relu, "reglu")
+swiglu = _glu(cd.silu, "swiglu")
+geglu = _glu(lambda g: cd.gelu(g, approximate="tanh"), "geglu")
+reglu = _glu(cd.relu, "reglu")
 
 
 @cd.epilogue
 def swiglu_keep_preactivation(acc):
     """SwiGLU that also stores the full-width pre-activation, the input of its backward."""
-    g, u = ops.pairs(acc)
-    return {"D": ops.silu(g) * u, "pre": acc}
+    g, u = cd.pairs(acc)
+    return {"D": cd.silu(g) * u, "pre": acc}
 
 
 @cd.epilogue
 def swiglu_backward(acc, pre: cd.Tensor):
     """acc = dY (= dOut @ W_down, N/2 wide); pre = saved pre-activation (N wide, interleaved).
     D = d(pre-activation), interleaved like pre; "y" recomputes the activation for the weight gradient."""
-    g, u = ops.pairs(pre)
-    sig = ops.sigmoid(g)
+    g, u = cd.pairs(pre)
+    sig = cd.sigmoid(g)
     silu = g * sig
     dg = acc * u * sig * (1.0 + g * (1.0 - sig))
-    return {"D": ops.interleave(dg, acc * silu), "y": silu * u}
+    return {"D": cd.interleave(dg, acc * silu), "y": silu * u}
 
 
 def interleave_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
@@ -48,4 +46,4 @@ def interleave_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor
 
 def linear_swiglu(x: torch.Tensor, w_interleaved: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """silu(x @ W_gate^T) * (x @ W_up^T) in one GEMM, with w_interleaved = interleave_gate_up(W_gate, W_up)."""
-    return gemm(x, w_interleaved, swiglu, backend=backend)["D"]
+    return cd.gemm(x, w_interleaved, swiglu, backend=backend)["D"]

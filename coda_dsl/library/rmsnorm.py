@@ -13,9 +13,7 @@ import functools
 
 import torch
 
-from .. import dsl as cd
-from ..dsl import ops
-from ..runtime import gemm
+import coda_dsl as cd  # the library is written against the public API, like user code
 
 
 @cd.epilogue
@@ -24,12 +22,12 @@ def rms_producer(acc, residual: cd.Tensor, gamma: cd.VecN, inv_n: cd.Scalar, eps
     return {
         "D": h,
         "h_gamma": h * gamma,
-        "rstd": ops.sum(h * h, axis="n").then(lambda s: ops.rsqrt(s * inv_n + eps)),
+        "rstd": cd.sum(h * h, axis="n").then(lambda s: cd.rsqrt(s * inv_n + eps)),
     }
 
 
-_ACTIVATIONS = {None: lambda x: x, "relu": ops.relu, "silu": ops.silu, "gelu": ops.gelu,
-                "gelu_tanh": lambda x: ops.gelu(x, approximate="tanh")}
+_ACTIVATIONS = {None: lambda x: x, "relu": cd.relu, "silu": cd.silu, "gelu": cd.gelu,
+                "gelu_tanh": lambda x: cd.gelu(x, approximate="tanh")}
 
 
 @functools.cache
@@ -49,7 +47,7 @@ def rmsnorm_linear(x: torch.Tensor, w1: torch.Tensor, residual: torch.Tensor, ga
                    w2: torch.Tensor, eps: float = 1e-6, activation: str | None = None,
                    backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """h = x @ w1^T + residual;  y = activation(RMSNorm_gamma(h) @ w2^T). Returns (h, y) in two GEMMs."""
-    p = gemm(x, w1, rms_producer, residual=residual, gamma=gamma, inv_n=1.0 / w1.shape[-2], eps=eps,
+    p = cd.gemm(x, w1, rms_producer, residual=residual, gamma=gamma, inv_n=1.0 / w1.shape[-2], eps=eps,
              backend=backend)
-    y = gemm(p["h_gamma"], w2, rms_consumer(activation), rstd=p["rstd"], backend=backend)["D"]
+    y = cd.gemm(p["h_gamma"], w2, rms_consumer(activation), rstd=p["rstd"], backend=backend)["D"]
     return p["D"], y

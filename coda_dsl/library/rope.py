@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from .. import dsl as cd
-from ..dsl import ops
+import coda_dsl as cd  # the library is written against the public API, like user code
 
 
 def _rotate(acc, cos, sin):
-    x0, x1 = ops.pairs(acc)
-    return ops.interleave(x0 * cos - x1 * sin, x0 * sin + x1 * cos)
+    x0, x1 = cd.pairs(acc)
+    return cd.interleave(x0 * cos - x1 * sin, x0 * sin + x1 * cos)
 
 
 @cd.epilogue
@@ -30,9 +29,9 @@ def rope_positions(acc, pos: cd.VecM, inv_freq: cd.VecN):
     """pos: [M] token positions; inv_freq: [N/2] per column pair (0 for columns that pass through).
     The angle is computed in fp32 in the epilogue."""
     angle = pos * inv_freq
-    x0, x1 = ops.pairs(acc)
-    c, s = ops.cos(angle), ops.sin(angle)
-    return ops.interleave(x0 * c - x1 * s, x0 * s + x1 * c)
+    x0, x1 = cd.pairs(acc)
+    c, s = cd.cos(angle), cd.sin(angle)
+    return cd.interleave(x0 * c - x1 * s, x0 * s + x1 * c)
 
 
 def neox_to_interleaved_rows(n_heads: int, head_dim: int) -> torch.Tensor:

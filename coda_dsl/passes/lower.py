@@ -92,42 +92,14 @@ class _Lowering:
                                                  comment=f"{name}: {kind}, {self.dtypes[name]}"))
         return self.index[id(n)]
 
-    def expression(self, root: ir.Node, operand) -> tuple[list[str], str]:
-        """C++ statements computing `root` in fp32 and the name of the result. `operand(n)` names the
-        functor input that holds node n (or returns None where n is computed here)."""
-        body: list[str] = []
-        names: dict[int, str] = {}
+    def expression(self, root: ir.Node, operand) -> tuple[list[str], str, str]:
+        """C++ statements computing `root` in fp32; returns them and the names of its even and odd parts.
 
-        def expr(n: ir.Node) -> str:
-            if id(n) in names:
-                return names[id(n)]
-            given = operand(n)
-            if given is not None:
-                names[id(n)] = given
-            elif n.op == "const":
-                names[id(n)] = cpp_float(n.attr)
-            elif n.op == "scalar":  # by position: the key must not depend on names, nor C++ on them
-                names[id(n)] = f"p.s{self.scalars.index(n.attr)}"
-            else:
-                args = [expr(i) for i in n.inputs]
-                if n.op == "cast":
-                    value = f"coda::round_to<{cpp_element(n.attr)}>({args[0]})"
-                else:
-                    value = OPS[n.op].cpp.format(*args)
-                names[id(n)] = f"t{len(body)}"
-                body.append(f"float t{len(body)} = {value};")
-            return names[id(n)]
-
-        return body, expr(root)
-
-    def _pairwise(self, root: ir.Node) -> bool:
-        """Does this region touch column pairs (pair/interleave, or any half-width value)?"""
-        below = ir.topo_order([root])
-        return any(n.op in ("pair", "interleave") or self.width.get(id(n), 1) != 1 for n in below)
-
-    def pair_expression(self, root: ir.Node, operand) -> tuple[list[str], str, str]:
-        """Like expression(), per column pair q: a full-width value has an even and an odd part, a
-        half-width one a single value (kept in both slots of its pair)."""
+        `operand(n)` spells the functor input holding node n as (even, odd), or returns None where n
+        is computed here. In elementwise functors both parts are one value. In pairwise functors
+        (per column pair q) a full-width value has two parts and a half-width one a single value
+        kept in both slots; a node is computed twice only when its inputs differ between parts.
+        """
         body: list[str] = []
         names: dict[int, tuple[str, str]] = {}
 
@@ -140,15 +112,13 @@ class _Lowering:
                 return names[id(n)]
             given = operand(n)
             if given is not None:
-                even = f"float({given}[2 * q])"
-                r = (even, f"float({given}[2 * q + 1])") if self.width.get(id(n), 1) == 1 else (even, even)
+                r = given
             elif n.op == "const":
                 r = (cpp_float(n.attr),) * 2
-            elif n.op == "scalar":
+            elif n.op == "scalar":  # by position: the key must not depend on names, nor C++ on them
                 r = (f"p.s{self.scalars.index(n.attr)}",) * 2
             elif n.op == "pair":
-                part = expr(n.inputs[0])[n.attr]
-                r = (part, part)
+                r = (expr(n.inputs[0])[n.attr],) * 2
             elif n.op == "interleave":
                 r = (expr(n.inputs[0])[0], expr(n.inputs[1])[0])
             else:
@@ -156,13 +126,17 @@ class _Lowering:
                 fmt = (lambda x: f"coda::round_to<{cpp_element(n.attr)}>({x})") if n.op == "cast" else \
                     OPS[n.op].cpp.format
                 even = emit(fmt(*(a[0] for a in args)))
-                half = self.width.get(id(n), 1) == HALF
-                r = (even, even if half else emit(fmt(*(a[1] for a in args))))
+                r = (even, even if all(a[0] == a[1] for a in args) else emit(fmt(*(a[1] for a in args))))
             names[id(n)] = r
             return r
 
         even, odd = expr(root)
         return body, even, odd
+
+    def _pairwise(self, root: ir.Node) -> bool:
+        """Does this region touch column pairs (pair/interleave, or any half-width value)?"""
+        below = ir.topo_order([root])
+        return any(n.op in ("pair", "interleave") or self.width.get(id(n), 1) != 1 for n in below)
 
     def functor(self, arity: int, body: list[str], result: str, text: str) -> Functor:
         f = Functor(f"Fn{len(self.functors)}", arity, body, result, text=text)
@@ -173,22 +147,27 @@ class _Lowering:
         """Fuse the expression below `root` (down to leaves and other materialized values) into one functor."""
         children: list[int] = []
 
+        pairwise = self._pairwise(root)
+
         def operand(n: ir.Node):
             if n is root or not (id(n) in self.index or n.op in ("acc", "load", "source")):
                 return None
             child = self.index[id(n)] if id(n) in self.index else self.leaf(n)
             if child not in children:
                 children.append(child)
-            return f"x{children.index(child)}"
+            x = f"x{children.index(child)}"
+            if not pairwise:
+                return x, x
+            even = f"float({x}[2 * q])"
+            per_row = n.op == "load" and n.attr[0] == "vec_m"  # the same value in every column
+            full = self.width.get(id(n), 1) == 1 and not per_row
+            return (even, f"float({x}[2 * q + 1])") if full else (even, even)
 
-        if self._pairwise(root):
-            body, result, odd = self.pair_expression(root, operand)
-        else:
-            (body, result), odd = self.expression(root, operand), None
+        body, result, odd = self.expression(root, operand)
         if not children:  # a constant output still needs one input for Sm90Compute
             children.append(self.leaf(ir.acc()))
         f = self.functor(len(children), body, result, self.program.where(root))
-        if odd is not None:
+        if pairwise:
             f.pairwise, f.result_odd = True, odd
         idx = self.add(Compute(f"Region{f.name[2:]}", tuple(children), comment=f"{f.name}: {f.text}", functor=f))
         self.index[id(root)] = idx
@@ -198,7 +177,7 @@ class _Lowering:
         """A reduction tap (with its finishing expression, if any); returns the output's shape kind."""
         finish = None
         if node.op == "finish":
-            body, result = self.expression(node.attr, lambda n: "x0" if n.op == "reduced" else None)
+            body, result, _ = self.expression(node.attr, lambda n: ("x0", "x0") if n.op == "reduced" else None)
             finish = self.functor(1, body, result, f"{name}: finishing expression")
             node = node.inputs[0]
         kind, axis = node.attr

@@ -149,41 +149,42 @@ class PairLoad(Operand):
         return f"coda::PairLoad<{cpp_element(self.dtype)}>"
 
     def cpp_args(self) -> str:
-        t, e = f"inputs[{self.input_index}]", cpp_element(self.dtype)
-        return f"{{reinterpret_cast<{e} const*>({t}.data_ptr()), {t}.stride(-2), coda::batch_stride({t})}}"
+        return f"coda::pair_args<{self.name}>(inputs[{self.input_index}])"
 
     def key(self) -> str:
         return f"PairLoad{self.dtype}"
 
 
 @dataclass
-class RowBroadcast(Operand):
-    """A vector over n (one value per column), broadcast down the rows: CUTLASS's RowBroadcast."""
+class _Broadcast(Operand):
+    """A vector broadcast along the other output axis. CUTLASS names these nodes after the vector's
+    shape: a vector over n (one value per column) is a *row* broadcast, one over m a *column* one."""
+
+    NODE, STRIDE, ARGS, KEY = "", "", "", ""  # per kind, below
 
     def cpp_type(self) -> str:
-        return (f"fusion::Sm90RowBroadcast<0, TileShape, {cpp_element(self.dtype)}, float, "
-                f"cute::Stride<cute::_0, cute::_1, int64_t>>")
+        return (f"fusion::{self.NODE}<0, TileShape, {cpp_element(self.dtype)}, float, "
+                f"cute::Stride<{self.STRIDE}, int64_t>>")
 
     def cpp_args(self) -> str:
-        return f"coda::vec_n_args<{self.name}>(inputs[{self.input_index}])"
+        return f"coda::{self.ARGS}<{self.name}>(inputs[{self.input_index}])"
 
     def key(self) -> str:
-        return f"RowB{self.dtype}"
+        return f"{self.KEY}{self.dtype}"
 
 
 @dataclass
-class ColBroadcast(Operand):
-    """A vector over m (one value per row), broadcast along the columns: CUTLASS's ColBroadcast."""
+class RowBroadcast(_Broadcast):
+    """cd.VecN: one value per column n, broadcast down the rows."""
 
-    def cpp_type(self) -> str:
-        return (f"fusion::Sm90ColBroadcast<0, TileShape, {cpp_element(self.dtype)}, float, "
-                f"cute::Stride<cute::_1, cute::_0, int64_t>>")
+    NODE, STRIDE, ARGS, KEY = "Sm90RowBroadcast", "cute::_0, cute::_1", "vec_n_args", "RowB"
 
-    def cpp_args(self) -> str:
-        return f"coda::vec_m_args<{self.name}>(inputs[{self.input_index}])"
 
-    def key(self) -> str:
-        return f"ColB{self.dtype}"
+@dataclass
+class ColBroadcast(_Broadcast):
+    """cd.VecM: one value per row m, broadcast along the columns."""
+
+    NODE, STRIDE, ARGS, KEY = "Sm90ColBroadcast", "cute::_1, cute::_0", "vec_m_args", "ColB"
 
 
 @dataclass
@@ -245,9 +246,7 @@ class PairStore(EvtNode):
         return f"coda::PairStore<{cpp_element(self.dtype)}>"
 
     def cpp_args(self) -> str:
-        t = f"outputs[{self.output_index}]"
-        return (f"{{reinterpret_cast<{cpp_element(self.dtype)}*>({t}.data_ptr()), {t}.stride(-2), "
-                f"coda::batch_stride({t})}}")
+        return f"coda::pair_args<{self.name}>(outputs[{self.output_index}])"
 
     def key(self) -> str:
         return f"PairStore{self.dtype}{self.children}"

@@ -6,6 +6,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 
@@ -97,16 +98,16 @@ def _check_tensors(ep: Epilogue, call: Call, cutlass: bool) -> dict[str, str]:
     dev = call.a.device
     checks.tensor(where, "B", call.b, (l, n, k) if call.b.dim() == 3 else (n, k), dev)
     dtypes = {}
-    kinds = {p.name: p.kind for p in ep.params}
-    widths, pairwise = _widths(ep)
-    if pairwise and n % 2:
+    facts = _facts(ep)
+    kinds, widths = facts.kinds, facts.widths
+    if facts.pairwise and n % 2:
         raise checks.fail(where, f"N = {n} is odd, but the epilogue works on column pairs (cd.pairs)",
                           "pairwise ops need an even N (for SwiGLU: interleaved gate/up rows, 2F of them)")
     for name, t in call.tensors.items():
         wn = int(n * widths.get(name, 1))  # pairwise epilogues read N/2- or 2N-wide operands
         shape = {"tensor": (l, m, wn), "vec_n": (l, wn), "vec_m": (l, m)}[kinds[name]]
         checks.tensor(where, f"operand '{name}'", t, shape, dev, _MEANING[kinds[name]])
-        dtypes[name] = checks.dtype_of(t, where, f"operand '{name}'", index=name in _indices(ep))
+        dtypes[name] = checks.dtype_of(t, where, f"operand '{name}'", index=name in facts.indices)
         if cutlass and widths.get(name, 1) == 1:  # N/2-wide ones are read per pair or widened: no TMA
             (checks.tma_layout if kinds[name] == "tensor" else checks.vector)(where, f"operand '{name}'", t)
         elif cutlass and t.stride(-1) != 1:
@@ -125,21 +126,32 @@ def _check_tensors(ep: Epilogue, call: Call, cutlass: bool) -> dict[str, str]:
     return dtypes
 
 
-_widths_of: "weakref.WeakKeyDictionary[Epilogue, tuple]" = weakref.WeakKeyDictionary()
+@dataclass(frozen=True)
+class _Facts:
+    """What every call of an epilogue needs to know about it, derived once (not on the call path)."""
+
+    kinds: dict[str, str]  # operand name -> kind
+    widths: dict[str, Fraction]  # load operand -> width as a fraction of N
+    pairwise: bool  # any op on column pairs: N must be even
+    indices: frozenset[str]  # operands cd.take reads as int64 column indices
+    cross_batch: tuple[str, ...]  # outputs reduced over m or everything: they cannot fold a batch into M
 
 
-def _widths(ep: Epilogue) -> tuple[dict, bool]:
-    """(operand name -> width as a fraction of N, whether any op works on column pairs), per epilogue."""
-    got = _widths_of.get(ep)
-    if got is None:
-        pairwise = any(n.op in ("pair", "interleave") for n in ir.walk(ep.program))
-        got = _widths_of[ep] = (load_widths(ep.program), pairwise)
-    return got
+_facts_of: "weakref.WeakKeyDictionary[Epilogue, _Facts]" = weakref.WeakKeyDictionary()
 
 
-def _indices(ep: Epilogue) -> set[str]:
-    """Operands that cd.take reads as column indices."""
-    return {n.inputs[1].attr[1] for n in ir.walk(ep.program) if n.op == "reduce" and n.attr[0] == "take"}
+def _facts(ep: Epilogue) -> _Facts:
+    facts = _facts_of.get(ep)
+    if facts is None:
+        nodes = list(ir.walk(ep.program))
+        facts = _facts_of[ep] = _Facts(
+            kinds={p.name: p.kind for p in ep.params},
+            widths=load_widths(ep.program),
+            pairwise=any(n.op in ("pair", "interleave") for n in nodes),
+            indices=frozenset(n.inputs[1].attr[1] for n in nodes if n.op == "reduce" and n.attr[0] == "take"),
+            cross_batch=tuple(o.name for o in ep.program.outputs
+                              if (r := ir.reduction_of(o.node)) is not None and r.attr[1] != "n"))
+    return facts
 
 
 class CompiledOp:
@@ -229,10 +241,8 @@ def _fold(ep: Epilogue, call: Call) -> Call:
     What cannot follow (per-batch column vectors, statistics over m) is refused with the fix."""
     if call.a.dim() != 3 or call.b.dim() != 2:
         return call
-    kinds = {p.name: p.kind for p in ep.params}
+    kinds, cross = _facts(ep).kinds, list(_facts(ep).cross_batch)
     l, m = call.a.shape[0], call.a.shape[1]
-    cross = [o.name for o in ep.program.outputs
-             if (r := ir.reduction_of(o.node)) is not None and r.attr[1] != "n"]
     per_batch_n = [n for n, t in call.tensors.items() if kinds[n] == "vec_n" and t.dim() == 2]
     if cross or per_batch_n:
         raise UnsupportedError(
@@ -285,18 +295,35 @@ def _output_dtypes(ep: Epilogue, ab: str, out: dict | None) -> tuple[tuple[str, 
     return tuple(res)
 
 
+def signature(ep: Epilogue, ab: str, b_layout: str, operand_dtypes: dict[str, str], consts: dict[str, float],
+              config: Config | None = None, deterministic: bool = False, accumulate: bool = False,
+              out: dict | None = None) -> Signature:
+    """The one place where a call's options become a Signature, so `coda-dsl emit` shows what cd.gemm builds."""
+    return Signature(ab, b_layout, tuple(sorted(operand_dtypes.items())), _output_dtypes(ep, ab, out),
+                     tuple(sorted(consts.items())), config or Config(), deterministic, accumulate)
+
+
+def call_key(ep: Epilogue, call: Call, operand_dtypes: dict[str, str], out: dict | None,
+             deterministic: bool = False, accumulate: bool = False) -> tuple:
+    """What selects a call's specialization, as plain values: the warm path's cache key (a Signature
+    is built only on a miss)."""
+    outs = tuple((k, v.dtype) for k, v in out.items() if isinstance(v, torch.Tensor)) if out else ()
+    return (ep, call.a.dtype, call.b.stride(-1) == 1, tuple(operand_dtypes.items()), outs,
+            tuple(call.consts.items()), deterministic, accumulate)
+
+
 def specialization(ep: Epilogue, call: Call, operand_dtypes: dict[str, str], out: dict | None,
-                   config: Config | None, deterministic: bool = False, accumulate: bool = False) -> CompiledOp:
-    b_layout = "nk" if call.b.stride(-1) == 1 else "kn"
-    ab = checks.dtype_of(call.a, _where(ep), "A")
-    sig = Signature(ab, b_layout, tuple(sorted(operand_dtypes.items())), _output_dtypes(ep, ab, out),
-                    tuple(sorted(call.consts.items())), config or Config(), deterministic, accumulate)
-    cache_key = (id(ep), sig)
+                   config: Config | None, deterministic: bool = False, accumulate: bool = False,
+                   key: tuple | None = None) -> CompiledOp:
+    cache_key = (key or call_key(ep, call, operand_dtypes, out, deterministic, accumulate), config)
     op = _ops.get(cache_key)
     if op is None:
         with _lock:
             op = _ops.get(cache_key)
             if op is None:
+                sig = signature(ep, checks.dtype_of(call.a, _where(ep), "A"),
+                                "nk" if call.b.stride(-1) == 1 else "kn", operand_dtypes, call.consts, config,
+                                deterministic, accumulate, out)
                 op = _ops[cache_key] = CompiledOp.create(ep, sig, call.consts)
     return op
 
@@ -337,11 +364,12 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
         return run_reference(ep, call, out, accumulate)
     if isinstance(config, str):
         config = Config.parse(config)
-    spec = lambda cfg: specialization(ep, call, dtypes, out, cfg, deterministic, accumulate)  # noqa: E731
+    key = call_key(ep, call, dtypes, out, deterministic, accumulate)
+    spec = lambda cfg: specialization(ep, call, dtypes, out, cfg, deterministic, accumulate, key)  # noqa: E731
     try:
         folded = _fold(ep, call)
         if config is None:
-            config = _choose_config(spec, folded, _tuning if tune is None else tune)
+            config = _choose_config(spec, folded, _tuning if tune is None else tune, key)
         op = spec(config)
     except UnsupportedError as e:
         if backend == "cutlass":
@@ -364,7 +392,7 @@ def compile(epilogue: Epilogue, A, B, /, *, out: dict | None = None, config: Con
 
 
 _tuning = os.environ.get("CODA_DSL_TUNE", "") not in ("", "0")
-# (specialization without config, shape bucket) -> (config, whether it was measured on this device)
+# (call key, shape bucket) -> (config, whether it was measured on this device)
 _configs: dict[tuple, tuple[Config, bool]] = {}
 
 
@@ -374,14 +402,13 @@ def set_tuning(enabled: bool) -> None:
     _tuning = bool(enabled)
 
 
-def _choose_config(spec, call: Call, tune: bool) -> Config:
+def _choose_config(spec, call: Call, tune: bool, key: tuple) -> Config:
     """The recorded choice for this device and shape bucket, else (tuning now if asked) the default.
-    Decided once per process and bucket: the warm path reads no file."""
-    base = spec(tuning.DEFAULT)
-    key = (base.key, tuning.bucket(*call.mnkl))
+    Decided once per process and bucket: the warm path reads no file and builds no Signature."""
+    key = (key, tuning.bucket(*call.mnkl))
     choice = _configs.get(key)
     if choice is None or (tune and not choice[1]):
-        config = tuning.recorded(call.a.device, base.plan.key, tuning.DEFAULT, call.mnkl)
+        config = tuning.recorded(call.a.device, spec(tuning.DEFAULT).plan.key, tuning.DEFAULT, call.mnkl)
         if config is None and tune:
             config = tuning.tune(spec, lambda op: op.launch(call, None), call.a.device, call.mnkl)
         choice = _configs[key] = (config or tuning.DEFAULT, config is not None)

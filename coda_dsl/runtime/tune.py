@@ -82,11 +82,11 @@ def recorded(device: torch.device, plan_key: str, config: Config, mnkl) -> Confi
 def tune(make_op, launch, device: torch.device, mnkl, log=None) -> Config:
     """make_op(config) -> CompiledOp; launch(op) runs it once on the call's operands."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    ops = {c.key: make_op(c) for c in CANDIDATES}
-    first = ops[DEFAULT.key]
+    first = make_op(DEFAULT)
     hit = recorded(device, first.plan.key, DEFAULT, mnkl)
-    if hit is not None:
+    if hit is not None:  # another process tuned this bucket meanwhile
         return hit
+    ops = {c.key: make_op(c) for c in CANDIDATES}  # rendering the candidates only when they are timed
     log(f"coda_dsl: tuning {first.epilogue.name} at M,N,K,L={mnkl}: {len(ops)} configurations")
     build.build_units([op.unit for op in ops.values()])
     times = {}

@@ -84,6 +84,13 @@ typename Node::Arguments vec_m_args(at::Tensor const& t) {
   return {reinterpret_cast<E const*>(t.data_ptr()), E(0), {cute::_1{}, cute::_0{}, t.dim() == 2 ? t.stride(0) : 0}};
 }
 
+// [M, N/2] operands and outputs of pairwise epilogues (coda::PairLoad / PairStore in pairs.h).
+template <class Node>
+typename Node::Arguments pair_args(at::Tensor const& t) {
+  using Ptr = decltype(typename Node::Arguments{}.ptr);
+  return {reinterpret_cast<Ptr>(t.data_ptr()), t.stride(-2), batch_stride(t)};
+}
+
 // Fill the dynamic modes of a CUTLASS stride (static _0/_1 modes stay as they are).
 template <class Stride>
 Stride make_stride(int64_t s0, int64_t s1, int64_t s2) {
