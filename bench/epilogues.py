@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 import coda_dsl as cd
 from coda_dsl.library import rope_frequencies, rope_positions, swiglu
-from coda_dsl.passes.lower import PAIRWISE_KERNELS
 from coda_dsl.runtime import op as runtime
 
 from .harness import Row, rotation, save, table, time_us
@@ -82,13 +81,12 @@ CASES = {
                          lambda a, w, residual: torch.addmm(residual, a, w.t())),
     "residual_sumsq": Case("residual_sumsq", residual_sumsq, lambda m, n: {"residual": _r(m, n)},
                            _residual_sumsq_eager),
-    # pairwise (opt-in kernels: CODA_DSL_PAIRWISE_KERNELS=1); shapes as for the others, N = 2F or QKV width
+    # pairwise: N = 2F (gate and up interleaved) or the QKV width
     "swiglu": Case("swiglu", swiglu, lambda m, n: {}, _swiglu_eager),
     "rope": Case("rope", rope_positions,
                  lambda m, n: {"pos": torch.arange(m, device="cuda", dtype=torch.float32),
                                "inv_freq": rope_frequencies(n, 128).cuda()}, _rope_eager),
 }
-PAIRWISE_CASES = ("swiglu", "rope")
 
 
 def run(cases: list[Case], shapes, autotune: bool, iters: int, tune: bool = False) -> list[Row]:
@@ -155,8 +153,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.epilogues", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES), help="MxNxK,...")
-    default = [c for c in CASES if PAIRWISE_KERNELS or c not in PAIRWISE_CASES]
-    p.add_argument("--only", default=",".join(default), help=f"subset of {list(CASES)}")
+    p.add_argument("--only", default=",".join(CASES), help=f"subset of {list(CASES)}")
     p.add_argument("--autotune", action="store_true", help="torch.compile with max-autotune-no-cudagraphs")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--tune", action="store_true", help="coda_dsl with configurations tuned per shape")

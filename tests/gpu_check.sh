@@ -8,7 +8,6 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/coda_out}; mkdir -p "$OUT"; export OUT
 export PYTHONUNBUFFERED=1 CODA_DSL_CACHE=${CODA_DSL_CACHE:-/tmp/coda_cache}
-export CODA_DSL_PAIRWISE_KERNELS=${CODA_DSL_PAIRWISE_KERNELS:-1}  # the GPU suite checks the opt-in kernels
 if ! python3 -c "import cutlass_library" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}

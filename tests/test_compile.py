@@ -58,7 +58,7 @@ def accumulate_with_stats(acc, alpha: cd.Scalar):
             "total": cd.sum(x, axis=None)}
 
 
-def test_rich_kernel_compiles(toolchain, cache, make_plan, monkeypatch):
+def test_rich_kernel_compiles(toolchain, cache, make_plan):
     plan = make_plan(rich, consts={"c": 0.5}, operand_dtypes={"rstd": "fp32"})
     # the plan really is rich: every operand kind, two aux outputs of different dtypes, a shared value
     kinds = Counter(type(n) for n in plan.nodes)
@@ -71,11 +71,8 @@ def test_rich_kernel_compiles(toolchain, cache, make_plan, monkeypatch):
 
     # built in the same (parallel) ninja run: the template's other branches. No D with deterministic
     # reductions and finishing kernels; in-place accumulation (C = D) with atomic reductions of every axis.
-    # And the opt-in pairwise kernel: pair-loop functors, a half-width D stored per pair, no D tile.
-    import sys
-
+    # And a pairwise kernel: pair-loop functors, a half-width D stored per pair, no D tile.
     from coda_dsl.library import swiglu_keep_preactivation
-    monkeypatch.setattr(sys.modules["coda_dsl.passes.lower"], "PAIRWISE_KERNELS", True)
     others = [make_plan(statistics_only, deterministic=True), make_plan(accumulate_with_stats, accumulate=True),
               make_plan(swiglu_keep_preactivation)]
     assert others[0].d_dtype is None and others[1].reads_d and others[2].d_dtype is None

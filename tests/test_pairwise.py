@@ -115,22 +115,23 @@ def test_width_errors_and_odd_n():
     with pytest.raises(cd.OperandError, match="shape"):  # a cos table must be [M, N/2]
         cd.gemm(_w(8, 16), _w(8, 16), rope_tables, cos=torch.ones(8, 8), sin=torch.ones(8, 8),
                 backend="reference")
-    with pytest.raises(cd.UnsupportedError, match="pairwise"):  # not lowered to CUTLASS yet
+    with pytest.raises(cd.UnsupportedError, match="wider than N"):  # 2N-wide outputs: reference backend only
         from coda_dsl.passes import lower, specialize
         from coda_dsl.passes.plan import Signature
-        lower(specialize(reglu.program, {}), Signature("bf16", "nk", (), (("D", "bf16"),)))
+
+        @cd.epilogue
+        def doubled(acc):
+            return cd.interleave(acc, acc)
+        lower(specialize(doubled.program, {}), Signature("bf16", "nk", (), (("D", "bf16"),)))
 
 
-def test_pairwise_lowering_when_opted_in(monkeypatch):
-    """The opt-in kernels: half-width D stored per pair, N/2-wide tables widened, pair-loop functors."""
-    import sys
-
+def test_pairwise_lowering():
+    """Half-width D stored per pair, N/2-wide tables widened, pair-loop functors."""
     from coda_dsl.codegen import render
     from coda_dsl.library import swiglu_keep_preactivation
     from coda_dsl.passes import lower, specialize
     from coda_dsl.passes.plan import PairStore, Signature
 
-    monkeypatch.setattr(sys.modules["coda_dsl.passes.lower"], "PAIRWISE_KERNELS", True)
     plan = lower(specialize(swiglu_keep_preactivation.program, {}),
                  Signature("bf16", "nk", (), (("D", "bf16"), ("pre", "bf16"))))
     assert plan.d_dtype is None and ("D", "bf16", "mh") in plan.outputs

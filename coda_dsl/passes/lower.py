@@ -11,7 +11,6 @@ current D (`source` -> Sm90SrcFetch, CUTLASS's C operand).
 """
 from __future__ import annotations
 
-import os
 from collections import Counter
 from fractions import Fraction
 
@@ -25,10 +24,6 @@ from .plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, EvtNode, 
 _LOAD_NODE = {"tensor": AuxLoad, "vec_n": RowBroadcast, "vec_m": ColBroadcast}
 
 
-# Pairwise kernels compile but have not run on a GPU yet: opt in until the GPU suite has checked them.
-PAIRWISE_KERNELS = os.environ.get("CODA_DSL_PAIRWISE_KERNELS", "") == "1"
-
-
 def validate(program: ir.Program) -> dict[int, Fraction]:
     """Reject what no lowering can run, with the user's line; returns the widths of the values."""
     w = widths.infer(program)  # raises on mixed widths, naming the line
@@ -40,9 +35,6 @@ def validate(program: ir.Program) -> dict[int, Fraction]:
         if node.op == "reduce" and node.attr[0] in ("logsumexp", "take"):
             raise unsupported(node, f"cd.{node.attr[0]} runs on the reference backend; its CUTLASS visitor node "
                                     "is not built yet")
-        if node.op in ("pair", "interleave") and not PAIRWISE_KERNELS:
-            raise unsupported(node, "pairwise ops (cd.pairs, cd.interleave) run on the reference backend; their "
-                                    "kernels are not validated on a GPU yet (CODA_DSL_PAIRWISE_KERNELS=1 opts in)")
         if w.get(id(node), 1) > 1:
             raise unsupported(node, "values wider than N (2N-wide operands or outputs) run on the reference "
                                     "backend only")
