@@ -1,11 +1,15 @@
 """Timing and reporting shared by the benchmarks: CUDA events, median after warm-up, inputs rotated
-so that each iteration reads operands that are not in L2, ratios against the bare cuBLAS GEMM."""
+so that each iteration reads operands that are not in L2, ratios against the bare cuBLAS GEMM,
+markdown tables, JSON results, shape arguments."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
+import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -13,6 +17,31 @@ from typing import Callable
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+FLOOR = "cuBLAS GEMM (floor)"
+
+
+def progress(msg: str) -> None:
+    """Progress goes to stderr, so that stdout holds only the result tables."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def no_gpu() -> bool:
+    """True, after a one-line message, when there is no sm_90 GPU: every benchmark then exits with 1."""
+    if not torch.cuda.is_available():
+        progress("benchmarks need a CUDA GPU (the fused kernels need sm_90); none is visible")
+        return True
+    if torch.cuda.get_device_capability(0) != (9, 0):
+        progress(f"benchmarks need an sm_90 GPU for the fused kernels; found {torch.cuda.get_device_name(0)}")
+        return True
+    return False
+
+
+def background(fn: Callable, *args) -> Future:
+    """fn(*args) in a thread, e.g. the nvcc builds (subprocesses) while torch.compile works in the main thread."""
+    pool = ThreadPoolExecutor(max_workers=1)
+    future = pool.submit(fn, *args)
+    pool.shutdown(wait=False)
+    return future
 
 
 def rotation(make: Callable[[], tuple], bytes_per_set: int, l2_bytes: int | None = None) -> list[tuple]:
@@ -50,18 +79,62 @@ class Row:
     extra: dict = field(default_factory=dict)
 
 
+def markdown(header: list[str], rows: list[list], numeric: int = 0) -> str:
+    """A markdown table whose last `numeric` columns are right-aligned."""
+    rule = "|" + "---|" * (len(header) - numeric) + "---:|" * numeric
+    return "\n".join(["| " + " | ".join(header) + " |", rule] + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
+
+
 def table(rows: list[Row]) -> str:
-    lines = ["| bench | shape (M×N×K) | variant | time (µs) | TFLOP/s | × cuBLAS GEMM |",
-             "|---|---|---|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r.bench} | {r.shape} | {r.variant} | {r.us:.1f} | {r.tflops:.0f} | {r.vs_gemm:.3f} |")
-    return "\n".join(lines)
+    return markdown(["bench", "shape (M×N×K)", "variant", "time (µs)", "TFLOP/s", "× cuBLAS GEMM"],
+                    [[r.bench, r.shape, r.variant, f"{r.us:.1f}", f"{r.tflops:.0f}", f"{r.vs_gemm:.3f}"]
+                     for r in rows], numeric=3)
 
 
-def save(rows: list[Row], name: str, command: str) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = Path(os.environ.get("OUT", RESULTS)) / f"{name}.json"
-    meta = {"command": command, "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-            "cuda": torch.version.cuda, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+def out_dir() -> Path:
+    """$OUT if set (the GPU check collects it), else bench/results/."""
+    d = Path(os.environ.get("OUT") or RESULTS)
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def save(rows: list, name: str, command: str, **meta) -> Path:
+    """rows (dataclasses) as out_dir()/name.json, with the command and the machine it ran on."""
+    gpu = torch.cuda.is_available()
+    meta = {"command": command, "device": torch.cuda.get_device_name(0) if gpu else "none (no CUDA)",
+            "capability": ".".join(map(str, torch.cuda.get_device_capability(0))) if gpu else None,
+            "torch": torch.__version__, "cuda": torch.version.cuda, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+            **meta}
+    out = out_dir() / f"{name}.json"
     out.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
     return out
+
+
+def fmt(shape) -> str:
+    return "×".join(map(str, shape))
+
+
+def shape(text: str) -> tuple[int, int, int]:
+    """'MxNxK' -> (M, N, K); an argparse type."""
+    try:
+        dims = tuple(int(x) for x in text.strip().lower().split("x"))
+    except ValueError:
+        dims = ()
+    if len(dims) != 3 or min(dims) <= 0:
+        raise argparse.ArgumentTypeError(f"expected three positive integers like 4096x4096x4096, got {text!r}")
+    return dims
+
+
+def shapes(text: str) -> list[tuple[int, int, int]]:
+    return [shape(s) for s in text.split(",")]
+
+
+def subset(choices) -> Callable[[str], list[str]]:
+    """An argparse type: a comma-separated subset of `choices`."""
+    def parse(text: str) -> list[str]:
+        picked = [s.strip() for s in text.split(",") if s.strip()]
+        unknown = [s for s in picked if s not in choices]
+        if unknown or not picked:
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(choices)} (got {text!r})")
+        return picked
+    return parse

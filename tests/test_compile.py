@@ -71,10 +71,13 @@ def test_rich_kernel_compiles(toolchain, cache, make_plan):
 
     # built in the same (parallel) ninja run: the template's other branches. No D with deterministic
     # reductions and finishing kernels; in-place accumulation (C = D) with atomic reductions of every axis.
-    # And a pairwise kernel: pair-loop functors, a half-width D stored per pair, no D tile.
+    # A pairwise kernel: pair-loop functors, a half-width D stored per pair, no D tile. And the
+    # cross-entropy forward: online log-sum-exp and target gather (coda::RowLogSumExp / RowTake).
     from coda_dsl.library import swiglu_keep_preactivation
+    from coda_dsl.library.cross_entropy import _forward_epilogue
     others = [make_plan(statistics_only, deterministic=True), make_plan(accumulate_with_stats, accumulate=True),
-              make_plan(swiglu_keep_preactivation)]
+              make_plan(swiglu_keep_preactivation),
+              make_plan(_forward_epilogue(True, 30.0), operand_dtypes={"target": "i64"})]
     assert others[0].d_dtype is None and others[1].reads_d and others[2].d_dtype is None
     units = [build.BuildUnit(key, source, op_name(key))]
     for p in others:

@@ -72,7 +72,7 @@ def test_logsumexp_and_take_semantics():
     assert torch.equal(got["zt"], expect)  # out-of-range indices read 0
 
 
-def test_take_needs_an_int64_vecm_and_stays_off_cutlass():
+def test_take_needs_an_int64_vecm():
     with pytest.raises(cd.EpilogueError, match="cd.VecM"):
         @cd.epilogue
         def bad(acc, t: cd.VecN):
@@ -84,7 +84,21 @@ def test_take_needs_an_int64_vecm_and_stays_off_cutlass():
 
     with pytest.raises(cd.OperandError, match="int64"):
         cd.gemm(torch.randn(4, 8), torch.randn(8, 8), ok, t=torch.zeros(4), backend="reference")
+
+
+def test_forward_epilogue_lowers_to_row_nodes():
+    """logsumexp and take become coda::RowLogSumExp / RowTake taps: no D, no logits, no atomics."""
+    from coda_dsl.codegen import render
+    from coda_dsl.library.cross_entropy import _forward_epilogue
     from coda_dsl.passes import lower, specialize
-    from coda_dsl.passes.plan import Signature
-    with pytest.raises(cd.UnsupportedError, match="cd.take"):
-        lower(specialize(ok.program, {}), Signature("bf16", "nk", (("t", "i64"),), (("D", "bf16"), ("zt", "fp32"))))
+    from coda_dsl.passes.plan import LogSumExp, Signature, Take
+
+    ep = _forward_epilogue(True, 30.0)
+    plan = lower(specialize(ep.program, {}), Signature("bf16", "nk", (("target", "i64"),), ()))
+    assert plan.d_dtype is None and plan.inputs == ["target"]
+    assert [type(n) for n in plan.nodes if isinstance(n, (LogSumExp, Take))] == [LogSumExp, Take]
+    assert [o[2] for o in plan.outputs] == ["m", "m", "m"]  # lse, z_target, z_sum: one value per row
+    src = render(plan, "0" * 24)
+    for text in ("coda::RowLogSumExp<TileShape>", "coda::RowTake", "coda::finish_logsumexp<",
+                 "coda::take_args<Take_z_target>(inputs[0], outputs[1])", "outputs[1].zero_();"):
+        assert text in src, text

@@ -18,8 +18,8 @@ from ..errors import EpilogueError, UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import OPS, cpp_float
 from . import widths
-from .plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, EvtNode, Functor, PairLoad, PairStore,
-                   Plan, Reduction, RowBroadcast, Signature, SrcFetch, cpp_element)
+from .plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, EvtNode, Functor, LogSumExp, PairLoad,
+                   PairStore, Plan, Reduction, RowBroadcast, Signature, SrcFetch, Take, cpp_element)
 
 _LOAD_NODE = {"tensor": AuxLoad, "vec_n": RowBroadcast, "vec_m": ColBroadcast}
 
@@ -32,9 +32,6 @@ def validate(program: ir.Program) -> dict[int, Fraction]:
         return UnsupportedError(f"epilogue '{program.name}' ({program.where(node)}): {what}")
 
     for node in ir.walk(program):
-        if node.op == "reduce" and node.attr[0] in ("logsumexp", "take"):
-            raise unsupported(node, f"cd.{node.attr[0]} runs on the reference backend; its CUTLASS visitor node "
-                                    "is not built yet")
         if w.get(id(node), 1) > 1:
             raise unsupported(node, "values wider than N (2N-wide operands or outputs) run on the reference "
                                     "backend only")
@@ -63,6 +60,12 @@ class _Lowering:
         self.nodes.append(node)
         return len(self.nodes) - 1
 
+    def input(self, name: str) -> int:
+        """The position of operand `name` among the op's inputs."""
+        if name not in self.inputs:
+            self.inputs.append(name)
+        return self.inputs.index(name)
+
     def leaf(self, n: ir.Node) -> int:
         """The visitor node of an acc or load leaf, created on first use."""
         if id(n) not in self.index:
@@ -72,7 +75,6 @@ class _Lowering:
                 self.index[id(n)] = self.add(SrcFetch("Source", comment="current D (accumulate: D += ...)"))
             else:
                 kind, name = n.attr
-                self.inputs.append(name)
                 cls = _LOAD_NODE[kind]
                 if self.width.get(id(n), 1) == HALF:
                     if kind == "tensor":  # [M, N/2]: read per column pair
@@ -80,7 +82,7 @@ class _Lowering:
                     else:  # a VecN of N/2 values: the runtime widens it to N (each value twice)
                         self.widened.append(name)
                 self.index[id(n)] = self.add(cls(f"Load_{name}", dtype=self.dtypes[name],
-                                                 input_index=len(self.inputs) - 1,
+                                                 input_index=self.input(name),
                                                  comment=f"{name}: {kind}, {self.dtypes[name]}"))
         return self.index[id(n)]
 
@@ -174,10 +176,20 @@ class _Lowering:
             node = node.inputs[0]
         kind, axis = node.attr
         child = self.value(node.inputs[0])
-        mode = "deterministic" if self.sig.deterministic else "atomic"
-        self.add(Reduction(f"Reduce_{name}", (child,), comment=f"output {name}: {kind} over {axis or 'm and n'}, "
-                           f"fp32, {mode}" + (f", then {finish.name}" if finish else ""), kind=kind, axis=axis,
-                           output_index=output_index, deterministic=self.sig.deterministic, finish=finish))
+        then = f", then {finish.name}" if finish else ""
+        common = dict(kind=kind, axis=axis, output_index=output_index, finish=finish)
+        if kind == "logsumexp":
+            self.add(LogSumExp(f"Reduce_{name}", (child,), comment=f"output {name}: log-sum-exp over n, fp32, "
+                               f"online per tile{then}", **common))
+        elif kind == "take":
+            index = node.inputs[1].attr[1]
+            self.add(Take(f"Take_{name}", (child,), comment=f"output {name}: the value at column {index}[m], "
+                          f"fp32{then}", index_input=self.input(index), **common))
+        else:
+            mode = "deterministic" if self.sig.deterministic else "atomic"
+            self.add(Reduction(f"Reduce_{name}", (child,), comment=f"output {name}: {kind} over "
+                               f"{axis or 'm and n'}, fp32, {mode}{then}", deterministic=self.sig.deterministic,
+                               **common))
         return {"n": "m", "m": "n", None: ""}[axis]
 
     def value(self, n: ir.Node) -> int:

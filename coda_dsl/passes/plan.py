@@ -259,7 +259,7 @@ _REDUCE_FNS = {
     "min": ("cutlass::minimum", "cutlass::minimum", "coda::atomic_minimum", "cutlass::minimum", "INFINITY"),
     "amax": ("coda::amax_reduce", "cutlass::maximum", "cutlass::atomic_maximum", "cutlass::maximum", "0.f"),
 }
-_FINISH_COMBINE = {"sum": "coda::Plus", "max": "coda::Max", "min": "coda::Min", "amax": "coda::Max"}
+_FINISH_COMBINE = {"sum": "coda::Plus", "max": "coda::Max", "min": "coda::Min", "amax": "coda::Max", "take": "coda::Plus"}
 
 
 @dataclass
@@ -281,7 +281,7 @@ class Reduction(EvtNode):
 
     @property
     def identity(self) -> str:
-        return _REDUCE_FNS[self.kind][4]
+        return _REDUCE_FNS[self.kind][4] if self.kind in _REDUCE_FNS else "0.f"
 
     @property
     def _partials(self) -> str:
@@ -337,6 +337,53 @@ class Reduction(EvtNode):
         body = f"[{';'.join(f.body)};return {f.result}]" if f else ""
         return f"Reduce{self.kind}{self.axis}{'det' if self.deterministic else ''}{self.children}{body}"
 
+
+
+@dataclass
+class LogSumExp(Reduction):
+    """cd.logsumexp over n: per row and N tile an online (max, sum of exp) pair, combined exactly by
+    the finishing kernel. Always per-tile partials, never atomics: deterministic in either mode."""
+
+    def cpp_type(self) -> str:
+        return "coda::RowLogSumExp<TileShape>"
+
+    def cpp_args(self) -> str:
+        return f"{{{self._partials}.data_ptr<float>()}}"
+
+    def cpp_init(self) -> str:
+        p = self._partials
+        return (f"auto {p}_shape = coda::partials<TileShape>(M, N, true);\n"
+                f"  at::Tensor {p} = at::empty({{2 * {p}_shape.size(L)}}, a.options().dtype(at::kFloat));")
+
+    def cpp_finish(self) -> str:
+        fn = f"{self.finish.name}<float>" if self.finish else "coda::Identity<float>"
+        p = self._partials
+        return (f"coda::finish_logsumexp<{fn}>({p}.data_ptr<float>(), outputs[{self.output_index}].data_ptr<float>(), "
+                f"{p}_shape, L, scalars, op_name);")
+
+    def key(self) -> str:
+        return "LogSumExp" + super().key()
+
+
+@dataclass
+class Take(Reduction):
+    """cd.take over n: the value at column index[m] of each row, stored by the one thread holding it
+    (no atomics); `inputs[index_input]` is the int64 index. Rows whose index is outside [0, N) keep the
+    0 the output is filled with before the launch."""
+
+    index_input: int = 0
+
+    def cpp_type(self) -> str:
+        return "coda::RowTake"
+
+    def cpp_args(self) -> str:
+        return f"coda::take_args<{self.name}>(inputs[{self.index_input}], outputs[{self.output_index}])"
+
+    def cpp_init(self) -> str:
+        return f"outputs[{self.output_index}].zero_();"
+
+    def key(self) -> str:
+        return f"Take{self.index_input}" + super().key()
 
 @dataclass
 class Plan:

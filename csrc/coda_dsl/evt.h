@@ -91,6 +91,13 @@ typename Node::Arguments pair_args(at::Tensor const& t) {
   return {reinterpret_cast<Ptr>(t.data_ptr()), t.stride(-2), batch_stride(t)};
 }
 
+// cd.take (coda::RowTake in rows.h): the int64 column index and the fp32 output, [M] or [L, M].
+template <class Node>
+typename Node::Arguments take_args(at::Tensor const& index, at::Tensor const& out) {
+  return {index.data_ptr<int64_t>(), out.data_ptr<float>(), index.dim() == 2 ? index.stride(0) : 0,
+          out.dim() == 2 ? out.stride(0) : 0};
+}
+
 // Fill the dynamic modes of a CUTLASS stride (static _0/_1 modes stay as they are).
 template <class Stride>
 Stride make_stride(int64_t s0, int64_t s1, int64_t s2) {

@@ -8,6 +8,7 @@
 #include <c10/util/Exception.h>
 
 #include "cutlass/cutlass.h"
+#include "cute/tensor.hpp"
 #include "coda_dsl/functional.h"
 
 namespace coda {
@@ -69,16 +70,46 @@ void finish(float const* partial, float* out, int rows, int64_t rows_padded, int
   TORCH_CHECK(e == cudaSuccess, op_name, ": finishing kernel failed: ", cudaGetErrorString(e));
 }
 
-// Layout of CUTLASS's per-tile partials (FinalReduction=false): [L, tiles, rows_padded], rows m-major.
+// Layout of per-tile partials (CUTLASS's FinalReduction=false, and RowLogSumExp's): [L, tiles,
+// rows_padded], rows m-major.
 struct Partials {
   int rows, tiles;
   int64_t rows_padded;
+  CUTLASS_HOST_DEVICE int64_t size(int L) const { return int64_t(L) * tiles * rows_padded; }
 };
 template <class TileShape>
-Partials partials(int M, int N, bool over_n) {
+CUTLASS_HOST_DEVICE Partials partials(int M, int N, bool over_n) {
   int tm = cute::size<0>(TileShape{}), tn = cute::size<1>(TileShape{});
   int rows = over_n ? M : N, rt = over_n ? tm : tn, other = over_n ? N : M, ot = over_n ? tn : tm;
   return {rows, (other + ot - 1) / ot, int64_t((rows + rt - 1) / rt) * rt};
+}
+
+// out[l, r] = fn(log sum_t s_t exp(m_t)) from the (m_t, s_t) = (max, sum of exp(x - max)) pair of
+// every tile t, maxima before sums in `partial` (cd.logsumexp).
+template <class Fn, class Args>
+__global__ void finish_logsumexp_rows(float const* partial, float* out, Partials p, int L, Args args) {
+  int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= int64_t(p.rows) * L) return;
+  int64_t l = i / p.rows, r = i % p.rows;
+  float const* m = partial + l * p.tiles * p.rows_padded + r;
+  float const* s = m + p.size(L);
+  float mm = -INFINITY, sum = 0.f;
+  for (int t = 0; t < p.tiles; ++t) mm = fmaxf(mm, m[t * p.rows_padded]);
+  for (int t = 0; t < p.tiles; ++t) {
+    float mt = m[t * p.rows_padded], st = s[t * p.rows_padded];
+    sum += mt == mm ? st : st * expf(mt - mm);  // equal points, infinite ones too, need no scaling
+  }
+  out[i] = Fn{}(mm + logf(sum), args);
+}
+
+template <class Fn, class Args>
+void finish_logsumexp(float const* partial, float* out, Partials p, int L, Args const& args, char const* op_name) {
+  int64_t n = int64_t(p.rows) * L;
+  if (n == 0) return;
+  finish_logsumexp_rows<Fn, Args><<<int((n + 255) / 256), 256, 0, c10::cuda::getCurrentCUDAStream().stream()>>>(
+      partial, out, p, L, args);
+  cudaError_t e = cudaGetLastError();
+  TORCH_CHECK(e == cudaSuccess, op_name, ": finishing kernel failed: ", cudaGetErrorString(e));
 }
 
 }  // namespace coda

@@ -5,47 +5,22 @@
 // addressed through the element coordinates, since j = n / 2 is not an affine function of n.
 #pragma once
 
-#include "cutlass/cutlass.h"
-#include "cute/tensor.hpp"
-#include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
+#include "coda_dsl/direct.h"
 
 namespace coda {
 
-// What both nodes share: an [M, N/2] (or [L, M, N/2]) tensor, no shared memory, no workspace, no
-// producer-warp work, and the coordinates of this thread's values.
 template <class Pointer>
-struct PairNode {
-  struct SharedStorage {};
-  struct Arguments {
-    Pointer ptr = nullptr;
-    int64_t ld = 0;     // row stride of the [M, N/2] tensor, in elements
-    int64_t batch = 0;  // batch stride
-  };
-  using Params = Arguments;
+struct PairArguments {
+  Pointer ptr = nullptr;
+  int64_t ld = 0;     // row stride of the [M, N/2] tensor, in elements
+  int64_t batch = 0;  // batch stride
+};
 
-  template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) { return args; }
-  template <class ProblemShape>
-  static bool can_implement(ProblemShape const&, Arguments const&) { return true; }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&) { return 0; }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
-                                              cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
-
-  CUTLASS_HOST_DEVICE PairNode() {}
-  CUTLASS_HOST_DEVICE PairNode(Params const& params, SharedStorage const&) : params_ptr(&params) {}
-  Params const* params_ptr = nullptr;
-
-  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
-  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
-
-  template <class... Args>
-  CUTLASS_DEVICE auto get_producer_load_callbacks(cutlass::epilogue::fusion::ProducerLoadArgs<Args...> const&) {
-    return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
-  }
+// What both nodes share: an [M, N/2] (or [L, M, N/2]) tensor and registers for this thread's values.
+template <class Pointer>
+struct PairNode : DirectNode<PairArguments<Pointer>> {
+  using Base = DirectNode<PairArguments<Pointer>>;
+  using Base::Base;
 
   // A derived node's callbacks over this thread's values: their (m, n, l) coordinates per epilogue
   // subtile, registers for them, and the problem's (M, N, L) for predication.
@@ -53,11 +28,7 @@ struct PairNode {
             class... Args>
   CUTLASS_DEVICE static auto callbacks(Node const* node,
                                        cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
-    auto [M, N, K, L] = args.problem_shape_mnkl;
-    auto problem_shape_mnl = cute::make_shape(M, N, L);
-    cute::Tensor tC_cAux = cutlass::epilogue::fusion::sm90_partition_for_epilogue<ReferenceSrc>(
-        cute::make_identity_tensor(problem_shape_mnl), args.tile_shape_mnk, args.tile_coord_mnkl, args.epi_tile,
-        args.tiled_copy, args.thread_idx);
+    auto [tC_cAux, problem_shape_mnl] = thread_coordinates<ReferenceSrc>(args);
     cute::Tensor tC_rAux = cute::make_tensor<Element>(cute::take<0, 3>(cute::shape(tC_cAux)));
     return Callbacks<decltype(tC_rAux), decltype(tC_cAux), decltype(problem_shape_mnl)>(
         cute::move(tC_rAux), cute::move(tC_cAux), problem_shape_mnl, node);
@@ -65,7 +36,7 @@ struct PairNode {
 
   template <class Coord>
   CUTLASS_DEVICE int64_t offset(Coord const& c) const {
-    return cute::get<2>(c) * params_ptr->batch + cute::get<0>(c) * params_ptr->ld + cute::get<1>(c) / 2;
+    return cute::get<2>(c) * this->params_ptr->batch + cute::get<0>(c) * this->params_ptr->ld + cute::get<1>(c) / 2;
   }
 };
 

@@ -1,0 +1,182 @@
+// Per-row statistics CUTLASS has no node for: the log-sum-exp over n (cd.logsumexp) and the value
+// at a per-row column (cd.take). Both are taps: they observe their input and pass it on.
+#pragma once
+
+#include <cmath>
+
+#include "coda_dsl/direct.h"
+#include "coda_dsl/finish.h"
+
+namespace coda {
+
+// (max, sum of exp(x - max)) pairs: s scaled from reference point m to mm >= m. Equal points
+// (including both infinite) need no scaling, which keeps -inf - -inf out of exp.
+CUTLASS_DEVICE float rescaled(float s, float m, float mm) { return m == mm ? s : s * __expf(m - mm); }
+
+// cd.logsumexp(x, axis="n"): each thread keeps an online (running max, sum of exp) pair per row it
+// holds; at the end of the tile the lanes holding one row combine theirs with shuffles and one lane
+// writes the tile's pair to partials [2][L][tiles][rows_padded] (maxima, then sums), which
+// finish_logsumexp combines exactly. Columns past N are never visited (predicated).
+struct LogSumExpArguments {
+  float* partials = nullptr;
+};
+
+template <class TileShape>
+struct RowLogSumExp : DirectNode<LogSumExpArguments> {
+  using Base = DirectNode<LogSumExpArguments>;
+  using Base::Base;
+
+  template <class Registers, class Coords, class Shape, class LaneLayout>
+  struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
+    CUTLASS_DEVICE ConsumerStoreCallbacks(Registers maxima, Registers sums, Coords coords, Shape shape,
+                                          LaneLayout lanes, int lane_n, float* partials)
+        : maxima(maxima), sums(sums), coords(coords), shape(shape), lanes(lanes), lane_n(lane_n),
+          partials(partials) {}
+
+    Registers maxima, sums;  // one slot per row of this thread
+    Coords coords;           // (m, n, l) of this thread's values
+    Shape shape;             // (M, N, L)
+    LaneLayout lanes;        // (lane along m, lane along n) -> lane index
+    int lane_n;              // this lane's position along n
+    float* partials;
+
+    template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
+    CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m,
+                              int epi_n, cutlass::Array<ElementInput, FragmentSize> const& frg_input) {
+      cute::Tensor c = coords(cute::_, cute::_, cute::_, epi_m, epi_n);
+      cute::Tensor m = maxima(cute::_, cute::_, cute::_, epi_m, epi_n);
+      cute::Tensor s = sums(cute::_, cute::_, cute::_, epi_m, epi_n);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < FragmentSize; ++i) {
+        int k = epi_v * FragmentSize + i;
+        if (cute::elem_less(c(k), shape)) {
+          float x = float(frg_input[i]), mk = m(k);
+          float e = x == mk ? 1.f : __expf(-fabsf(x - mk));  // one exp: exp(x - m), or exp(m - x) if x is larger
+          if (x > mk) {
+            s(k) = s(k) * e + 1.f;
+            m(k) = x;
+          } else {
+            s(k) += e;
+          }
+        }
+      }
+      return frg_input;
+    }
+
+    CUTLASS_DEVICE void end() {
+      cute::Tensor m = cute::filter_zeros(maxima);
+      cute::Tensor s = cute::filter_zeros(sums);
+      CUTLASS_PRAGMA_UNROLL
+      for (int step = cute::size<1>(lanes) / 2; step > 0; step /= 2) {  // lanes of one row: a tree
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < cute::size(m); ++r) {
+          float m2 = __shfl_down_sync(0xFFFFFFFF, m(r), lanes(0, step));
+          float s2 = __shfl_down_sync(0xFFFFFFFF, s(r), lanes(0, step));
+          float mm = fmaxf(m(r), m2);
+          s(r) = rescaled(s(r), m(r), mm) + rescaled(s2, m2, mm);
+          m(r) = mm;
+        }
+      }
+      if (lane_n != 0) return;
+      Partials p = partials<TileShape>(cute::get<0>(shape), cute::get<1>(shape), true);
+      cute::Tensor c = row_coordinates(maxima, coords);  // a row's first column of this thread: its n tile
+      int tile_n = cute::size<1>(TileShape{});
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < cute::size(m); ++r) {
+        int row = cute::get<0>(c(r)), tile = cute::get<1>(c(r)) / tile_n, l = cute::get<2>(c(r));
+        if (row < p.rows && tile < p.tiles && l < cute::get<2>(shape)) {
+          int64_t at = (int64_t(l) * p.tiles + tile) * p.rows_padded + row;
+          partials[at] = m(r);
+          partials[at + p.size(cute::get<2>(shape))] = s(r);
+        }
+      }
+    }
+  };
+
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
+    using namespace cute;
+    auto [coords, shape] = thread_coordinates<ReferenceSrc>(args);
+    auto maxima = per_row_registers<float, ReferenceSrc>(args);
+    auto sums = make_tensor_like(maxima);
+    fill(maxima, -INFINITY);
+    fill(sums, 0.f);
+    // Which lanes hold the values of one row, from the epilogue's thread-value layout.
+    auto tile_mn = shape(typename decltype(args.tiled_copy)::Tiler_MN{});
+    auto ref_layout = [&] {  // tile (m, n) -> thread-value index
+      if constexpr (ReferenceSrc) return right_inverse(args.tiled_copy.get_layoutS_TV()).with_shape(tile_mn);
+      else return right_inverse(args.tiled_copy.get_layoutD_TV()).with_shape(tile_mn);
+    }();
+    using Warps = Int<decltype(args.tiled_copy)::TiledNumThr::value / 32>;
+    auto to_lane = composition(Layout<Shape<_32, Warps, _1>, Stride<_1, _0, _0>>{}, ref_layout);
+    auto to_warp = composition(Layout<Shape<_32, Warps, _1>, Stride<_0, _1, _0>>{}, ref_layout);
+    static_assert(decltype(size(filter(get<1>(to_warp))))::value == 1,
+                  "cd.logsumexp needs the values of a tile row in one warp (every coda_dsl tile has that)");
+    auto lanes = make_layout(filter(get<0>(to_lane)), filter(get<1>(to_lane)));
+    auto lane_mn = idx2crd(right_inverse(lanes)(cutlass::canonical_lane_idx()), lanes.shape());
+    return ConsumerStoreCallbacks<decltype(maxima), decltype(coords), decltype(shape), decltype(lanes)>(
+        maxima, sums, coords, shape, lanes, int(get<1>(lane_mn)), this->params_ptr->ptr);
+  }
+};
+
+// cd.take(x, index, axis="n"): out[l, m] = x[l, m, index[l, m]], written by the one thread holding
+// that column (no atomics). The runtime zero-fills out first: rows whose index is outside [0, N)
+// keep 0.
+struct TakeArguments {
+  int64_t const* index = nullptr;
+  float* out = nullptr;
+  int64_t index_batch = 0;  // batch strides of the [L, M] index and output (0: shared index)
+  int64_t out_batch = 0;
+};
+
+struct RowTake : DirectNode<TakeArguments> {
+  using Base = DirectNode<TakeArguments>;
+  using Base::Base;
+
+  template <class Registers, class Coords, class Shape>
+  struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
+    CUTLASS_DEVICE ConsumerStoreCallbacks(Registers targets, Coords coords, Shape shape, TakeArguments const* args)
+        : targets(targets), coords(coords), shape(shape), args(args) {}
+
+    Registers targets;  // the index of each row this thread holds
+    Coords coords;
+    Shape shape;
+    TakeArguments const* args;
+
+    CUTLASS_DEVICE void begin() {
+      cute::Tensor t = cute::filter_zeros(targets);
+      cute::Tensor c = row_coordinates(targets, coords);
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < cute::size(t); ++r) {
+        int row = cute::get<0>(c(r)), l = cute::get<2>(c(r));
+        t(r) = row < cute::get<0>(shape) && l < cute::get<2>(shape) ? args->index[l * args->index_batch + row]
+                                                                      : int64_t(-1);
+      }
+    }
+
+    template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
+    CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m,
+                              int epi_n, cutlass::Array<ElementInput, FragmentSize> const& frg_input) {
+      cute::Tensor c = coords(cute::_, cute::_, cute::_, epi_m, epi_n);
+      cute::Tensor t = targets(cute::_, cute::_, cute::_, epi_m, epi_n);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < FragmentSize; ++i) {
+        int k = epi_v * FragmentSize + i;
+        if (cute::get<1>(c(k)) == t(k) && cute::elem_less(c(k), shape)) {
+          args->out[cute::get<2>(c(k)) * args->out_batch + cute::get<0>(c(k))] = float(frg_input[i]);
+        }
+      }
+      return frg_input;
+    }
+  };
+
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
+    auto [coords, shape] = thread_coordinates<ReferenceSrc>(args);
+    auto targets = per_row_registers<int64_t, ReferenceSrc>(args);
+    return ConsumerStoreCallbacks<decltype(targets), decltype(coords), decltype(shape)>(targets, coords, shape,
+                                                                                        this->params_ptr);
+  }
+};
+
+}  // namespace coda
