@@ -1,13 +1,18 @@
 """Fused GEMM + epilogue vs the bare cuBLAS GEMM (the floor), eager PyTorch, torch.compile and,
 where one exists, cuBLASLt's fused epilogue. Same shapes, same run, random data.
 
-    python -m bench.epilogues [--shapes 4096x4096x4096,...] [--only bias_gelu,...] [--autotune]
+    python -m bench.epilogues [--only bias_gelu,...] [--shapes 4096x4096x4096,...] [--autotune] [--dry-run]
+
+Each case has its own shapes (--shapes replaces them all): the generic epilogues run the cubes
+2048-8192 and Llama-3-8B's projections at M = 8192 tokens; swiglu and rope the projection they
+belong to. Shapes are MxNxK: A [M, K], W [N, K].
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import sys
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -15,13 +20,17 @@ import torch
 import torch.nn.functional as F
 
 import coda_dsl as cd
+from coda_dsl.build.cache import valid_output
 from coda_dsl.library import rope_frequencies, rope_positions, swiglu
 from coda_dsl.runtime import op as runtime
 
-from .harness import Row, rotation, save, table, time_us
+from .harness import (FLOOR, Row, background, compile_label, compile_mode, fmt, markdown, no_gpu, out_dir, parser,
+                      progress, results_only_on_stdout, rotation, save, shapes, subset, table, time_us)
 
 ROUNDS = 5
-SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (8192, 4096, 4096), (8192, 14336, 4096)]  # M, N, K
+CUBES = tuple((s, s, s) for s in (2048, 4096, 8192))  # M, N, K
+LLAMA3_8B = ((8192, 4096, 4096), (8192, 14336, 4096), (8192, 4096, 14336))  # attention out, FFN up, FFN down
+GENERIC = CUBES + LLAMA3_8B
 
 
 @cd.epilogue
@@ -53,6 +62,7 @@ class Case:
     operands: Callable[[int, int], dict]  # (M, N) -> operand tensors
     eager: Callable  # (a, w, **operands) -> output(s): the unfused PyTorch formulation
     cublaslt: Callable | None = None  # a cuBLASLt fused epilogue doing the same, if one exists
+    shapes: tuple = GENERIC  # default (M, N, K) list
 
 
 def _r(*s):
@@ -81,57 +91,128 @@ CASES = {
                          lambda a, w, residual: torch.addmm(residual, a, w.t())),
     "residual_sumsq": Case("residual_sumsq", residual_sumsq, lambda m, n: {"residual": _r(m, n)},
                            _residual_sumsq_eager),
-    # pairwise: N = 2F (gate and up interleaved) or the QKV width
-    "swiglu": Case("swiglu", swiglu, lambda m, n: {}, _swiglu_eager),
+    # pairwise: Llama-3-8B's FFN up projection with gate and up interleaved (N = 2 x 14336), and the
+    # fused QKV projection (N = 3 x 4096, head dim 128)
+    "swiglu": Case("swiglu", swiglu, lambda m, n: {}, _swiglu_eager, shapes=((8192, 2 * 14336, 4096),)),
     "rope": Case("rope", rope_positions,
                  lambda m, n: {"pos": torch.arange(m, device="cuda", dtype=torch.float32),
-                               "inv_freq": rope_frequencies(n, 128).cuda()}, _rope_eager),
+                               "inv_freq": rope_frequencies(n, 128).cuda()}, _rope_eager,
+                 shapes=((8192, 3 * 4096, 4096),)),
 }
 
 
-def run(cases: list[Case], shapes, autotune: bool, iters: int, tune: bool = False) -> list[Row]:
-    mode = "max-autotune-no-cudagraphs" if autotune else None
-    ops = {}  # build every kernel first, in parallel
-    for c in cases:
-        a, w = _r(256, 256), _r(256, 256)
-        ops[c.name] = cd.compile(c.epilogue, a, w, **c.operands(256, 256))
-    runtime.prebuild(list(ops.values()))
+def plan(cases: list[Case], shapes=None) -> list[tuple[Case, tuple]]:
+    """(case, shape) pairs in measuring order: --shapes if given, else each case's own."""
+    return [(c, s) for c in cases for s in (shapes or c.shapes)]
+
+
+def _variants(c: Case, op, compiled, label: str) -> dict[str, Callable]:
+    """What is timed for a case, by variant name (with op and compiled None: only the names count)."""
+    v = {FLOOR: lambda a, w, o: a @ w.t(),
+         "coda_dsl fused": lambda a, w, o: op(a, w, **o),
+         "eager": lambda a, w, o: c.eager(a, w, **o),
+         label: lambda a, w, o: compiled(a, w, **o)}
+    if c.cublaslt:
+        v["cuBLASLt fused"] = lambda a, w, o: c.cublaslt(a, w, **o)
+    return v
+
+
+def plan_rows(cases: list[Case], shapes=None, autotune=False, dynamic=False) -> list[list[str]]:
+    label = compile_label(autotune, dynamic)
+    return [[c.name, fmt(s), ", ".join(_variants(c, None, None, label))] for c, s in plan(cases, shapes)]
+
+
+def kernels(cases: list[Case]) -> dict:
+    """Each case's kernel, rendered but not built (runtime.prebuild builds them all in one ninja run)."""
+    a, w = _r(256, 256), _r(256, 256)
+    return {c.name: cd.compile(c.epilogue, a, w, **c.operands(256, 256)) for c in cases}
+
+
+def _inputs(c: Case, m: int, n: int, k: int) -> tuple:
+    return _r(m, k), _r(n, k), c.operands(m, n)
+
+
+def _compile_all(todo, autotune: bool, dynamic: bool, failed: list[str]) -> dict:
+    """torch.compile of each case's eager code, compiled for each shape now (first call): the compile
+    time stays out of the timings and is reported instead. Static shapes compile once per shape."""
+    mode = compile_mode(autotune)
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, len(todo))
+    fns, done = {}, {}
+    for c, (m, n, k) in todo:
+        if c.name not in fns:
+            fns[c.name] = torch.compile(c.eager, mode=mode, dynamic=dynamic)
+        f = fns[c.name]
+        a, w, o = _inputs(c, m, n, k)
+        t0 = time.perf_counter()
+        try:
+            f(a, w, **o)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001  (keep the other cases: the GPU time is short)
+            failed.append(f"{c.name} {fmt((m, n, k))}: torch.compile: {type(e).__name__}: {e}")
+            continue
+        done[c.name, (m, n, k)] = (f, time.perf_counter() - t0)
+        progress(f"torch.compile {c.name} {fmt((m, n, k))}: {done[c.name, (m, n, k)][1]:.1f} s")
+    return done
+
+
+def run(cases: list[Case], shapes=None, autotune=False, iters=50, tune=False, dynamic=False, also_build=(),
+        checkpoint: Callable | None = None) -> tuple[list[Row], list[str]]:
+    """Measure every (case, shape); returns the rows and one line per failure. also_build: more
+    kernels (another benchmark's) for the same parallel build. checkpoint(rows, failed) after each
+    shape, so that a run stopped by a time limit still leaves its numbers."""
+    todo = plan(cases, shapes)
+    ops = kernels(cases)
+    # nvcc (one core per kernel, in subprocesses) builds while torch.compile works in this thread
+    built = background(runtime.prebuild, [*ops.values(), *also_build])
+    failed: list[str] = []
+    compiled = _compile_all(todo, autotune, dynamic, failed)
+    try:
+        built.result()
+    except Exception as e:  # noqa: BLE001  measure what built; a failed kernel would be rebuilt (and fail) per call
+        failed.append(f"kernel builds: {type(e).__name__}: {e}")
+        for name, op in ops.items():
+            if valid_output(op.unit.key) is None:
+                failed.append(f"{name}: not measured, its kernel did not build")
+                todo = [(c, s) for c, s in todo if c.name != name]
     rows = []
-    for m, n, k in shapes:
-        shape = f"{m}×{n}×{k}"
-        flops = 2 * m * n * k
-        per_set = 2 * (m * k + n * k + m * n)
-        for c in cases:
-            sets = rotation(lambda: (_r(m, k), _r(n, k), c.operands(m, n)), per_set)
-            op = ops[c.name]
-            variants = {"cuBLAS GEMM (floor)": lambda a, w, o: a @ w.t(),
-                        "coda_dsl fused": lambda a, w, o: op(a, w, **o),
-                        "eager": lambda a, w, o: c.eager(a, w, **o),
-                        "torch.compile" + (" (max-autotune)" if autotune else ""):
-                            _compiled(c.eager, mode)}
-            if c.cublaslt:
-                variants["cuBLASLt fused"] = lambda a, w, o: c.cublaslt(a, w, **o)
-            check = sets[0]
-            if tune:  # pick this shape's configuration (recorded: later runs skip the builds and timing)
-                cd.gemm(check[0], check[1], c.epilogue, tune=True, **check[2])
-                op = _TunedOp(c.epilogue)
-            ref = c.eager(check[0], check[1], **check[2])
-            ref = ref[0] if isinstance(ref, tuple) else ref
-            got = op(check[0], check[1], **check[2])["D"]
-            err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-            # Round-robin over the variants, several rounds: clock and thermal drift during the run
-            # then hits every variant alike instead of whichever was measured last.
-            samples: dict[str, list[float]] = {name: [] for name in variants}
-            for _ in range(ROUNDS):
-                for name, fn in variants.items():
-                    samples[name].append(time_us(fn, sets, max(1, iters // ROUNDS)))
-            times = {name: statistics.median(v) for name, v in samples.items()}
-            floor = times["cuBLAS GEMM (floor)"]
-            for name, t in times.items():
-                rows.append(Row(c.name, shape, name, t, flops / t / 1e6, t / floor,
-                                {"rel_err_vs_eager": err} if name.startswith("coda") else {}))
-            print(table(rows[-len(variants):]), file=sys.stderr, flush=True)
-    return rows
+    for c, s in todo:
+        try:
+            new = _measure(c, s, ops[c.name], *compiled.get((c.name, s), (None, None)),
+                           compile_label(autotune, dynamic), iters, tune)
+        except Exception as e:  # noqa: BLE001
+            failed.append(f"{c.name} {fmt(s)}: {type(e).__name__}: {e}")
+            continue
+        progress(table(new))
+        rows += new
+        if checkpoint:
+            checkpoint(rows, failed)
+    return rows, failed
+
+
+def _measure(c: Case, shape, op, compiled, compile_s: float | None, label: str, iters: int, tune: bool) -> list[Row]:
+    m, n, k = shape
+    sets = rotation(lambda: _inputs(c, m, n, k), 2 * (m * k + n * k + m * n))
+    a, w, o = sets[0]
+    if tune:  # pick this shape's configuration (recorded: later runs skip the builds and timing)
+        cd.gemm(a, w, c.epilogue, tune=True, **o)
+        op = _TunedOp(c.epilogue)
+    ref = c.eager(a, w, **o)
+    ref = ref[0] if isinstance(ref, tuple) else ref
+    got = op(a, w, **o)["D"]
+    err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+    variants = _variants(c, op, compiled, label)
+    if compiled is None:  # its compile failed (reported): time the others
+        del variants[label]
+    # Round-robin over the variants, several rounds: clock and thermal drift during the run then hits
+    # every variant alike instead of whichever was measured last.
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(ROUNDS):
+        for name, fn in variants.items():
+            samples[name].append(time_us(fn, sets, max(1, iters // ROUNDS)))
+    times = {name: statistics.median(v) for name, v in samples.items()}
+    extra = {"coda_dsl fused": {"rel_err_vs_eager": err}, label: {"compile_s": round(compile_s or 0, 2)}}
+    return [Row(c.name, fmt(shape), name, t, 2 * m * n * k / t / 1e6, t / times[FLOOR], extra.get(name, {}))
+            for name, t in times.items()]
 
 
 class _TunedOp:
@@ -144,28 +225,64 @@ class _TunedOp:
         return cd.gemm(a, w, self.epilogue, **operands)
 
 
-def _compiled(eager: Callable, mode):
-    f = torch.compile(eager, mode=mode, dynamic=False)
-    return lambda a, w, o: f(a, w, **o)
+def summary(rows: list[Row]) -> str:
+    """One line per case and shape: the floor's time and each variant's time relative to it."""
+    variants = [v for v in dict.fromkeys(r.variant for r in rows) if v != FLOOR]
+    groups: dict[tuple, dict[str, Row]] = {}
+    for r in rows:
+        groups.setdefault((r.bench, r.shape), {})[r.variant] = r
+    lines = [[b, s, f"{g[FLOOR].us:.0f}", *(f"{g[v].vs_gemm:.3f}" if v in g else "–" for v in variants)]
+             for (b, s), g in groups.items()]
+    return markdown(["epilogue", "shape (M×N×K)", "cuBLAS GEMM µs", *(f"{v} ×" for v in variants)], lines,
+                    numeric=1 + len(variants))
+
+
+def checkpoint(command: str) -> Callable:
+    return lambda rows, failed: save(rows, "epilogues", command, failed=failed, complete=False)
+
+
+def report(rows: list[Row], failed: list[str], command: str, **meta) -> None:
+    """Tables on stdout; JSON and the chart under $OUT or bench/results/ (paths on stderr)."""
+    if rows:
+        print("Time relative to the bare cuBLAS GEMM of the same shape (lower is better):\n")
+        print(summary(rows) + "\n\n" + table(rows) + "\n")
+    for f in failed:
+        print(f"- FAILED {f}")
+    progress(f"results: {save(rows, 'epilogues', command, failed=failed, complete=True, **meta)}")
+    from .chart import chart  # matplotlib loads only here, and may be missing
+    png = chart(rows, out_dir() / "epilogues.png")
+    if png:
+        progress(f"chart: {png}")
+
+
+def add_args(p: argparse.ArgumentParser, only=tuple(CASES)) -> None:
+    p.add_argument("--only", type=subset(only), default=list(only), help=f"subset of {','.join(only)}")
+    p.add_argument("--shapes", type=shapes, help="MxNxK,... for every case (default: each case's own)")
+    p.add_argument("--iters", type=int, default=50, help="timed calls per variant, over all rounds")
+    p.add_argument("--autotune", action="store_true", help="torch.compile with max-autotune-no-cudagraphs (slow)")
+    p.add_argument("--compile-dynamic", action="store_true",
+                   help="torch.compile once per case with dynamic shapes instead of once per shape (faster)")
+    p.add_argument("--tune", action="store_true", help="coda_dsl with configurations tuned per shape")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.epilogues", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES), help="MxNxK,...")
-    p.add_argument("--only", default=",".join(CASES), help=f"subset of {list(CASES)}")
-    p.add_argument("--autotune", action="store_true", help="torch.compile with max-autotune-no-cudagraphs")
-    p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--tune", action="store_true", help="coda_dsl with configurations tuned per shape")
+    p = parser("python -m bench.epilogues", __doc__)
+    add_args(p)
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("benchmarks need a CUDA GPU (the fused kernels need sm_90)", file=sys.stderr)
+    cases = [CASES[n] for n in args.only]
+    if args.dry_run:
+        print(markdown(["case", "shape (M×N×K)", "variants"],
+                       plan_rows(cases, args.shapes, args.autotune, args.compile_dynamic)))
+        return 0
+    if no_gpu():
         return 1
-    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-    rows = run([CASES[c] for c in args.only.split(",")], shapes, args.autotune, args.iters, args.tune)
-    print(table(rows))
-    print(f"results: {save(rows, 'epilogues', ' '.join(['python -m bench.epilogues', *(argv or sys.argv[1:])]))}")
-    return 0
+    command = " ".join(["python -m bench.epilogues", *(sys.argv[1:] if argv is None else argv)])
+    with results_only_on_stdout():
+        rows, failed = run(cases, args.shapes, args.autotune, args.iters, args.tune, args.compile_dynamic,
+                           checkpoint=checkpoint(command))
+    report(rows, failed, command)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

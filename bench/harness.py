@@ -4,6 +4,7 @@ markdown tables, JSON results, shape arguments."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -23,6 +24,11 @@ FLOOR = "cuBLAS GEMM (floor)"
 def progress(msg: str) -> None:
     """Progress goes to stderr, so that stdout holds only the result tables."""
     print(msg, file=sys.stderr, flush=True)
+
+
+def results_only_on_stdout():
+    """Around a run: what the build and the library print then is progress (stderr), not results."""
+    return contextlib.redirect_stdout(sys.stderr)
 
 
 def no_gpu() -> bool:
@@ -138,3 +144,19 @@ def subset(choices) -> Callable[[str], list[str]]:
             raise argparse.ArgumentTypeError(f"choose from {', '.join(choices)} (got {text!r})")
         return picked
     return parse
+
+
+def parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    # allow_abbrev=False: --shape must not silently mean --shapes
+    return argparse.ArgumentParser(prog=prog, description=doc, allow_abbrev=False,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def compile_mode(autotune: bool) -> str | None:
+    """torch.compile's mode: default, or --autotune's (CUDA graphs off: the timings launch eagerly)."""
+    return "max-autotune-no-cudagraphs" if autotune else None
+
+
+def compile_label(autotune: bool, dynamic: bool = False) -> str:
+    opts = [o for o, on in (("max-autotune", autotune), ("dynamic", dynamic)) if on]
+    return "torch.compile" + (f" ({', '.join(opts)})" if opts else "")

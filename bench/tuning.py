@@ -16,7 +16,7 @@ import torch
 import coda_dsl as cd
 from coda_dsl.runtime import tune as tuning
 
-from .harness import rotation, time_us
+from .harness import no_gpu, rotation, time_us
 
 
 def main(argv=None) -> int:
@@ -25,6 +25,8 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="8192x8192x8192", help="MxNxK")
     p.add_argument("--reuse", action="store_true", help="expect a recorded choice (second process)")
     args = p.parse_args(argv)
+    if no_gpu():
+        return 1
     m, n, k = (int(x) for x in args.shape.split("x"))
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)

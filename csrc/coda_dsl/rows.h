@@ -29,16 +29,16 @@ struct RowLogSumExp : DirectNode<LogSumExpArguments> {
   template <class Registers, class Coords, class Shape, class LaneLayout>
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
     CUTLASS_DEVICE ConsumerStoreCallbacks(Registers maxima, Registers sums, Coords coords, Shape shape,
-                                          LaneLayout lanes, int lane_n, float* partials)
+                                          LaneLayout lanes, int lane_n, float* tile_pairs)
         : maxima(maxima), sums(sums), coords(coords), shape(shape), lanes(lanes), lane_n(lane_n),
-          partials(partials) {}
+          tile_pairs(tile_pairs) {}
 
     Registers maxima, sums;  // one slot per row of this thread
     Coords coords;           // (m, n, l) of this thread's values
     Shape shape;             // (M, N, L)
     LaneLayout lanes;        // (lane along m, lane along n) -> lane index
     int lane_n;              // this lane's position along n
-    float* partials;
+    float* tile_pairs;       // the partials: [2][L][tiles][rows_padded]
 
     template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
     CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m,
@@ -78,7 +78,7 @@ struct RowLogSumExp : DirectNode<LogSumExpArguments> {
         }
       }
       if (lane_n != 0) return;
-      Partials p = partials<TileShape>(cute::get<0>(shape), cute::get<1>(shape), true);
+      Partials p = coda::partials<TileShape>(cute::get<0>(shape), cute::get<1>(shape), true);
       cute::Tensor c = row_coordinates(maxima, coords);  // a row's first column of this thread: its n tile
       int tile_n = cute::size<1>(TileShape{});
       CUTLASS_PRAGMA_UNROLL
@@ -86,8 +86,8 @@ struct RowLogSumExp : DirectNode<LogSumExpArguments> {
         int row = cute::get<0>(c(r)), tile = cute::get<1>(c(r)) / tile_n, l = cute::get<2>(c(r));
         if (row < p.rows && tile < p.tiles && l < cute::get<2>(shape)) {
           int64_t at = (int64_t(l) * p.tiles + tile) * p.rows_padded + row;
-          partials[at] = m(r);
-          partials[at + p.size(cute::get<2>(shape))] = s(r);
+          tile_pairs[at] = m(r);
+          tile_pairs[at + p.size(cute::get<2>(shape))] = s(r);
         }
       }
     }
@@ -96,7 +96,7 @@ struct RowLogSumExp : DirectNode<LogSumExpArguments> {
   template <bool ReferenceSrc, class... Args>
   CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
     using namespace cute;
-    auto [coords, shape] = thread_coordinates<ReferenceSrc>(args);
+    auto [coords, shape_mnl] = thread_coordinates<ReferenceSrc>(args);
     auto maxima = per_row_registers<float, ReferenceSrc>(args);
     auto sums = make_tensor_like(maxima);
     fill(maxima, -INFINITY);
@@ -114,8 +114,8 @@ struct RowLogSumExp : DirectNode<LogSumExpArguments> {
                   "cd.logsumexp needs the values of a tile row in one warp (every coda_dsl tile has that)");
     auto lanes = make_layout(filter(get<0>(to_lane)), filter(get<1>(to_lane)));
     auto lane_mn = idx2crd(right_inverse(lanes)(cutlass::canonical_lane_idx()), lanes.shape());
-    return ConsumerStoreCallbacks<decltype(maxima), decltype(coords), decltype(shape), decltype(lanes)>(
-        maxima, sums, coords, shape, lanes, int(get<1>(lane_mn)), this->params_ptr->ptr);
+    return ConsumerStoreCallbacks<decltype(maxima), decltype(coords), decltype(shape_mnl), decltype(lanes)>(
+        maxima, sums, coords, shape_mnl, lanes, int(get<1>(lane_mn)), this->params_ptr->partials);
   }
 };
 

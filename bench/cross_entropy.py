@@ -1,0 +1,204 @@
+"""LM head + cross-entropy (issue 5): the mean loss of x @ W^T against int64 targets (a few rows
+ignore_index=-100), forward, and forward+backward (the gradients of x and W), at Llama-3-8B's
+vocabulary. Per variant: median time and the peak memory the call adds, relative to eager PyTorch.
+
+    python -m bench.cross_entropy [--shape 8192x4096x128256] [--iters 10] [--autotune] [--dry-run]
+
+Variants: eager (bf16 logits cast to fp32, then F.cross_entropy), torch.compile of the same, and
+cd.linear_cross_entropy (by design no fp32 logits). Warnings a variant raises (e.g. coda_dsl
+running on its reference backend) are printed under the table and kept in the JSON.
+"""
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+import coda_dsl as cd
+from coda_dsl.library import cross_entropy as ce
+from coda_dsl.runtime import op as runtime
+
+from .harness import (background, compile_label, compile_mode, fmt, markdown, no_gpu, parser, progress,
+                      results_only_on_stdout, save, shape, time_us)
+
+SHAPE = (8192, 4096, 128256)  # M tokens, d model width, V vocabulary (Llama-3-8B)
+STEPS = ("forward", "forward+backward")
+IGNORED_ROWS = 8  # targets set to ignore_index, like padding
+WARMUP = 3  # calls of 10-100 ms each: a few suffice
+
+
+def eager_loss(x, w, t):
+    return F.cross_entropy((x @ w.t()).float(), t, ignore_index=-100)
+
+
+@dataclass
+class CERow:
+    shape: str  # M×d×V
+    step: str  # forward or forward+backward
+    variant: str
+    ms: float
+    tflops: float
+    peak_mib: float  # peak memory allocated during the call beyond what was allocated before it
+    speedup: float  # eager's time / this time
+    memory: float  # this peak / eager's peak
+    extra: dict = field(default_factory=dict)
+    bench: str = "cross_entropy"
+
+
+def variants(autotune: bool) -> list[str]:
+    return ["eager", compile_label(autotune), "coda_dsl"]
+
+
+def plan_rows(shape=SHAPE, autotune=False) -> list[list[str]]:
+    return [["cross_entropy", f"{fmt(shape)} (M×d×V)", f"{' and '.join(STEPS)}: {', '.join(variants(autotune))}"]]
+
+
+def kernels(shape=SHAPE) -> list:
+    """The kernels cd.linear_cross_entropy launches with its default options, rendered for the same
+    parallel build as the other benchmarks' kernels. Best effort: one left out here is built (or
+    falls back to the reference backend, with a warning) at its first call."""
+    x = torch.empty(128, shape[1], device="cuda", dtype=torch.bfloat16)
+    vec = torch.empty(128, device="cuda")
+    target = torch.zeros(128, device="cuda", dtype=torch.int64)
+    make = {"forward": lambda: cd.compile(ce._forward_epilogue(False, None), x, x, target=target),
+            "backward": lambda: cd.compile(ce.ce_backward, x, x, lse=vec, scale=vec, uniform=0.0)}
+    ops = []
+    for name, compile_op in make.items():
+        try:
+            ops.append(compile_op())
+        except Exception as e:  # noqa: BLE001
+            progress(f"cross_entropy: {name} kernel not prebuilt ({type(e).__name__}: {str(e).splitlines()[0]})")
+    return ops
+
+
+def _inputs(m: int, d: int, v: int) -> tuple:
+    x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(v, d, device="cuda", dtype=torch.bfloat16).mul_(d ** -0.5)  # logits of order 1
+    t = torch.randint(0, v, (m,), device="cuda")
+    t[:: max(1, m // IGNORED_ROWS)] = -100
+    return x, w, t
+
+
+def _step(loss, step: str):
+    if step == "forward":
+        return loss
+    # autograd.grad returns the gradients instead of accumulating into .grad across calls
+    return lambda x, w, t: torch.autograd.grad(loss(x, w, t), (x, w))
+
+
+def _peak_mib(fn, args) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = fn(*args)
+    torch.cuda.synchronize()
+    del out
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+def _rel_err(got, ref) -> float:
+    pairs = zip(got, ref) if isinstance(ref, tuple) else [(got, ref)]
+    return max(((g.float() - r.float()).norm() / r.float().norm()).item() for g, r in pairs)
+
+
+def run(shape=SHAPE, iters: int = 10, autotune: bool = False) -> tuple[list[CERow], list[str]]:
+    """Every step and variant; returns the rows and one line per failure."""
+    m, d, v = shape
+    built = background(runtime.prebuild, kernels(shape))  # nothing to do if `python -m bench` built them
+    x, w, t = _inputs(m, d, v)
+    inputs = {"forward": (x, w, t), "forward+backward": (x.detach().requires_grad_(), w.detach().requires_grad_(), t)}
+    names = variants(autotune)
+    losses = dict(zip(names, [eager_loss, torch.compile(eager_loss, mode=compile_mode(autotune), dynamic=False),
+                              cd.linear_cross_entropy]))
+    refs, raw, failed = {}, [], []
+    # variant by variant, eager first (the reference), so that torch.compile compiles while nvcc builds
+    for name, loss in losses.items():
+        if name == "coda_dsl":
+            try:
+                built.result()
+            except Exception as e:  # noqa: BLE001  its kernels would be rebuilt (and fail) at every call
+                failed.append(f"coda_dsl kernels: {type(e).__name__}: {e}")
+                break
+        for step in STEPS:
+            fn, args = _step(loss, step), inputs[step]
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    t0 = time.perf_counter()
+                    out = fn(*args)
+                    torch.cuda.synchronize()
+                    first_s = time.perf_counter() - t0
+                notes = list(dict.fromkeys(f"{w.category.__name__}: {w.message}" for w in caught))
+                extra = {"first_call_s": round(first_s, 2), "warnings": notes}
+                if name == "eager":
+                    refs[step] = out
+                elif step in refs:
+                    extra["rel_err_vs_eager"] = _rel_err(out, refs[step])
+                del out
+                peak = _peak_mib(fn, args)
+                us = time_us(fn, [args], iters, WARMUP)
+            except Exception as e:  # noqa: BLE001  keep the other variants' numbers
+                failed.append(f"{name} {step}: {type(e).__name__}: {e}")
+                continue
+            progress(f"cross_entropy {step} {name}: {us / 1e3:.2f} ms, peak +{peak:.0f} MiB, first call {first_s:.1f} s"
+                     + "".join(f"\n  warning: {n}" for n in notes))
+            raw.append((step, name, us, peak, extra))
+    return _rows(shape, raw), failed
+
+
+def _rows(shape, raw) -> list[CERow]:
+    """Rows in table order (by step, then variant), with the ratios to eager of the same step."""
+    eager = {step: (us, peak) for step, name, us, peak, _ in raw if name == "eager"}
+    flops = {"forward": 2 * shape[0] * shape[1] * shape[2], "forward+backward": 6 * shape[0] * shape[1] * shape[2]}
+    rows = []
+    for step, name, us, peak, extra in sorted(raw, key=lambda r: STEPS.index(r[0])):  # stable: variants stay in order
+        e_us, e_peak = eager.get(step, (float("nan"), float("nan")))
+        rows.append(CERow(fmt(shape), step, name, us / 1e3, flops[step] / us / 1e6, peak, e_us / us,
+                          peak / e_peak if e_peak else float("nan"), extra))
+    return rows
+
+
+def table(rows: list[CERow]) -> str:
+    return markdown(["shape (M×d×V)", "step", "variant", "time (ms)", "TFLOP/s", "speedup vs eager",
+                     "peak extra memory (MiB)", "memory vs eager"],
+                    [[r.shape, r.step, r.variant, f"{r.ms:.2f}", f"{r.tflops:.0f}", f"{r.speedup:.2f}×",
+                      f"{r.peak_mib:.0f}", f"{r.memory:.2f}×"] for r in rows], numeric=5)
+
+
+def report(rows: list[CERow], failed: list[str], command: str) -> None:
+    if rows:
+        print("LM head + cross-entropy: time and peak extra memory relative to eager PyTorch "
+              "(speedup: higher is better; memory: lower is better):\n")
+        print(table(rows) + "\n")
+    for r in rows:
+        for n in r.extra.get("warnings", []):
+            print(f"- {r.variant}, {r.step}: {n}")
+    for f in failed:
+        print(f"- FAILED {f}")
+    progress(f"results: {save(rows, 'cross_entropy', command, failed=failed)}")
+
+
+def main(argv=None) -> int:
+    p = parser("python -m bench.cross_entropy", __doc__)
+    p.add_argument("--shape", type=shape, default=SHAPE, help="MxDxV: tokens, model width, vocabulary")
+    p.add_argument("--iters", type=int, default=10, help="timed calls per variant and step")
+    p.add_argument("--autotune", action="store_true", help="torch.compile with max-autotune-no-cudagraphs (slow)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
+    args = p.parse_args(argv)
+    if args.dry_run:
+        print(markdown(["bench", "shape", "variants"], plan_rows(args.shape, args.autotune)))
+        return 0
+    if no_gpu():
+        return 1
+    with results_only_on_stdout():
+        rows, failed = run(args.shape, args.iters, args.autotune)
+    report(rows, failed, " ".join(["python -m bench.cross_entropy", *(sys.argv[1:] if argv is None else argv)]))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""The benchmark harness without a GPU: the plan (--dry-run), the exit without CUDA, the tables, the
+JSON writer and the chart. The measurements themselves need an sm_90 GPU (tests/gpu_check.sh)."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import coda_dsl as cd
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ lives at the repository root
+
+from bench import __main__ as bench_main  # noqa: E402
+from bench import cross_entropy, epilogues, harness  # noqa: E402
+from bench.harness import FLOOR, Row  # noqa: E402
+
+
+def _rows() -> list[Row]:
+    rows = []
+    for case, lt in (("identity", None), ("bias_gelu", 1.02)):
+        for shape, floor in (("4096×4096×4096", 176.0), ("8192×4096×14336", 1300.0)):
+            ratios = {FLOOR: 1.0, "coda_dsl fused": 1.05, "eager": 1.1, "torch.compile": 0.98}
+            if lt:
+                ratios["cuBLASLt fused"] = lt
+            rows += [Row(case, shape, v, floor * r, 1e3 / r, r, {"rel_err_vs_eager": 1e-5} if v.startswith("coda")
+                         else {}) for v, r in ratios.items()]
+    return rows
+
+
+def test_dry_run_prints_every_case_shape_and_variant(capsys):
+    assert bench_main.main(["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    for name, case in epilogues.CASES.items():
+        for s in case.shapes:
+            assert f"| {name} | {harness.fmt(s)} |" in out
+    assert "8192×28672×4096" in out and "8192×12288×4096" in out  # swiglu, rope: their own shapes only
+    assert out.count("| swiglu |") == 1 and out.count("cuBLASLt fused") == 6  # bias_gelu only
+    assert "| cross_entropy | 8192×4096×128256 (M×d×V) |" in out
+    assert "26 epilogue measurements" in out
+
+
+def test_dry_run_options(capsys):
+    args = ["--dry-run", "--only", "swiglu,rope", "--shapes", "1024x2048x512", "--autotune", "--ce-shape", "64x32x100"]
+    assert bench_main.main(args) == 0
+    out = capsys.readouterr().out
+    assert out.count("1024×2048×512") == 2 and "torch.compile (max-autotune)" in out
+    assert "cross_entropy" not in out  # not picked by --only
+    assert bench_main.main(["--dry-run", "--only", "cross_entropy", "--ce-shape", "64x32x100"]) == 0
+    out = capsys.readouterr().out
+    assert "64×32×100" in out and "identity" not in out
+    assert epilogues.main(["--dry-run", "--only", "rope", "--compile-dynamic"]) == 0
+    assert "torch.compile (dynamic)" in capsys.readouterr().out
+    assert cross_entropy.main(["--dry-run", "--shape", "128x64x1000"]) == 0
+    assert "128×64×1000" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args", [["--only", "nope"], ["--shapes", "4096x4096"], ["--ce-shape", "1x2x0"],
+                                  ["--shape", "8x8x8"]])  # --shape is not an abbreviation of --shapes here
+def test_bad_arguments(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_main.main(args)
+    assert e.value.code == 2
+
+
+@pytest.mark.parametrize("entry", [bench_main.main, epilogues.main, cross_entropy.main])
+def test_no_cuda_exits_with_one_line(entry, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert entry([]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and "CUDA" in err
+
+
+def test_tables_and_json(tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    rows = _rows()
+    detail, summary = harness.table(rows), epilogues.summary(rows)
+    assert detail.splitlines()[1] == "|---|---|---|---:|---:|---:|"
+    assert "| bias_gelu | 8192×4096×14336 | cuBLASLt fused | 1326.0 | 980 | 1.020 |" in detail
+    assert "| identity | 4096×4096×4096 | 176 | 1.050 | 1.100 | 0.980 | – |" in summary  # no cuBLASLt for identity
+    path = harness.save(rows, "epilogues", "python -m bench --iters 5", failed=["x"])
+    assert path == tmp_path / "epilogues.json"
+    data = json.loads(path.read_text())
+    assert data["meta"]["command"] == "python -m bench --iters 5" and data["meta"]["failed"] == ["x"]
+    assert {"device", "torch", "cuda", "time"} <= set(data["meta"])
+    assert len(data["rows"]) == len(rows) and data["rows"][1]["extra"] == {"rel_err_vs_eager": 1e-5}
+
+
+def test_cross_entropy_rows_and_report(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    raw = [("forward+backward", "eager", 60e3, 12000.0, {}), ("forward", "eager", 20e3, 8000.0, {}),
+           ("forward", "coda_dsl", 16e3, 400.0, {"warnings": ["UserWarning: reference backend"]}),
+           ("forward+backward", "coda_dsl", 40e3, 3000.0, {})]
+    rows = cross_entropy._rows((8192, 4096, 128256), raw)
+    assert [(r.step, r.variant) for r in rows] == [("forward", "eager"), ("forward", "coda_dsl"),
+                                                   ("forward+backward", "eager"), ("forward+backward", "coda_dsl")]
+    assert rows[1].speedup == pytest.approx(1.25) and rows[1].memory == pytest.approx(0.05)
+    assert rows[3].speedup == pytest.approx(1.5) and rows[3].memory == pytest.approx(0.25)
+    cross_entropy.report(rows, ["torch.compile forward: OutOfMemoryError"], "python -m bench.cross_entropy")
+    out = capsys.readouterr().out
+    assert "| 8192×4096×128256 | forward | coda_dsl | 16.00 | 538 | 1.25× | 400 | 0.05× |" in out
+    assert "- coda_dsl, forward: UserWarning: reference backend" in out and "- FAILED torch.compile forward" in out
+    assert json.loads((tmp_path / "cross_entropy.json").read_text())["rows"][0]["step"] == "forward"
+
+
+def test_chart(tmp_path):
+    pytest.importorskip("matplotlib")
+    from bench.chart import chart
+    path = chart(_rows(), tmp_path / "epilogues.png")
+    assert path == tmp_path / "epilogues.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_chart_without_matplotlib(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    from bench.chart import chart
+    assert chart(_rows(), tmp_path / "x.png") is None and not (tmp_path / "x.png").exists()
+    assert "matplotlib is not installed" in capsys.readouterr().err
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch, tmp_path):
+    """The benchmarks' plumbing on the CPU: reference-backend kernels, eager "torch.compile", wall-clock
+    timing, no memory statistics. Catches wiring mistakes before they cost GPU time."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(bench_main, "no_gpu", lambda: False)
+    monkeypatch.setattr(torch, "compile", lambda f, **kw: f)
+    monkeypatch.setattr(torch._dynamo.config, "cache_size_limit", 8)  # restored afterwards
+    for name in ("synchronize", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    for name in ("memory_allocated", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: 0)
+
+    def time_us(fn, sets, iters=50, warmup=10):
+        t = time.perf_counter()
+        fn(*sets[0])
+        return (time.perf_counter() - t) * 1e6
+    for mod in (epilogues, cross_entropy):
+        monkeypatch.setattr(mod, "time_us", time_us)
+    monkeypatch.setattr(epilogues, "rotation", lambda make, nbytes: [make(), make()])
+    monkeypatch.setattr(epilogues, "_r", lambda *s: torch.randn(*s, dtype=torch.bfloat16))
+    monkeypatch.setattr(epilogues.runtime, "prebuild", lambda ops: None)
+    monkeypatch.setattr(epilogues, "kernels", lambda cases: {
+        c.name: lambda a, w, ep=c.epilogue, **o: cd.gemm(a, w, ep, backend="reference", **o) for c in cases})
+    monkeypatch.setattr(cross_entropy, "kernels", lambda shape: [])
+    monkeypatch.setattr(cross_entropy, "_inputs", lambda m, d, v: (
+        torch.randn(m, d, dtype=torch.bfloat16), torch.randn(v, d, dtype=torch.bfloat16) * d ** -0.5,
+        torch.randint(0, v, (m,))))
+    return tmp_path
+
+
+def test_whole_run_on_fake_gpu(fake_gpu, capsys):
+    args = ["--only", "bias_gelu,residual_sumsq,swiglu,cross_entropy", "--shapes", "64x128x32",
+            "--ce-shape", "64x32x100", "--iters", "5"]
+    assert bench_main.main(args) == 0
+    out = capsys.readouterr().out
+    assert "| bias_gelu | 64×128×32 | cuBLASLt fused |" in out and "| swiglu | 64×128×32 | eager |" in out
+    assert "| 64×32×100 | forward+backward | coda_dsl |" in out
+    ep = json.loads((fake_gpu / "epilogues.json").read_text())
+    assert ep["meta"]["command"] == "python -m bench " + " ".join(args)
+    assert ep["meta"]["failed"] == [] and ep["meta"]["complete"]
+    assert len(ep["rows"]) == 5 + 4 + 4
+    fused = [r for r in ep["rows"] if r["variant"] == "coda_dsl fused"]
+    assert all(r["extra"]["rel_err_vs_eager"] < 2e-2 for r in fused)
+    assert all("compile_s" in r["extra"] for r in ep["rows"] if r["variant"] == "torch.compile")
+    ce = json.loads((fake_gpu / "cross_entropy.json").read_text())["rows"]
+    assert [(r["step"], r["variant"]) for r in ce] == [(s, v) for s in cross_entropy.STEPS
+                                                      for v in ("eager", "torch.compile", "coda_dsl")]
+    assert all(r["extra"]["rel_err_vs_eager"] < 2e-2 for r in ce if r["variant"] != "eager")
+
+
+def test_failures_are_reported_and_the_rest_measured(fake_gpu, capsys, monkeypatch):
+    def broken(a, w):
+        raise RuntimeError("boom")
+    monkeypatch.setitem(epilogues.CASES, "identity", epilogues.Case("identity", cd.identity, lambda m, n: {}, broken))
+    assert bench_main.main(["--only", "identity,residual_add", "--shapes", "64x128x32"]) == 1
+    out = capsys.readouterr().out
+    assert "- FAILED identity 64×128×32: torch.compile: RuntimeError: boom" in out
+    assert "| residual_add | 64×128×32 | coda_dsl fused |" in out
