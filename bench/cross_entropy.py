@@ -132,7 +132,7 @@ def run(shape=SHAPE, iters: int = 10, autotune: bool = False) -> tuple[list[CERo
                     out = fn(*args)
                     torch.cuda.synchronize()
                     first_s = time.perf_counter() - t0
-                notes = list(dict.fromkeys(f"{w.category.__name__}: {w.message}" for w in caught))
+                notes = list(dict.fromkeys(f"{c.category.__name__}: {c.message}" for c in caught))
                 extra = {"first_call_s": round(first_s, 2), "warnings": notes}
                 if name == "eager":
                     refs[step] = out

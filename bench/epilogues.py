@@ -238,17 +238,18 @@ def summary(rows: list[Row]) -> str:
 
 
 def checkpoint(command: str) -> Callable:
+    """Saves the rows so far (complete: false), for run()."""
     return lambda rows, failed: save(rows, "epilogues", command, failed=failed, complete=False)
 
 
-def report(rows: list[Row], failed: list[str], command: str, **meta) -> None:
+def report(rows: list[Row], failed: list[str], command: str) -> None:
     """Tables on stdout; JSON and the chart under $OUT or bench/results/ (paths on stderr)."""
     if rows:
         print("Time relative to the bare cuBLAS GEMM of the same shape (lower is better):\n")
         print(summary(rows) + "\n\n" + table(rows) + "\n")
     for f in failed:
         print(f"- FAILED {f}")
-    progress(f"results: {save(rows, 'epilogues', command, failed=failed, complete=True, **meta)}")
+    progress(f"results: {save(rows, 'epilogues', command, failed=failed, complete=True)}")
     from .chart import chart  # matplotlib loads only here, and may be missing
     png = chart(rows, out_dir() / "epilogues.png")
     if png:
