@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import coda_dsl as cd
 from coda_dsl.library import (interleave_gate_up, linear_swiglu, rms_consumer, rms_producer, rmsnorm_linear,
                               rope_frequencies, rope_positions, rope_tables, swiglu, swiglu_keep_preactivation)
+from coda_dsl.library.cross_entropy import _backward_softcap_epilogue, _forward_epilogue, ce_backward
 from coda_dsl.runtime import op as runtime
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -91,6 +92,22 @@ def scaled_bias(acc, bias: cd.VecN, alpha: cd.Scalar):
     return alpha * acc + bias
 
 
+@cd.epilogue
+def lse_and_take(acc, target: cd.VecM, shift: cd.Scalar):
+    z = acc * 8.0 + shift  # shift -1000: every exp underflows unless taken relative to the running max
+    masked = cd.where(acc < -1.0, float("-inf"), z)  # -inf logits
+    return {"lse": cd.logsumexp(z), "lse_masked": cd.logsumexp(masked), "zt": cd.take(z, target),
+            "rstd_like": cd.logsumexp(acc).then(lambda s: cd.exp(-s))}
+
+
+def _targets(m, n, lead=()):
+    t = torch.randint(0, n, (*lead, m), device="cuda")
+    t[..., ::5] = n - 1  # the last column: in the partial last tile when N is ragged
+    t[..., 1::7] = -100  # ignore_index: outside [0, N), take gives 0
+    t[..., 2::11] = n  # just past the end
+    return t
+
+
 def _rand(*shape, dtype=torch.bfloat16):
     return torch.randn(*shape, device="cuda").to(dtype)
 
@@ -117,6 +134,7 @@ def _operands(ep, m, n, dtype, batch=None):
         rope_tables: lambda: dict(cos=_rand(*lead, m, n // 2, dtype=dtype), sin=_rand(*lead, m, n // 2, dtype=dtype)),
         rope_positions: lambda: dict(pos=torch.arange(m, device="cuda", dtype=torch.float32),
                                      inv_freq=rope_frequencies(n, 128).cuda()),
+        lse_and_take: lambda: dict(target=_targets(m, n, lead), shift=-1000.0),
     }
     return make[ep]()
 
@@ -138,7 +156,8 @@ CASES = [
     (rms_producer, torch.bfloat16, "nk"),
     (rms_consumer(None), torch.bfloat16, "nk"),
 ]
-CASES += [(ep, torch.bfloat16, "nk") for ep in (swiglu, swiglu_keep_preactivation, rope_tables, rope_positions)]
+CASES += [(ep, torch.bfloat16, "nk") for ep in (swiglu, swiglu_keep_preactivation, rope_tables, rope_positions,
+                                                 lse_and_take)]
 # further specializations: (case, compile options)
 VARIANTS = [
     ((row_stats, torch.bfloat16, "nk"), dict(deterministic=True)),
@@ -146,7 +165,12 @@ VARIANTS = [
     ((rms_producer, torch.bfloat16, "nk"), dict(deterministic=True)),
     ((scaled_bias, torch.bfloat16, "nk"), dict(accumulate=True, out_dtype=torch.float32)),
     ((scaled_bias, torch.bfloat16, "nk"), dict(accumulate=True, out_dtype=torch.bfloat16)),
+    # the row nodes under another thread layout: one warp group per 64-row tile
+    ((lse_and_take, torch.bfloat16, "nk"), dict(config=cd.Config((64, 256, 64), (1, 1), "pingpong"))),
 ]
+# the cross-entropy library's kernels: forward variants (smoothing, softcap) and the backward ones
+CE_EPILOGUES = [_forward_epilogue(s, c) for s in (False, True) for c in (None, 30.0)] + \
+    [ce_backward, _backward_softcap_epilogue(30.0)]
 
 
 def _ab(m, n, k, dtype, layout, batch=None):
@@ -169,6 +193,13 @@ def kernels():
         if "out_dtype" in opts:
             opts["out"] = {"D": torch.empty(64, 64, device="cuda", dtype=opts.pop("out_dtype"))}
         ops.append(cd.compile(ep, a, b, **opts, **_operands(ep, 64, 64, dtype)))
+    if not only:
+        x, w, t = _rand(64, 64), _rand(64, 64), torch.zeros(64, dtype=torch.int64, device="cuda")
+        vec = torch.zeros(64, device="cuda")
+        for ep in CE_EPILOGUES:
+            names = {p.name for p in ep.params}
+            ops.append(cd.compile(ep, x, w, **{k: v for k, v in dict(target=t, lse=vec, scale=vec, uniform=0.0).items()
+                                              if k in names}))
     try:
         runtime.prebuild(ops)
     except cd.CodaError as e:  # tests of the kernels that did build still run; the others fail on their own
@@ -362,3 +393,51 @@ def test_torch_compile_fullgraph(kernels):
     compiled = torch.compile(block, fullgraph=True)
     got = compiled(a, b, residual, gamma)
     assert _rel(got, block(a, b, residual, gamma)) <= 1e-2
+
+
+def test_lse_and_take_other_config(kernels):
+    m, n, k = RAGGED
+    a, b = _ab(m, n, k, torch.bfloat16, "nk")
+    _check(lse_and_take, a, b, _operands(lse_and_take, m, n, torch.bfloat16),
+           config=cd.Config((64, 256, 64), (1, 1), "pingpong"))
+
+
+def test_lse_and_take_batched(kernels):
+    m, n, k, l = 200, 264, 96, 3
+    a, b = _ab(m, n, k, torch.bfloat16, "nk", batch=l)
+    _check(lse_and_take, a, b, _operands(lse_and_take, m, n, torch.bfloat16, batch=l))
+
+
+def _ce_reference(x, w, t, smoothing, cap, reduction="mean"):
+    z = x.float() @ w.float().t()
+    z = cap * torch.tanh(z / cap) if cap else z
+    return F.cross_entropy(z, t, ignore_index=-100, label_smoothing=smoothing, reduction=reduction)
+
+
+@pytest.mark.parametrize("smoothing,cap", [(0.0, None), (0.1, None), (0.0, 30.0), (0.1, 30.0)])
+@pytest.mark.parametrize("m,d,v", [(300, 256, 5000), (256, 512, 128256)], ids=["v5000", "v128256"])
+def test_linear_cross_entropy_matches_torch(kernels, smoothing, cap, m, d, v):
+    """Loss within 1e-3 and gradients within 1e-2 of F.cross_entropy on fp32 logits; vocab not a
+    multiple of the tile; ignored rows; the backward in two row chunks."""
+    x = (_rand(m, d)).requires_grad_()
+    w = (_rand(v, d) * d ** -0.5).to(torch.bfloat16).requires_grad_()
+    t = _targets(m, v)
+    t[t >= v] = 0
+    loss = cd.linear_cross_entropy(x, w, t, label_smoothing=smoothing, softcap=cap, backend="cutlass",
+                                   chunk_rows=m // 2 + 8)
+    loss.backward()
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = _ce_reference(xr, wr, t, smoothing, cap)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) <= 1e-3 * abs(ref.item())
+    assert _rel(x.grad, xr.grad) <= 1e-2 and _rel(w.grad, wr.grad) <= 1e-2
+
+
+def test_linear_cross_entropy_all_ignored(kernels):
+    x, w = _rand(64, 256).requires_grad_(), (_rand(1000, 256) * 0.06).to(torch.bfloat16).requires_grad_()
+    t = torch.full((64,), -100, device="cuda")
+    loss = cd.linear_cross_entropy(x, w, t, backend="cutlass")
+    loss.backward()
+    assert loss.item() == 0.0 and not x.grad.any() and not w.grad.any()
+    none = cd.linear_cross_entropy(x.detach(), w.detach(), t, reduction="none", backend="cutlass")
+    assert none.shape == (64,) and not none.any()

@@ -99,9 +99,9 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
                          backend: str = "auto", chunk_rows: int = 4096) -> torch.Tensor:
     """F.cross_entropy(x @ w.T, target) without materializing fp32 logits; differentiable in x and w.
 
-    x: [M, d], w: [V, d] (the LM head weight), target: [M] int64. Design peak extra memory: O(M) plus
-    one bf16 [chunk_rows, V] block in the backward. That holds once cd.logsumexp and cd.take have
-    CUTLASS nodes; until then the epilogues run on the reference backend, which forms fp32 logits.
+    x: [M, d], w: [V, d] (the LM head weight), target: [M] int64. Peak extra memory on the CUTLASS
+    backend: O(M) in the forward; in the backward one bf16 [chunk_rows, V] block of logit gradients
+    and the fp32 accumulator of grad_w. (The reference backend forms fp32 logits.)
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', not {reduction!r}")
