@@ -79,6 +79,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         scale = torch.where(valid, scale, torch.zeros_like(scale)).contiguous()
         grad_x = torch.empty_like(x)
         grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        chunk = -(-chunk // 8) * 8  # whole 16-byte groups of the per-row vectors: aligned slices
         for s in range(0, m, chunk):
             e = min(m, s + chunk)
             xs, ts, sc = x[s:e], safe[s:e], scale[s:e]
