@@ -78,7 +78,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             scale = grad.float().expand(m) / (count.clamp_min(1) if reduction == "mean" else 1)
         scale = torch.where(valid, scale, torch.zeros_like(scale)).contiguous()
         grad_x = torch.empty_like(x)
-        grad_w = torch.zeros_like(w)  # in w's dtype: cuBLAS adds each chunk's product in fp32
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
         chunk = -(-chunk // 8) * 8  # whole 16-byte groups of the per-row vectors: aligned slices
         for s in range(0, m, chunk):
             e = min(m, s + chunk)
@@ -90,9 +90,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             hot = (1 - smoothing) * sc * (out["dz_target"] if cap else 1.0)  # at the target column
             rows = ts.clamp_min(0)
             grad_x[s:e] = ((p @ w).float() - hot[:, None] * w[rows].float()).to(x.dtype)
-            grad_w.addmm_(p.t(), xs)  # no [V, d] temporary
-            grad_w.index_add_(0, rows, (-hot[:, None] * xs.float()).to(w.dtype))
-        return grad_x, grad_w, None, None, None, None, None, None, None
+            grad_w += (p.t() @ xs).float()
+            grad_w.index_add_(0, rows, -hot[:, None] * xs.float())
+        return grad_x, grad_w.to(w.dtype), None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
@@ -102,7 +102,7 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
 
     x: [M, d], w: [V, d] (the LM head weight), target: [M] int64. Peak extra memory on the CUTLASS
     backend: O(M) in the forward; in the backward one bf16 [chunk_rows, V] block of logit gradients
-    besides the gradients themselves. (The reference backend forms fp32 logits.)
+    and the fp32 accumulator of grad_w. (The reference backend forms fp32 logits.)
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', not {reduction!r}")

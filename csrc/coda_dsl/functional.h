@@ -38,26 +38,6 @@ CUTLASS_HOST_DEVICE float fast_tanh(float x) {
   return tanhf(x);
 #endif
 }
-// sin/cos (RoPE angles reach thousands of radians): reduce to [-pi, pi] with a two-part 2*pi, exact
-// to ~1e-7 for |x| < 1e5, then the hardware units (absolute error ~4e-7 there).
-CUTLASS_HOST_DEVICE float reduce_angle(float x) {
-  float k = rintf(x * 0.159154943091895336f);  // 1 / (2 pi)
-  return fmaf(k, 1.7484555e-7f, fmaf(-k, 6.28318548f, x));  // 2 pi = 6.28318548f - 1.7484555e-7
-}
-CUTLASS_HOST_DEVICE float fast_sin(float x) {
-#ifdef __CUDA_ARCH__
-  return fabsf(x) < 1e5f ? __sinf(reduce_angle(x)) : sinf(x);
-#else
-  return sinf(x);
-#endif
-}
-CUTLASS_HOST_DEVICE float fast_cos(float x) {
-#ifdef __CUDA_ARCH__
-  return fabsf(x) < 1e5f ? __cosf(reduce_angle(x)) : cosf(x);
-#else
-  return cosf(x);
-#endif
-}
 CUTLASS_HOST_DEVICE float sigmoid(float x) { return fast_divide(1.f, 1.f + fast_exp(-x)); }
 CUTLASS_HOST_DEVICE float silu(float x) { return fast_divide(x, 1.f + fast_exp(-x)); }
 CUTLASS_HOST_DEVICE float gelu_erf(float x) { return 0.5f * x * (1.f + erff(x * 0.70710678118654752f)); }
