@@ -5,8 +5,9 @@ visitor node (`Compute` with a generated functor); the expression tree below it,
 other such nodes, is fused into that functor. So a shared subexpression is computed once, and each
 fused region is one functor. Leaves: acc -> Sm90AccFetch, cd.Tensor -> AuxLoad (TMA), VecN ->
 RowBroadcast, VecM -> ColBroadcast; scalars ride in the functors' Arguments; constants are literals.
-Outputs other than D are taps on their value: AuxStore for tensors, Reduction for statistics (with
-their finishing expression, if any); the last node yields D. With accumulation, D's value reads the
+Outputs other than D are taps on their value: AuxStore for tensors (PairStore at half width),
+Reduction for statistics (LogSumExp and Take for cd.logsumexp / cd.take), with their finishing
+expression, if any; the last node yields D. With accumulation, D's value reads the
 current D (`source` -> Sm90SrcFetch, CUTLASS's C operand).
 """
 from __future__ import annotations
