@@ -219,37 +219,36 @@ class Compute(EvtNode):
 
 
 @dataclass
-class AuxStore(EvtNode):
-    """A full-size auxiliary output, staged in shared memory and TMA-stored."""
+class _Store(EvtNode):
+    """An output tensor `outputs[output_index]` of element type `dtype`, a tap on its child's value."""
+
+    NODE, ARGS = "", ""  # per kind, below: the C++ node (a format of the element type), its args helper
 
     dtype: str = "bf16"
     output_index: int = 0
 
     def cpp_type(self) -> str:
-        return f"coda::AuxStoreFor<EpilogueDescriptor, {cpp_element(self.dtype)}>"
+        return self.NODE.format(cpp_element(self.dtype))
 
     def cpp_args(self) -> str:
-        return f"coda::aux_store_args<{self.name}>(outputs[{self.output_index}])"
+        return f"coda::{self.ARGS}<{self.name}>(outputs[{self.output_index}])"
 
     def key(self) -> str:
-        return f"AuxStore{self.dtype}{self.children}"
+        return f"{type(self).__name__}{self.dtype}{self.children}"
 
 
 @dataclass
-class PairStore(EvtNode):
+class AuxStore(_Store):
+    """A full-size auxiliary output, staged in shared memory and TMA-stored."""
+
+    NODE, ARGS = "coda::AuxStoreFor<EpilogueDescriptor, {}>", "aux_store_args"
+
+
+@dataclass
+class PairStore(_Store):
     """A half-width output ([M, N/2], one value per column pair), stored straight from registers."""
 
-    dtype: str = "bf16"
-    output_index: int = 0
-
-    def cpp_type(self) -> str:
-        return f"coda::PairStore<{cpp_element(self.dtype)}>"
-
-    def cpp_args(self) -> str:
-        return f"coda::pair_args<{self.name}>(outputs[{self.output_index}])"
-
-    def key(self) -> str:
-        return f"PairStore{self.dtype}{self.children}"
+    NODE, ARGS = "coda::PairStore<{}>", "pair_args"
 
 
 # kind -> (register reduce, warp-shuffle reduce, global atomic reduce, tile combine, identity)
