@@ -351,3 +351,35 @@ def test_reference_backend_needs_no_alignment(rel):
     ref = (a.double() @ b.double().T) * ops["scale"].double()[:, None] + ops["bias"].double() \
         + 0.5 * ops["residual"].double()
     assert rel(d, ref) <= 1e-2
+
+
+def test_compiled_op_rejects_other_operands():
+    """A kept op reads memory as the types it was compiled for: another dtype, B layout, operand
+    dtype or Const value is an error, not a silent reinterpretation (checked before any launch)."""
+    @cd.epilogue
+    def scaled(acc, bias: cd.VecN, c: cd.Const):
+        return acc * c + bias
+
+    a, b, bias = (torch.randn(*s).bfloat16() for s in ((64, 64), (64, 64), (64,)))
+    op = cd.compile(scaled, a, b, bias=bias, c=2.0)
+    for args, kw, what in [((a.half(), b.half()), dict(bias=bias, c=2.0), "A/B dtype"),
+                           ((a, b.t().contiguous().t()), dict(bias=bias, c=2.0), "B layout"),
+                           ((a, b), dict(bias=bias.float(), c=2.0), "operand dtypes"),
+                           ((a, b), dict(bias=bias, c=3.0), "cd.Const values")]:
+        with pytest.raises(cd.OperandError, match=what):
+            op(*args, **kw)
+    acc_op = cd.compile(scaled, a, b, bias=bias, c=2.0, accumulate=True, out={"D": torch.zeros(64, 64)})
+    with pytest.raises(cd.OperandError, match="out=\\{'D'"):
+        acc_op(a, b, bias=bias, c=2.0)
+
+
+def test_batched_gemm_rejects_an_unbatched_tensor_operand():
+    """The kernel reads one [M, N] slice per batch: a 2-D operand of a batched GEMM would be read
+    past its end (the reference backend broadcasts it), so the cutlass backend refuses it."""
+    @cd.epilogue
+    def add(acc, residual: cd.Tensor):
+        return acc + residual
+
+    a, b, r = torch.randn(2, 64, 64).bfloat16(), torch.randn(2, 64, 64).bfloat16(), torch.randn(64, 64).bfloat16()
+    with pytest.raises(cd.UnsupportedError, match="expand"):
+        cd.compile(add, a, b, residual=r)

@@ -6,7 +6,6 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass
-from fractions import Fraction
 
 import torch
 
@@ -104,19 +103,21 @@ def _check_tensors(ep: Epilogue, call: Call, cutlass: bool) -> dict[str, str]:
         raise checks.fail(where, f"N = {n} is odd, but the epilogue works on column pairs (cd.pairs)",
                           "pairwise ops need an even N (for SwiGLU: interleaved gate/up rows, 2F of them)")
     for name, t in call.tensors.items():
-        wn = int(n * widths.get(name, 1))  # pairwise epilogues read N/2- or 2N-wide operands
+        wn = n * widths[name] // 2 if name in widths else n  # pairwise epilogues read N/2-wide operands
         shape = {"tensor": (l, m, wn), "vec_n": (l, wn), "vec_m": (l, m)}[kinds[name]]
         checks.tensor(where, f"operand '{name}'", t, shape, dev, _MEANING[kinds[name]])
         dtypes[name] = checks.dtype_of(t, where, f"operand '{name}'", index=name in facts.indices)
-        if cutlass and widths.get(name, 1) == 1:  # N/2-wide ones are read per pair or widened: no TMA
+        if not cutlass:
+            continue
+        if kinds[name] == "tensor" and t.dim() == 2 and call.b.dim() == 3:
+            raise UnsupportedError(f"{where}: operand '{name}' is [M, N] but the GEMM is batched; the kernel "
+                                   f"reads one [M, N] slice per batch\n  fix: pass "
+                                   f"{name}.expand({l}, -1, -1).contiguous()")
+        if name not in widths:  # N/2-wide ones are read per pair or widened: no TMA
             (checks.tma_layout if kinds[name] == "tensor" else checks.vector)(where, f"operand '{name}'", t)
-        elif cutlass and t.stride(-1) != 1:
+        elif t.stride(-1) != 1:
             raise checks.fail(where, f"operand '{name}' must be contiguous in its last dimension",
                               f"pass {name}.contiguous()")
-            if kinds[name] == "tensor" and t.dim() == 2 and call.b.dim() == 3:
-                raise UnsupportedError(f"{where}: operand '{name}' is [M, N] but the GEMM is batched; the kernel "
-                                       f"reads one [M, N] slice per batch\n  fix: pass "
-                                       f"{name}.expand({l}, -1, -1).contiguous()")
     if cutlass:
         checks.tma_layout(where, "A", call.a)
         if call.b.stride(-1) != 1 and call.b.stride(-2) != 1:
@@ -131,7 +132,7 @@ class _Facts:
     """What every call of an epilogue needs to know about it, derived once (not on the call path)."""
 
     kinds: dict[str, str]  # operand name -> kind
-    widths: dict[str, Fraction]  # load operand -> width as a fraction of N
+    widths: dict[str, int]  # load operands not N wide -> their width in half-N units (1: N/2)
     pairwise: bool  # any op on column pairs: N must be even
     indices: frozenset[str]  # operands cd.take reads as int64 column indices
     cross_batch: tuple[str, ...]  # outputs reduced over m or everything: they cannot fold a batch into M
@@ -146,7 +147,7 @@ def _facts(ep: Epilogue) -> _Facts:
         nodes = list(ir.walk(ep.program))
         facts = _facts_of[ep] = _Facts(
             kinds={p.name: p.kind for p in ep.params},
-            widths=load_widths(ep.program),
+            widths={k: int(w * 2) for k, w in load_widths(ep.program).items() if w != 1},
             pairwise=any(n.op in ("pair", "interleave") for n in nodes),
             indices=frozenset(n.inputs[1].attr[1] for n in nodes if n.op == "reduce" and n.attr[0] == "take"),
             cross_batch=tuple(o.name for o in ep.program.outputs
@@ -165,6 +166,8 @@ class CompiledOp:
         d = [("D", plan.d_dtype, "mn")] if plan.d_dtype else []
         # (name, torch dtype, shape kind) of D (if stored) and then of what the op receives in `outputs`
         self._outputs = [(name, DTYPES[dt][0], kind) for name, dt, kind in [*d, *plan.outputs]]
+        sig = plan.signature  # what a call must match: the kernel reads memory as these types
+        self._expects = (DTYPES[sig.ab_dtype][0], sig.b_layout, sig.operand_dtypes, sig.consts)
 
     @classmethod
     def create(cls, epilogue: Epilogue, sig: Signature, consts: dict[str, float]) -> "CompiledOp":
@@ -215,7 +218,16 @@ class CompiledOp:
 
     def __call__(self, A, B, /, *, out: dict | None = None, **operands) -> dict[str, torch.Tensor]:
         call = _normalize(self.epilogue, A, B, operands)
-        _check_tensors(self.epilogue, call, cutlass=True)
+        dtypes = _check_tensors(self.epilogue, call, cutlass=True)
+        got = (call.a.dtype, "nk" if call.b.stride(-1) == 1 else "kn", tuple(sorted(dtypes.items())),
+               tuple(sorted(call.consts.items())))
+        if got != self._expects:
+            what = ("A/B dtype", "B layout", "operand dtypes", "cd.Const values")
+            diff = [f"{w}: compiled for {e}, called with {g}" for w, e, g in zip(what, self._expects, got) if e != g]
+            raise checks.fail(self._where, "this op was compiled for other operands (" + "; ".join(diff) + ")",
+                              "compile an op for these operands (cd.compile), or call cd.gemm")
+        if self.plan.reads_d and not (out and isinstance(out.get("D"), torch.Tensor)):
+            raise checks.fail(self._where, "this op accumulates into D (accumulate=True)", "pass out={'D': tensor}")
         call = _fold(self.epilogue, call)
         return _unfold(self.launch(call, _fold_out(out, call)), call)
 
