@@ -19,8 +19,8 @@ import time
 import traceback
 from pathlib import Path
 
-from . import build, codegen
-from .build import BuildError, ToolchainError
+from . import build
+from .build import ToolchainError
 from .dsl import Epilogue
 from .errors import CodaError
 from .ir import format_program
@@ -156,7 +156,7 @@ def cmd_emit(args) -> int:
     _, spec = _spec_from_args(args)
     if args.output:
         Path(args.output).write_text(spec.source)
-        _err(f"wrote {args.output} (key {spec.key}, op torch.ops.coda_dsl.{codegen.op_name(spec.key)})")
+        _err(f"wrote {args.output} (key {spec.key}, op torch.ops.coda_dsl.{spec.op_name})")
     else:
         sys.stdout.write(spec.source)
         sys.stdout.flush()
@@ -187,12 +187,12 @@ def cmd_explain(args) -> int:
     print("\n## binding")
     print(f"  inputs:  {', '.join(f'{n} ({d})' for n, d in sig.operand_dtypes if n in plan.inputs) or '-'}")
     print(f"  scalars: {', '.join(plan.scalars) or '-'}")
-    shapes = {"mn": "[M, N]", "m": "[M]", "n": "[N]", "": "scalar"}
+    shapes = {"mn": "[M, N]", "mh": "[M, N/2]", "m": "[M]", "n": "[N]", "": "scalar"}
     outs = ([f"D ({plan.d_dtype}, [M, N])"] if plan.d_dtype else []) + [
         f"{n} ({d}, {shapes[k]})" for n, d, k in plan.outputs]
     print(f"  outputs: {', '.join(outs)}")
     print(f"\n## specialization\n  A/B {sig.ab_dtype}, B layout {sig.b_layout}, config {sig.config.key}")
-    print(f"  key {spec.key}  (op torch.ops.coda_dsl.{codegen.op_name(spec.key)})")
+    print(f"  key {spec.key}  (op torch.ops.coda_dsl.{spec.op_name})")
     print(f"  canonical: {plan.key}")
     return 0
 
@@ -441,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args, extra) if args.command == "bench" else args.func(args)
-    except (CodaError, ToolchainError, BuildError) as e:
+    except CodaError as e:
         _err(f"coda-dsl {args.command}: error: {e}")
         return 2
     except KeyboardInterrupt:

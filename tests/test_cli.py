@@ -78,6 +78,11 @@ def test_explain(capsys):
     assert len(key_of(out)) == 24
 
 
+def test_explain_half_width_output(capsys):
+    rc, out, _ = run(capsys, "explain", "coda_dsl.library:swiglu_keep_preactivation")
+    assert rc == 0 and "[M, N/2]" in out and "coda::PairStore" in out
+
+
 def test_options_change_key(capsys, eps):
     def key(*opts):
         rc, out, err = run(capsys, "explain", f"{eps}:scaled", *opts)
