@@ -23,9 +23,6 @@ class BuildUnit:
     source: str  # full .cu text
     op_name: str = ""  # the TORCH_LIBRARY op the .so registers; informational here
 
-    def __post_init__(self):
-        self.op_name = self.op_name or "k" + self.key[:16]
-
 
 class BuildError(CodaError):
     """A kernel failed to build. Its source and log are kept under cache_dir()/failed/<key>/."""

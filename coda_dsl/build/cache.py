@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -18,9 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from .paths import csrc_dir, templates_dir
 from .tools import ARCH, toolchain
 
-CODEGEN_VERSION = "1"  # bump when generated code or build flags change in a way the key can't see
+CODEGEN_VERSION = "1"  # bump when build flags change in a way the key can't see
 KEY_RE = re.compile(r"^[0-9a-f]{24}$")
 META = "meta.json"
 
@@ -36,10 +38,20 @@ def cache_dir() -> Path:
     return root
 
 
+@functools.cache
+def _sources_digest() -> str:
+    """The template and the hand-written headers every kernel includes: editing them changes every key."""
+    h = hashlib.sha256()
+    for f in sorted([*templates_dir().glob("*.j2"), *csrc_dir().rglob("*.h")]):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def specialization_key(canonical: str) -> str:
     tc = toolchain()
     parts = [canonical, f"nvcc={tc.nvcc_version}", f"cutlass={tc.cutlass_version}",
-             f"torch={tc.torch_version}", f"arch={ARCH}", f"codegen={CODEGEN_VERSION}"]
+             f"torch={tc.torch_version}", f"arch={ARCH}", f"codegen={CODEGEN_VERSION}",
+             f"sources={_sources_digest()}"]
     # NUL separators: no two different part lists hash the same text.
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
 

@@ -29,9 +29,7 @@ def rope_positions(acc, pos: cd.VecM, inv_freq: cd.VecN):
     """pos: [M] token positions; inv_freq: [N/2] per column pair (0 for columns that pass through).
     The angle is computed in fp32 in the epilogue."""
     angle = pos * inv_freq
-    x0, x1 = cd.pairs(acc)
-    c, s = cd.cos(angle), cd.sin(angle)
-    return cd.interleave(x0 * c - x1 * s, x0 * s + x1 * c)
+    return _rotate(acc, cd.cos(angle), cd.sin(angle))
 
 
 def neox_to_interleaved_rows(n_heads: int, head_dim: int) -> torch.Tensor:
