@@ -3,10 +3,12 @@
 Nodes are hash-consed (structurally equal nodes are the same object), so a subexpression
 written twice is one node: common-subexpression elimination falls out of construction.
 
-Leaves:   acc, load(kind, name), scalar(name), const(value), const_param(name)
+Leaves:   acc, load(kind, name), source (D's current contents, for D += ...), scalar(name),
+          const(value), const_param(name), reduced (the statistic inside a finishing expression)
 Compute:  an op name of ir/ops.py with its inputs; cast(dtype) rounds through a storable dtype
 Pairwise: pair(x, 0 | 1) the even / odd columns of x; interleave(a, b) their inverse
-Reduce:   reduce(kind, axis) over one input (kind: sum | max | min | amax)
+Reduce:   reduce(kind, axis) over one input (kind: sum | max | min | amax | logsumexp), or
+          reduce("take", "n") over x and a vec_m load of int64 column indices (x at index[m])
 Finish:   finish(reduce) applies attr, an expression over the leaf `reduced` (plus scalars and
           constants), to the complete statistic after the GEMM
 """
@@ -54,9 +56,6 @@ def load(kind: str, name: str) -> Node:
 def source() -> Node:
     """The current contents of D, for in-place accumulation (D += ...)."""
     return Node("source")
-
-
-SOURCE_OPERAND = "<D>"  # the operands key the reference backend reads `source` from (never an identifier)
 
 
 def scalar(name: str) -> Node:
@@ -169,28 +168,26 @@ def walk(program: Program) -> Iterator[Node]:
     yield from topo_order([o.node for o in program.outputs])
 
 
-def _leaf_name(n: Node, names: dict) -> str:
-    if id(n) in names:
-        return names[id(n)]
-    return {"const": repr(n.attr), "reduced": "reduced"}.get(n.op, str(n.attr))
+def _leaf_name(n: Node) -> str:
+    """How format_program spells a leaf: by its operand name, its value, or its kind."""
+    if n.op in ("acc", "source", "reduced"):
+        return n.op
+    if n.op == "const":
+        return repr(n.attr)
+    return n.attr[1] if n.op == "load" else n.attr  # scalar, const_param
 
 
 def format_program(program: Program) -> str:
     """A readable SSA listing of the program (used by `coda-dsl explain`)."""
     names: dict[int, str] = {}
     lines = [f"epilogue {program.name}({', '.join(f'{p.name}: {p.kind}' for p in program.params)})"]
+
+    def name(n: Node) -> str:  # the leaves of finishing expressions are not in the main listing
+        return names[id(n)] if id(n) in names else _leaf_name(n)
+
     for i, n in enumerate(walk(program)):
-        if n.op == "acc":
-            names[id(n)] = "acc"
-            continue
-        if n.op in ("reduced", "source"):
-            names[id(n)] = n.op
-            continue
-        if n.op in ("load", "scalar", "const_param"):
-            names[id(n)] = n.attr[1] if n.op == "load" else n.attr
-            continue
-        if n.op == "const":
-            names[id(n)] = repr(n.attr)
+        if n.is_leaf:
+            names[id(n)] = _leaf_name(n)
             continue
         args = ", ".join(names[id(x)] for x in n.inputs)
         attr = f"[{n.attr}]" if n.attr is not None and n.op != "finish" else ""
@@ -198,8 +195,8 @@ def format_program(program: Program) -> str:
             for m in topo_order([n.attr]):
                 if id(m) not in names and not m.is_leaf:
                     names[id(m)] = f"%f{len(names)}"
-                    lines.append(f"  {names[id(m)]} = {m.op}({', '.join(_leaf_name(x, names) for x in m.inputs)})")
-            attr = f"[{_leaf_name(n.attr, names)}]"
+                    lines.append(f"  {names[id(m)]} = {m.op}({', '.join(name(x) for x in m.inputs)})")
+            attr = f"[{name(n.attr)}]"
         names[id(n)] = f"%{i}"
         lines.append(f"  %{i} = {n.op}{attr}({args})")
     for o in program.outputs:

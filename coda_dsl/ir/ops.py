@@ -7,7 +7,6 @@ Comparisons yield 1.0 / 0.0, so `where` tests `!= 0`.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -87,11 +86,15 @@ def dtype_name(dtype) -> str:
     raise ValueError(f"unsupported dtype {dtype!r}: use one of torch.bfloat16, torch.float16, torch.float32")
 
 
-def cpp_float(v: float) -> str:
-    """A C++ float literal that round-trips exactly (inf/nan included)."""
-    v = float(torch.tensor(v, dtype=torch.float32).item())  # round first: 1e40 is inf in fp32
-    if math.isnan(v):
-        return "NAN"
-    if math.isinf(v):
-        return "INFINITY" if v > 0 else "(-INFINITY)"
-    return f"{v!r}f"
+def evaluate(op: str, attr, values: list[float]) -> float:
+    """An op (or cast(attr)) applied to constants with the reference semantics (fp32 torch ops), so
+    constant folding never changes a result."""
+    args = [torch.tensor(v, dtype=torch.float32) for v in values]
+    if op == "cast":
+        return float(args[0].to(DTYPES[attr][0]).float())
+    return float(OPS[op].torch_fn(*args).float())
+
+
+def to_fp32(v: float) -> float:
+    """v rounded to the nearest fp32 value (1e40 is inf in fp32)."""
+    return float(torch.tensor(v, dtype=torch.float32).item())

@@ -17,12 +17,14 @@ from fractions import Fraction
 
 from ..errors import EpilogueError, UnsupportedError
 from ..ir import graph as ir
-from ..ir.ops import OPS, cpp_float
+from ..ir.ops import OPS
 from . import widths
 from .plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, EvtNode, Functor, LogSumExp, PairLoad,
-                   PairStore, Plan, Reduction, RowBroadcast, Signature, SrcFetch, Take, cpp_element)
+                   PairStore, Plan, Reduction, RowBroadcast, Signature, SrcFetch, Take, cpp_element,
+                   cpp_float)
 
 _LOAD_NODE = {"tensor": AuxLoad, "vec_n": RowBroadcast, "vec_m": ColBroadcast}
+_FETCHED = ("acc", "load", "source")  # leaves read by a visitor node of their own (see _Lowering.leaf)
 
 
 def validate(program: ir.Program) -> dict[int, Fraction]:
@@ -145,7 +147,7 @@ class _Lowering:
         pairwise = self._pairwise(root)
 
         def operand(n: ir.Node):
-            if n is root or not (id(n) in self.index or n.op in ("acc", "load", "source")):
+            if n is root or not (id(n) in self.index or n.op in _FETCHED):
                 return None
             child = self.index[id(n)] if id(n) in self.index else self.leaf(n)
             if child not in children:
@@ -194,7 +196,7 @@ class _Lowering:
         return {"n": "m", "m": "n", None: ""}[axis]
 
     def value(self, n: ir.Node) -> int:
-        if n.op in ("acc", "load", "source"):
+        if n.op in _FETCHED:
             return self.leaf(n)
         return self.index[id(n)] if id(n) in self.index else self.region(n)
 
@@ -216,7 +218,7 @@ class _Lowering:
         d_out = program.output("D")
         if d_out is not None and self.width.get(id(d_out.node), 1) != 1:  # a half-width D is stored as a tap
             d_out = None
-        aux = [o for o in program.outputs if o is not program.output("D") or d_out is None]
+        aux = [o for o in program.outputs if o is not d_out]  # D is stored as D unless it became a tap
         out_dtypes = dict(self.sig.output_dtypes)
         outputs = []
         for j, o in enumerate(aux):

@@ -8,15 +8,26 @@ output.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-from ..ir.ops import DTYPES
+from ..ir.ops import DTYPES, to_fp32
 
 ROUND = "cutlass::FloatRoundStyle::round_to_nearest"
 
 
 def cpp_element(dtype: str) -> str:
     return DTYPES[dtype][1]
+
+
+def cpp_float(v: float) -> str:
+    """A C++ float literal that round-trips exactly (inf/nan included)."""
+    v = to_fp32(v)  # round first: 1e40 is inf in fp32
+    if math.isnan(v):
+        return "NAN"
+    if math.isinf(v):
+        return "INFINITY" if v > 0 else "(-INFINITY)"
+    return f"{v!r}f"
 
 
 @dataclass(frozen=True)
@@ -76,11 +87,6 @@ class Signature:
     deterministic: bool = False  # reductions: fixed-order combine instead of atomics
     accumulate: bool = False  # D += epilogue value (D is read through the C operand)
 
-    @property
-    def key(self) -> str:
-        return repr((self.ab_dtype, self.b_layout, self.operand_dtypes, self.output_dtypes, self.consts,
-                     self.config.key, self.deterministic, self.accumulate))
-
 
 # ---------------------------------------------------------------------------------------------
 # Visitor nodes
@@ -99,6 +105,14 @@ class EvtNode:
 
     def key(self) -> str:
         return f"{type(self).__name__}{self.children}"
+
+    def cpp_init(self) -> str:
+        """Host code before the launch ("" for none)."""
+        return ""
+
+    def cpp_finish(self) -> str:
+        """Host code after the launch ("" for none)."""
+        return ""
 
 
 @dataclass
@@ -201,6 +215,11 @@ class Functor:
     pairwise: bool = False
     result_odd: str = ""
 
+    def key(self) -> str:
+        """The functor's code in the plan key (its name and comment are left out)."""
+        pair = f",{self.result_odd}" if self.pairwise else ""
+        return f"[{';'.join(self.body)};return {self.result}{pair}]"
+
 
 @dataclass
 class Compute(EvtNode):
@@ -213,9 +232,7 @@ class Compute(EvtNode):
         return "scalars"
 
     def key(self) -> str:
-        f = self.functor
-        pair = f",{f.result_odd}" if f.pairwise else ""
-        return f"Compute{self.children}[{';'.join(f.body)};return {f.result}{pair}]"
+        return f"Compute{self.children}{self.functor.key()}"
 
 
 @dataclass
@@ -286,6 +303,11 @@ class Reduction(EvtNode):
     def _partials(self) -> str:
         return f"partial_{self.output_index}"
 
+    @property
+    def _finish_fn(self) -> str:
+        """The functor the finishing kernel applies to each complete statistic."""
+        return f"{self.finish.name}<float>" if self.finish else "coda::Identity<float>"
+
     def cpp_type(self) -> str:
         reg, shuffle, atomic, combine, _ = _REDUCE_FNS[self.kind]
         if self.axis is None and not self.deterministic:
@@ -319,7 +341,7 @@ class Reduction(EvtNode):
         """After the launch: combine partials and/or apply the finishing expression (else nothing)."""
         if not self.deterministic and self.finish is None:
             return ""
-        fn = f"{self.finish.name}<float>" if self.finish else "coda::Identity<float>"
+        fn = self._finish_fn
         out = f"outputs[{self.output_index}].data_ptr<float>()"
         if self.deterministic:
             p = self._partials
@@ -332,8 +354,7 @@ class Reduction(EvtNode):
                 "scalars, op_name);")
 
     def key(self) -> str:
-        f = self.finish
-        body = f"[{';'.join(f.body)};return {f.result}]" if f else ""
+        body = self.finish.key() if self.finish else ""
         return f"Reduce{self.kind}{self.axis}{'det' if self.deterministic else ''}{self.children}{body}"
 
 
@@ -355,7 +376,7 @@ class LogSumExp(Reduction):
                 f"  at::Tensor {p} = at::empty({{2 * {p}_shape.size(L)}}, a.options().dtype(at::kFloat));")
 
     def cpp_finish(self) -> str:
-        fn = f"{self.finish.name}<float>" if self.finish else "coda::Identity<float>"
+        fn = self._finish_fn
         p = self._partials
         return (f"coda::finish_logsumexp<{fn}>({p}.data_ptr<float>(), outputs[{self.output_index}].data_ptr<float>(), "
                 f"{p}_shape, L, scalars, op_name);")

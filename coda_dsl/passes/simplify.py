@@ -4,11 +4,9 @@ Common subexpressions need no pass: IR nodes are hash-consed (ir/graph.py).
 """
 from __future__ import annotations
 
-import torch
-
 from ..errors import EpilogueError
 from ..ir import graph as ir
-from ..ir.ops import DTYPES, OPS
+from ..ir.ops import evaluate
 
 
 def _fold(node: ir.Node, memo: dict[int, ir.Node], consts: dict[str, float]) -> ir.Node:
@@ -24,17 +22,9 @@ def _fold(node: ir.Node, memo: dict[int, ir.Node], consts: dict[str, float]) -> 
         attr = _fold(node.attr, memo, consts) if node.op == "finish" else node.attr
         out = ir.Node(node.op, inputs, attr)
         if node.op not in ("reduce", "finish") and all(i.op == "const" for i in inputs):
-            out = ir.const(_evaluate(node.op, node.attr, [i.attr for i in inputs]))
+            out = ir.const(evaluate(node.op, node.attr, [i.attr for i in inputs]))
     memo[id(node)] = out
     return out
-
-
-def _evaluate(op: str, attr, values: list[float]) -> float:
-    """Fold with the reference semantics (fp32 torch ops), so folding never changes a result."""
-    args = [torch.tensor(v, dtype=torch.float32) for v in values]
-    if op == "cast":
-        return float(args[0].to(DTYPES[attr][0]).float())
-    return float(OPS[op].torch_fn(*args).float())
 
 
 def specialize(program: ir.Program, consts: dict[str, float]) -> ir.Program:

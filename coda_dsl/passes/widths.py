@@ -84,10 +84,6 @@ def infer(program: ir.Program) -> dict[int, Fraction]:
     return width
 
 
-def output_width(program: ir.Program, widths: dict[int, Fraction], out: ir.Output) -> Fraction:
-    return widths.get(id(out.node), Fraction(1))
-
-
 def load_widths(program: ir.Program) -> dict[str, Fraction]:
     """Operand name -> width of every tensor/vector operand the program reads."""
     widths = infer(program)

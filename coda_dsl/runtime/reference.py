@@ -11,6 +11,8 @@ from ..ir import graph as ir
 from ..ir.ops import DTYPES, OPS
 from ..passes.widths import infer as infer_widths
 
+SOURCE_OPERAND = "<D>"  # the operands key `source` (D's current contents) is read from (never an identifier)
+
 _REDUCE = {
     "sum": lambda x, dims: x.sum(dim=dims),
     "max": lambda x, dims: x.amax(dim=dims),
@@ -39,7 +41,7 @@ def _leaf(node: ir.Node, operands: dict, acc: torch.Tensor) -> torch.Tensor:
     if node.op == "const":
         return torch.tensor(node.attr, dtype=torch.float32, device=acc.device)
     if node.op == "source":
-        return operands[ir.SOURCE_OPERAND].to(acc.device).float()
+        return operands[SOURCE_OPERAND].to(acc.device).float()
     if node.op == "scalar":
         return torch.tensor(float(operands[node.attr]), dtype=torch.float32, device=acc.device)
     kind, name = node.attr
