@@ -13,6 +13,7 @@ import sys
 
 from . import cross_entropy, epilogues
 from .harness import compile_label, markdown, no_gpu, parser, results_only_on_stdout, shape
+from .harness import command as command_line
 
 CE = "cross_entropy"
 
@@ -34,7 +35,7 @@ def main(argv=None) -> int:
         return 0
     if no_gpu():
         return 1
-    command = " ".join(["python -m bench", *(sys.argv[1:] if argv is None else argv)])
+    command = command_line("python -m bench", argv)
     failed = []
     if cases:
         with results_only_on_stdout():

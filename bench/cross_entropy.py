@@ -22,8 +22,9 @@ import coda_dsl as cd
 from coda_dsl.library import cross_entropy as ce
 from coda_dsl.runtime import op as runtime
 
-from .harness import (background, compile_label, compile_mode, fmt, markdown, no_gpu, parser, progress,
+from .harness import (background, compile_label, compile_mode, fmt, markdown, no_gpu, parser, progress, rel_err,
                       results_only_on_stdout, save, shape, time_us)
+from .harness import command as command_line
 
 SHAPE = (8192, 4096, 128256)  # M tokens, d model width, V vocabulary (Llama-3-8B)
 STEPS = ("forward", "forward+backward")
@@ -100,11 +101,6 @@ def _peak_mib(fn, args) -> float:
     return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
-def _rel_err(got, ref) -> float:
-    pairs = zip(got, ref) if isinstance(ref, tuple) else [(got, ref)]
-    return max(((g.float() - r.float()).norm() / r.float().norm()).item() for g, r in pairs)
-
-
 def run(shape=SHAPE, iters: int = 10, autotune: bool = False) -> tuple[list[CERow], list[str]]:
     """Every step and variant; returns the rows and one line per failure."""
     m, d, v = shape
@@ -137,7 +133,7 @@ def run(shape=SHAPE, iters: int = 10, autotune: bool = False) -> tuple[list[CERo
                 if name == "eager":
                     refs[step] = out
                 elif step in refs:
-                    extra["rel_err_vs_eager"] = _rel_err(out, refs[step])
+                    extra["rel_err_vs_eager"] = rel_err(out, refs[step])
                 del out
                 peak = _peak_mib(fn, args)
                 us = time_us(fn, [args], iters, WARMUP)
@@ -196,7 +192,7 @@ def main(argv=None) -> int:
         return 1
     with results_only_on_stdout():
         rows, failed = run(args.shape, args.iters, args.autotune)
-    report(rows, failed, " ".join(["python -m bench.cross_entropy", *(sys.argv[1:] if argv is None else argv)]))
+    report(rows, failed, command_line("python -m bench.cross_entropy", argv))
     return 1 if failed else 0
 
 

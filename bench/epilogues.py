@@ -25,7 +25,8 @@ from coda_dsl.library import rope_frequencies, rope_positions, swiglu
 from coda_dsl.runtime import op as runtime
 
 from .harness import (FLOOR, Row, background, compile_label, compile_mode, fmt, markdown, no_gpu, out_dir, parser,
-                      progress, results_only_on_stdout, rotation, save, shapes, subset, table, time_us)
+                      progress, rel_err, results_only_on_stdout, rotation, save, shapes, subset, table, time_us)
+from .harness import command as command_line
 
 ROUNDS = 5
 CUBES = tuple((s, s, s) for s in (2048, 4096, 8192))  # M, N, K
@@ -195,11 +196,11 @@ def _measure(c: Case, shape, op, compiled, compile_s: float | None, label: str, 
     a, w, o = sets[0]
     if tune:  # pick this shape's configuration (recorded: later runs skip the builds and timing)
         cd.gemm(a, w, c.epilogue, tune=True, **o)
-        op = _TunedOp(c.epilogue)
+        op = lambda a, w, **operands: cd.gemm(a, w, c.epilogue, **operands)  # noqa: E731  the tuned config
     ref = c.eager(a, w, **o)
     ref = ref[0] if isinstance(ref, tuple) else ref
     got = op(a, w, **o)["D"]
-    err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+    err = rel_err(got, ref)
     variants = _variants(c, op, compiled, label)
     if compiled is None:  # its compile failed (reported): time the others
         del variants[label]
@@ -213,16 +214,6 @@ def _measure(c: Case, shape, op, compiled, compile_s: float | None, label: str, 
     extra = {"coda_dsl fused": {"rel_err_vs_eager": err}, label: {"compile_s": round(compile_s or 0, 2)}}
     return [Row(c.name, fmt(shape), name, t, 2 * m * n * k / t / 1e6, t / times[FLOOR], extra.get(name, {}))
             for name, t in times.items()]
-
-
-class _TunedOp:
-    """cd.gemm with the configuration tuned for the call's shape bucket."""
-
-    def __init__(self, epilogue):
-        self.epilogue = epilogue
-
-    def __call__(self, a, w, **operands):
-        return cd.gemm(a, w, self.epilogue, **operands)
 
 
 def summary(rows: list[Row]) -> str:
@@ -278,7 +269,7 @@ def main(argv=None) -> int:
         return 0
     if no_gpu():
         return 1
-    command = " ".join(["python -m bench.epilogues", *(sys.argv[1:] if argv is None else argv)])
+    command = command_line("python -m bench.epilogues", argv)
     with results_only_on_stdout():
         rows, failed = run(cases, args.shapes, args.autotune, args.iters, args.tune, args.compile_dynamic,
                            checkpoint=checkpoint(command))

@@ -42,6 +42,17 @@ def no_gpu() -> bool:
     return False
 
 
+def command(prog: str, argv=None) -> str:
+    """The command line recorded with the results: `prog` and its arguments (sys.argv's when argv is None)."""
+    return " ".join([prog, *(sys.argv[1:] if argv is None else argv)])
+
+
+def rel_err(got, ref) -> float:
+    """‖got − ref‖ / ‖ref‖ in fp32; for tuples of tensors, the largest over the pairs."""
+    pairs = zip(got, ref) if isinstance(ref, tuple) else [(got, ref)]
+    return max(((g.float() - r.float()).norm() / r.float().norm()).item() for g, r in pairs)
+
+
 def background(fn: Callable, *args) -> Future:
     """fn(*args) in a thread, e.g. the nvcc builds (subprocesses) while torch.compile works in the main thread."""
     pool = ThreadPoolExecutor(max_workers=1)

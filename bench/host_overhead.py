@@ -14,6 +14,8 @@ import torch
 
 import coda_dsl as cd
 
+from .harness import no_gpu
+
 
 @cd.epilogue
 def bias_relu(acc, bias: cd.VecN, alpha: cd.Scalar):
@@ -32,8 +34,7 @@ def per_call_us(fn, n: int = 2000) -> float:
 
 
 def main() -> int:
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    if no_gpu():
         return 1
     a = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16)

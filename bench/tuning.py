@@ -7,7 +7,6 @@ Prints the chosen configuration, the time of the tuned kernel vs the default one
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -16,18 +15,17 @@ import torch
 import coda_dsl as cd
 from coda_dsl.runtime import tune as tuning
 
-from .harness import no_gpu, rotation, time_us
+from .harness import no_gpu, parser, rotation, shape, time_us
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.tuning", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="8192x8192x8192", help="MxNxK")
+    p = parser("python -m bench.tuning", __doc__)
+    p.add_argument("--shape", type=shape, default=(8192, 8192, 8192), help="MxNxK")
     p.add_argument("--reuse", action="store_true", help="expect a recorded choice (second process)")
     args = p.parse_args(argv)
     if no_gpu():
         return 1
-    m, n, k = (int(x) for x in args.shape.split("x"))
+    m, n, k = args.shape
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     t0 = time.perf_counter()

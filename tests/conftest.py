@@ -1,11 +1,17 @@
-"""Shared fixtures of the CPU test suite: fresh random seeds, the relative-error metric, and a helper
-that lowers an epilogue into an EVT plan without a GPU."""
+"""Shared fixtures of the CPU test suite: fresh random seeds, the relative-error metric, a fake
+toolchain, and a helper that lowers an epilogue into an EVT plan without a GPU."""
 import random
 
 import pytest
 import torch
 
+from coda_dsl.build import Toolchain
 from coda_dsl.passes import Config, Signature, accumulate_into_d, lower, specialize
+
+# A fixed toolchain for tests that fake the builds: specialization keys are then the same everywhere.
+FAKE_TC = Toolchain(nvcc="/fake/bin/nvcc", cuda_home="/fake", nvcc_version="13.0.88",
+                    cutlass_include=["/fake/include", "/fake/tools/util/include"],
+                    cutlass_version="4.2.0.0", torch_version="2.14.1", csrc_include="/fake/csrc")
 
 
 @pytest.fixture
@@ -17,13 +23,16 @@ def seed():
     return s
 
 
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖, computed in fp64 (a zero reference divides by 1e-30, not 0)."""
+    out, ref = out.detach().double(), ref.detach().double()
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
 @pytest.fixture
 def rel():
-    """‖out − ref‖ / ‖ref‖, computed in fp64."""
-    def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-        out, ref = out.detach().double(), ref.detach().double()
-        assert out.shape == ref.shape, (out.shape, ref.shape)
-        return float((out - ref).norm() / ref.norm())
+    """The relative-error metric `rel_err`, as a fixture."""
     return rel_err
 
 

@@ -16,14 +16,11 @@ import pytest
 
 import coda_dsl.build as b
 from coda_dsl.build import builder, cache, tools as tcmod
+from conftest import FAKE_TC
 
 HAVE_NVCC = any(os.access(p, os.X_OK) for p in [os.path.join(os.environ.get("CUDA_HOME", "/nonexistent"),
                 "bin/nvcc"), "/usr/local/cuda/bin/nvcc"]) or shutil.which("nvcc") is not None
 needs_nvcc = pytest.mark.skipif(not HAVE_NVCC, reason="nvcc not installed")
-
-FAKE_TC = b.Toolchain(nvcc="/fake/bin/nvcc", cuda_home="/fake", nvcc_version="13.0.88",
-                      cutlass_include=["/fake/include", "/fake/tools/util/include"],
-                      cutlass_version="4.2.0.0", torch_version="2.14.1", csrc_include="/fake/csrc")
 
 
 @pytest.fixture

@@ -12,10 +12,8 @@ import coda_dsl as cd
 from coda_dsl import build, cli
 from coda_dsl.build import cache
 from coda_dsl.examples import residual_rms
+from conftest import FAKE_TC
 
-FAKE_TC = build.Toolchain(nvcc="/fake/bin/nvcc", cuda_home="/fake", nvcc_version="13.0.88",
-                          cutlass_include=["/fake/include"], cutlass_version="4.2.0.0", torch_version="2.14.1",
-                          csrc_include="/fake/csrc")
 REPO = Path(__file__).resolve().parent.parent
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 

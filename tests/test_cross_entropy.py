@@ -7,10 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import coda_dsl as cd
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+from conftest import rel_err as _rel
 
 
 def _problem(m=37, d=32, v=301):

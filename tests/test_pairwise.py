@@ -10,12 +10,9 @@ import coda_dsl as cd
 from coda_dsl.library import (geglu, interleave_gate_up, linear_swiglu, neox_to_interleaved_rows, reglu,
                               rope_frequencies, rope_positions, rope_tables, swiglu_backward,
                               swiglu_keep_preactivation)
+from conftest import rel_err as _rel
 
 M, D, FF = 29, 48, 40  # ragged rows; N = 2F interleaved columns
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def _w(*s):

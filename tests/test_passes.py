@@ -5,7 +5,7 @@ import torch
 import coda_dsl as cd
 from coda_dsl import EpilogueError, UnsupportedError
 from coda_dsl.ir import graph as ir
-from coda_dsl.passes import Config, lower, specialize, validate
+from coda_dsl.passes import Config, specialize
 from coda_dsl.passes.plan import AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, RowBroadcast
 
 

@@ -8,12 +8,8 @@ import torch.nn.functional as F
 
 import coda_dsl as cd
 from coda_dsl.library import rms_consumer, rmsnorm_linear
-from coda_dsl.passes import accumulate_into_d, lower, specialize
-from coda_dsl.passes.plan import Reduction, Signature, SrcFetch
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+from coda_dsl.passes.plan import Reduction, SrcFetch
+from conftest import rel_err as _rel
 
 
 def _ab(m=37, n=56, k=24):
@@ -46,16 +42,8 @@ def test_finishing_expression_rejects_tile_values():
             return {"D": acc, "s": cd.sum(acc).then(lambda s: s * 2).then(lambda s: s)}
 
 
-def _plan(ep, **kw):
-    outs = tuple((o.name, o.dtype or "bf16") for o in ep.program.outputs)
-    loads = tuple((p.name, "bf16") for p in ep.params if p.kind in ("tensor", "vec_m", "vec_n"))
-    sig = Signature("bf16", "nk", loads, outs, **kw)
-    program = specialize(ep.program, {})
-    return lower(accumulate_into_d(program) if sig.accumulate else program, sig)
-
-
-def test_deterministic_lowering_uses_partials_and_a_finishing_kernel():
-    atomic, det = _plan(stats), _plan(stats, deterministic=True)
+def test_deterministic_lowering_uses_partials_and_a_finishing_kernel(make_plan):
+    atomic, det = make_plan(stats), make_plan(stats, deterministic=True)
     assert atomic.key != det.key
     for plan, expect_atomic in ((atomic, True), (det, False)):
         reds = [n for n in plan.nodes if isinstance(n, Reduction)]
@@ -66,7 +54,7 @@ def test_deterministic_lowering_uses_partials_and_a_finishing_kernel():
             assert "coda::finish<" in r.cpp_finish()
 
 
-def test_epilogue_without_d_on_reference_and_in_code():
+def test_epilogue_without_d_on_reference_and_in_code(make_plan):
     @cd.epilogue
     def only_stats(acc, bias: cd.VecN):
         y = cd.silu(acc + bias)
@@ -78,7 +66,7 @@ def test_epilogue_without_d_on_reference_and_in_code():
     y = F.silu(a.float() @ b.float().t() + bias.float())
     assert set(r) == {"y", "total"} and r["total"].shape == ()
     assert _rel(r["total"], y.sum()) < 1e-5
-    plan = _plan(only_stats)  # no D: ElementD = void, and an EVT exposing ElementAux for CUTLASS
+    plan = make_plan(only_stats)  # no D: ElementD = void, and an EVT exposing ElementAux for CUTLASS
     assert plan.d_dtype is None
     from coda_dsl.codegen import render
     text = render(plan, "0" * 24)
@@ -101,16 +89,16 @@ def test_accumulate_reference(dtype):
         cd.gemm(a, b, scaled, alpha=1.0, accumulate=True, backend="reference")
 
 
-def test_accumulate_lowers_to_a_source_fetch():
+def test_accumulate_lowers_to_a_source_fetch(make_plan):
     @cd.epilogue
     def plain(acc):
         return acc * 2.0
 
-    plan = _plan(plain, accumulate=True)
+    plan = make_plan(plain, accumulate=True)
     assert plan.reads_d and any(isinstance(n, SrcFetch) for n in plan.nodes)
     from coda_dsl.codegen import render
     assert "Sm90SrcFetch<ElementD>" in render(plan, "0" * 24)
-    assert _plan(plain).key != plan.key
+    assert make_plan(plain).key != plan.key
 
 
 @pytest.mark.parametrize("activation", [None, "silu"])
