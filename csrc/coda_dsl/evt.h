@@ -116,7 +116,6 @@ Stride make_stride(int64_t s0, int64_t s1, int64_t s2) {
 template <class Gemm>
 void launch(typename Gemm::Arguments& args, at::Tensor const& like, char const* op_name) {
   using Kernel = typename Gemm::GemmKernel;
-  c10::cuda::CUDAGuard guard(like.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(like.get_device()).stream();
 
   static int sm_count[64] = {};

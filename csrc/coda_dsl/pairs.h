@@ -83,7 +83,6 @@ template <class Element>
 struct PairStore : PairNode<Element*> {
   using Base = PairNode<Element*>;
   using Base::Base;
-  using Params = typename Base::Params;
 
   template <class RTensor, class CTensor, class ProblemShapeMNL>
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
