@@ -305,11 +305,7 @@ TORCH_LIBRARY_FRAGMENT(coda_dsl_test, m) { m.def("tiny(Tensor x) -> Tensor", &ti
 @needs_nvcc
 def test_real_compile_only_build(cache_root):
     u = b.BuildUnit(key=b.specialization_key("tiny tu"), source=TINY_TU)
-    t0 = time.monotonic()
     [o] = b.build_units([u], compile_only=True, log=quiet)
-    dt = time.monotonic() - t0
-    print(f"\nreal compile_only build: {dt:.1f} s")
     assert o.exists() and o.stat().st_size > 0
     log = (o.parent / "build.log").read_text()
     assert "-gencode=arch=compute_90a,code=sm_90a" in log and "-std=c++20" in log
-    assert dt < 60
