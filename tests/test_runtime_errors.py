@@ -383,3 +383,74 @@ def test_batched_gemm_rejects_an_unbatched_tensor_operand():
     a, b, r = torch.randn(2, 64, 64).bfloat16(), torch.randn(2, 64, 64).bfloat16(), torch.randn(64, 64).bfloat16()
     with pytest.raises(cd.UnsupportedError, match="expand"):
         cd.compile(add, a, b, residual=r)
+
+
+@pytest.fixture
+def fake_kernels(monkeypatch):
+    """CompiledOps launch a recorder instead of a built kernel, and the cutlass path runs on CPU tensors:
+    the call path up to the launch, warm and cold, is exercised without a GPU."""
+    launches = []
+
+    def load(self):
+        self._op = lambda a, b, d, inputs, scalars, outputs: launches.append((a, b, d, inputs, scalars, outputs))
+        return self
+
+    monkeypatch.setattr(runtime.CompiledOp, "load", load)
+    monkeypatch.setattr(runtime.checks, "require_hopper", lambda where, device: None)
+    monkeypatch.setattr(runtime, "_choose_config", lambda spec, call, tune, key: runtime.Config())
+    return launches
+
+
+def bad_calls(a, b, ops):
+    """Calls that differ from a valid one in one property each; all must fail, the first two only for a
+    kept op (cd.gemm builds another specialization for them)."""
+    r = ops["residual"]
+    yield (a.half(), b.half()), ops, "op"
+    yield (a, b), {**ops, "residual": r.float()}, "op"
+    yield (a[:, :-8], b), ops, "both"
+    yield (a, b), {**ops, "residual": r[:-1]}, "both"
+    yield (a, b), {**ops, "bias": offset_view((N,))}, "both"
+    yield (a, b), {k: v for k, v in ops.items() if k != "alpha"}, "both"
+    yield (a, b), {**ops, "extra": 1.0}, "both"
+    yield (a, b), {**ops, "alpha": torch.tensor(0.5)}, "both"
+    yield (a, b), {**ops, "alpha": "0.5"}, "both"
+
+
+def test_warm_calls_skip_checks_but_not_bad_calls(fake_kernels, monkeypatch):
+    """A call layout that passed the checks is remembered, so a warm call does not repeat them; any
+    call that differs in shape, dtype, alignment, operand names or kinds is checked again."""
+    a, b = ab()
+    ops = operands()
+    op = cd.compile(ep_all, a, b, **ops)
+    checked = []
+    normalize = runtime._normalize
+    monkeypatch.setattr(runtime, "_normalize", lambda *args: checked.append(1) or normalize(*args))
+    calls = {"op": op, "gemm": lambda *x, **y: cd.gemm(*x, ep_all, backend="cutlass", **y)}
+    for call in calls.values():
+        call(a, b, **ops)
+        n_checked = len(checked)
+        a2, b2 = ab()  # same layouts, other tensors and values
+        d = call(a2, b2, **{**operands(), "alpha": 2.0})["D"]
+        assert d.shape == (M, N) and fake_kernels[-1][0] is a2 and fake_kernels[-1][4] == [2.0]
+        assert len(checked) == n_checked
+    for args, kw, bad_for in bad_calls(a, b, ops):
+        n = len(fake_kernels)
+        for name, call in calls.items():
+            if bad_for in ("both", name):
+                with pytest.raises(CodaError):
+                    call(*args, **kw)
+        assert len(fake_kernels) == n
+
+
+def test_warm_calls_check_output_aliasing_every_time(fake_kernels):
+    a, b = ab()
+    ops = operands()
+    out = {"D": torch.empty(M, N, dtype=torch.bfloat16)}
+    cd.gemm(a, b, ep_all, backend="cutlass", out=out, **ops)
+    aliased = {**ops, "residual": out["D"]}  # same layout as a valid residual, but it is the output
+    with pytest.raises(OperandError, match="shares memory with input residual"):
+        cd.gemm(a, b, ep_all, backend="cutlass", out=out, **aliased)
+    with pytest.raises(OperandError, match="shares memory"):
+        cd.compile(ep_all, a, b, **ops)(a, b, out=out, **aliased)
+    with pytest.raises(OperandError, match="out\\['D'\\] is"):
+        cd.gemm(a, b, ep_all, backend="cutlass", out={"D": torch.empty(M, N + 8, dtype=torch.bfloat16)}, **ops)

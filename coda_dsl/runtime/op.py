@@ -64,19 +64,55 @@ def _normalize(ep: Epilogue, a, b, operands: dict) -> Call:
         raise checks.fail(where, (f"unexpected operand(s) {unknown}" if unknown else "")
                           + ("; " if unknown and missing else "") + (f"missing operand(s) {missing}" if missing else ""),
                           f"the epilogue declares {[p.name for p in ep.params] or 'no operands'}")
-    tensors, scalars, consts = {}, {}, {}
     for p in ep.params:
         v = operands[p.name]
-        if p.kind in ir.LOAD_KINDS:
-            tensors[p.name] = v
-        else:
+        if p.kind not in ir.LOAD_KINDS:
             if isinstance(v, torch.Tensor) and v.numel() == 1 and p.kind == "scalar":
                 raise checks.fail(where, f"scalar '{p.name}' was given as a tensor",
                                   f"pass a Python number (float({p.name})), or declare it cd.VecM/VecN")
             if not isinstance(v, (int, float)):
                 raise checks.fail(where, f"'{p.name}' ({p.kind}) must be a Python number, got {type(v).__name__}")
-            (scalars if p.kind == "scalar" else consts)[p.name] = float(v)
+    return _unpack(_facts(ep).kinds, a, b, operands)
+
+
+def _unpack(kinds: dict[str, str], a, b, operands: dict) -> Call:
+    """The operands of a checked call, sorted by kind."""
+    tensors, scalars, consts = {}, {}, {}
+    for name, kind in kinds.items():
+        v = operands[name]
+        if kind in ir.LOAD_KINDS:
+            tensors[name] = v
+        else:
+            (scalars if kind == "scalar" else consts)[name] = float(v)
     return Call(a, b, tensors, scalars, consts)
+
+
+def _layout(v) -> object:
+    """What the call checks read of one argument, so equal layouts pass or fail them alike."""
+    if isinstance(v, torch.Tensor):
+        return v.shape, v.stride(), v.dtype, v.device, v.data_ptr() % 16
+    return type(v)
+
+
+_MISSING = object()  # its part of a layout, `object`, is no tensor's or number's: it fails the checks
+
+
+def _call_layout(kinds: dict[str, str], a, b, operands: dict, out: dict | None) -> tuple:
+    """The layouts of a whole call; a cd.Const by value, since it selects the kernel. A warm call whose
+    layout passed the checks before skips them (only aliasing of outputs with inputs is checked each time)."""
+    parts = [_layout(a), _layout(b), len(operands)]
+    for name, kind in kinds.items():
+        v = operands.get(name, _MISSING)
+        parts.append((type(v), v) if kind == "const" else _layout(v))
+    if out:
+        parts.extend((k, _layout(v)) for k, v in out.items())
+    return tuple(parts)
+
+
+def _remember(memo: dict, key: tuple, value) -> None:
+    if len(memo) >= 1024:  # layouts of many shapes: forget them rather than grow without bound
+        memo.clear()
+    memo[key] = value
 
 
 _MEANING = {"tensor": "a cd.Tensor has the output's shape: [M, N] (or [L, M, N])",
@@ -168,6 +204,9 @@ class CompiledOp:
         self._outputs = [(name, DTYPES[dt][0], kind) for name, dt, kind in [*d, *plan.outputs]]
         sig = plan.signature  # what a call must match: the kernel reads memory as these types
         self._expects = (DTYPES[sig.ab_dtype][0], sig.b_layout, sig.operand_dtypes, sig.consts)
+        self._kinds = _facts(epilogue).kinds
+        self._checked: dict[tuple, bool] = {}  # call layouts that passed the checks
+        self._widened = frozenset(plan.widened)
 
     @classmethod
     def create(cls, epilogue: Epilogue, sig: Signature, consts: dict[str, float]) -> "CompiledOp":
@@ -190,33 +229,57 @@ class CompiledOp:
             self._op = getattr(torch.ops.coda_dsl, self.op_name).default
         return self
 
-    def launch(self, call: Call, out: dict | None) -> dict[str, torch.Tensor]:
-        """Allocate (or check) the outputs and launch on the current stream. `call` is already folded."""
-        m, n, _, l = call.mnkl
-        lead = (l,) if call.a.dim() == 3 else ()
-        shapes = {"mn": (*lead, m, n), "mh": (*lead, m, n // 2), "m": (*lead, m), "n": (*lead, n), "": lead}
+    def check_out(self, call: Call, out: dict | None) -> None:
+        """Names, shapes, dtypes and layouts of preallocated outputs. `call` and `out` are folded."""
+        if not out:
+            return
         names = [name for name, _, _ in self._outputs]
-        unknown = set(out or ()) - set(names)
+        unknown = set(out) - set(names)
         if unknown:
             raise checks.fail(self._where, f"out has {sorted(unknown)}, which the epilogue does not produce "
                               f"(its outputs: {names})")
+        m, n, _, l = call.mnkl
+        lead = (l,) if call.a.dim() == 3 else ()
+        for name, dt, kind in self._outputs:
+            t = out.get(name)
+            if t is not None:
+                _check_out(self._where, name, t, _SHAPES[kind](lead, m, n), dt, call, tma=kind == "mn")
+
+    def launch(self, call: Call, out: dict | None) -> dict[str, torch.Tensor]:
+        """Allocate the outputs not in `out` and launch on the current stream. `call` and `out` are folded
+        and checked (check_out), except for aliasing, which depends on the tensors, not their layouts."""
+        m, n, _, l = call.mnkl
+        lead = (l,) if call.a.dim() == 3 else ()
         outs = {}
         for name, dt, kind in self._outputs:
             t = out.get(name) if out else None
             if t is None:
-                t = torch.empty(shapes[kind], dtype=dt, device=call.a.device)
+                t = torch.empty(_SHAPES[kind](lead, m, n), dtype=dt, device=call.a.device)
             else:
-                _check_out(self._where, name, t, shapes[kind], dt, call, tma=kind == "mn")
+                _check_alias(self._where, name, t, call)
             outs[name] = t
-        self.load()
+        if self._op is None:
+            self.load()
         plan = self.plan
-        inputs = [call.tensors[i].repeat_interleave(2, dim=-1) if i in plan.widened else call.tensors[i]
+        inputs = [call.tensors[i].repeat_interleave(2, dim=-1) if i in self._widened else call.tensors[i]
                   for i in plan.inputs]  # an N/2-wide VecN is read as N columns, each value twice
         self._op(call.a, call.b, outs.get("D") if plan.d_dtype else None, inputs,
                  [call.scalars[s] for s in plan.scalars], [outs[o[0]] for o in plan.outputs])
         return outs
 
+    def run(self, A, B, operands: dict, out: dict | None) -> dict[str, torch.Tensor]:
+        """Launch a checked call: fold a batch into M, launch, unfold."""
+        call = _fold(self.epilogue, _unpack(self._kinds, A, B, operands))
+        return _unfold(self.launch(call, _fold_out(out, call)), call)
+
     def __call__(self, A, B, /, *, out: dict | None = None, **operands) -> dict[str, torch.Tensor]:
+        layout = _call_layout(self._kinds, A, B, operands, out)
+        if layout not in self._checked:
+            self._check(A, B, operands, out)
+            _remember(self._checked, layout, True)
+        return self.run(A, B, operands, out)
+
+    def _check(self, A, B, operands: dict, out: dict | None) -> None:
         call = _normalize(self.epilogue, A, B, operands)
         dtypes = _check_tensors(self.epilogue, call, cutlass=True)
         got = (call.a.dtype, "nk" if call.b.stride(-1) == 1 else "kn", tuple(sorted(dtypes.items())),
@@ -229,10 +292,14 @@ class CompiledOp:
         if self.plan.reads_d and not (out and isinstance(out.get("D"), torch.Tensor)):
             raise checks.fail(self._where, "this op accumulates into D (accumulate=True)", "pass out={'D': tensor}")
         call = _fold(self.epilogue, call)
-        return _unfold(self.launch(call, _fold_out(out, call)), call)
+        self.check_out(call, _fold_out(out, call))
 
     def __repr__(self) -> str:
         return f"<CompiledOp {self.epilogue.name} key={self.key} op=torch.ops.coda_dsl.{self.op_name}>"
+
+
+_SHAPES = {"mn": lambda lead, m, n: (*lead, m, n), "mh": lambda lead, m, n: (*lead, m, n // 2),
+           "m": lambda lead, m, n: (*lead, m), "n": lambda lead, m, n: (*lead, n), "": lambda lead, m, n: lead}
 
 
 def _check_out(where: str, name: str, t: torch.Tensor, shape, dtype, call: Call, tma: bool = True) -> None:
@@ -242,8 +309,12 @@ def _check_out(where: str, name: str, t: torch.Tensor, shape, dtype, call: Call,
     if t.device != call.a.device:
         raise checks.fail(where, f"out['{name}'] is on {t.device}, A on {call.a.device}")
     (checks.tma_layout if tma else checks.vector)(where, f"out['{name}']", t)
+
+
+def _check_alias(where: str, name: str, t: torch.Tensor, call: Call) -> None:
+    storage = t.untyped_storage().data_ptr()
     for src_name, src in [("A", call.a), ("B", call.b), *call.tensors.items()]:
-        if src.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+        if src.untyped_storage().data_ptr() == storage:
             raise checks.fail(where, f"out['{name}'] shares memory with input {src_name}: the kernel would read "
                               "values it has already overwritten", "pass a separate output tensor")
 
@@ -365,6 +436,15 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
             raise UnsupportedError(f"{_where(ep)}: accumulate=True inside torch.compile is not supported yet; "
                                    "write D + epilogue(...) functionally there")
         return traced_gemm(ep, A, B, out, backend, config, deterministic, operands)
+    if config is not None and not isinstance(config, (Config, str)):
+        raise OperandError(f"{_where(ep)}: config must be a cd.Config or its string form, not {config!r}")
+    tune = _tuning if tune is None else tune
+    options = (backend, config, deterministic, accumulate, tune)
+    warm = _warm.get(ep)
+    if warm is not None:
+        op = warm.get((options, _call_layout(_facts(ep).kinds, A, B, operands, out)))
+        if op is not None:
+            return op.run(A, B, operands, out)
     if accumulate and not (out and isinstance(out.get("D"), torch.Tensor)):
         raise checks.fail(_where(ep), "accumulate=True adds into an existing tensor: pass it as out={'D': t}")
     call = _normalize(ep, A, B, operands)
@@ -374,21 +454,20 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
     dtypes = _check_tensors(ep, call, cutlass=use_cutlass)
     if not use_cutlass:
         return run_reference(ep, call, out, accumulate)
-    if isinstance(config, str):
-        config = Config.parse(config)
     key = call_key(ep, call, dtypes, out, deterministic, accumulate)
     spec = lambda cfg: specialization(ep, call, dtypes, out, cfg, deterministic, accumulate, key)  # noqa: E731
     try:
         folded = _fold(ep, call)
-        if config is None:
-            config = _choose_config(spec, folded, _tuning if tune is None else tune, key)
-        op = spec(config)
+        cfg = Config.parse(config) if isinstance(config, str) else config
+        op = spec(cfg if cfg is not None else _choose_config(spec, folded, tune, key))
     except UnsupportedError as e:
         if backend == "cutlass":
             raise
         warnings.warn(f"coda_dsl: running on the reference backend (slow): {e}", stacklevel=2)
         return run_reference(ep, call, out, accumulate)
-    return _unfold(op.launch(folded, _fold_out(out, folded)), folded)
+    op.check_out(folded, _fold_out(out, folded))
+    _remember(_warm.setdefault(ep, {}), (options, _call_layout(_facts(ep).kinds, A, B, operands, out)), op)
+    return op.run(A, B, operands, out)
 
 
 def compile(epilogue: Epilogue, A, B, /, *, out: dict | None = None, config: Config | str | None = None,
@@ -406,6 +485,8 @@ def compile(epilogue: Epilogue, A, B, /, *, out: dict | None = None, config: Con
 _tuning = os.environ.get("CODA_DSL_TUNE", "") not in ("", "0")
 # (call key, shape bucket) -> (config, whether it was measured on this device)
 _configs: dict[tuple, tuple[Config, bool]] = {}
+# cd.gemm's warm path: epilogue -> {(call options, call layout): the op that call checked and chose}
+_warm: dict[Epilogue, dict[tuple, CompiledOp]] = {}
 
 
 def set_tuning(enabled: bool) -> None:
@@ -424,6 +505,7 @@ def _choose_config(spec, call: Call, tune: bool, key: tuple) -> Config:
         if config is None and tune:
             config = tuning.tune(spec, lambda op: op.launch(call, None), call.a.device, call.mnkl)
         choice = _configs[key] = (config or tuning.DEFAULT, config is not None)
+        _warm.clear()  # calls that chose before this may now choose otherwise
     return choice[0]
 
 
