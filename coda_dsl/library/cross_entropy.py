@@ -2,9 +2,9 @@
 
 Forward, one GEMM whose epilogue keeps per row only the online log-sum-exp, the target logit (and,
 with label smoothing, the sum of logits); no D. Backward, per chunk of rows: one GEMM whose
-epilogue forms dz = (softmax - eps/V) * scale in bf16 (at most one chunk of logits exists at a
-time), then grad_x = P @ W and grad_W += P^T @ x; the one-hot term is a sparse correction (a gather
-of W rows, an index_add of x rows), so the epilogue never needs column indices.
+epilogue forms P = (softmax - eps/V) * scale in bf16 (at most one chunk of logits exists at a
+time); the one-hot term, one value per row, is scattered into P, so the epilogue never needs
+column indices; then grad_x = P @ W and grad_W += P^T @ x.
 
     loss_m = lse_m - (1 - eps) z[m, t_m] - eps * mean_n z[m, n]     (z: softcapped logits)
 """
@@ -78,7 +78,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             scale = grad.float().expand(m) / (count.clamp_min(1) if reduction == "mean" else 1)
         scale = torch.where(valid, scale, torch.zeros_like(scale)).contiguous()
         grad_x = torch.empty_like(x)
-        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        grad_w = torch.zeros_like(w)  # in w's dtype: each chunk's GEMM sums in fp32 and rounds once
         chunk = -(-chunk // 8) * 8  # whole 16-byte groups of the per-row vectors: aligned slices
         for s in range(0, m, chunk):
             e = min(m, s + chunk)
@@ -86,13 +86,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
             common = dict(lse=lse[s:e].contiguous(), scale=sc, uniform=smoothing / v, backend=backend)
             out = cd.gemm(xs, w, _backward_softcap_epilogue(cap), target=ts, **common) if cap else \
                 cd.gemm(xs, w, ce_backward, **common)
-            p = out["D"]  # [chunk, V] bf16: the logits' gradient, but for the one-hot term
-            hot = (1 - smoothing) * sc * (out["dz_target"] if cap else 1.0)  # at the target column
-            rows = ts.clamp_min(0)
-            grad_x[s:e] = ((p @ w).float() - hot[:, None] * w[rows].float()).to(x.dtype)
-            grad_w += (p.t() @ xs).float()
-            grad_w.index_add_(0, rows, -hot[:, None] * xs.float())
-        return grad_x, grad_w.to(w.dtype), None, None, None, None, None, None, None
+            p = out["D"]  # [chunk, V]: the logits' gradient, but for the one-hot term
+            hot = (1 - smoothing) * sc * (out["dz_target"] if cap else 1.0)  # 0 on ignored rows
+            rows = torch.arange(e - s, device=p.device)
+            p.index_put_((rows, ts.clamp_min(0)), -hot.to(p.dtype), accumulate=True)  # now all of it
+            grad_x[s:e] = p @ w
+            grad_w.addmm_(p.t(), xs)
+        return grad_x, grad_w, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
@@ -101,8 +101,8 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
     """F.cross_entropy(x @ w.T, target) without materializing fp32 logits; differentiable in x and w.
 
     x: [M, d], w: [V, d] (the LM head weight), target: [M] int64. Peak extra memory on the CUTLASS
-    backend: O(M) in the forward; in the backward one bf16 [chunk_rows, V] block of logit gradients
-    and the fp32 accumulator of grad_w. (The reference backend forms fp32 logits.)
+    backend: O(M) in the forward; in the backward one [chunk_rows, V] block of logit gradients and
+    grad_w, both in w's dtype. (The reference backend forms fp32 logits.)
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', not {reduction!r}")
