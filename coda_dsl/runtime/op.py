@@ -66,12 +66,13 @@ def _normalize(ep: Epilogue, a, b, operands: dict) -> Call:
                           f"the epilogue declares {[p.name for p in ep.params] or 'no operands'}")
     for p in ep.params:
         v = operands[p.name]
-        if p.kind not in ir.LOAD_KINDS:
-            if isinstance(v, torch.Tensor) and v.numel() == 1 and p.kind == "scalar":
-                raise checks.fail(where, f"scalar '{p.name}' was given as a tensor",
-                                  f"pass a Python number (float({p.name})), or declare it cd.VecM/VecN")
-            if not isinstance(v, (int, float)):
-                raise checks.fail(where, f"'{p.name}' ({p.kind}) must be a Python number, got {type(v).__name__}")
+        if p.kind in ir.LOAD_KINDS:
+            continue  # tensors: checked by _check_tensors
+        if isinstance(v, torch.Tensor) and v.numel() == 1 and p.kind == "scalar":
+            raise checks.fail(where, f"scalar '{p.name}' was given as a tensor",
+                              f"pass a Python number (float({p.name})), or declare it cd.VecM/VecN")
+        if not isinstance(v, (int, float)):
+            raise checks.fail(where, f"'{p.name}' ({p.kind}) must be a Python number, got {type(v).__name__}")
     return _unpack(_facts(ep).kinds, a, b, operands)
 
 
