@@ -35,6 +35,18 @@ def test_loss_and_grads_match_f_cross_entropy(smoothing, cap, reduction):
     assert _rel(x.grad, xf.grad) < 1e-2 and _rel(w.grad, wf.grad) < 1e-2
 
 
+def test_frozen_weight_or_input():
+    """Only the gradients autograd asks for are computed; each equals the one computed with both."""
+    x, w, t = _problem()
+    cd.linear_cross_entropy(x, w, t, backend="reference", chunk_rows=16).backward()
+    for frozen in ("x", "w"):
+        xf, wf = x.detach().requires_grad_(frozen != "x"), w.detach().requires_grad_(frozen != "w")
+        cd.linear_cross_entropy(xf, wf, t, backend="reference", chunk_rows=16).backward()
+        assert (xf.grad is None) == (frozen == "x") and (wf.grad is None) == (frozen == "w")
+        live, ref = (wf.grad, w.grad) if frozen == "x" else (xf.grad, x.grad)
+        assert torch.equal(live, ref)
+
+
 def test_only_ignored_rows_give_zero_loss_and_grads():
     x, w, t = _problem(m=8)
     t[:] = -100

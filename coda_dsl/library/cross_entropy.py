@@ -77,8 +77,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         else:
             scale = grad.float().expand(m) / (count.clamp_min(1) if reduction == "mean" else 1)
         scale = torch.where(valid, scale, torch.zeros_like(scale)).contiguous()
-        grad_x = torch.empty_like(x)
-        grad_w = torch.zeros_like(w)  # in w's dtype: each chunk's GEMM sums in fp32 and rounds once
+        need_x, need_w = ctx.needs_input_grad[:2]  # a frozen LM head needs no grad_w GEMMs
+        grad_x = torch.empty_like(x) if need_x else None
+        grad_w = torch.zeros_like(w) if need_w else None  # in w's dtype: each chunk's GEMM sums in fp32
         chunk = -(-chunk // 8) * 8  # whole 16-byte groups of the per-row vectors: aligned slices
         for s in range(0, m, chunk):
             e = min(m, s + chunk)
@@ -90,8 +91,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             hot = (1 - smoothing) * sc * (out["dz_target"] if cap else 1.0)  # 0 on ignored rows
             rows = torch.arange(e - s, device=p.device)
             p.index_put_((rows, ts.clamp_min(0)), -hot.to(p.dtype), accumulate=True)  # now all of it
-            grad_x[s:e] = p @ w
-            grad_w.addmm_(p.t(), xs)
+            if need_x:
+                grad_x[s:e] = p @ w
+            if need_w:
+                grad_w.addmm_(p.t(), xs)
         return grad_x, grad_w, None, None, None, None, None, None, None
 
 
