@@ -454,3 +454,43 @@ def test_warm_calls_check_output_aliasing_every_time(fake_kernels):
         cd.compile(ep_all, a, b, **ops)(a, b, out=out, **aliased)
     with pytest.raises(OperandError, match="out\\['D'\\] is"):
         cd.gemm(a, b, ep_all, backend="cutlass", out={"D": torch.empty(M, N + 8, dtype=torch.bfloat16)}, **ops)
+
+
+def test_warm_path_keeps_the_error_types(fake_kernels):
+    """Arguments the layout key cannot hash or read still get the checks' OperandError."""
+    @cd.epilogue
+    def scaled(acc, bias: cd.VecN, c: cd.Const):
+        return acc * c + bias
+
+    a, b = ab()
+    bias = torch.randn(N).bfloat16()
+    op = cd.compile(scaled, a, b, bias=bias, c=2.0)
+    op(a, b, bias=bias, c=2.0)
+    cd.gemm(a, b, scaled, backend="cutlass", bias=bias, c=2.0)
+    for call in (op, lambda *x, **y: cd.gemm(*x, scaled, backend="cutlass", **y)):
+        with pytest.raises(OperandError, match="must be a Python number"):
+            call(a, b, bias=bias, c=[2.0])
+        with pytest.raises(OperandError, match="out must be a dict"):
+            call(a, b, bias=bias, c=2.0, out=[torch.empty(M, N)])
+        with pytest.raises(OperandError, match="out must be a dict"):
+            call(a, b, bias=bias, c=2.0, out=torch.empty(M, N))
+        with pytest.raises(OperandError):
+            call(a, b, bias=bias.to_sparse(), c=2.0)
+
+
+def test_const_values_select_kernels_by_spelling(fake_kernels):
+    """-0.0 and 0.0 are different kernels (1/c is -inf or inf); every NaN is the same kernel."""
+    @cd.epilogue
+    def divided(acc, c: cd.Const):
+        return acc / c
+
+    a, b = ab()
+    nan = float("nan")
+    assert cd.compile(divided, a, b, c=0.0).key != cd.compile(divided, a, b, c=-0.0).key
+    assert cd.compile(divided, a, b, c=nan) is cd.compile(divided, a, b, c=float("nan"))
+    for c in (0.0, -0.0):
+        cd.gemm(a, b, divided, backend="cutlass", c=c)
+    assert len({op.key for op in runtime._warm[divided].values()}) == 2  # the warm path tells them apart
+    with pytest.raises(OperandError, match="cd.Const values"):
+        cd.compile(divided, a, b, c=0.0)(a, b, c=-0.0)
+    cd.compile(divided, a, b, c=nan)(a, b, c=float("nan"))  # any NaN is the NaN it was compiled for

@@ -43,8 +43,11 @@ def _where(ep: Epilogue) -> str:
     return f"cd.gemm(epilogue '{ep.name}' from {ep.source})"
 
 
-def _normalize(ep: Epilogue, a, b, operands: dict) -> Call:
+def _normalize(ep: Epilogue, a, b, operands: dict, out: dict | None = None) -> Call:
     where = _where(ep)
+    if out is not None and not isinstance(out, dict):
+        raise checks.fail(where, f"out must be a dict of output name -> tensor, got {type(out).__name__}",
+                          "pass out={'D': tensor, ...}")
     for name, t in (("A", a), ("B", b)):
         if not isinstance(t, torch.Tensor):
             raise checks.fail(where, f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -91,8 +94,20 @@ def _unpack(kinds: dict[str, str], a, b, operands: dict) -> Call:
 def _layout(v) -> object:
     """What the call checks read of one argument, so equal layouts pass or fail them alike."""
     if isinstance(v, torch.Tensor):
-        return v.shape, v.stride(), v.dtype, v.device, v.data_ptr() % 16
+        try:
+            return v.shape, v.stride(), v.dtype, v.device, v.data_ptr() % 16
+        except RuntimeError:  # no strides or no data (a sparse tensor): the checks refuse it
+            return type(v), v.layout
     return type(v)
+
+
+def _const_key(v) -> object:
+    """A cd.Const by its spelling: -0.0 and 0.0 build different kernels, every NaN the same one."""
+    return (type(v), repr(v)) if isinstance(v, (int, float)) else type(v)
+
+
+def _consts_key(consts: dict[str, float]) -> tuple:
+    return tuple(sorted((k, repr(v)) for k, v in consts.items()))
 
 
 _MISSING = object()  # its part of a layout, `object`, is no tensor's or number's: it fails the checks
@@ -104,9 +119,11 @@ def _call_layout(kinds: dict[str, str], a, b, operands: dict, out: dict | None) 
     parts = [_layout(a), _layout(b), len(operands)]
     for name, kind in kinds.items():
         v = operands.get(name, _MISSING)
-        parts.append((type(v), v) if kind == "const" else _layout(v))
-    if out:
+        parts.append(_const_key(v) if kind == "const" else _layout(v))
+    if isinstance(out, dict):
         parts.extend((k, _layout(v)) for k, v in out.items())
+    elif out is not None:
+        parts.append(type(out))  # not a dict: the checks refuse it
     return tuple(parts)
 
 
@@ -204,7 +221,7 @@ class CompiledOp:
         # (name, torch dtype, shape kind) of D (if stored) and then of what the op receives in `outputs`
         self._outputs = [(name, DTYPES[dt][0], kind) for name, dt, kind in [*d, *plan.outputs]]
         sig = plan.signature  # what a call must match: the kernel reads memory as these types
-        self._expects = (DTYPES[sig.ab_dtype][0], sig.b_layout, sig.operand_dtypes, sig.consts)
+        self._expects = (DTYPES[sig.ab_dtype][0], sig.b_layout, sig.operand_dtypes, _consts_key(dict(sig.consts)))
         self._kinds = _facts(epilogue).kinds
         self._checked: dict[tuple, bool] = {}  # call layouts that passed the checks
         self._widened = frozenset(plan.widened)
@@ -281,10 +298,10 @@ class CompiledOp:
         return self.run(A, B, operands, out)
 
     def _check(self, A, B, operands: dict, out: dict | None) -> None:
-        call = _normalize(self.epilogue, A, B, operands)
+        call = _normalize(self.epilogue, A, B, operands, out)
         dtypes = _check_tensors(self.epilogue, call, cutlass=True)
         got = (call.a.dtype, "nk" if call.b.stride(-1) == 1 else "kn", tuple(sorted(dtypes.items())),
-               tuple(sorted(call.consts.items())))
+               _consts_key(call.consts))
         if got != self._expects:
             what = ("A/B dtype", "B layout", "operand dtypes", "cd.Const values")
             diff = [f"{w}: compiled for {e}, called with {g}" for w, e, g in zip(what, self._expects, got) if e != g]
@@ -393,7 +410,7 @@ def call_key(ep: Epilogue, call: Call, operand_dtypes: dict[str, str], out: dict
     is built only on a miss)."""
     outs = tuple((k, v.dtype) for k, v in out.items() if isinstance(v, torch.Tensor)) if out else ()
     return (ep, call.a.dtype, call.b.stride(-1) == 1, tuple(operand_dtypes.items()), outs,
-            tuple(call.consts.items()), deterministic, accumulate)
+            _consts_key(call.consts), deterministic, accumulate)
 
 
 def specialization(ep: Epilogue, call: Call, operand_dtypes: dict[str, str], out: dict | None,
@@ -439,16 +456,16 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
         return traced_gemm(ep, A, B, out, backend, config, deterministic, operands)
     if config is not None and not isinstance(config, (Config, str)):
         raise OperandError(f"{_where(ep)}: config must be a cd.Config or its string form, not {config!r}")
-    tune = _tuning if tune is None else tune
+    tune = _tuning if tune is None else bool(tune)
     options = (backend, config, deterministic, accumulate, tune)
     warm = _warm.get(ep)
     if warm is not None:
         op = warm.get((options, _call_layout(_facts(ep).kinds, A, B, operands, out)))
         if op is not None:
             return op.run(A, B, operands, out)
+    call = _normalize(ep, A, B, operands, out)
     if accumulate and not (out and isinstance(out.get("D"), torch.Tensor)):
         raise checks.fail(_where(ep), "accumulate=True adds into an existing tensor: pass it as out={'D': t}")
-    call = _normalize(ep, A, B, operands)
     use_cutlass = backend == "cutlass" or (backend == "auto" and _cutlass_available(call.a.device))
     if backend == "cutlass":
         checks.require_hopper(_where(ep), call.a.device)
