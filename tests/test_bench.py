@@ -15,7 +15,7 @@ import coda_dsl as cd
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ lives at the repository root
 
 from bench import __main__ as bench_main  # noqa: E402
-from bench import cross_entropy, epilogues, harness  # noqa: E402
+from bench import cross_entropy, epilogues, harness, host_overhead  # noqa: E402
 from bench.harness import FLOOR, Row  # noqa: E402
 
 
@@ -179,3 +179,13 @@ def test_failures_are_reported_and_the_rest_measured(fake_gpu, capsys, monkeypat
     out = capsys.readouterr().out
     assert "- FAILED identity 64×128×32: torch.compile: RuntimeError: boom" in out
     assert "| residual_add | 64×128×32 | coda_dsl fused |" in out
+
+
+def test_host_overhead_python_only_runs_without_a_gpu(monkeypatch, capsys):
+    from coda_dsl.runtime import op as runtime
+    for owner, name in ((runtime.CompiledOp, "load"), (runtime.checks, "require_hopper"), (runtime, "_choose_config")):
+        monkeypatch.setattr(owner, name, getattr(owner, name))  # restored after the script stubs them
+    monkeypatch.setattr(host_overhead, "per_call_us", lambda fn, n: fn() and 1.0)
+    assert host_overhead.main(["--python-only"]) == 0
+    out = capsys.readouterr().out
+    assert "| cd.gemm(A, B, epilogue, ...) | 1.0 |" in out and "| CompiledOp(A, B, ...) | 1.0 |" in out
