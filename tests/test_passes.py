@@ -3,10 +3,10 @@ import pytest
 import torch
 
 import coda_dsl as cd
-from coda_dsl import EpilogueError, UnsupportedError
+from coda_dsl import EpilogueError
 from coda_dsl.ir import graph as ir
 from coda_dsl.passes import Config, specialize
-from coda_dsl.passes.plan import AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, RowBroadcast
+from coda_dsl.passes.plan import AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, Reduction, RowBroadcast
 
 
 def D(program):
@@ -308,21 +308,18 @@ def test_program_without_d_stores_no_d(make_plan):
 
 @pytest.mark.parametrize("kind", ["sum", "max", "min", "amax"])
 @pytest.mark.parametrize("axis", ["n", "m", None])
-def test_reductions_lower_or_say_unsupported(make_plan, kind, axis):
+def test_reductions_lower_to_their_cutlass_node(make_plan, kind, axis):
+    """Each kind and axis becomes one reduction node with its own CUTLASS type and reduce op (the
+    names are inverted: a statistic over n, one per row, is CUTLASS's ColReduction)."""
     def fn(acc, bias: cd.VecN):
         h = acc + bias
         return {"D": h, "r": getattr(cd, kind)(h * h, axis=axis)}
 
-    ep = cd.epilogue(fn)
-    try:
-        plan = make_plan(ep)
-    except UnsupportedError as e:  # today: traced and run on the reference backend only
-        msg = str(e)
-        assert "'fn'" in msg and "reduction" in msg and "test_passes.py:" in msg
-        return
-    # once reductions are lowered: some visitor node is a reduction fed by the value h * h
-    names = " ".join(type(n).__name__ + n.cpp_type() for n in plan.nodes)
-    assert "Reduction" in names, names
+    [r] = [n for n in make_plan(cd.epilogue(fn)).nodes if isinstance(n, Reduction)]
+    assert (r.kind, r.axis) == (kind, axis)
+    node = {"n": "fusion::Sm90ColReduction<", "m": "fusion::Sm90RowReduction<", None: "fusion::Sm90ScalarReduction<"}
+    reduce_op = {"sum": "cutlass::plus", "max": "cutlass::maximum", "min": "cutlass::minimum", "amax": "coda::amax_reduce"}
+    assert r.cpp_type().startswith(f"{node[axis]}{reduce_op[kind]}, "), r.cpp_type()
 
 
 def test_config_roundtrip_and_validation():
