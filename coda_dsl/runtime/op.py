@@ -114,8 +114,9 @@ _MISSING = object()  # its part of a layout, `object`, is no tensor's or number'
 
 
 def _call_layout(kinds: dict[str, str], a, b, operands: dict, out: dict | None) -> tuple:
-    """The layouts of a whole call; a cd.Const by value, since it selects the kernel. A warm call whose
-    layout passed the checks before skips them (only aliasing of outputs with inputs is checked each time)."""
+    """The layouts of a whole call; a cd.Const by its spelling, since it selects the kernel. A warm
+    call whose layout passed the checks before skips them (only aliasing of outputs with inputs is
+    checked each time)."""
     parts = [_layout(a), _layout(b), len(operands)]
     for name, kind in kinds.items():
         v = operands.get(name, _MISSING)
