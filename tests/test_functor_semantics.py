@@ -1,0 +1,165 @@
+"""The generated C++ means what the reference backend means, checked without a compiler: the
+functor bodies of a plan are read as Python (their C++ subset is small: fp32 arithmetic,
+comparisons, `?:`, helper calls, column-pair slots) and the plan's elementwise nodes are run on CPU
+tensors, then compared with cd.gemm(..., backend="reference"). This catches a wrong C++ spelling
+in the op table, swapped operands or pair slots in lowering, and wrong broadcasts, which otherwise
+only the GPU suite could see (and some of which it would not: see the cases below)."""
+from __future__ import annotations
+
+import itertools
+import math
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import coda_dsl as cd
+from coda_dsl.ir.ops import OPS
+from coda_dsl.library import rope_positions, rope_tables, swiglu_keep_preactivation
+from coda_dsl.passes.plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, PairLoad, PairStore,
+                                  RowBroadcast)
+
+# What the C++ helpers and intrinsics stand for, as torch functions on fp32 tensors.
+_ENV = dict(
+    expf=torch.exp, logf=torch.log, sqrtf=torch.sqrt, rsqrtf=torch.rsqrt, tanhf=torch.tanh, sinf=torch.sin,
+    cosf=torch.cos, fabsf=torch.abs, maximum=torch.maximum, minimum=torch.minimum, sigmoid=torch.sigmoid,
+    relu=torch.relu, silu=F.silu, gelu_erf=F.gelu, gelu_tanh=lambda x: F.gelu(x, approximate="tanh"),
+    as_float=lambda b: torch.as_tensor(b).float(), where=lambda c, a, b: torch.where(torch.as_tensor(c), a, b),
+    INFINITY=math.inf, NAN=math.nan,
+    **{f"round_{name}": (lambda d: lambda x: torch.as_tensor(x).to(d).float())(d)
+       for name, d in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32))},
+)
+_REWRITES = [
+    (r"float\(x(\d+)\[2 \* q \+ 1\]\)", r"odd\1"),  # a pair functor's odd and even slots
+    (r"float\(x(\d+)\[2 \* q\]\)", r"even\1"),
+    (r"coda::round_to<cutlass::bfloat16_t>\(", "round_bf16("),
+    (r"coda::round_to<cutlass::half_t>\(", "round_fp16("),
+    (r"coda::round_to<float>\(", "round_fp32("),
+    (r"coda::", ""),
+    (r"\((\w+) != 0\.f \? (\w+) : (\w+)\)", r"where(\1 != 0, \2, \3)"),
+    (r"\bfloat\(", "as_float("),
+    (r"(?<![\w.])(\d+\.\d*(?:e[-+]?\d+)?)f\b", r"\1"),  # 1.0f, 0.f, 1.5e-05f
+    (r"\bp\.(\w+)", r"\1"),
+]
+
+
+def as_python(cpp: str) -> str:
+    for pattern, repl in _REWRITES:
+        cpp = re.sub(pattern, repl, cpp)
+    return cpp
+
+
+def run_functor(functor, inputs: list[torch.Tensor], scalars: dict[str, float]) -> torch.Tensor:
+    """The functor applied to full [M, N] fp32 inputs (a pair functor: to every column pair)."""
+    env = {**_ENV, **{name: torch.tensor(v) for name, v in scalars.items()}}
+    for i, x in enumerate(inputs):
+        env[f"x{i}"], env[f"even{i}"], env[f"odd{i}"] = x, x[..., 0::2], x[..., 1::2]
+    for statement in functor.body:
+        name, expr = re.fullmatch(r"float (t\d+) = (.*);", statement).groups()
+        env[name] = eval(as_python(expr), env)  # noqa: S307 (our own generated code)
+    shape = inputs[0].shape
+    if not functor.pairwise:
+        return torch.broadcast_to(torch.as_tensor(eval(as_python(functor.result), env)).float(), shape)
+    out = torch.empty(shape)
+    out[..., 0::2] = eval(as_python(functor.result), env)
+    out[..., 1::2] = eval(as_python(functor.result_odd), env)
+    return out
+
+
+def run_plan(plan, acc: torch.Tensor, operands: dict, scalars: dict[str, float]) -> dict[str, torch.Tensor]:
+    """The plan's elementwise nodes on CPU: every value as a full [M, N] fp32 tensor."""
+    m, n = acc.shape
+    names = [o[0] for o in plan.outputs]
+    p = {f"s{i}": scalars[s] for i, s in enumerate(plan.scalars)}  # the Scalars struct: p.s0, p.s1, ...
+    values, outs = [], {}
+    for node in plan.nodes:
+        kids = [values[c] for c in node.children]
+        if isinstance(node, (RowBroadcast, ColBroadcast, AuxLoad, PairLoad)):
+            name = plan.inputs[node.input_index]
+            x = operands[name].float()
+            if isinstance(node, PairLoad) or name in plan.widened:
+                x = x.repeat_interleave(2, dim=-1)  # one value per pair, seen in both of its slots
+            v = x.expand(m, n) if isinstance(node, RowBroadcast) else x[:, None].expand(m, n) \
+                if isinstance(node, ColBroadcast) else x
+        elif isinstance(node, AccFetch):
+            v = acc
+        elif isinstance(node, Compute):
+            v = run_functor(node.functor, kids, p)
+        elif isinstance(node, (AuxStore, PairStore)):
+            v = kids[0]
+            outs[names[node.output_index]] = v[..., 0::2] if isinstance(node, PairStore) else v
+        else:
+            raise NotImplementedError(f"{type(node).__name__}: not an elementwise node")
+        values.append(v)
+    if plan.d_dtype:
+        outs["D"] = values[-1]  # a half-width D is a PairStore among the outputs
+    return outs
+
+
+def check(make_plan, ep, operands=None, scalars=None, m=6, n=8, k=16, **signature):
+    """The plan, run on CPU, against the reference backend on the same operands."""
+    torch.manual_seed(0)
+    operands, scalars = operands or {}, scalars or {}
+    a, b = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
+    ref = cd.gemm(a, b, ep, backend="reference", **operands, **scalars)
+    got = run_plan(make_plan(ep, **signature), a.float() @ b.float().t(), operands, scalars)
+    assert set(got) == set(ref)
+    for name, r in ref.items():
+        g = got[name].to(r.dtype).float()
+        assert torch.allclose(g, r.float(), rtol=1e-2, atol=1e-2), f"{ep.name}.{name}: {(g - r.float()).abs().max()}"
+
+
+def test_op_table_cpp_means_the_torch_function():
+    grid = [torch.tensor(v) for v in (-1.5, 0.0, 0.3, 1.0, 2.0)]  # equal operands included (le, ge, eq)
+    for op in OPS.values():
+        names = [f"a{i}" for i in range(op.arity)]
+        expr = as_python(op.cpp.format(*names))
+        for args in itertools.product(grid, repeat=op.arity):
+            got = torch.as_tensor(eval(expr, {**_ENV, **dict(zip(names, args))})).float()  # noqa: S307
+            assert torch.allclose(got, op.torch_fn(*args).float(), equal_nan=True), (op.name, args, op.cpp)
+
+
+@cd.epilogue
+def every_kind_of_op(acc, r: cd.Tensor, t: cd.Scalar):
+    x = acc * 0.5
+    return {"D": cd.where(x > t, x - r, r - x) + (x <= t) * 2.0 + (x == r) * 4.0,
+            "q": cd.cast(cd.gelu(x, approximate="tanh") - cd.minimum(x, r) / (r * r + 1.0), cd.float32)}
+
+
+@cd.epilogue
+def pairs_with_full_width_operands(acc, bias: cd.VecN, rs: cd.VecM, s: cd.Scalar):
+    """A full-width VecN, a VecM and a scalar inside a pair region (the bias must be read per slot)."""
+    even, odd = cd.pairs(acc)
+    y = cd.interleave(even * rs - odd, odd * s + 1.0)
+    return {"D": y * 2.0 + bias, "h": cd.cast(odd - even * s, cd.float32)}
+
+
+@cd.epilogue
+def pair_halves_mixed_with_a_row_value(acc, rs: cd.VecM):
+    even, odd = cd.pairs(acc)
+    return {"D": cd.interleave(even + rs, odd * rs), "same": cd.interleave(even, even)}
+
+
+def test_elementwise_ops(make_plan):
+    check(make_plan, every_kind_of_op, dict(r=torch.randn(6, 8).bfloat16()), dict(t=0.3),
+          output_dtypes={"q": "fp32"})
+
+
+def test_pairs_with_full_width_operands(make_plan):
+    check(make_plan, pairs_with_full_width_operands, dict(bias=torch.randn(8).bfloat16(), rs=torch.randn(6)),
+          dict(s=0.7), operand_dtypes={"rs": "fp32"}, output_dtypes={"h": "fp32"})
+
+
+def test_pair_halves_mixed_with_a_row_value(make_plan):
+    check(make_plan, pair_halves_mixed_with_a_row_value, dict(rs=torch.randn(6).bfloat16()))
+
+
+@pytest.mark.parametrize("ep, operands", [
+    (rope_tables, dict(cos=torch.randn(6, 4).bfloat16(), sin=torch.randn(6, 4).bfloat16())),
+    (rope_positions, dict(pos=torch.arange(6.0), inv_freq=torch.rand(4))),
+    (swiglu_keep_preactivation, {}),
+], ids=lambda x: getattr(x, "name", ""))
+def test_library_pairwise_epilogues(make_plan, ep, operands):
+    dtypes = {name: "fp32" for name, t in operands.items() if t.dtype == torch.float32}
+    check(make_plan, ep, operands, operand_dtypes=dtypes)
