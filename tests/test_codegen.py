@@ -7,6 +7,7 @@ import torch
 
 import coda_dsl as cd
 from coda_dsl.codegen import op_name, render
+from coda_dsl.library import rope_tables
 from coda_dsl.passes import Config
 from coda_dsl.passes.plan import AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, RowBroadcast
 
@@ -256,3 +257,14 @@ def test_render_is_deterministic(make_plan):
 def test_op_name():
     assert op_name(KEY) == "k" + KEY[:20]
     assert re.fullmatch(r"k[0-9a-f]{20}", op_name(KEY))
+
+
+def test_pair_functors_write_both_slots(make_plan):
+    plan, src = emit(make_plan, rope_tables)
+    (f,) = [f for f in plan.functors if f.pairwise]
+    assert f"r[2 * q] = T({f.result});" in src and f"r[2 * q + 1] = T({f.result_odd});" in src
+
+
+def test_accumulate_reads_d_as_the_c_operand(make_plan):
+    _, src = emit(make_plan, bias_gelu, accumulate=True)
+    assert "{evt_args, ptr_D, dD, ptr_D, dD}" in src

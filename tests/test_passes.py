@@ -5,6 +5,7 @@ import torch
 import coda_dsl as cd
 from coda_dsl import EpilogueError
 from coda_dsl.ir import graph as ir
+from coda_dsl.library import rope_tables
 from coda_dsl.passes import Config, specialize
 from coda_dsl.passes.plan import AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, Reduction, RowBroadcast
 
@@ -331,3 +332,64 @@ def test_config_roundtrip_and_validation():
         Config(cluster=(4, 2))
     with pytest.raises(ValueError, match="bad config"):
         Config.parse("128x128")
+
+
+def test_config_key_covers_the_epilogue_tile():
+    tiled = Config(epilogue_tile=(128, 64))
+    assert Config.parse(tiled.key) == tiled and tiled.key != Config().key
+
+
+@cd.epilogue
+def _sub_h_acc(acc, r: cd.Tensor):
+    h = acc + r
+    return {"D": h - acc, "h": h}
+
+
+@cd.epilogue
+def _sub_acc_h(acc, r: cd.Tensor):
+    h = acc + r
+    return {"D": acc - h, "h": h}
+
+
+@cd.epilogue
+def _sum_n(acc):
+    return {"D": acc, "s": cd.sum(acc, axis="n")}
+
+
+@cd.epilogue
+def _sum_m(acc):
+    return {"D": acc, "s": cd.sum(acc, axis="m")}
+
+
+@cd.epilogue
+def _interleave_even_odd(acc):
+    even, odd = cd.pairs(acc)
+    return cd.interleave(even, odd)
+
+
+@cd.epilogue
+def _interleave_even_even(acc):
+    even, _ = cd.pairs(acc)
+    return cd.interleave(even, even)
+
+
+@cd.epilogue
+def _take_one_index(acc, t: cd.VecM):
+    return {"a": cd.take(acc, t), "b": cd.take(acc * 2.0, t)}
+
+
+@cd.epilogue
+def _take_two_indices(acc, t1: cd.VecM, t2: cd.VecM):
+    return {"a": cd.take(acc, t1), "b": cd.take(acc * 2.0, t2)}
+
+
+@pytest.mark.parametrize("first, second", [
+    ((_sub_h_acc, {}), (_sub_acc_h, {})),  # the same nodes, other edges
+    ((_sum_n, {}), (_sum_m, {})),
+    ((_interleave_even_odd, {}), (_interleave_even_even, {})),  # pair functors differ only in the odd slot
+    ((_take_one_index, dict(operand_dtype="i64")), (_take_two_indices, dict(operand_dtype="i64"))),
+    ((rope_tables, {}), (rope_tables, dict(operand_dtype="fp16"))),  # half-width tables of another dtype
+], ids=["edges", "reduction axis", "odd slot", "take index", "pair load dtype"])
+def test_different_kernels_have_different_keys(make_plan, first, second):
+    """Two programs that compute different things must never share a cache entry."""
+    assert make_plan(first[0], **first[1]).key != make_plan(second[0], **second[1]).key

@@ -7,7 +7,9 @@ import torch
 import torch.nn.functional as F
 
 import coda_dsl as cd
+from coda_dsl.codegen import render
 from coda_dsl.library import rms_consumer, rmsnorm_linear
+from coda_dsl.passes import accumulate_into_d, specialize
 from coda_dsl.passes.plan import Reduction, SrcFetch
 from conftest import rel_err as _rel
 
@@ -114,3 +116,47 @@ def test_rmsnorm_linear_matches_f_rms_norm(activation):
     assert _rel(h, h_ref) < 1e-2 and _rel(y, y_ref) < 1e-2
     with pytest.raises(ValueError, match="activation"):
         rms_consumer("swish")
+
+
+@cd.epilogue
+def extremes(acc):
+    return {"D": acc, "mx": cd.max(acc, axis="n"), "mn": cd.min(acc, axis="m"), "s": cd.sum(acc, axis="n")}
+
+
+def test_reduction_identities_atomics_and_strides(make_plan):
+    """Atomic mode: each output is filled with its kind's identity, combined with its kind's atomic, and
+    addressed per row ([M], axis n) or per column ([N], axis m)."""
+    red = {n.kind: n for n in make_plan(extremes).nodes if isinstance(n, Reduction)}
+    assert "fill_(-INFINITY)" in red["max"].cpp_init() and "fill_(INFINITY)" in red["min"].cpp_init()
+    assert "cutlass::atomic_maximum" in red["max"].cpp_type() and "coda::atomic_minimum" in red["min"].cpp_type()
+    assert "{cute::_1{}, cute::_0{}, int64_t(M)}" in red["sum"].cpp_args()
+    assert "{cute::_0{}, cute::_1{}, int64_t(N)}" in red["min"].cpp_args()
+
+
+def test_deterministic_partials_and_combines(make_plan):
+    src = render(make_plan(extremes, deterministic=True), "0" * 24)
+    assert "partial_0_shape = coda::partials<TileShape>(M, N, true)" in src  # mx: one partial per row
+    assert "partial_1_shape = coda::partials<TileShape>(M, N, false)" in src  # mn: one per column
+    assert "coda::finish<coda::Max" in src and "coda::finish<coda::Min" in src
+
+
+def test_accumulate_adds_before_the_one_rounding():
+    """D += cast(x): the sum is rounded once, to D's dtype, not x first and then the sum."""
+    @cd.epilogue
+    def third(acc):
+        return cd.cast(acc * (1.0 / 3.0), cd.bfloat16)
+
+    d = accumulate_into_d(specialize(third.program, {})).output("D").node
+    assert d.op == "add" and all(i.op != "cast" for i in d.inputs)
+
+
+def test_consts_inside_then_are_folded(make_plan):
+    @cd.epilogue
+    def scaled_sum(acc, c: cd.Const):
+        return {"D": acc, "s": cd.sum(acc, axis="n").then(lambda s: s * (c * 2.0))}
+
+    [r] = [n for n in make_plan(scaled_sum, consts={"c": 1.5}).nodes if isinstance(n, Reduction)]
+    assert "3.0f" in r.finish.key()
+    a, b = _ab()
+    s = cd.gemm(a, b, scaled_sum, c=1.5, backend="reference")["s"]
+    assert _rel(s, 3.0 * (a.double() @ b.double().t()).sum(-1)) < 1e-5

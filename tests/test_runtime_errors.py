@@ -494,3 +494,12 @@ def test_const_values_select_kernels_by_spelling(fake_kernels):
     with pytest.raises(OperandError, match="cd.Const values"):
         cd.compile(divided, a, b, c=0.0)(a, b, c=-0.0)
     cd.compile(divided, a, b, c=nan)(a, b, c=float("nan"))  # any NaN is the NaN it was compiled for
+
+
+def test_call_key_tells_b_layouts_and_out_dtypes_apart():
+    """The in-memory cache of specializations: B as [N, K] or as [K, N] storage, and an fp32 or a bf16
+    out["D"], are different kernels."""
+    a, b = ab()
+    key = lambda b, out=None: runtime.call_key(cd.identity, runtime._normalize(cd.identity, a, b, {}, out), {}, out)  # noqa: E731
+    assert key(b) != key(b.t().contiguous().t())
+    assert key(b, {"D": torch.empty(M, N)}) != key(b, {"D": torch.empty(M, N).bfloat16()})
