@@ -1,10 +1,12 @@
 """Shared fixtures of the CPU test suite: fresh random seeds, the relative-error metric, a fake
-toolchain, and a helper that lowers an epilogue into an EVT plan without a GPU."""
+toolchain, a helper that lowers an epilogue into an EVT plan without a GPU, and an epilogue that both
+the CPU functor simulation and the GPU suite check."""
 import random
 
 import pytest
 import torch
 
+import coda_dsl as cd
 from coda_dsl.build import Toolchain
 from coda_dsl.passes import Config, Signature, accumulate_into_d, lower, specialize
 
@@ -55,3 +57,11 @@ def make_plan():
         program = specialize(ep.program, consts or {})
         return lower(accumulate_into_d(program) if sig.accumulate else program, sig)
     return make
+
+
+@cd.epilogue
+def pairs_with_full_width_operands(acc, bias: cd.VecN, rs: cd.VecM, s: cd.Scalar):
+    """Inside one pair functor: a full-width VecN (read per slot), a VecM and a scalar (one per row)."""
+    even, odd = cd.pairs(acc)
+    y = cd.interleave(even * rs - odd, odd * s + 1.0)
+    return {"D": y * 2.0 + bias, "h": cd.cast(odd - even * s, cd.float32)}

@@ -19,6 +19,7 @@ from coda_dsl.ir.ops import OPS
 from coda_dsl.library import rope_positions, rope_tables, swiglu_keep_preactivation
 from coda_dsl.passes.plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, PairLoad, PairStore,
                                   RowBroadcast)
+from conftest import pairs_with_full_width_operands
 
 # What the C++ helpers and intrinsics stand for, as torch functions on fp32 tensors.
 _ENV = dict(
@@ -125,14 +126,6 @@ def every_kind_of_op(acc, r: cd.Tensor, t: cd.Scalar):
     x = acc * 0.5
     return {"D": cd.where(x > t, x - r, r - x) + (x <= t) * 2.0 + (x == r) * 4.0,
             "q": cd.cast(cd.gelu(x, approximate="tanh") - cd.minimum(x, r) / (r * r + 1.0), cd.float32)}
-
-
-@cd.epilogue
-def pairs_with_full_width_operands(acc, bias: cd.VecN, rs: cd.VecM, s: cd.Scalar):
-    """A full-width VecN, a VecM and a scalar inside a pair region (the bias must be read per slot)."""
-    even, odd = cd.pairs(acc)
-    y = cd.interleave(even * rs - odd, odd * s + 1.0)
-    return {"D": y * 2.0 + bias, "h": cd.cast(odd - even * s, cd.float32)}
 
 
 @cd.epilogue

@@ -18,6 +18,7 @@ from coda_dsl.library import (interleave_gate_up, linear_swiglu, rms_consumer, r
                               rope_frequencies, rope_positions, rope_tables, swiglu, swiglu_keep_preactivation)
 from coda_dsl.library.cross_entropy import _backward_softcap_epilogue, _forward_epilogue, ce_backward
 from coda_dsl.runtime import op as runtime
+from conftest import pairs_with_full_width_operands
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU; none visible to torch")
@@ -135,6 +136,8 @@ def _operands(ep, m, n, dtype, batch=None):
         rope_positions: lambda: dict(pos=torch.arange(m, device="cuda", dtype=torch.float32),
                                      inv_freq=rope_frequencies(n, 128).cuda()),
         lse_and_take: lambda: dict(target=_targets(m, n, lead), shift=-1000.0),
+        pairs_with_full_width_operands: lambda: dict(bias=_rand(n, dtype=dtype), rs=_rand(*lead, m, dtype=dtype),
+                                                     s=0.7),
     }
     return make[ep]()
 
@@ -157,7 +160,7 @@ CASES = [
     (rms_consumer(None), torch.bfloat16, "nk"),
 ]
 CASES += [(ep, torch.bfloat16, "nk") for ep in (swiglu, swiglu_keep_preactivation, rope_tables, rope_positions,
-                                                 lse_and_take)]
+                                                 lse_and_take, pairs_with_full_width_operands)]
 # further specializations: (case, compile options)
 VARIANTS = [
     ((row_stats, torch.bfloat16, "nk"), dict(deterministic=True)),
