@@ -21,6 +21,8 @@ from coda_dsl.passes.plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Com
                                   RowBroadcast)
 from conftest import pairs_with_full_width_operands
 
+pytestmark = pytest.mark.usefixtures("seed")  # fresh random data every run
+
 # What the C++ helpers and intrinsics stand for, as torch functions on fp32 tensors.
 _ENV = dict(
     expf=torch.exp, logf=torch.log, sqrtf=torch.sqrt, rsqrtf=torch.rsqrt, tanhf=torch.tanh, sinf=torch.sin,
@@ -100,7 +102,6 @@ def run_plan(plan, acc: torch.Tensor, operands: dict, scalars: dict[str, float])
 
 def check(make_plan, ep, operands=None, scalars=None, m=6, n=8, k=16, **signature):
     """The plan, run on CPU, against the reference backend on the same operands."""
-    torch.manual_seed(0)
     operands, scalars = operands or {}, scalars or {}
     a, b = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
     ref = cd.gemm(a, b, ep, backend="reference", **operands, **scalars)
