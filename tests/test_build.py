@@ -82,6 +82,76 @@ def test_key_stable_and_sensitive(fake, monkeypatch):
     assert k != b.specialization_key("ir: D = acc * 2; bf16; tile 128x256")
 
 
+def test_key_covers_every_version_and_nested_headers(fake, monkeypatch, tmp_path):
+    """A torch or CUTLASS upgrade, or an edit of any csrc header (also in a subfolder), is a new key."""
+    import dataclasses
+    k = b.specialization_key("p")
+    for field, value in (("torch_version", "9.9"), ("cutlass_version", "9.9.9")):
+        monkeypatch.setattr(cache, "toolchain", lambda tc=dataclasses.replace(FAKE_TC, **{field: value}): tc)
+        assert b.specialization_key("p") != k, field
+    monkeypatch.setattr(cache, "toolchain", lambda: FAKE_TC)
+    header = tmp_path / "csrc" / "coda_dsl" / "nested" / "x.h"
+    header.parent.mkdir(parents=True)
+    header.write_text("// one")
+    monkeypatch.setattr(cache, "csrc_dir", lambda: tmp_path / "csrc")
+    cache._sources_digest.cache_clear()
+    try:
+        before = b.specialization_key("p")
+        header.write_text("// two")
+        cache._sources_digest.cache_clear()
+        assert b.specialization_key("p") != before
+    finally:
+        cache._sources_digest.cache_clear()  # recomputed from the real csrc/ once the patch is undone
+
+
+def test_cutlass_checkouts_are_keyed_by_location(tmp_path, monkeypatch):
+    versions = []
+    for name in ("one", "two"):
+        inc = tmp_path / name / "include" / "cutlass"
+        inc.mkdir(parents=True)
+        (inc / "cutlass.h").write_text("")
+        (inc / "version.h").write_text("#define CUTLASS_MAJOR 4\n#define CUTLASS_MINOR 2\n#define CUTLASS_PATCH 0\n")
+        monkeypatch.setenv("CODA_DSL_CUTLASS_DIR", str(tmp_path / name))
+        versions.append(tcmod._find_cutlass()[1])
+    assert versions[0] != versions[1]
+
+
+def test_cuda_home_comes_first(tmp_path, monkeypatch):
+    nvcc = tmp_path / "bin" / "nvcc"
+    nvcc.parent.mkdir()
+    nvcc.write_text("#!/bin/sh\n")
+    nvcc.chmod(0o755)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    assert tcmod._find_nvcc() == (str(nvcc), str(tmp_path))
+
+
+def test_atomic_write_is_world_readable(tmp_path):
+    f = tmp_path / "meta.json"
+    old = os.umask(0o022)
+    try:
+        cache.atomic_write(f, "{}")
+    finally:
+        os.umask(old)
+    assert f.stat().st_mode & 0o777 == 0o644  # a shared cache: other users read the entries
+
+
+def test_clear_keeps_staging_of_live_builds(fake):
+    staging = b.cache_dir() / ".staging"
+    live, crashed = staging / "live", staging / "crashed"
+    for d in (live, crashed):
+        d.mkdir(parents=True)
+    old = time.time() - 2 * 86400
+    os.utime(crashed, (old, old))
+    b.clear_cache()
+    assert live.is_dir() and not crashed.exists()
+
+
+def test_ninja_writes_outputs_through_a_temporary(fake):
+    """A killed compiler must not leave a partial object that ninja counts as built."""
+    text = builder._ninja_file(FAKE_TC, ["k"], False)
+    assert text.count("-o $out.tmp") == 2 and text.count("mv -f $out.tmp $out") == 2
+
+
 def test_cache_dir_env(tmp_path, monkeypatch):
     monkeypatch.setenv("CODA_DSL_CACHE", str(tmp_path / "x" / "y"))
     assert b.cache_dir() == tmp_path / "x" / "y" and b.cache_dir().is_dir()

@@ -9,6 +9,7 @@ import torch
 import coda_dsl as cd
 from coda_dsl import CodaError, OperandError, UnsupportedError
 from coda_dsl.runtime import op as runtime
+from conftest import pairs_with_full_width_operands
 
 M, N, K = 77, 104, 40
 
@@ -503,3 +504,59 @@ def test_call_key_tells_b_layouts_and_out_dtypes_apart():
     key = lambda b, out=None: runtime.call_key(cd.identity, runtime._normalize(cd.identity, a, b, {}, out), {}, out)  # noqa: E731
     assert key(b) != key(b.t().contiguous().t())
     assert key(b, {"D": torch.empty(M, N)}) != key(b, {"D": torch.empty(M, N).bfloat16()})
+
+
+def test_layout_checks_every_stride_and_index_dtype():
+    """A misaligned batch stride (not only the row stride) and int32 cd.take indices are refused."""
+    a = torch.empty(3 * (M * K + 1)).bfloat16().as_strided((3, M, K), (M * K + 1, K, 1))
+    with pytest.raises(OperandError, match="stride"):
+        runtime.checks.tma_layout("here", "A", a)
+
+    @cd.epilogue
+    def gathered(acc, t: cd.VecM):
+        return {"D": acc, "z": cd.take(acc, t)}
+
+    with pytest.raises(OperandError, match="int64"):
+        check(*ab(), ep=gathered, t=torch.zeros(M, dtype=torch.int32))
+
+
+def test_folded_batch_writes_the_callers_out_tensors(fake_kernels):
+    """A 3-D A with a 2-D B runs as one [L*M] GEMM: out= tensors must be views of that block (a copy
+    would leave the caller's tensor unwritten), per-batch VecN operands are refused, and an
+    allocated half-width output is [L, M, N/2]."""
+    a, b = torch.randn(3, M, K).bfloat16(), ab()[1]
+    not_a_view = torch.empty(M, 3, N).bfloat16().transpose(0, 1)
+    with pytest.raises(OperandError, match="cannot be viewed"):
+        cd.gemm(a, b, backend="cutlass", out={"D": not_a_view})
+    bias_per_batch = torch.randn(3, N).bfloat16()
+    with pytest.raises(UnsupportedError, match="per-batch VecN"):
+        cd.gemm(a, b, pairs_with_full_width_operands, backend="cutlass", bias=bias_per_batch,
+                rs=torch.randn(3, M).bfloat16(), s=1.0)
+    out = cd.gemm(a, b, pairs_with_full_width_operands, backend="cutlass", bias=torch.randn(N).bfloat16(),
+                  rs=torch.randn(3, M).bfloat16(), s=1.0)
+    assert out["D"].shape == (3, M, N) and out["h"].shape == (3, M, N // 2)
+
+
+def test_overlapping_views_alias(fake_kernels):
+    a, b = ab()
+    buf = torch.empty(M + 8, N).bfloat16()
+    with pytest.raises(OperandError, match="shares memory with input residual"):
+        cd.gemm(a, b, ep_all, backend="cutlass", out={"D": buf[8:]}, **{**operands(), "residual": buf[:M]})
+
+
+def test_tuning_later_replaces_the_warm_choice(monkeypatch):
+    """A bucket used first without tuning is tuned on a later tune=True call, and calls after that
+    launch the tuned configuration (the warm path forgets its earlier choice)."""
+    chosen, tunings = [], []
+    monkeypatch.setattr(runtime.CompiledOp, "load", lambda self: setattr(
+        self, "_op", lambda *args: chosen.append(self.plan.signature.config)) or self)
+    monkeypatch.setattr(runtime.checks, "require_hopper", lambda where, device: None)
+    tuned = cd.Config((256, 128, 64), (2, 1), "cooperative")
+    monkeypatch.setattr(runtime.tuning, "recorded", lambda *args: None)
+    monkeypatch.setattr(runtime.tuning, "tune", lambda *args, **kw: tunings.append(1) or tuned)
+    for cache in ("_ops", "_configs", "_warm"):  # a fresh process, as far as choices go
+        monkeypatch.setattr(runtime, cache, {})
+    a, b = ab()
+    for tune in (False, True, False):
+        cd.gemm(a, b, backend="cutlass", tune=tune)
+    assert tunings == [1] and chosen == [runtime.tuning.DEFAULT, tuned, tuned]

@@ -44,3 +44,19 @@ def test_tune_uses_a_record_without_building(tmp_path, monkeypatch):
     monkeypatch.setattr(tuning.build, "build_units", lambda units, **kw: built.append(units))
     assert tuning.tune(spec, lambda op: None, torch.device("cpu"), (64, 48, 32, 1)) == best
     assert built == []
+
+
+def test_records_of_other_keys_and_devices_are_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("CODA_DSL_CACHE", str(tmp_path))
+    dev = torch.device("cpu")
+    configs = {("GPU-A", "k1"): Config((256, 128, 64)), ("GPU-A", "k2"): Config((128, 128, 64)),
+               ("GPU-B", "k1"): Config((64, 256, 64), (1, 1), "pingpong")}
+    for (device, plan_key), config in configs.items():
+        tuning._store(device, tuning.record_key(plan_key, tuning.DEFAULT, 100, 200, 300, 1), config, {})
+    for (device, plan_key), config in configs.items():
+        monkeypatch.setattr(tuning, "device_key", lambda d, device=device: device)
+        assert tuning.recorded(dev, plan_key, tuning.DEFAULT, (100, 200, 300, 1)) == config
+
+
+def test_record_key_separates_batch_counts():
+    assert tuning.record_key("k", tuning.DEFAULT, 64, 64, 64, 1) != tuning.record_key("k", tuning.DEFAULT, 64, 64, 64, 4)
