@@ -111,3 +111,29 @@ def test_forward_epilogue_lowers_to_row_nodes():
     for text in ("coda::RowLogSumExp<TileShape>", "coda::RowTake", "coda::finish_logsumexp<",
                  "coda::take_args<Take_z_target>(inputs[0], outputs[1])", "outputs[1].zero_();"):
         assert text in src, text
+
+
+def test_logsumexp_is_per_row_only_and_stable():
+    for axis in ("m", None):
+        with pytest.raises(cd.EpilogueError):
+            @cd.epilogue
+            def per_column(acc):
+                return {"lse": cd.logsumexp(acc, axis=axis)}
+
+    @cd.epilogue
+    def huge(acc):
+        return {"lse": cd.logsumexp(acc * 100.0 + 1000.0)}
+
+    a, b = torch.randn(9, 16), torch.randn(20, 16)
+    lse = cd.gemm(a, b, huge, backend="reference")["lse"]
+    assert torch.isfinite(lse).all() and torch.allclose(lse, torch.logsumexp((a @ b.t()) * 100 + 1000, -1))
+
+
+def test_label_smoothing_spreads_over_all_v_classes():
+    """With equal logits the smoothed loss is log V whatever the logit value (eps/V per class, as torch)."""
+    x = torch.randn(5, 32).bfloat16()
+    w = torch.randn(1, 32).bfloat16().expand(4, 32).contiguous() * 3  # all 4 logits of a row equal
+    t = torch.tensor([0, 1, 2, 3, 1])
+    loss = cd.linear_cross_entropy(x, w, t, label_smoothing=0.1, backend="reference")
+    ref = F.cross_entropy(x.float() @ w.float().t(), t, label_smoothing=0.1)
+    assert abs(loss.item() - ref.item()) < 1e-5

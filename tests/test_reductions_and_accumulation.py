@@ -103,15 +103,16 @@ def test_accumulate_lowers_to_a_source_fetch(make_plan):
     assert make_plan(plain).key != plan.key
 
 
+@pytest.mark.parametrize("eps", [1e-6, 1.0])  # 1.0: eps inside the mean, not scaled with it
 @pytest.mark.parametrize("activation", [None, "silu"])
-def test_rmsnorm_linear_matches_f_rms_norm(activation):
-    m, d, f = 45, 64, 72
-    x, r = torch.randn(m, d).bfloat16(), torch.randn(m, d).bfloat16()
-    w1, w2 = (torch.randn(d, d) / 8).bfloat16(), (torch.randn(f, d) / 8).bfloat16()
+def test_rmsnorm_linear_matches_f_rms_norm(activation, eps):
+    m, d_in, d, f = 45, 48, 64, 72  # W1 not square: the norm is over d, GEMM 1's N
+    x, r = torch.randn(m, d_in).bfloat16(), torch.randn(m, d).bfloat16()
+    w1, w2 = (torch.randn(d, d_in) / 8).bfloat16(), (torch.randn(f, d) / 8).bfloat16()
     gamma = (torch.rand(d) + 0.5).bfloat16()
-    h, y = rmsnorm_linear(x, w1, r, gamma, w2, eps=1e-6, activation=activation, backend="reference")
+    h, y = rmsnorm_linear(x, w1, r, gamma, w2, eps=eps, activation=activation, backend="reference")
     h_ref = x.float() @ w1.float().t() + r.float()
-    y_ref = F.rms_norm(h_ref, (d,), gamma.float(), 1e-6) @ w2.float().t()
+    y_ref = F.rms_norm(h_ref, (d,), gamma.float(), eps) @ w2.float().t()
     y_ref = F.silu(y_ref) if activation else y_ref
     assert _rel(h, h_ref) < 1e-2 and _rel(y, y_ref) < 1e-2
     with pytest.raises(ValueError, match="activation"):

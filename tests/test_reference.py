@@ -437,3 +437,19 @@ def test_torch_compile_with_a_reduction(seed, rel):
     a, w = torch.randn(M, K), torch.randn(N, K)
     s = torch.compile(block, fullgraph=True)(a, w)
     assert s.shape == (M,) and rel(s, acc64(a, w).sum(-1) * 2) <= FP32_TOL
+
+
+def test_interleave_of_a_constant_and_a_finish_without_its_input():
+    """interleave(1.0, x) is [1, x0, 1, x1, ...]; a finishing expression that ignores the statistic still
+    gives one value per row."""
+    @cd.epilogue
+    def ones_between(acc, c: cd.Scalar):
+        even, _ = cd.pairs(acc)
+        return {"D": cd.interleave(1.0, even), "c": cd.sum(acc, axis="n").then(lambda s: c * 2.0)}
+
+    a, b = torch.randn(5, 16), torch.randn(8, 16)
+    out = cd.gemm(a, b, ones_between, c=1.0, backend="reference")
+    expect = torch.ones(5, 8)
+    expect[:, 1::2] = (a @ b.t())[:, 0::2]
+    assert torch.allclose(out["D"].float(), expect, atol=1e-2) and out["c"].shape == (5,)
+    assert torch.equal(out["c"], torch.full((5,), 2.0))
