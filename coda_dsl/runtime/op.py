@@ -102,12 +102,13 @@ def _layout(v) -> object:
 
 
 def _const_key(v) -> object:
-    """A cd.Const by its spelling: -0.0 and 0.0 build different kernels, every NaN the same one."""
-    return (type(v), repr(v)) if isinstance(v, (int, float)) else type(v)
+    """A cd.Const by its spelling: -0.0 and 0.0 build different kernels, every NaN the same one
+    (anything but a number: its type, which the checks refuse)."""
+    return repr(v) if isinstance(v, (int, float)) else type(v)
 
 
 def _consts_key(consts: dict[str, float]) -> tuple:
-    return tuple(sorted((k, repr(v)) for k, v in consts.items()))
+    return tuple(sorted((k, _const_key(v)) for k, v in consts.items()))
 
 
 _MISSING = object()  # its part of a layout, `object`, is no tensor's or number's: it fails the checks
@@ -459,11 +460,10 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
         raise OperandError(f"{_where(ep)}: config must be a cd.Config or its string form, not {config!r}")
     tune = _tuning if tune is None else bool(tune)
     options = (backend, config, deterministic, accumulate, tune)
-    warm = _warm.get(ep)
-    if warm is not None:
-        op = warm.get((options, _call_layout(_facts(ep).kinds, A, B, operands, out)))
-        if op is not None:
-            return op.run(A, B, operands, out)
+    warm_key = (options, _call_layout(_facts(ep).kinds, A, B, operands, out))
+    op = _warm.get(ep, {}).get(warm_key)
+    if op is not None:
+        return op.run(A, B, operands, out)
     call = _normalize(ep, A, B, operands, out)
     if accumulate and not (out and isinstance(out.get("D"), torch.Tensor)):
         raise checks.fail(_where(ep), "accumulate=True adds into an existing tensor: pass it as out={'D': t}")
@@ -484,15 +484,16 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
             raise
         warnings.warn(f"coda_dsl: running on the reference backend (slow): {e}", stacklevel=2)
         return run_reference(ep, call, out, accumulate)
-    op.check_out(folded, _fold_out(out, folded))
-    _remember(_warm.setdefault(ep, {}), (options, _call_layout(_facts(ep).kinds, A, B, operands, out)), op)
-    return op.run(A, B, operands, out)
+    folded_out = _fold_out(out, folded)
+    op.check_out(folded, folded_out)
+    _remember(_warm.setdefault(ep, {}), warm_key, op)
+    return _unfold(op.launch(folded, folded_out), folded)
 
 
 def compile(epilogue: Epilogue, A, B, /, *, out: dict | None = None, config: Config | str | None = None,
             deterministic: bool = False, accumulate: bool = False, **operands) -> CompiledOp:  # noqa: A001
     """Build (or load from cache) the kernel for these operands' dtypes and layouts; returns the op."""
-    call = _normalize(epilogue, A, B, operands)
+    call = _normalize(epilogue, A, B, operands, out)
     if call.a.is_cuda:
         checks.require_hopper(_where(epilogue), call.a.device)
     dtypes = _check_tensors(epilogue, call, cutlass=True)

@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 
 from .. import build
-from ..build.cache import atomic_write
 from ..passes.plan import Config
 
 DEFAULT = Config((128, 256, 64), (2, 1), "cooperative")  # within 2-6 % of cuBLAS at 4096^3-8192^3 (H200)
@@ -64,7 +63,7 @@ def _store(device: str, key: str, config: Config, times: dict[str, float]) -> No
         fcntl.flock(lock, fcntl.LOCK_EX)
         records = _load()
         records.setdefault(device, {})[key] = {"config": config.key, "us": times, "when": time.time()}
-        atomic_write(path, json.dumps(records, indent=1, sort_keys=True))
+        build.atomic_write(path, json.dumps(records, indent=1, sort_keys=True))
 
 
 def record_key(plan_key: str, config: Config, m: int, n: int, k: int, l: int) -> str:
