@@ -25,8 +25,8 @@ pytestmark = pytest.mark.usefixtures("seed")  # fresh random data every run
 
 # What the C++ helpers and intrinsics stand for, as torch functions on fp32 tensors.
 _ENV = dict(
-    expf=torch.exp, logf=torch.log, sqrtf=torch.sqrt, rsqrtf=torch.rsqrt, tanhf=torch.tanh, sinf=torch.sin,
-    cosf=torch.cos, fabsf=torch.abs, maximum=torch.maximum, minimum=torch.minimum, sigmoid=torch.sigmoid,
+    expf=torch.exp, logf=torch.log, sqrtf=torch.sqrt, rsqrtf=torch.rsqrt, tanhf=torch.tanh, fast_sin=torch.sin,
+    fast_cos=torch.cos, fabsf=torch.abs, maximum=torch.maximum, minimum=torch.minimum, sigmoid=torch.sigmoid,
     relu=torch.relu, silu=F.silu, gelu_erf=F.gelu, gelu_tanh=lambda x: F.gelu(x, approximate="tanh"),
     as_float=lambda b: torch.as_tensor(b).float(), where=lambda c, a, b: torch.where(torch.as_tensor(c), a, b),
     INFINITY=math.inf, NAN=math.nan,

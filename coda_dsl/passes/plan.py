@@ -32,13 +32,19 @@ def cpp_float(v: float) -> str:
 
 @dataclass(frozen=True)
 class Config:
-    """Kernel configuration: CTA tile (M, N, K), cluster (M, N), schedule, and the epilogue subtile
-    (M, N) the epilogue works through (None: CUTLASS's choice, 128x32 / 64x32)."""
+    """Kernel configuration: CTA tile (M, N, K), cluster (M, N), schedule, the epilogue subtile (M, N)
+    the epilogue works through (None: CUTLASS's choice, 128x32 / 64x32), and the tile scheduler:
+    the order in which persistent CTAs walk the output tiles (raster "m": down the M tiles first,
+    "n": along N first, "auto": along the shorter side) in swizzled groups of `swizzle` tiles, which
+    keeps one wave's A and B slices in L2, and "streamk" to split the last wave's work along K."""
 
     tile: tuple[int, int, int] = (128, 256, 64)
     cluster: tuple[int, int] = (2, 1)
     schedule: str = "cooperative"  # or "pingpong"
     epilogue_tile: tuple[int, int] | None = None
+    raster: str = "auto"  # "m" | "n" | "auto"
+    swizzle: int = 1  # 1, 2, 4 or 8
+    scheduler: str = "persistent"  # or "streamk"
 
     def __post_init__(self):
         m, n, k = self.tile
@@ -55,23 +61,49 @@ class Config:
             if em != (128 if self.schedule == "cooperative" else 64) or en % 16 or n % en:
                 raise ValueError(f"epilogue tile {self.epilogue_tile}: M must be 128 (cooperative) or 64 "
                                  f"(pingpong), N a multiple of 16 dividing the tile's {n}")
+        if self.raster not in ("auto", "m", "n"):
+            raise ValueError(f"raster must be 'auto', 'm' or 'n', not {self.raster!r}")
+        if self.swizzle not in (1, 2, 4, 8):
+            raise ValueError(f"swizzle must be 1, 2, 4 or 8, not {self.swizzle!r}")
+        if self.scheduler not in ("persistent", "streamk"):
+            raise ValueError(f"scheduler must be 'persistent' or 'streamk', not {self.scheduler!r}")
 
     @property
     def key(self) -> str:
-        epi = f"_e{self.epilogue_tile[0]}x{self.epilogue_tile[1]}" if self.epilogue_tile else ""
-        return f"{'x'.join(map(str, self.tile))}_c{self.cluster[0]}x{self.cluster[1]}_{self.schedule}{epi}"
+        """The string form, e.g. 128x256x64_c2x1_cooperative_e128x64_rm_s8_streamk (defaults left out)."""
+        parts = [f"{'x'.join(map(str, self.tile))}_c{self.cluster[0]}x{self.cluster[1]}_{self.schedule}"]
+        if self.epilogue_tile:
+            parts.append(f"e{self.epilogue_tile[0]}x{self.epilogue_tile[1]}")
+        if self.raster != "auto":
+            parts.append(f"r{self.raster}")
+        if self.swizzle != 1:
+            parts.append(f"s{self.swizzle}")
+        if self.scheduler != "persistent":
+            parts.append(self.scheduler)
+        return "_".join(parts)
 
     @staticmethod
     def parse(text: str) -> "Config":
-        """'128x256x64_c2x1_cooperative[_e128x64]' -> Config (the inverse of .key)."""
+        """'128x256x64_c2x1_cooperative[_e128x64][_rm|_rn][_s8][_streamk]' -> Config (the inverse of .key)."""
         try:
-            tile, cluster, schedule, *epi = text.split("_")
+            tile, cluster, schedule, *rest = text.split("_")
             ints = lambda s: tuple(int(x) for x in s.split("x"))  # noqa: E731
-            return Config(ints(tile), ints(cluster[1:]), schedule,  # type: ignore[arg-type]
-                          ints(epi[0][1:]) if epi else None)  # type: ignore[arg-type]
+            extra: dict = {}
+            for part in rest:
+                if part == "streamk":
+                    extra["scheduler"] = part
+                elif part[0] == "e" and "epilogue_tile" not in extra:
+                    extra["epilogue_tile"] = ints(part[1:])
+                elif part in ("rm", "rn"):
+                    extra["raster"] = part[1]
+                elif part[0] == "s" and part[1:].isdigit():
+                    extra["swizzle"] = int(part[1:])
+                else:
+                    raise ValueError(f"unknown part {part!r}")
+            return Config(ints(tile), ints(cluster[1:]), schedule, **extra)  # type: ignore[arg-type]
         except (ValueError, TypeError, IndexError) as e:
             raise ValueError(f"bad config {text!r}: expected e.g. 128x256x64_c2x1_cooperative or "
-                             f"128x256x64_c2x1_cooperative_e128x64 ({e})") from None
+                             f"128x256x64_c2x1_cooperative_e128x64_rm_s8 ({e})") from None
 
 
 @dataclass(frozen=True)

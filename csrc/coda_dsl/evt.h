@@ -113,7 +113,7 @@ Stride make_stride(int64_t s0, int64_t s1, int64_t s2) {
 
 // The launch path of a GEMM: argument check, workspace from torch's caching allocator (safe under
 // CUDA graph capture), shared-memory attribute set once per device, launch on the current stream.
-template <class Gemm>
+template <class Gemm, bool ZeroWorkspace = false>
 void launch(typename Gemm::Arguments& args, at::Tensor const& like, char const* op_name) {
   using Kernel = typename Gemm::GemmKernel;
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(like.get_device()).stream();
@@ -142,6 +142,15 @@ void launch(typename Gemm::Arguments& args, at::Tensor const& like, char const* 
   if (ws_size > 0) {
     workspace = at::empty({int64_t(ws_size)}, like.options().dtype(at::kByte));
     ws = workspace.data_ptr();
+  }
+  if constexpr (ZeroWorkspace) {
+    // Stream-K's tile flags must start at zero. Zeroing the whole workspace (flags and partials) with the
+    // runtime API, rather than Kernel::initialize_workspace, keeps the epilogue's own workspace set-up
+    // (driver-API fills for reductions, which coda does itself) out of the binary.
+    if (ws_size > 0) {
+      cudaError_t e = cudaMemsetAsync(ws, 0, ws_size, stream);
+      TORCH_CHECK(e == cudaSuccess, op_name, ": workspace memset failed: ", cudaGetErrorString(e));
+    }
   }
   auto params = Kernel::to_underlying_arguments(args, ws);
   status = Gemm::run(params, stream);

@@ -38,6 +38,28 @@ CUTLASS_HOST_DEVICE float fast_tanh(float x) {
   return tanhf(x);
 #endif
 }
+// sin/cos: RoPE angles (position x frequency) reach 1e5 radians, where sinf/cosf take a slow, stack-
+// using path. Reduce to [-pi, pi] first (x - k*2pi in two fma steps, error ~2.4e-7 for |x| < 2^24),
+// then use the hardware units (abs. error ~5e-7 on [-pi, pi]); non-finite x gives NaN, like sinf.
+CUTLASS_HOST_DEVICE float reduce_angle(float x) {
+  float k = rintf(x * 0.159154943091895336f);  // x / 2pi
+  float r = fmaf(-k, 6.28318548202514648f, x);  // 2pi rounded up to fp32 ...
+  return fmaf(-k, -1.74845553146951715e-7f, r);  // ... and the remainder 2pi - that
+}
+CUTLASS_HOST_DEVICE float fast_sin(float x) {
+#ifdef __CUDA_ARCH__
+  return __sinf(reduce_angle(x));
+#else
+  return sinf(x);
+#endif
+}
+CUTLASS_HOST_DEVICE float fast_cos(float x) {
+#ifdef __CUDA_ARCH__
+  return __cosf(reduce_angle(x));
+#else
+  return cosf(x);
+#endif
+}
 CUTLASS_HOST_DEVICE float sigmoid(float x) { return fast_divide(1.f, 1.f + fast_exp(-x)); }
 CUTLASS_HOST_DEVICE float silu(float x) { return fast_divide(x, 1.f + fast_exp(-x)); }
 CUTLASS_HOST_DEVICE float gelu_erf(float x) { return 0.5f * x * (1.f + erff(x * 0.70710678118654752f)); }
