@@ -171,6 +171,10 @@ VARIANTS = [
     # the row nodes under another thread layout: one warp group per 64-row tile
     ((lse_and_take, torch.bfloat16, "nk"), dict(config=cd.Config((64, 256, 64), (1, 1), "pingpong"))),
 ]
+# tile-scheduler options and other tiles: each with reductions + a full-size load, and with pair stores
+SCHEDULER_CONFIGS = ["128x256x64_c2x1_cooperative_s8", "128x256x64_c2x1_cooperative_rm_s4_streamk",
+                     "128x192x64_c2x1_pingpong_s8", "256x128x64_c1x2_cooperative_rn_s2"]
+VARIANTS += [((ep, torch.bfloat16, "nk"), dict(config=c)) for c in SCHEDULER_CONFIGS for ep in (row_stats, swiglu)]
 # the cross-entropy library's kernels: forward variants (smoothing, softcap) and the backward ones
 CE_EPILOGUES = [_forward_epilogue(s, c) for s in (False, True) for c in (None, 30.0)] + \
     [ce_backward, _backward_softcap_epilogue(30.0)]
@@ -407,6 +411,17 @@ def test_torch_compile_fullgraph(kernels):
     compiled = torch.compile(block, fullgraph=True)
     got = compiled(a, b, residual, gamma)
     assert _rel(got, block(a, b, residual, gamma, backend="reference")) <= 1e-2
+
+
+@pytest.mark.parametrize("config", SCHEDULER_CONFIGS)
+@pytest.mark.parametrize("ep", [row_stats, swiglu], ids=lambda e: e.name)
+def test_scheduler_configs(kernels, ep, config):
+    """Swizzled and stream-K tile orders, other tiles and clusters: ragged, tiny and batched problems."""
+    for m, n, k in (RAGGED, (8, 16, 8), (1000, 8200, 4104)):
+        a, b = _ab(m, n, k, torch.bfloat16, "nk")
+        _check(ep, a, b, _operands(ep, m, n, torch.bfloat16), config=config)
+    a, b = _ab(300, 264, 520, torch.bfloat16, "nk", batch=3)
+    _check(ep, a, b, _operands(ep, 300, 264, torch.bfloat16, batch=3), config=config)
 
 
 def test_lse_and_take_other_config(kernels):

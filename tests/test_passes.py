@@ -250,6 +250,9 @@ def test_key_independent_of_user_names(make_plan):
     dict(config=Config(tile=(128, 128, 64))),
     dict(config=Config(cluster=(1, 1))),
     dict(config=Config(tile=(64, 128, 64), schedule="pingpong")),
+    dict(config=Config(raster="m")),
+    dict(config=Config(swizzle=8)),
+    dict(config=Config(scheduler="streamk")),
     dict(consts={"c": 0.25}),
     dict(operand_dtypes={"bias": "fp32"}),
     dict(operand_dtypes={"res": "fp16"}),
@@ -332,6 +335,21 @@ def test_config_roundtrip_and_validation():
         Config(cluster=(4, 2))
     with pytest.raises(ValueError, match="bad config"):
         Config.parse("128x128")
+
+
+@pytest.mark.parametrize("text", ["128x256x64_c2x1_cooperative_rm", "128x256x64_c2x1_cooperative_s8",
+                                  "128x192x64_c2x1_pingpong_e64x64_rn_s2_streamk", "256x128x64_c1x2_cooperative_streamk"])
+def test_config_scheduler_options_round_trip(text):
+    cfg = Config.parse(text)
+    assert cfg.key == text and Config.parse(cfg.key) == cfg
+
+
+@pytest.mark.parametrize("bad", [dict(raster="x"), dict(swizzle=3), dict(scheduler="dynamic")])
+def test_config_scheduler_options_validated(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        Config(**bad)
+    with pytest.raises(ValueError, match="bad config"):
+        Config.parse("128x256x64_c2x1_cooperative_s3")
 
 
 def test_config_key_covers_the_epilogue_tile():

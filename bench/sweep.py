@@ -1,0 +1,114 @@
+"""Kernel configurations against the bare cuBLAS GEMM, one table per epilogue: the data behind the
+default configuration (runtime/tune.py) and its shape rule.
+
+    python -m bench.sweep [--only identity,...] [--configs KEY,...] [--shapes MxNxK,...] [--iters 30]
+
+Every (epilogue, configuration) kernel is built in one parallel ninja run; then, per shape, the
+cuBLAS GEMM and every configuration are timed round-robin (CUDA events, median of rounds, inputs
+rotated past L2). Also prints the name of the kernel cuBLAS runs at each shape (its tile, cluster
+and schedule are in the name). JSON under $OUT or bench/results/ (sweep.json).
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+
+import torch
+
+import coda_dsl as cd
+from coda_dsl.build.cache import valid_output
+from coda_dsl.passes.plan import Config
+from coda_dsl.runtime import op as runtime
+
+from .epilogues import CASES, ROUNDS, _inputs
+from .harness import (Row, fmt, markdown, no_gpu, parser, progress, rel_err, results_only_on_stdout, rotation,
+                      save, shapes, subset, time_us)
+from .harness import command as command_line
+
+LLAMA = ((8192, 4096, 4096), (8192, 6144, 4096), (8192, 14336, 4096), (8192, 4096, 14336),  # 8B: o, qkv, up, down
+         (8192, 28672, 8192), (8192, 8192, 28672))  # 70B: up, down
+SHAPES = {"swiglu": ((8192, 28672, 4096), (8192, 57344, 8192)), "rope": ((8192, 6144, 4096), (8192, 12288, 4096))}
+CONFIGS = ("128x256x64_c2x1_cooperative", "128x256x64_c2x1_cooperative_s8", "128x256x64_c2x1_cooperative_rm_s4",
+           "128x256x64_c2x1_cooperative_s8_streamk", "256x128x64_c2x1_cooperative_s8",
+           "128x256x64_c2x1_cooperative_e128x64_s8", "128x192x64_c2x1_pingpong_s8", "128x128x64_c2x1_pingpong_s8")
+
+
+def cublas_kernel(m: int, n: int, k: int) -> str:
+    """The name of the GPU kernel that `a @ w.t()` runs at this shape."""
+    a, w = _inputs(CASES["identity"], m, n, k)[:2]
+    a @ w.t()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        a @ w.t()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return names[0] if names else "?"
+
+
+def main(argv=None) -> int:
+    p = parser("python -m bench.sweep", __doc__)
+    p.add_argument("--only", type=subset(tuple(CASES)), default=list(CASES), help="epilogues")
+    p.add_argument("--configs", default=",".join(CONFIGS), help="configuration keys, comma-separated")
+    p.add_argument("--shapes", type=shapes, help="MxNxK,... (default: Llama-3 8B/70B projections at 8192 tokens)")
+    p.add_argument("--iters", type=int, default=30, help="timed calls per variant, over all rounds")
+    args = p.parse_args(argv)
+    configs = [Config.parse(c) for c in args.configs.split(",")]
+    if no_gpu():
+        return 1
+    command = command_line("python -m bench.sweep", argv)
+    cases = [CASES[n] for n in args.only]
+    with results_only_on_stdout():
+        a, w = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16), torch.randn(256, 256, device="cuda",
+                                                                                       dtype=torch.bfloat16)
+        ops = {(c.name, cfg.key): cd.compile(c.epilogue, a, w, config=cfg, **c.operands(256, 256))
+               for c in cases for cfg in configs}
+        try:
+            runtime.prebuild(list(ops.values()))
+        except Exception as e:  # noqa: BLE001  measure what built
+            progress(f"builds: {type(e).__name__}: {str(e)[:2000]}")
+    rows, failed, tables = [], [], []
+    for c in cases:
+        header, lines = None, []
+        for shape in args.shapes or SHAPES.get(c.name, LLAMA):
+            m, n, k = shape
+            sets = rotation(lambda: _inputs(c, m, n, k), 2 * (m * k + n * k + m * n))
+            a, w, o = sets[0]
+            ref = c.eager(a, w, **o)
+            ref = ref[0] if isinstance(ref, tuple) else ref
+            variants = {"cuBLAS": lambda a, w, o: a @ w.t()}
+            for cfg in configs:
+                op = ops[c.name, cfg.key]
+                if valid_output(op.unit.key) is None:
+                    failed.append(f"{c.name} {cfg.key}: did not build")
+                    continue
+                try:
+                    err = rel_err(op(a, w, **o)["D"], ref)
+                except Exception as e:  # noqa: BLE001
+                    failed.append(f"{c.name} {cfg.key} {fmt(shape)}: {type(e).__name__}: {e}")
+                    continue
+                if not err < 2e-2:
+                    failed.append(f"{c.name} {cfg.key} {fmt(shape)}: rel. error {err:.3g}")
+                    continue
+                variants[cfg.key] = (lambda op: lambda a, w, o: op(a, w, **o))(op)
+            samples: dict[str, list[float]] = {v: [] for v in variants}
+            for _ in range(ROUNDS):
+                for v, fn in variants.items():
+                    samples[v].append(time_us(fn, sets, max(1, args.iters // ROUNDS)))
+            t = {v: statistics.median(s) for v, s in samples.items()}
+            rows += [Row(c.name, fmt(shape), v, t[v], 2 * m * n * k / t[v] / 1e6, t[v] / t["cuBLAS"]) for v in t]
+            header = header or [cfg.key for cfg in configs]
+            lines.append([fmt(shape), f"{t['cuBLAS']:.0f}", *(f"{t[k] / t['cuBLAS']:.3f}" if k in t else "–"
+                                                               for k in header)])
+            progress(f"{c.name} {fmt(shape)}: " + ", ".join(f"{v} {x:.1f}" for v, x in t.items()))
+        tables.append(f"### {c.name}\n\n" + markdown(["shape", "cuBLAS µs", *header], lines, numeric=1 + len(header)))
+    print("Time / the bare cuBLAS GEMM of the same shape (lower is better):\n")
+    print("\n\n".join(tables))
+    print("\ncuBLAS kernels:\n")
+    print(markdown(["shape", "kernel"], [[fmt(s), cublas_kernel(*s)] for s in args.shapes or LLAMA]))
+    for f in failed:
+        print(f"- FAILED {f}")
+    progress(f"results: {save(rows, 'sweep', command, failed=failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
