@@ -23,6 +23,7 @@ import coda_dsl as cd
 from coda_dsl.build.cache import valid_output
 from coda_dsl.library import rope_frequencies, rope_positions, swiglu
 from coda_dsl.runtime import op as runtime
+from coda_dsl.runtime import tune as tuning
 
 from .harness import (FLOOR, Row, background, compile_label, compile_mode, fmt, markdown, no_gpu, out_dir, parser,
                       progress, rel_err, results_only_on_stdout, rotation, save, shapes, subset, table, time_us)
@@ -30,8 +31,9 @@ from .harness import command as command_line
 
 ROUNDS = 5
 CUBES = tuple((s, s, s) for s in (2048, 4096, 8192))  # M, N, K
-LLAMA3_8B = ((8192, 4096, 4096), (8192, 14336, 4096), (8192, 4096, 14336))  # attention out, FFN up, FFN down
-GENERIC = CUBES + LLAMA3_8B
+LLAMA3_8B = ((8192, 4096, 4096), (8192, 6144, 4096), (8192, 14336, 4096), (8192, 4096, 14336))  # o, qkv, up, down
+LLAMA3_70B = ((8192, 28672, 8192), (8192, 8192, 28672))  # FFN up, FFN down
+GENERIC = CUBES + LLAMA3_8B + LLAMA3_70B
 
 
 @cd.epilogue
@@ -94,11 +96,11 @@ CASES = {
                            _residual_sumsq_eager),
     # pairwise: Llama-3-8B's FFN up projection with gate and up interleaved (N = 2 x 14336), and the
     # fused QKV projection (N = 3 x 4096, head dim 128)
-    "swiglu": Case("swiglu", swiglu, lambda m, n: {}, _swiglu_eager, shapes=((8192, 2 * 14336, 4096),)),
+    "swiglu": Case("swiglu", swiglu, lambda m, n: {}, _swiglu_eager, shapes=((8192, 2 * 14336, 4096), (8192, 2 * 28672, 8192))),
     "rope": Case("rope", rope_positions,
                  lambda m, n: {"pos": torch.arange(m, device="cuda", dtype=torch.float32),
                                "inv_freq": rope_frequencies(n, 128).cuda()}, _rope_eager,
-                 shapes=((8192, 3 * 4096, 4096),)),
+                 shapes=((8192, 6144, 4096), (8192, 3 * 4096, 4096))),
 }
 
 
@@ -123,10 +125,12 @@ def plan_rows(cases: list[Case], shapes=None, autotune=False, dynamic=False) -> 
     return [[c.name, fmt(s), ", ".join(_variants(c, None, None, label))] for c, s in plan(cases, shapes)]
 
 
-def kernels(cases: list[Case]) -> dict:
-    """Each case's kernel, rendered but not built (runtime.prebuild builds them all in one ninja run)."""
+def kernels(todo: list[tuple[Case, tuple]]) -> dict:
+    """Each (case, shape)'s kernel in the configuration cd.gemm picks for that shape untuned, rendered
+    but not built (runtime.prebuild builds them all in one ninja run)."""
     a, w = _r(256, 256), _r(256, 256)
-    return {c.name: cd.compile(c.epilogue, a, w, **c.operands(256, 256)) for c in cases}
+    return {(c.name, s): cd.compile(c.epilogue, a, w, config=tuning.default(*s)[0], **c.operands(256, 256))
+            for c, s in todo}
 
 
 def _inputs(c: Case, m: int, n: int, k: int) -> tuple:
@@ -162,7 +166,7 @@ def run(cases: list[Case], shapes=None, autotune=False, iters=50, tune=False, dy
     kernels (another benchmark's) for the same parallel build. checkpoint(rows, failed) after each
     shape, so that a run stopped by a time limit still leaves its numbers."""
     todo = plan(cases, shapes)
-    ops = kernels(cases)
+    ops = kernels(todo)
     # nvcc (one core per kernel, in subprocesses) builds while torch.compile works in this thread
     built = background(runtime.prebuild, [*ops.values(), *also_build])
     failed: list[str] = []
@@ -171,14 +175,14 @@ def run(cases: list[Case], shapes=None, autotune=False, iters=50, tune=False, dy
         built.result()
     except Exception as e:  # noqa: BLE001  measure what built; a failed kernel would be rebuilt (and fail) per call
         failed.append(f"kernel builds: {type(e).__name__}: {e}")
-        for name, op in ops.items():
+        for (name, s), op in ops.items():
             if valid_output(op.unit.key) is None:
-                failed.append(f"{name}: not measured, its kernel did not build")
-                todo = [(c, s) for c, s in todo if c.name != name]
+                failed.append(f"{name} {fmt(s)}: not measured, its kernel did not build")
+                todo = [t for t in todo if (t[0].name, t[1]) != (name, s)]
     rows = []
     for c, s in todo:
         try:
-            new = _measure(c, s, ops[c.name], *compiled.get((c.name, s), (None, None)),
+            new = _measure(c, s, ops[c.name, s], *compiled.get((c.name, s), (None, None)),
                            compile_label(autotune, dynamic), iters, tune)
         except Exception as e:  # noqa: BLE001
             failed.append(f"{c.name} {fmt(s)}: {type(e).__name__}: {e}")

@@ -38,9 +38,9 @@ def test_dry_run_prints_every_case_shape_and_variant(capsys):
         for s in case.shapes:
             assert f"| {name} | {harness.fmt(s)} |" in out
     assert "8192×28672×4096" in out and "8192×12288×4096" in out  # swiglu, rope: their own shapes only
-    assert out.count("| swiglu |") == 1 and out.count("cuBLASLt fused") == 6  # bias_gelu only
+    assert out.count("| swiglu |") == 2 and out.count("cuBLASLt fused") == 9  # bias_gelu only
     assert "| cross_entropy | 8192×4096×128256 (M×d×V) |" in out
-    assert "26 epilogue measurements" in out
+    assert "40 epilogue measurements" in out
 
 
 def test_dry_run_options(capsys):
@@ -142,8 +142,8 @@ def fake_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(epilogues, "rotation", lambda make, nbytes: [make(), make()])
     monkeypatch.setattr(epilogues, "_r", lambda *s: torch.randn(*s, dtype=torch.bfloat16))
     monkeypatch.setattr(epilogues.runtime, "prebuild", lambda ops: None)
-    monkeypatch.setattr(epilogues, "kernels", lambda cases: {
-        c.name: lambda a, w, ep=c.epilogue, **o: cd.gemm(a, w, ep, backend="reference", **o) for c in cases})
+    monkeypatch.setattr(epilogues, "kernels", lambda todo: {
+        (c.name, s): lambda a, w, ep=c.epilogue, **o: cd.gemm(a, w, ep, backend="reference", **o) for c, s in todo})
     monkeypatch.setattr(cross_entropy, "kernels", lambda shape: [])
     monkeypatch.setattr(cross_entropy, "_inputs", lambda m, d, v: (
         torch.randn(m, d, dtype=torch.bfloat16), torch.randn(v, d, dtype=torch.bfloat16) * d ** -0.5,

@@ -172,8 +172,8 @@ VARIANTS = [
     ((lse_and_take, torch.bfloat16, "nk"), dict(config=cd.Config((64, 256, 64), (1, 1), "pingpong"))),
 ]
 # tile-scheduler options and other tiles: each with reductions + a full-size load, and with pair stores
-SCHEDULER_CONFIGS = ["128x256x64_c2x1_cooperative_s8", "128x256x64_c2x1_cooperative_rm_s4_streamk",
-                     "128x192x64_c2x1_pingpong_s8", "256x128x64_c1x2_cooperative_rn_s2"]
+SCHEDULER_CONFIGS = [runtime.tuning.PINGPONG.key, runtime.tuning.PINGPONG_192.key,
+                     "128x256x64_c2x1_cooperative_rm_s4_streamk", "256x128x64_c1x2_cooperative_rn_s2"]
 VARIANTS += [((ep, torch.bfloat16, "nk"), dict(config=c)) for c in SCHEDULER_CONFIGS for ep in (row_stats, swiglu)]
 # the cross-entropy library's kernels: forward variants (smoothing, softcap) and the backward ones
 CE_EPILOGUES = [_forward_epilogue(s, c) for s in (False, True) for c in (None, 30.0)] + \

@@ -1,10 +1,12 @@
 """Tuning records (CPU): keys, persistence across processes, no rebuild when a record exists."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 import coda_dsl as cd
 from coda_dsl.passes.plan import Config
+from coda_dsl.runtime import op as runtime
 from coda_dsl.runtime import tune as tuning
 
 
@@ -60,3 +62,27 @@ def test_records_of_other_keys_and_devices_are_kept(tmp_path, monkeypatch):
 
 def test_record_key_separates_batch_counts():
     assert tuning.record_key("k", tuning.DEFAULT, 64, 64, 64, 1) != tuning.record_key("k", tuning.DEFAULT, 64, 64, 64, 4)
+
+
+@pytest.mark.parametrize("mnk, expected", [
+    ((8192, 4096, 4096), tuning.PINGPONG), ((8192, 14336, 4096), tuning.PINGPONG),
+    ((8192, 6144, 4096), tuning.PINGPONG_192), ((8192, 12288, 4096), tuning.PINGPONG_192),
+    ((8192, 4096, 14336), tuning.LONG_K), ((8192, 28672, 8192), tuning.LONG_K), ((777, 4104, 1000), tuning.DEFAULT),
+])
+def test_default_config_by_shape(mnk, expected):
+    config, why = tuning.default(*mnk)
+    assert config == expected and why and all(c.swizzle == 8 for c in (config, tuning.DEFAULT))
+
+
+def test_gemm_uses_the_shape_default_and_tells_buckets_apart(monkeypatch):
+    """Two shapes of one bucket (N 6144 and 8192) get the configurations the rule gives each."""
+    chosen = []
+    monkeypatch.setattr(runtime.CompiledOp, "load", lambda self: setattr(
+        self, "_op", lambda *args: chosen.append(self.plan.signature.config)) or self)
+    monkeypatch.setattr(runtime.checks, "require_hopper", lambda where, device: None)
+    monkeypatch.setattr(runtime.tuning, "recorded", lambda *args: None)
+    for cache in ("_ops", "_configs", "_warm"):
+        monkeypatch.setattr(runtime, cache, {})
+    for n in (6144, 8192):
+        cd.gemm(torch.randn(4096, 64).bfloat16(), torch.randn(n, 64).bfloat16(), backend="cutlass")
+    assert chosen == [tuning.PINGPONG_192, tuning.PINGPONG]

@@ -518,13 +518,14 @@ def set_tuning(enabled: bool) -> None:
 def _choose_config(spec, call: Call, tune: bool, key: tuple) -> Config:
     """The recorded choice for this device and shape bucket, else (tuning now if asked) the default.
     Decided once per process and bucket: the warm path reads no file and builds no Signature."""
-    key = (key, tuning.bucket(*call.mnkl))
+    default = tuning.default(*call.mnkl)[0]  # shapes of one bucket may differ in it
+    key = (key, tuning.bucket(*call.mnkl), default)
     choice = _configs.get(key)
     if choice is None or (tune and not choice[1]):
         config = tuning.recorded(call.a.device, spec(tuning.DEFAULT).plan.key, tuning.DEFAULT, call.mnkl)
         if config is None and tune:
             config = tuning.tune(spec, lambda op: op.launch(call, None), call.a.device, call.mnkl)
-        choice = _configs[key] = (config or tuning.DEFAULT, config is not None)
+        choice = _configs[key] = (config or default, config is not None)
         _warm.clear()  # calls that chose before this may now choose otherwise
     return choice[0]
 

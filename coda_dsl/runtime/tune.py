@@ -22,15 +22,40 @@ import torch
 from .. import build
 from ..passes.plan import Config
 
-DEFAULT = Config((128, 256, 64), (2, 1), "cooperative")  # within 2-6 % of cuBLAS at 4096^3-8192^3 (H200)
+DEFAULT = Config((128, 256, 64), (2, 1), "cooperative", swizzle=8)  # shape-free (cd.compile without config=)
+LONG_K = Config((128, 256, 64), (2, 1), "cooperative", swizzle=8)
+PINGPONG = Config((128, 128, 64), (2, 1), "pingpong", swizzle=8)
+PINGPONG_192 = Config((128, 192, 64), (2, 1), "pingpong", swizzle=8)
 CANDIDATES = [
     DEFAULT,
-    Config((128, 256, 64), (2, 1), "cooperative", (128, 64)),  # half the epilogue iterations
-    Config((256, 128, 64), (2, 1), "cooperative"),
-    Config((128, 128, 64), (1, 1), "cooperative"),
-    Config((128, 128, 64), (2, 1), "pingpong"),  # overlaps one tile's epilogue with another's mainloop
-    Config((64, 256, 64), (2, 1), "pingpong"),
+    PINGPONG,
+    PINGPONG_192,
+    Config((128, 256, 64), (2, 1), "cooperative", swizzle=8, scheduler="streamk"),
+    Config((256, 128, 64), (2, 1), "cooperative", swizzle=8),
+    Config((128, 256, 64), (2, 1), "cooperative", (128, 64), swizzle=8),
+    Config((128, 128, 64), (2, 1), "pingpong", swizzle=4),
+    Config((128, 128, 64), (1, 2), "pingpong", swizzle=8),
 ]
+
+
+def default(m: int, n: int, k: int, l: int = 1) -> tuple[Config, str]:
+    """The configuration a call gets without tuning, and why. Measured on the H200 with
+    `python -m bench.sweep` (bench/results/sweep_h200.md), M = 8192, every epilogue of the bench:
+    - swizzle 8 everywhere: one wave's A and B slices stay in L2 (unswizzled, a wave at N >= 14336
+      streams all of B from memory; -2 to -7 % at N = 14336-28672);
+    - K <= 4096: pingpong, whose two warp groups overlap one tile's epilogue with the other's
+      mainloop: 0.94-1.02x cuBLAS, against 1.00-1.09x for the cooperative 128x256 tile; 128x192 where
+      it divides N (6144, 12288: 0.94-0.99x), else 128x128 (a 192 tile at N = 4096: 1.15-1.19x);
+    - K >= 8192: the cooperative 128x256 tile, whose mainloop is the faster one once the epilogue is a
+      small share of the tile's time (70B shapes: 0.99-1.04x, pingpong 1.03-1.32x);
+    - below 4096 x 4096 outputs (not measured yet): the shape-free default."""
+    if m * l * n < 4096 * 4096:
+        return DEFAULT, f"M x N = {m * l} x {n} < 4096 x 4096: the shape-free default"
+    if k >= 8192:
+        return LONG_K, f"K = {k} >= 8192: the mainloop dominates, cooperative 128x256"
+    if n % 192 == 0:
+        return PINGPONG_192, f"K = {k} < 8192: pingpong hides the epilogue; 192 divides N = {n}"
+    return PINGPONG, f"K = {k} < 8192: pingpong hides the epilogue; 192 does not divide N = {n}"
 
 
 def bucket(m: int, n: int, k: int, l: int) -> str:
