@@ -295,9 +295,9 @@ class AuxStore(_Store):
 
 @dataclass
 class PairStore(_Store):
-    """A half-width output ([M, N/2], one value per column pair), stored straight from registers."""
+    """A half-width output ([M, N/2], one value per column pair), staged in shared memory and TMA-stored."""
 
-    NODE, ARGS = "coda::PairStore<{}>", "pair_args"
+    NODE, ARGS = "coda::PairStore<EpilogueDescriptor, {}>", "pair_args"
 
 
 # kind -> (register reduce, warp-shuffle reduce, global atomic reduce, tile combine, identity)

@@ -1,8 +1,8 @@
 // Visitor nodes for half-width operands and outputs of pairwise epilogues (cd.pairs): column pair
 // (2j, 2j+1) of the tile corresponds to column j of an [M, N/2] tensor. Pairwise functors keep a
 // half-width value in both slots of its pair: PairLoad fills both, PairStore writes the even one.
-// Direct predicated accesses from registers, like CUTLASS's Sm90AuxLoad<0> / Sm90AuxStore<0>, but
-// addressed through the element coordinates, since j = n / 2 is not an affine function of n.
+// PairLoad reads straight into registers, like CUTLASS's Sm90AuxLoad<0>, addressed through the element
+// coordinates (j = n / 2 is not an affine function of n); PairStore stages through shared memory.
 #pragma once
 
 #include "coda_dsl/direct.h"
@@ -79,20 +79,87 @@ struct PairLoad : PairNode<Element const*> {
   }
 };
 
-template <class Element>
-struct PairStore : PairNode<Element*> {
-  using Base = PairNode<Element*>;
-  using Base::Base;
+// A half-width output: each thread writes the even slot of its pairs into a [EpiM, EpiN/2] shared-memory
+// tile, which one warp stores with TMA when the collective stores D (same stages, fences and barriers
+// as CUTLASS's Sm90AuxStore); TMA clips the ragged edges. Where the tensor's rows are not 16-byte
+// aligned (TMA's rule: N/2 values of a row must fill 16-byte multiples), the values go straight from
+// registers to global memory instead, predicated per value.
+template <class EpiDesc, class Element>
+struct PairStore {
+  using EpiTile = typename EpiDesc::EpilogueTile;
+  static constexpr int Stages = cutlass::epilogue::collective::detail::AuxStoreDescriptor<
+      EpiDesc, cutlass::layout::RowMajor, Element>::Stages;
+  static constexpr int EpiM = cute::size<0>(EpiTile{});
+  static constexpr int HalfN = cute::size<1>(EpiTile{}) / 2;
+  using SmemLayoutTma = cute::Layout<cute::Shape<cute::Int<EpiM>, cute::Int<HalfN>>, cute::Stride<cute::Int<HalfN>, cute::_1>>;
+  using SmemLayout = cute::Layout<cute::Shape<cute::Int<EpiM>, cute::Int<HalfN>, cute::Int<Stages>>,
+                                  cute::Stride<cute::Int<HalfN>, cute::_1, cute::Int<EpiM * HalfN>>>;
+  using StrideMNL = cute::Stride<int64_t, cute::_1, int64_t>;
+  using TMA = decltype(cute::make_tma_copy(
+      cute::SM90_TMA_STORE{},
+      cute::make_tensor(static_cast<Element*>(nullptr), cute::make_layout(cute::make_shape(0, 0, 0), StrideMNL{})),
+      SmemLayoutTma{}));
 
-  template <class RTensor, class CTensor, class ProblemShapeMNL>
+  struct SharedStorage {
+    alignas(128) cute::array_aligned<Element, cute::cosize_v<SmemLayout>> smem;
+  };
+  using Arguments = PairArguments<Element*>;
+  struct Params {
+    Arguments args;
+    TMA tma;
+    bool use_tma;
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void*) {
+    auto [M, N, K, L] = cute::append<4>(problem_shape, 1);
+    auto aligned = [](int64_t x) { return x * int64_t(sizeof(Element)) % 16 == 0; };
+    bool use_tma = reinterpret_cast<uintptr_t>(args.ptr) % 16 == 0 && aligned(args.ld) && aligned(args.batch);
+    TMA tma{};
+    if (use_tma) {
+      auto t = cute::make_tensor(args.ptr, cute::make_layout(cute::make_shape(int(M), int(N) / 2, int(L)),
+                                                           StrideMNL{args.ld, cute::_1{}, args.batch}));
+      tma = cute::make_tma_copy(cute::SM90_TMA_STORE{}, t, SmemLayoutTma{});
+    }
+    return {args, tma, use_tma};
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const&) { return true; }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) { return 0; }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+
+  CUTLASS_HOST_DEVICE PairStore() {}
+  CUTLASS_HOST_DEVICE PairStore(Params const& params, SharedStorage const& shared)
+      : params_ptr(&params), smem(const_cast<Element*>(shared.smem.data())) {}
+  Params const* params_ptr = nullptr;
+  Element* smem = nullptr;
+
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
+  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
+  template <class... Args>
+  CUTLASS_DEVICE auto get_producer_load_callbacks(cutlass::epilogue::fusion::ProducerLoadArgs<Args...> const&) {
+    return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
+  }
+
+  template <class RTensor, class LTensor, class CTensor, class ProblemShapeMNL, class STensor, class GTensor>
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE ConsumerStoreCallbacks(RTensor&& r, CTensor&& c, ProblemShapeMNL shape, PairStore const* node)
-        : tC_rAux(cute::forward<RTensor>(r)), tC_cAux(cute::forward<CTensor>(c)), problem_shape_mnl(shape),
+    CUTLASS_DEVICE ConsumerStoreCallbacks(RTensor&& r, LTensor&& local, CTensor&& c, ProblemShapeMNL shape,
+                                          STensor&& s, GTensor&& g, PairStore const* node)
+        : tC_rAux(cute::forward<RTensor>(r)), tC_lAux(cute::forward<LTensor>(local)), tC_cAux(cute::forward<CTensor>(c)),
+          problem_shape_mnl(shape), bSG_sAux(cute::forward<STensor>(s)), bSG_gAux(cute::forward<GTensor>(g)),
           node(node) {}
 
     RTensor tC_rAux;  // this thread's values of the current epilogue subtile
-    CTensor tC_cAux;  // their (m, n, l) coordinates, per subtile
+    LTensor tC_lAux;  // their (m, n) within a subtile
+    CTensor tC_cAux;  // their (m, n, l) in the problem, per subtile (the direct path)
     ProblemShapeMNL problem_shape_mnl;
+    STensor bSG_sAux;  // (TMA, TMA_M, TMA_N, PIPE)
+    GTensor bSG_gAux;  // (TMA, TMA_M, TMA_N, EPI_M, EPI_N)
     PairStore const* node;
 
     template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
@@ -105,22 +172,61 @@ struct PairStore : PairNode<Element*> {
       return frg_input;
     }
 
+    CUTLASS_DEVICE void postreduce(int, int, int store_iteration, bool issue_smem_store) {
+      if (!node->params_ptr->use_tma || !issue_smem_store) return;
+      Element* stage = node->smem + (store_iteration % Stages) * (EpiM * HalfN);
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < cute::size(tC_rAux); ++k) {
+        auto c = tC_lAux(k);
+        if ((cute::get<1>(c) & 1) == 0) stage[cute::get<0>(c) * HalfN + cute::get<1>(c) / 2] = tC_rAux(k);
+      }
+    }
+
+    CUTLASS_DEVICE void tma_store(int epi_m, int epi_n, int store_iteration, bool issue_tma_store) {
+      if (node->params_ptr->use_tma && issue_tma_store) {
+        cute::copy(node->params_ptr->tma, bSG_sAux(cute::_, cute::_, cute::_, store_iteration % Stages),
+                   bSG_gAux(cute::_, cute::_, cute::_, epi_m, epi_n));
+      }
+    }
+
     CUTLASS_DEVICE void end_loop(int epi_m, int epi_n) {
+      if (node->params_ptr->use_tma) return;
       cute::Tensor coords = tC_cAux(cute::_, cute::_, cute::_, epi_m, epi_n);
+      Arguments const& a = node->params_ptr->args;
       CUTLASS_PRAGMA_UNROLL
       for (int k = 0; k < cute::size(tC_rAux); ++k) {
         auto c = coords(k);
         if ((cute::get<1>(c) & 1) == 0 && cute::elem_less(c, problem_shape_mnl)) {
-          node->params_ptr->ptr[node->offset(c)] = tC_rAux(k);
+          a.ptr[cute::get<2>(c) * a.batch + cute::get<0>(c) * a.ld + cute::get<1>(c) / 2] = tC_rAux(k);
         }
       }
     }
   };
 
   template <bool ReferenceSrc, class... Args>
-  CUTLASS_DEVICE auto get_consumer_store_callbacks(
-      cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
-    return Base::template callbacks<ConsumerStoreCallbacks, Element, ReferenceSrc>(this, args);
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
+    using namespace cute;
+    auto [M, N, K, L] = args.problem_shape_mnkl;
+    auto [m, n, k, l] = args.tile_coord_mnkl;
+    auto [tC_cAux, shape_mnl] = thread_coordinates<ReferenceSrc>(args);
+    Tensor tC_rAux = make_tensor<Element>(take<0, 3>(shape(tC_cAux)));
+    // (m, n) of each value within its subtile: the same for every subtile, so subtile (0, 0)'s
+    Tensor tC_cTile = cutlass::epilogue::fusion::sm90_partition_for_epilogue<ReferenceSrc>(
+        make_identity_tensor(take<0, 2>(args.tile_shape_mnk)), args.epi_tile, args.tiled_copy, args.thread_idx);
+    Tensor tC_lAux = tC_cTile(_, _, _, 0, 0);
+
+    Tensor mAux = params_ptr->tma.get_tma_tensor(make_shape(int(M), int(N) / 2, int(L)));
+    Tensor gAux = local_tile(mAux, make_shape(get<0>(args.tile_shape_mnk), get<1>(args.tile_shape_mnk) / _2{}),
+                             make_coord(m, n, l));
+    Tensor gAux_epi = flat_divide(gAux, make_shape(Int<EpiM>{}, Int<HalfN>{}));  // (EpiM, HalfN, EPI_M, EPI_N)
+    Tensor sAux_epi = make_tensor(make_smem_ptr(smem), SmemLayout{});          // (EpiM, HalfN, PIPE)
+    auto thrblk_s2g = params_ptr->tma.get_slice(_0{});
+    Tensor bSG_sAux = thrblk_s2g.partition_S(sAux_epi);
+    Tensor bSG_gAux = thrblk_s2g.partition_D(gAux_epi);
+    return ConsumerStoreCallbacks<decltype(tC_rAux), decltype(tC_lAux), decltype(tC_cAux), decltype(shape_mnl),
+                                  decltype(bSG_sAux), decltype(bSG_gAux)>(
+        cute::move(tC_rAux), cute::move(tC_lAux), cute::move(tC_cAux), shape_mnl, cute::move(bSG_sAux),
+        cute::move(bSG_gAux), this);
   }
 };
 
