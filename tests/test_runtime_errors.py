@@ -712,3 +712,13 @@ def test_compile_refuses_cpu_tensors_at_once(fake_kernels, monkeypatch):
     with pytest.raises(UnsupportedError, match="needs CUDA tensors"):
         op(a, b, residual=r)
     assert not fake_kernels and op._op is None
+
+
+def test_empty_outputs_alias_nothing(fake_kernels):
+    """With M = 0 every tensor of the call stores nothing (data pointer 0): that is no aliasing."""
+    a, b = ab(m=0)
+    r = torch.empty(0, N, dtype=torch.bfloat16)
+    out = {"D": torch.empty(0, N, dtype=torch.bfloat16), "aux": torch.empty(0, N, dtype=torch.bfloat16)}
+    for backend in ("cutlass", "reference"):
+        res = cd.gemm(a, b, two_outputs, backend=backend, out=out, residual=r)
+        assert res["D"] is out["D"] and res["aux"] is out["aux"]
