@@ -100,8 +100,8 @@ def test_the_model_is_conservative_against_cutlass(ep, options, epilogue_bytes, 
 EXAMPLES = [(examples.residual_rms, {}), (examples.bias_gelu, {}), (examples.leaky_relu, {"slope": 0.1}),
             (gated.swiglu, {}), (gated.geglu, {}), (gated.reglu, {}), (gated.swiglu_keep_preactivation, {}),
             (rmsnorm.rms_producer, {}), (rmsnorm.rms_consumer("silu"), {}), (rope.rope_tables, {}),
-            (rope.rope_positions, {}), (cross_entropy.ce_backward, {}), (cross_entropy._forward_epilogue(True, 30.0), {}),
-            (cross_entropy._backward_softcap_epilogue(30.0), {})]
+            (rope.rope_positions, {}), (cross_entropy.ce_backward, {}),
+            (cross_entropy._forward_epilogue(True, 30.0), {}), (cross_entropy._backward_softcap_epilogue(30.0), {})]
 
 
 @pytest.mark.parametrize("ep, consts", EXAMPLES, ids=lambda x: getattr(x, "name", ""))
@@ -110,7 +110,7 @@ def test_examples_fit_at_the_default_config_unchanged(make_plan, ep, consts, ope
     dtypes = {p.name: "i64" for p in ep.params if p.name == "target"}
     for accumulate in (False, True) if ep.program.outputs[0].name == "D" else (False,):
         plan = make_plan(ep, consts=consts, operand_dtype=operand_dtype, operand_dtypes=dtypes, accumulate=accumulate)
-        assert plan.signature.config == tuning.DEFAULT and smem.usage(plan).fits
+        assert plan.signature.config == tuning.DEFAULT and smem.usage(plan).fits and smem.fit(plan) is plan
 
 
 def test_tuning_skips_candidates_that_cannot_fit(tmp_path, monkeypatch):

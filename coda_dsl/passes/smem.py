@@ -81,11 +81,14 @@ def usage(plan: Plan, config: Config | None = None) -> Usage:
     names = dict(enumerate(plan.inputs))
     for n in plan.nodes:
         if isinstance(n, AuxLoad):
-            parts.append((f"operand '{names[n.input_index]}' (cd.Tensor, {n.dtype})", _round(stages_c * sub * _bytes(n.dtype))))
+            what, elements = f"operand '{names[n.input_index]}' (cd.Tensor, {n.dtype})", stages_c * sub
         elif isinstance(n, AuxStore):
-            parts.append((f"output '{plan.outputs[n.output_index][0]}' ({n.dtype})", _round(stages_d * sub * _bytes(n.dtype))))
-        elif isinstance(n, RowBroadcast):
-            parts.append((f"operand '{names[n.input_index]}' (cd.VecN, {n.dtype})", _round(tn * _bytes(n.dtype))))
+            what, elements = f"output '{plan.outputs[n.output_index][0]}' ({n.dtype})", stages_d * sub
+        elif isinstance(n, RowBroadcast):  # one CTA tile's row of the vector
+            what, elements = f"operand '{names[n.input_index]}' (cd.VecN, {n.dtype})", tn
+        else:
+            continue  # no shared memory of its own
+        parts.append((what, _round(elements * _bytes(n.dtype))))
     # SharedStorage {TensorStorage {collective; fusion tuple} tensors; PipelineStorage pipeline;}, each struct
     # padded to its alignment (at most _ALIGN); each buffer was rounded up to _ALIGN above, which covers the
     # padding before the next. cute::tuple stores no empty member, but a fusion tuple of nothing but empty
