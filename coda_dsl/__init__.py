@@ -13,7 +13,7 @@ import torch as _torch
 from .dsl import Acc, Const, Epilogue, Scalar, Tensor, VecM, VecN, epilogue, identity
 from .dsl.ops import (abs, amax, cast, cos, exp, gelu, interleave, log, logsumexp, max, maximum, min, minimum,
                       pairs, relu, rsqrt, sigmoid, silu, sin, sqrt, sum, take, tanh, where)
-from .errors import CodaError, EpilogueError, OperandError, UnsupportedError
+from .errors import CodaError, EpilogueError, OperandError, SharedMemoryError, UnsupportedError
 from .passes.plan import Config
 from .runtime import CompiledOp, compile, gemm, prebuild, set_tuning
 

@@ -15,3 +15,7 @@ class OperandError(CodaError, ValueError):
 
 class UnsupportedError(CodaError, NotImplementedError):
     """Valid request that this version cannot run (e.g. not an sm_90 GPU)."""
+
+
+class SharedMemoryError(UnsupportedError):
+    """A kernel whose buffers cannot fit in a block's shared memory at any config tried (raised before nvcc)."""

@@ -354,7 +354,7 @@ def test_reference_backend_needs_no_alignment(rel):
     assert rel(d, ref) <= 1e-2
 
 
-def test_compiled_op_rejects_other_operands():
+def test_compiled_op_rejects_other_operands(fake_kernels):
     """A kept op reads memory as the types it was compiled for: another dtype, B layout, operand
     dtype or Const value is an error, not a silent reinterpretation (checked before any launch)."""
     @cd.epilogue
@@ -374,7 +374,7 @@ def test_compiled_op_rejects_other_operands():
         acc_op(a, b, bias=bias, c=2.0)
 
 
-def test_batched_gemm_rejects_an_unbatched_tensor_operand():
+def test_batched_gemm_rejects_an_unbatched_tensor_operand(fake_kernels):
     """The kernel reads one [M, N] slice per batch: a 2-D operand of a batched GEMM would be read
     past its end (the reference backend broadcasts it), so the cutlass backend refuses it."""
     @cd.epilogue
@@ -560,3 +560,165 @@ def test_tuning_later_replaces_the_warm_choice(monkeypatch):
     for tune in (False, True, False):
         cd.gemm(a, b, backend="cutlass", tune=tune)
     assert tunings == [1] and chosen == [runtime.tuning.default(M, N, K)[0], tuned, tuned]
+
+
+# ---- issue 10, item 7: call-path defects ------------------------------------------------------------
+
+REQUIRE_HOPPER = runtime.checks.require_hopper  # the real one (fake_kernels replaces it)
+
+
+@cd.epilogue
+def two_outputs(acc, residual: cd.Tensor):
+    return {"D": acc + residual, "aux": acc * 2.0}
+
+
+def cutlass_and_reference(fake_kernels):
+    """cd.gemm on both backends (the cutlass one with fake kernels, on CPU tensors)."""
+    return {"reference": lambda *a, **k: cd.gemm(*a, backend="reference", **k),
+            "cutlass": lambda *a, **k: cd.gemm(*a, backend="cutlass", **k)}
+
+
+@pytest.mark.parametrize("name, bad", [("residual", (1, M, N)), ("bias", (1, N)), ("scale", (1, M))])
+def test_unbatched_call_refuses_batch_of_one_operands(fake_kernels, name, bad):
+    """A 2-D call has no batch: a [1, ...] operand would make [1, M, N] outputs; it is refused on both
+    backends, while a batched call of one batch takes it."""
+    a, b = ab()
+    ops = {**operands(), name: torch.randn(bad).bfloat16()}
+    for call in cutlass_and_reference(fake_kernels).values():
+        with pytest.raises(OperandError, match=rf"operand '{name}' has shape .*the call is not batched"):
+            call(a, b, ep_all, **ops)
+    d = cd.gemm(a[None], b[None], ep_all, backend="reference", **ops)["D"]
+    assert d.shape == (1, M, N)
+
+
+@pytest.mark.parametrize("batched_b", [True, False])
+def test_take_with_a_shared_index_in_a_batched_call(batched_b, seed):
+    @cd.epilogue
+    def picked(acc, index: cd.VecM):
+        return {"D": acc, "t": cd.take(acc, index, axis="n")}
+
+    a = torch.randn(3, M, K)
+    b = torch.randn(3, N, K) if batched_b else torch.randn(N, K)
+    index = torch.randint(-2, N + 2, (M,))
+    t = cd.gemm(a, b, picked, backend="reference", index=index)["t"]
+    acc = a @ b.transpose(-1, -2)
+    inside = (index >= 0) & (index < N)
+    expected = torch.where(inside, acc[:, torch.arange(M), index.clamp(0, N - 1)], 0.0)
+    assert t.shape == (3, M) and torch.allclose(t, expected, atol=1e-4)
+
+
+@cd.epilogue
+def statistics(acc, index: cd.VecM):
+    return {"D": acc, "mx": cd.max(acc, axis="n"), "mn": cd.min(acc, axis="m"), "am": cd.amax(acc),
+            "s": cd.sum(acc, axis="n"), "t": cd.take(acc, index, axis="n")}
+
+
+@pytest.mark.parametrize("m, n, empty", [(M, 0, "'mx' is a cd.max over axis 'n'"),
+                                         (0, N, "'mn' is a cd.min over axis 'm'")])
+def test_max_over_an_empty_axis_is_an_error(fake_kernels, m, n, empty):
+    """Like torch.amax: the max/min/amax of no values is undefined; a clear error on both backends."""
+    a, b = torch.randn(m, K).bfloat16(), torch.randn(n, K).bfloat16()
+    for call in cutlass_and_reference(fake_kernels).values():
+        with pytest.raises(OperandError, match=f"{empty}, which is empty here"):
+            call(a, b, statistics, index=torch.zeros(m, dtype=torch.long))
+
+
+def test_empty_axes_that_have_a_value():
+    """cd.sum over an empty axis is 0 and cd.take of an empty row gives 0 (every index is outside);
+    a max over n of no rows is simply empty."""
+    @cd.epilogue
+    def row_stats(acc, index: cd.VecM):
+        return {"s": cd.sum(acc, axis="n"), "t": cd.take(acc, index, axis="n"), "c": cd.sum(acc, axis="m")}
+
+    res = cd.gemm(torch.randn(M, K), torch.randn(0, K), row_stats, backend="reference",
+                  index=torch.zeros(M, dtype=torch.long))
+    assert torch.equal(res["s"], torch.zeros(M)) and torch.equal(res["t"], torch.zeros(M)) and res["c"].shape == (0,)
+    res = cd.gemm(torch.randn(0, K), torch.randn(N, K), row_stats, backend="reference",
+                  index=torch.zeros(0, dtype=torch.long))
+    assert res["s"].shape == (0,) and torch.equal(res["c"], torch.zeros(N))
+
+
+@pytest.mark.parametrize("backend", ["reference", "cutlass"])
+def test_outputs_that_alias_each_other_are_refused(fake_kernels, backend):
+    """One tensor for two outputs would leave D holding aux's values: refused on every call, warm too."""
+    a, b = ab()
+    r = torch.randn(M, N).bfloat16()
+    call = cutlass_and_reference(fake_kernels)[backend]
+    d, aux = torch.empty(M, N, dtype=torch.bfloat16), torch.empty(M, N, dtype=torch.bfloat16)
+    call(a, b, two_outputs, out={"D": d, "aux": aux}, residual=r)  # valid: this layout is now warm
+    halves = torch.empty(2, M, N, dtype=torch.bfloat16)
+    for out in ({"D": d, "aux": d}, {"D": halves[0], "aux": halves[1]}):
+        with pytest.raises(OperandError, match=r"out\['aux'\] shares memory with out\['D'\]"):
+            call(a, b, two_outputs, out=out, residual=r)
+    if backend == "cutlass":
+        op = cd.compile(two_outputs, a, b, residual=r)
+        with pytest.raises(OperandError, match="shares memory with out"):
+            op(a, b, out={"D": d, "aux": d}, residual=r)
+
+
+@pytest.mark.parametrize("bad_aux", ["shape", "stride0", "grad"])
+def test_a_refused_call_writes_no_output(bad_aux):
+    """Every output is checked before the reference backend writes the first one."""
+    a, b = ab()
+    d = torch.zeros(M, N, dtype=torch.bfloat16)
+    aux = {"shape": torch.empty(M, N + 1, dtype=torch.bfloat16),
+           "stride0": torch.empty(N, dtype=torch.bfloat16).expand(M, N),
+           "grad": torch.empty(M, N, dtype=torch.bfloat16, requires_grad=True)}[bad_aux]
+    with pytest.raises(OperandError, match=r"out\['aux'\]"):
+        cd.gemm(a, b, two_outputs, backend="reference", out={"D": d, "aux": aux}, residual=torch.randn(M, N).bfloat16())
+    assert not d.any()
+
+
+@pytest.mark.parametrize("backend", ["reference", "cutlass"])
+def test_bad_arguments_are_operand_errors(fake_kernels, backend):
+    """Arguments that used to end in a bare TypeError/RuntimeError (or were ignored) are OperandErrors."""
+    a, b = ab()
+    r = torch.randn(M, N).bfloat16()
+    call = cutlass_and_reference(fake_kernels)[backend]
+    good = {"D": torch.empty(M, N, dtype=torch.bfloat16), "aux": torch.empty(M, N, dtype=torch.bfloat16)}
+    call(a, b, two_outputs, out=good, residual=r)  # valid: this layout is now warm
+    cases = [
+        (dict(deterministic=[1]), "deterministic must be True or False"),
+        (dict(accumulate="yes"), "accumulate must be True or False"),
+        (dict(config="garbage"), "bad config 'garbage'"),
+        (dict(config="128x256x64_c2x1_bogus"), "schedule must be"),
+        (dict(out={"D": torch.empty(N, dtype=torch.bfloat16).expand(M, N)}), "stride 0"),
+        (dict(out={**good, "D": good["D"].clone().requires_grad_()}), "requires grad"),  # warm layout otherwise
+    ]
+    for kw, words in cases:
+        with pytest.raises(OperandError, match=words):
+            call(a, b, two_outputs, residual=r, **kw)
+    with pytest.raises(OperandError, match="sparse"):
+        call(torch.randn(2, M, K).bfloat16().to_sparse(), torch.randn(2, N, K).bfloat16(), two_outputs,
+             residual=torch.randn(2, M, N).bfloat16())
+    with pytest.raises(OperandError, match="sparse"):
+        call(a, b, two_outputs, residual=r.to_sparse())
+
+
+def test_compile_refuses_cpu_tensors_at_once(fake_kernels, monkeypatch):
+    """cd.compile on CPU tensors gives cd.gemm(backend="cutlass")'s error, not an op whose first call
+    runs a long build and then fails; an op called with CPU tensors is refused before any build."""
+    monkeypatch.setattr(runtime.checks, "require_hopper", REQUIRE_HOPPER)
+    a, b = ab()
+    r = torch.randn(M, N).bfloat16()
+    with pytest.raises(UnsupportedError) as compiled:
+        cd.compile(two_outputs, a, b, residual=r)
+    with pytest.raises(UnsupportedError) as called:
+        cd.gemm(a, b, two_outputs, backend="cutlass", residual=r)
+    assert str(compiled.value) == str(called.value) and "needs CUDA tensors" in str(called.value)
+    monkeypatch.setattr(runtime.checks, "require_hopper", lambda where, device: None)
+    op = cd.compile(two_outputs, a, b, residual=r)
+    monkeypatch.setattr(runtime.checks, "require_hopper", REQUIRE_HOPPER)
+    with pytest.raises(UnsupportedError, match="needs CUDA tensors"):
+        op(a, b, residual=r)
+    assert not fake_kernels and op._op is None
+
+
+def test_empty_outputs_alias_nothing(fake_kernels):
+    """With M = 0 every tensor of the call stores nothing (data pointer 0): that is no aliasing."""
+    a, b = ab(m=0)
+    r = torch.empty(0, N, dtype=torch.bfloat16)
+    out = {"D": torch.empty(0, N, dtype=torch.bfloat16), "aux": torch.empty(0, N, dtype=torch.bfloat16)}
+    for backend in ("cutlass", "reference"):
+        res = cd.gemm(a, b, two_outputs, backend=backend, out=out, residual=r)
+        assert res["D"] is out["D"] and res["aux"] is out["aux"]

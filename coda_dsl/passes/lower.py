@@ -18,7 +18,7 @@ from fractions import Fraction
 from ..errors import EpilogueError, UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import OPS
-from . import widths
+from . import smem, widths
 from .plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, EvtNode, Functor, LogSumExp, PairLoad,
                    PairStore, Plan, Reduction, RowBroadcast, Signature, SrcFetch, Take, cpp_element,
                    cpp_float)
@@ -245,4 +245,5 @@ class _Lowering:
 
 
 def lower(program: ir.Program, sig: Signature) -> Plan:
-    return _Lowering(program, sig, validate(program)).run()
+    """The plan of `program`, at a config whose kernel fits in shared memory (see smem.fit)."""
+    return smem.fit(_Lowering(program, sig, validate(program)).run())

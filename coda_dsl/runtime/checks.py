@@ -25,16 +25,38 @@ def dtype_of(t: torch.Tensor, where: str, name: str, index: bool = False) -> str
     return d
 
 
-def tensor(where: str, name: str, t, shape: tuple, device: torch.device | None = None, meaning: str = "") -> None:
-    """Shape and device of a tensor operand ([M, N] may also be [L, M, N]; vectors [X] or [L, X]).
+def dense(where: str, name: str, t: torch.Tensor) -> None:
+    """Strided (dense) tensors only: the checks and the kernel read strides and data pointers."""
+    if t.layout != torch.strided:
+        raise fail(where, f"{name} is a {t.layout} tensor; coda_dsl reads dense (strided) tensors only",
+                   f"pass {name}.to_dense()")
+
+
+def tensor(where: str, name: str, t, shape: tuple, device: torch.device | None = None, meaning: str = "",
+           batch: int | None = None) -> None:
+    """Shape and device of a tensor operand: `shape`, or [batch, *shape] in a batched call (batch given).
     `meaning` says what the shape stands for, for the fix line."""
     if not isinstance(t, torch.Tensor):
         raise fail(where, f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if tuple(t.shape) not in (shape[1:], shape) if len(shape) > 1 else tuple(t.shape) != shape:
-        raise fail(where, f"{name} has shape {list(t.shape)}, expected {list(shape[1:])}"
-                   + (f" or {list(shape)}" if len(shape) > 1 and shape[0] != 1 else ""), meaning)
+    dense(where, name, t)
+    got = tuple(t.shape)
+    if got != shape and (batch is None or got != (batch, *shape)):
+        raise fail(where, f"{name} has shape {list(got)}, expected {list(shape)}"
+                   + (f" or {[batch, *shape]}" if batch is not None else " (the call is not batched)"), meaning)
     if device is not None and t.device != device:
         raise fail(where, f"{name} is on {t.device} but A is on {device}", f"move it: {name}.to(A.device)")
+
+
+def output(where: str, name: str, t: torch.Tensor) -> None:
+    """An out= tensor must take writes: dense, no element stored twice (a stride-0 view), no autograd."""
+    dense(where, name, t)
+    if any(s == 0 and d > 1 for s, d in zip(t.stride(), t.shape)):
+        raise fail(where, f"{name} has stride 0 along a dimension (strides {list(t.stride())}, an expand()ed "
+                   "view?): several output elements would share one memory location", f"pass a new tensor, e.g. "
+                   f"torch.empty_like({name}, memory_format=torch.contiguous_format)")
+    if t.requires_grad:
+        raise fail(where, f"{name} requires grad: outputs are written in place, which autograd cannot record",
+                   f"pass {name}.detach() (same memory), or a tensor without requires_grad")
 
 
 def tma_layout(where: str, name: str, t: torch.Tensor) -> None:

@@ -51,6 +51,7 @@ def _normalize(ep: Epilogue, a, b, operands: dict, out: dict | None = None) -> C
     for name, t in (("A", a), ("B", b)):
         if not isinstance(t, torch.Tensor):
             raise checks.fail(where, f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        checks.dense(where, name, t)
         if t.dim() not in (2, 3):
             raise checks.fail(where, f"{name} must be 2-D or 3-D (batched), got shape {list(t.shape)}")
     if a.shape[-1] != b.shape[-1]:
@@ -95,7 +96,7 @@ def _layout(v) -> object:
     """What the call checks read of one argument, so equal layouts pass or fail them alike."""
     if isinstance(v, torch.Tensor):
         try:
-            return v.shape, v.stride(), v.dtype, v.device, v.data_ptr() % 16
+            return v.shape, v.stride(), v.dtype, v.device, v.data_ptr() % 16, v.requires_grad
         except RuntimeError:  # no strides or no data (a sparse tensor): the checks refuse it
             return type(v), v.layout
     return type(v)
@@ -158,10 +159,16 @@ def _check_tensors(ep: Epilogue, call: Call, cutlass: bool) -> dict[str, str]:
     if facts.pairwise and n % 2:
         raise checks.fail(where, f"N = {n} is odd, but the epilogue works on column pairs (cd.pairs)",
                           "pairwise ops need an even N (for SwiGLU: interleaved gate/up rows, 2F of them)")
+    for name, kind, axis in facts.extrema:  # like torch.amax: no value of an empty set
+        if (m == 0 and axis != "n") or (n == 0 and axis != "m"):
+            raise checks.fail(where, f"output '{name}' is a cd.{kind} over axis {axis!r}, which is empty here "
+                              f"(M = {m}, N = {n}): the {kind} of no values is undefined",
+                              "skip the call when M or N is 0, or reduce with cd.sum (0 over an empty axis)")
+    batch = l if call.a.dim() == 3 else None  # a 2-D call has no batch: [1, M, N] would give [1, M, N] outputs
     for name, t in call.tensors.items():
         wn = n * widths[name] // 2 if name in widths else n  # pairwise epilogues read N/2-wide operands
-        shape = {"tensor": (l, m, wn), "vec_n": (l, wn), "vec_m": (l, m)}[kinds[name]]
-        checks.tensor(where, f"operand '{name}'", t, shape, dev, _MEANING[kinds[name]])
+        shape = {"tensor": (m, wn), "vec_n": (wn,), "vec_m": (m,)}[kinds[name]]
+        checks.tensor(where, f"operand '{name}'", t, shape, dev, _MEANING[kinds[name]], batch)
         dtypes[name] = checks.dtype_of(t, where, f"operand '{name}'", index=name in facts.indices)
         if not cutlass:
             continue
@@ -192,6 +199,7 @@ class _Facts:
     pairwise: bool  # any op on column pairs: N must be even
     indices: frozenset[str]  # operands cd.take reads as int64 column indices
     cross_batch: tuple[str, ...]  # outputs reduced over m or everything: they cannot fold a batch into M
+    extrema: tuple[tuple[str, str, str | None], ...]  # (output, kind, axis) of max/min/amax: undefined if empty
 
 
 _facts_of: "weakref.WeakKeyDictionary[Epilogue, _Facts]" = weakref.WeakKeyDictionary()
@@ -207,7 +215,9 @@ def _facts(ep: Epilogue) -> _Facts:
             pairwise=any(n.op in ("pair", "interleave") for n in nodes),
             indices=frozenset(n.inputs[1].attr[1] for n in nodes if n.op == "reduce" and n.attr[0] == "take"),
             cross_batch=tuple(o.name for o in ep.program.outputs
-                              if (r := ir.reduction_of(o.node)) is not None and r.attr[1] != "n"))
+                              if (r := ir.reduction_of(o.node)) is not None and r.attr[1] != "n"),
+            extrema=tuple((o.name, *r.attr) for o in ep.program.outputs
+                          if (r := ir.reduction_of(o.node)) is not None and r.attr[0] in ("max", "min", "amax")))
     return facts
 
 
@@ -270,6 +280,8 @@ class CompiledOp:
         and checked (check_out), except for aliasing, which depends on the tensors, not their layouts."""
         m, n, _, l = call.mnkl
         lead = (l,) if call.a.dim() == 3 else ()
+        if out and len(out) > 1:
+            _check_distinct(self._where, out)
         outs = {}
         for name, dt, kind in self._outputs:
             t = out.get(name) if out else None
@@ -301,6 +313,7 @@ class CompiledOp:
 
     def _check(self, A, B, operands: dict, out: dict | None) -> None:
         call = _normalize(self.epilogue, A, B, operands, out)
+        checks.require_hopper(self._where, call.a.device)
         dtypes = _check_tensors(self.epilogue, call, cutlass=True)
         got = (call.a.dtype, "nk" if call.b.stride(-1) == 1 else "kn", tuple(sorted(dtypes.items())),
                _consts_key(call.consts))
@@ -328,15 +341,47 @@ def _check_out(where: str, name: str, t: torch.Tensor, shape, dtype, call: Call,
         raise checks.fail(where, f"out['{name}'] is {got}, expected {list(shape)} {dtype}")
     if t.device != call.a.device:
         raise checks.fail(where, f"out['{name}'] is on {t.device}, A on {call.a.device}")
+    checks.output(where, f"out['{name}']", t)
     (checks.tma_layout if tma else checks.vector)(where, f"out['{name}']", t)
 
 
 def _check_alias(where: str, name: str, t: torch.Tensor, call: Call) -> None:
     storage = t.untyped_storage().data_ptr()
+    if not storage:  # nothing stored (an empty tensor): nothing to overwrite
+        return
     for src_name, src in [("A", call.a), ("B", call.b), *call.tensors.items()]:
         if src.untyped_storage().data_ptr() == storage:
             raise checks.fail(where, f"out['{name}'] shares memory with input {src_name}: the kernel would read "
                               "values it has already overwritten", "pass a separate output tensor")
+
+
+def _check_distinct(where: str, out: dict) -> None:
+    """Outputs in one storage would overwrite each other (D would hold an auxiliary output's values)."""
+    seen: dict[int, str] = {}
+    for name, t in out.items():
+        storage = t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else 0
+        if storage in seen:
+            raise checks.fail(where, f"out['{name}'] shares memory with out['{seen[storage]}']: one output would "
+                              "overwrite the other", "pass a separate tensor for each output")
+        if storage:
+            seen[storage] = name
+
+
+def _flag(ep: Epilogue, name: str, value) -> None:
+    if value not in (True, False):
+        raise OperandError(f"{_where(ep)}: {name} must be True or False, not {value!r}")
+
+
+def _config(ep: Epilogue, config) -> Config | None:
+    """A call's config as a Config, checked whatever the backend (a typo is an error, not ignored)."""
+    if config is None or isinstance(config, Config):
+        return config
+    if not isinstance(config, str):
+        raise OperandError(f"{_where(ep)}: config must be a cd.Config or its string form, not {config!r}")
+    try:
+        return Config.parse(config)
+    except ValueError as e:
+        raise checks.fail(_where(ep), str(e), f"pass e.g. config='{Config().key}'") from None
 
 
 def _fold(ep: Epilogue, call: Call) -> Call:
@@ -458,6 +503,8 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
         return traced_gemm(ep, A, B, out, backend, config, deterministic, operands)
     if config is not None and not isinstance(config, (Config, str)):
         raise OperandError(f"{_where(ep)}: config must be a cd.Config or its string form, not {config!r}")
+    _flag(ep, "deterministic", deterministic)
+    _flag(ep, "accumulate", accumulate)
     tune = _tuning if tune is None else bool(tune)
     options = (backend, config, deterministic, accumulate, tune)
     warm_key = (options, _call_layout(_facts(ep).kinds, A, B, operands, out))
@@ -465,6 +512,7 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
     if op is not None:
         return op.run(A, B, operands, out)
     call = _normalize(ep, A, B, operands, out)
+    cfg = _config(ep, config)
     if accumulate and not (out and isinstance(out.get("D"), torch.Tensor)):
         raise checks.fail(_where(ep), "accumulate=True adds into an existing tensor: pass it as out={'D': t}")
     use_cutlass = backend == "cutlass" or (backend == "auto" and _cutlass_available(call.a.device))
@@ -477,7 +525,6 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
     spec = lambda cfg: specialization(ep, call, dtypes, out, cfg, deterministic, accumulate, key)  # noqa: E731
     try:
         folded = _fold(ep, call)
-        cfg = Config.parse(config) if isinstance(config, str) else config
         op = spec(cfg if cfg is not None else _choose_config(spec, folded, tune, key))
     except UnsupportedError as e:
         if backend == "cutlass":
@@ -494,11 +541,11 @@ def compile(epilogue: Epilogue, A, B, /, *, out: dict | None = None, config: Con
             deterministic: bool = False, accumulate: bool = False, **operands) -> CompiledOp:  # noqa: A001
     """Build (or load from cache) the kernel for these operands' dtypes and layouts; returns the op."""
     call = _normalize(epilogue, A, B, operands, out)
-    if call.a.is_cuda:
-        checks.require_hopper(_where(epilogue), call.a.device)
+    config = _config(epilogue, config)
+    _flag(epilogue, "deterministic", deterministic)
+    _flag(epilogue, "accumulate", accumulate)
+    checks.require_hopper(_where(epilogue), call.a.device)  # as cd.gemm(backend="cutlass"): never a useless build
     dtypes = _check_tensors(epilogue, call, cutlass=True)
-    if isinstance(config, str):
-        config = Config.parse(config)
     return specialization(epilogue, call, dtypes, out, config, deterministic, accumulate)
 
 
@@ -559,7 +606,7 @@ def run_reference(ep: Epilogue, call: Call, out: dict | None, accumulate: bool =
         operands[reference.SOURCE_OPERAND] = out["D"]
     res = reference.evaluate(program, call.a, call.b, operands, out_dtypes)
     if out:
-        for name, t in out.items():
+        for name, t in out.items():  # all of them before the first write: a refused call writes nothing
             if name not in res:
                 raise OperandError(f"{_where(ep)}: out has '{name}', which is not an output of the epilogue "
                                    f"({list(res)})")
@@ -567,7 +614,10 @@ def run_reference(ep: Epilogue, call: Call, out: dict | None, accumulate: bool =
             if not isinstance(t, torch.Tensor) or t.shape != r.shape or t.dtype != r.dtype or t.device != r.device:
                 got = f"{list(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise checks.fail(_where(ep), f"out['{name}'] is {got}, expected {list(r.shape)} {r.dtype} on {r.device}")
-            t.copy_(r)
+            checks.output(_where(ep), f"out['{name}']", t)
+        _check_distinct(_where(ep), out)
+        for name, t in out.items():
+            t.copy_(res[name])
             res[name] = t
     return res
 

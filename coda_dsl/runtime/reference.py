@@ -23,8 +23,11 @@ _REDUCE = {
 
 
 def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x[..., m, index[m]]; 0 where the index is outside [0, N)."""
-    index = index.to(x.device)
+    """x[..., m, index[m]]; 0 where the index is outside [0, N) (every index when N = 0). A shared [M]
+    index serves every batch of a batched x."""
+    if x.shape[-1] == 0:
+        return x.new_zeros(x.shape[:-1])
+    index = index.to(x.device).expand(x.shape[:-1])
     inside = (index >= 0) & (index < x.shape[-1])
     got = x.gather(-1, torch.where(inside, index, 0).unsqueeze(-1)).squeeze(-1)
     return torch.where(inside, got, torch.zeros_like(got))

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .. import build
+from ..errors import SharedMemoryError
 from ..passes.plan import Config
 
 DEFAULT = Config((128, 256, 64), (2, 1), "cooperative", swizzle=8)  # shape-free (cd.compile without config=)
@@ -108,7 +109,12 @@ def tune(make_op, launch, device: torch.device, mnkl, log=None) -> Config:
     hit = recorded(device, first.plan.key, DEFAULT, mnkl)
     if hit is not None:  # another process tuned this bucket meanwhile
         return hit
-    ops = {c.key: make_op(c) for c in CANDIDATES}  # rendering the candidates only when they are timed
+    ops = {}  # rendering the candidates only when they are timed
+    for c in CANDIDATES:
+        try:
+            ops[c.key] = make_op(c)
+        except SharedMemoryError:  # this epilogue's buffers do not fit at that config: not a candidate
+            pass
     log(f"coda_dsl: tuning {first.epilogue.name} at M,N,K,L={mnkl}: {len(ops)} configurations")
     build.build_units([op.unit for op in ops.values()])
     times = {}
