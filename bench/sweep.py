@@ -28,9 +28,9 @@ from .harness import command as command_line
 LLAMA = ((8192, 4096, 4096), (8192, 6144, 4096), (8192, 14336, 4096), (8192, 4096, 14336),  # 8B: o, qkv, up, down
          (8192, 28672, 8192), (8192, 8192, 28672))  # 70B: up, down
 SHAPES = {"swiglu": ((8192, 28672, 4096), (8192, 57344, 8192)), "rope": ((8192, 6144, 4096), (8192, 12288, 4096))}
-CONFIGS = ("128x256x64_c2x1_cooperative", "128x256x64_c2x1_cooperative_s8", "128x256x64_c2x1_cooperative_rm_s4",
-           "128x256x64_c2x1_cooperative_s8_streamk", "256x128x64_c2x1_cooperative_s8",
-           "128x256x64_c2x1_cooperative_e128x64_s8", "128x192x64_c2x1_pingpong_s8", "128x128x64_c2x1_pingpong_s8")
+CONFIGS = ("128x256x64_c2x1_cooperative_s1", "128x256x64_c2x1_cooperative", "128x256x64_c2x1_cooperative_rm_s4",
+           "128x256x64_c2x1_cooperative_streamk", "256x128x64_c2x1_cooperative",
+           "128x256x64_c2x1_cooperative_e128x64", "128x192x64_c2x1_pingpong", "128x128x64_c2x1_pingpong")
 
 
 def cublas_kernel(m: int, n: int, k: int) -> str:

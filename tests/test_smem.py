@@ -82,7 +82,7 @@ MEASURED = [
     (examples.residual_rms, dict(config=Config(epilogue_tile=(128, 64))), 133120, 2),
     (examples.residual_rms, dict(operand_dtypes={"gamma": "fp32"}, accumulate=True), 83456, 3),
     (cross_entropy._forward_epilogue(True, 30.0), dict(operand_dtypes={"target": "i64"}), 34816, 4),
-    (gated.swiglu_keep_preactivation, dict(config=Config((64, 256, 64), (2, 1), "pingpong")), 25600, 5),
+    (gated.swiglu_keep_preactivation, dict(config=Config((64, 256, 64), (2, 1), "pingpong")), 29696, 4),  # PairStore smem
 ]
 
 

@@ -23,19 +23,19 @@ from .. import build
 from ..errors import SharedMemoryError
 from ..passes.plan import Config
 
-DEFAULT = Config((128, 256, 64), (2, 1), "cooperative", swizzle=8)  # shape-free (cd.compile without config=)
-LONG_K = Config((128, 256, 64), (2, 1), "cooperative", swizzle=8)
-PINGPONG = Config((128, 128, 64), (2, 1), "pingpong", swizzle=8)
-PINGPONG_192 = Config((128, 192, 64), (2, 1), "pingpong", swizzle=8)
+DEFAULT = Config()  # shape-free (cd.compile without config=): cooperative 128x256, cluster 2x1, swizzle 8
+LONG_K = DEFAULT
+PINGPONG = Config((128, 128, 64), (2, 1), "pingpong")
+PINGPONG_192 = Config((128, 192, 64), (2, 1), "pingpong")
 CANDIDATES = [
     DEFAULT,
     PINGPONG,
     PINGPONG_192,
-    Config((128, 256, 64), (2, 1), "cooperative", swizzle=8, scheduler="streamk"),
-    Config((256, 128, 64), (2, 1), "cooperative", swizzle=8),
-    Config((128, 256, 64), (2, 1), "cooperative", (128, 64), swizzle=8),
+    Config(scheduler="streamk"),
+    Config((256, 128, 64), (2, 1), "cooperative"),
+    Config(epilogue_tile=(128, 64)),
     Config((128, 128, 64), (2, 1), "pingpong", swizzle=4),
-    Config((128, 128, 64), (1, 2), "pingpong", swizzle=8),
+    Config((128, 128, 64), (1, 2), "pingpong"),
 ]
 
 
