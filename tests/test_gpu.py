@@ -101,6 +101,13 @@ def lse_and_take(acc, target: cd.VecM, shift: cd.Scalar):
             "rstd_like": cd.logsumexp(acc).then(lambda s: cd.exp(-0.01 * s))}  # no underflow at K=1000
 
 
+@cd.epilogue
+def sin_cos(acc, pos: cd.VecM, inv_freq: cd.VecN):
+    """RoPE's rotation angles, the sines and cosines stored in fp32 (their accuracy is tested alone)."""
+    angle = pos * inv_freq
+    return {"D": acc, "s": cd.cast(cd.sin(angle), cd.float32), "c": cd.cast(cd.cos(angle), cd.float32)}
+
+
 def _targets(m, n, lead=()):
     t = torch.randint(0, n, (*lead, m), device="cuda")
     t[..., ::5] = n - 1  # the last column: in the partial last tile when N is ragged
@@ -136,6 +143,8 @@ def _operands(ep, m, n, dtype, batch=None):
         rope_positions: lambda: dict(pos=torch.arange(m, device="cuda", dtype=torch.float32),
                                      inv_freq=rope_frequencies(n, 128).cuda()),
         lse_and_take: lambda: dict(target=_targets(m, n, lead), shift=-1000.0),
+        sin_cos: lambda: dict(pos=torch.randint(0, 131072, (*lead, m), device="cuda").float(),
+                              inv_freq=rope_frequencies(n, 128, base=500000.0).cuda()),
         pairs_with_full_width_operands: lambda: dict(bias=_rand(n, dtype=dtype), rs=_rand(*lead, m, dtype=dtype),
                                                      s=0.7),
     }
@@ -160,7 +169,7 @@ CASES = [
     (rms_consumer(None), torch.bfloat16, "nk"),
 ]
 CASES += [(ep, torch.bfloat16, "nk") for ep in (swiglu, swiglu_keep_preactivation, rope_tables, rope_positions,
-                                                 lse_and_take, pairs_with_full_width_operands)]
+                                                 lse_and_take, pairs_with_full_width_operands, sin_cos)]
 # further specializations: (case, compile options)
 VARIANTS = [
     ((row_stats, torch.bfloat16, "nk"), dict(deterministic=True)),
@@ -422,6 +431,28 @@ def test_scheduler_configs(kernels, ep, config):
         _check(ep, a, b, _operands(ep, m, n, torch.bfloat16), config=config)
     a, b = _ab(300, 264, 520, torch.bfloat16, "nk", batch=3)
     _check(ep, a, b, _operands(ep, 300, 264, torch.bfloat16, batch=3), config=config)
+
+
+def test_rope_angle_accuracy(kernels):
+    """sin/cos reduce the angle to [-pi, pi] and use the hardware units. Against fp64 sin/cos of the
+    same fp32 angle: ~1e-6. Against the exact angle (positions up to 131072, base 500000): the fp32
+    rounding of pos * inv_freq itself (up to ulp(131072) / 2 = 0.0039 rad) dominates, as in any fp32 RoPE."""
+    m, n, k = 4096, 128, 64
+    pos = (torch.arange(m, device="cuda") * 32).float()  # 0 .. 131040
+    inv_freq = rope_frequencies(n, 128, base=500000.0).cuda()
+    a, b = _ab(m, n, k, torch.bfloat16, "nk")
+    got = cd.gemm(a, b, sin_cos, pos=pos, inv_freq=inv_freq, backend="cutlass")
+    angle32 = (pos[:, None] * inv_freq[None, :]).double()  # the fp32 product the kernel forms
+    exact = pos.double()[:, None] * inv_freq.double()[None, :]
+    fp32_angle_err = max((got["s"].double() - angle32.sin()).abs().max().item(),
+                         (got["c"].double() - angle32.cos()).abs().max().item())
+    exact_err = max((got["s"].double() - exact.sin()).abs().max().item(),
+                    (got["c"].double() - exact.cos()).abs().max().item())
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "rope_accuracy.txt"), "w") as f:
+            f.write(f"max abs error vs fp64 sin/cos of the fp32 angle: {fp32_angle_err:.3g}\n"
+                    f"max abs error vs fp64 sin/cos of the exact angle: {exact_err:.3g}\n")
+    assert fp32_angle_err <= 4e-6 and exact_err <= 8e-3
 
 
 def test_lse_and_take_other_config(kernels):
