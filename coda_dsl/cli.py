@@ -247,6 +247,16 @@ def _probe(fn):
         return None, str(e)
 
 
+def torch_cuda_problem() -> str | None:
+    """Why kernels cannot be built against the installed torch (a CPU-only build), else None. The one
+    check behind doctor's torch line; the real-nvcc compile tests skip with its message."""
+    import torch
+    if torch.version.cuda:
+        return None
+    return (f"torch {torch.__version__} is a CPU-only build: kernels include its c10/cuda headers and link "
+            "against its CUDA libraries")
+
+
 def cmd_doctor(args) -> int:
     from .build import tools  # the per-piece probes behind toolchain(), to say which piece is missing
     rows: list[tuple[str, str, str, str]] = []  # (status, what, detail, fix)
@@ -256,11 +266,11 @@ def cmd_doctor(args) -> int:
 
     row("ok", "python", f"{platform.python_version()} ({sys.executable})")
     import torch
-    if torch.version.cuda:
-        row("ok", "torch", f"{torch.__version__}, CUDA {torch.version.cuda} build")
+    problem = torch_cuda_problem()
+    if problem:
+        row("FAIL", "torch", problem, "install a CUDA build of torch (https://pytorch.org/get-started/locally/)")
     else:
-        row("FAIL", "torch", f"{torch.__version__}, a CPU-only build: kernels link against torch's CUDA libraries",
-            "install a CUDA build of torch (https://pytorch.org/get-started/locally/)")
+        row("ok", "torch", f"{torch.__version__}, CUDA {torch.version.cuda} build")
     nvcc, err = _probe(tools._find_nvcc)
     if nvcc:
         version, err = _probe(lambda: tools._nvcc_version(nvcc[0]))

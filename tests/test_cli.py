@@ -1,5 +1,6 @@
 """Tests of the `coda-dsl` command line (coda_dsl/cli.py). CPU only, no nvcc run: builds are faked,
 and the toolchain behind specialization keys is a fixed fake, so keys are stable everywhere."""
+import re
 import subprocess
 import sys
 import textwrap
@@ -12,7 +13,7 @@ import coda_dsl as cd
 from coda_dsl import build, cli
 from coda_dsl.build import cache
 from coda_dsl.examples import residual_rms
-from conftest import FAKE_TC
+from conftest import FAKE_TC, real_toolchain_or_skip
 
 REPO = Path(__file__).resolve().parent.parent
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -178,6 +179,19 @@ def test_doctor(capsys):
     except build.ToolchainError:
         ready = False
     assert rc == (0 if ready else 1)
+
+
+def test_cpu_only_torch_fails_doctor_and_skips_real_compiles_with_one_reason(capsys, monkeypatch):
+    monkeypatch.setattr(build, "toolchain", lambda: FAKE_TC)  # every other piece is present
+    monkeypatch.setattr(torch.version, "cuda", None)
+    reason = cli.torch_cuda_problem()
+    assert f"torch {torch.__version__} is a CPU-only build" in reason and "c10/cuda" in reason
+    rc, out, _ = run(capsys, "doctor")
+    assert rc == 1 and "FAIL  torch" in out and reason in out
+    with pytest.raises(pytest.skip.Exception, match=re.escape(reason)):
+        real_toolchain_or_skip()
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert cli.torch_cuda_problem() is None and real_toolchain_or_skip() is FAKE_TC
 
 
 def test_cache_list_clear(capsys, tmp_path):
