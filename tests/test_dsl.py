@@ -1,8 +1,10 @@
 """Tracing: every op reachable from the DSL, operand kinds, hash-consing, and every user error
 (EpilogueError naming the epilogue, the user's own file:line, and a fix)."""
 import inspect
+import math
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -115,6 +117,10 @@ def test_cast(dtype, name):
     (lambda x: 1 >= x, "le", (X, 1.0)),
     (lambda x: True * x, "mul", (1.0, X)),
     (lambda x: torch.tensor(2.5) * x, "mul", (2.5, X)),  # a 0-d tensor is a number (torch defers to us)
+    (lambda x: np.float32(2.5) * x, "mul", (2.5, X)),  # so is a numpy scalar (numpy defers to us)
+    (lambda x: np.float64(0.5) < x, "gt", (X, 0.5)),
+    (lambda x: np.float32(2.0) - x, "sub", (2.0, X)),
+    (lambda x: -np.float32(2.0) * x, "mul", (-2.0, X)),
     (lambda x: cd.where(x > 0, x, float("-inf")), "where", None),
 ])
 def test_python_numbers_on_either_side(spell, op, args):
@@ -314,7 +320,32 @@ def e_string(acc):
     return acc + "1"  # <-
 
 
+def e_math_exp(acc):
+    return math.exp(acc)  # <-
+
+
+def e_torch_exp(acc):
+    return torch.exp(acc)  # <-
+
+
+def e_np_exp(acc):
+    return np.exp(acc)  # <-
+
+
+def e_functional_gelu(acc):
+    return torch.nn.functional.gelu(acc)  # <-
+
+
+def e_max_of_two(acc, r: cd.Tensor):
+    return cd.max(acc, r)  # <-
+
+
 BODY_ERRORS = [
+    (e_math_exp, ["math.exp() cannot take a traced value", "fix: use cd.exp(x)"]),
+    (e_torch_exp, ["torch.exp() cannot take a traced value", "fix: use cd.exp(x)"]),
+    (e_np_exp, ["np.exp() cannot take a traced value", "fix: use cd.exp(x)"]),
+    (e_functional_gelu, ["torch.nn.functional.gelu()", "fix: use cd.gelu(x)"]),
+    (e_max_of_two, ["cd.max(x, axis) reduces", "not a traced value", "cd.maximum(a, b)"]),
     (e_if, ["no truth value", "cd.where"]),
     (e_bool, ["no truth value", "cd.where"]),
     (e_and, ["no truth value", "cd.where"]),
