@@ -3,6 +3,7 @@
 import inspect
 import math
 import os
+import pydoc
 
 import numpy as np
 import pytest
@@ -370,6 +371,20 @@ BODY_ERRORS = [
     (e_iter, ["not iterable", "per element"]),
     (e_string, ["str"]),
 ]
+
+
+def test_help_coda_dsl_lists_every_dsl_function():
+    """Errors say "see help(coda_dsl)": that help lists every cd. function, and __all__ exports them."""
+    functions = [n for n, f in vars(cd.dsl.ops).items()
+                 if inspect.isfunction(f) and f.__module__ == cd.dsl.ops.__name__ and not n.startswith("_")]
+    assert len(functions) > 20
+    text = pydoc.render_doc(cd, renderer=pydoc.plaintext)
+    for name in functions + ["epilogue", "gemm", "Tensor", "VecN", "VecM", "Scalar", "Const", "cast"]:
+        assert name in cd.__all__, name
+        assert f"cd.{name}" in cd.__doc__ and f"cd.{name}" in text, name
+    assert all(getattr(cd, name) is not None for name in cd.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        cd.nope
 
 
 def assert_epilogue_error(fn, needles, where):
