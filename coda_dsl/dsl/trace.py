@@ -45,9 +45,12 @@ def foreign_function(qualname: str) -> EpilogueError:
     once on numbers while tracing, and cannot record anything."""
     from . import ops
     name = qualname.rpartition(".")[2]
-    cd_name = _CD_NAMES.get(name, name)
-    fix = (f"use cd.{cd_name}(x)" if cd_name and not cd_name.startswith("_") and hasattr(ops, cd_name)
-           else "use the cd. functions and operators (listed in help(coda_dsl))")
+    fn = getattr(ops, _CD_NAMES.get(name, name), None)
+    if inspect.isfunction(fn) and fn.__module__ == ops.__name__:
+        required = [p.name for p in inspect.signature(fn).parameters.values() if p.default is p.empty]
+        fix = f"use cd.{fn.__name__}({', '.join(required)})"
+    else:
+        fix = "use the cd. functions and operators (listed in help(coda_dsl))"
     return fail(f"{qualname}() cannot take a traced value: only coda_dsl's functions record epilogue math", fix)
 
 
@@ -161,9 +164,7 @@ class Value:
         methods = self._UFUNC_METHODS.get(ufunc.__name__)
         if methods and method == "__call__" and not kwargs and len(inputs) == 2:
             a, b = inputs
-            return getattr(a, methods[0])(b) if a is self else getattr(b, methods[1])(a)
-        if ufunc.__name__ == "negative" and method == "__call__" and not kwargs:
-            return -inputs[0]
+            return getattr(a, methods[0])(b) if isinstance(a, Value) else getattr(b, methods[1])(a)
         raise foreign_function(f"np.{ufunc.__name__}")
 
     def __getattr__(self, name):
