@@ -18,12 +18,13 @@ import sys
 import time
 import traceback
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
-from . import build  # torch-free, like everything imported here: torch and the DSL (which needs it)
-from .build import ToolchainError  # are imported by the commands that use them, so that `--help`
-from .errors import CodaError  # answers at once
+# Only torch-free modules here: torch and the DSL (which needs it) are imported by the commands that
+# use them, so that `coda-dsl --help` answers at once.
+from . import build
+from .build import ToolchainError
+from .errors import CodaError
 
 if TYPE_CHECKING:
     from .dsl import Epilogue
@@ -248,7 +249,7 @@ def cmd_cache(args) -> int:
         now = time.time()
         for e, name, config in rows:
             print(f"  {e['key']:<24}  {name:<{width}}  {_size(e['size']):>9}  {_age(now - e['mtime']):>4}  "
-                  f"{'yes' if e['has_so'] else 'no ':<3}  {config}")
+                  f"{'yes' if e['has_so'] else 'no':<3}  {config}")
     return 0
 
 
