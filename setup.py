@@ -12,6 +12,8 @@ setup(
     description="A Python DSL for GEMM epilogues, lowered to CUTLASS 3.x Hopper epilogue visitor trees",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
+    license="BSD-3-Clause",
+    license_files=["LICENSE"],
     python_requires=">=3.10",
     packages=find_packages(include=["coda_dsl", "coda_dsl.*"]) + ["coda_dsl._data.templates", "coda_dsl._data.csrc"],
     package_dir={"coda_dsl._data.templates": "templates", "coda_dsl._data.csrc": "csrc"},

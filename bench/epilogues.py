@@ -137,11 +137,18 @@ def _inputs(c: Case, m: int, n: int, k: int) -> tuple:
     return _r(m, k), _r(n, k), c.operands(m, n)
 
 
+# torch.compile recompiles once per static shape, up to a limit: (config module, setting name).
+# torch.compiler.config is its public home; older torch has only the private dynamo setting.
+RECOMPILE_LIMIT = ((torch.compiler.config, "recompile_limit")
+                   if hasattr(getattr(torch.compiler, "config", None), "recompile_limit")
+                   else (torch._dynamo.config, "cache_size_limit"))
+
+
 def _compile_all(todo, autotune: bool, dynamic: bool, failed: list[str]) -> dict:
     """torch.compile of each case's eager code, compiled for each shape now (first call): the compile
     time stays out of the timings and is reported instead. Static shapes compile once per shape."""
     mode = compile_mode(autotune)
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, len(todo))
+    setattr(*RECOMPILE_LIMIT, max(getattr(*RECOMPILE_LIMIT), len(todo)))
     fns, done = {}, {}
     for c, (m, n, k) in todo:
         if c.name not in fns:

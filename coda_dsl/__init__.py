@@ -7,17 +7,66 @@
         return cd.gelu(acc + bias)
 
     out = cd.gemm(x, w, bias_gelu, bias=b)["D"]      # x: [M, K], w: [N, K]
+
+Defining and running epilogues:
+    cd.epilogue           decorator: traces fn(acc, operand: kind, ...) into an epilogue
+    cd.gemm(A, B, ep, **operands)   runs it: {output name: tensor} (the epilogue is positional)
+    cd.compile, cd.prebuild, cd.set_tuning, cd.CompiledOp, cd.Config   building and tuning kernels
+    cd.identity           the epilogue D = acc
+
+Operand kinds (annotations of the epilogue's parameters after acc):
+    cd.Tensor [M, N]   cd.VecN [N]   cd.VecM [M]   cd.Scalar (runtime number)   cd.Const (compile-time)
+
+Inside an epilogue (all math in fp32; traced values support + - * / unary -, abs(),
+x ** 2 / 0.5 / -0.5 and the comparisons < <= > >= == !=, which give 1.0 or 0.0):
+    elementwise   cd.exp cd.log cd.sqrt cd.rsqrt cd.tanh cd.sin cd.cos cd.sigmoid cd.abs
+                  cd.relu cd.silu cd.gelu(x, approximate="none"|"tanh")
+                  cd.maximum(a, b) cd.minimum(a, b) cd.where(cond, a, b)
+                  cd.cast(x, dtype)   (cd.bfloat16, cd.float16, cd.float32)
+    reductions    cd.sum cd.max cd.min cd.amax cd.logsumexp (x, axis="n"|"m"|None), cd.take(x, index)
+                  (returned as outputs; .then(fn) finishes the statistic)
+    column pairs  cd.pairs(x) -> (even, odd), cd.interleave(a, b)
+math.*, numpy and torch functions cannot take traced values: use the cd. functions above.
+
+Library: cd.linear_cross_entropy (more in coda_dsl.library). Errors: cd.CodaError and its subclasses
+cd.EpilogueError, cd.OperandError, cd.UnsupportedError (cd.SharedMemoryError). The README's DSL reference has the details.
 """
-import torch as _torch
+import importlib
 
-from .dsl import Acc, Const, Epilogue, Scalar, Tensor, VecM, VecN, epilogue, identity
-from .dsl.ops import (abs, amax, cast, cos, exp, gelu, interleave, log, logsumexp, max, maximum, min, minimum,
-                      pairs, relu, rsqrt, sigmoid, silu, sin, sqrt, sum, take, tanh, where)
 from .errors import CodaError, EpilogueError, OperandError, SharedMemoryError, UnsupportedError
-from .passes.plan import Config
-from .runtime import CompiledOp, compile, gemm, prebuild, set_tuning
 
-bfloat16, float16, float32 = _torch.bfloat16, _torch.float16, _torch.float32
 __version__ = "0.1.0"
 
-from .library import linear_cross_entropy  # noqa: E402  (the library is written in the DSL above)
+# The rest loads on first use (`cd.gemm` imports torch and the DSL then): `import coda_dsl` and the
+# `coda-dsl` command line stay fast for what needs neither (e.g. `coda-dsl --help`).
+_LAZY = {
+    "dsl": ("Acc", "Const", "Epilogue", "Scalar", "Tensor", "VecM", "VecN", "epilogue", "identity"),
+    "dsl.ops": ("abs", "amax", "cast", "cos", "exp", "gelu", "interleave", "log", "logsumexp", "max", "maximum",
+                "min", "minimum", "pairs", "relu", "rsqrt", "sigmoid", "silu", "sin", "sqrt", "sum", "take",
+                "tanh", "where"),
+    "passes.plan": ("Config",),
+    "runtime": ("CompiledOp", "compile", "gemm", "prebuild", "set_tuning"),
+    "library": ("linear_cross_entropy",),
+}
+_DTYPES = ("bfloat16", "float16", "float32")  # torch's, under the names cd.cast accepts
+
+__all__ = [name for names in _LAZY.values() for name in names] + list(_DTYPES) + [
+    "CodaError", "EpilogueError", "OperandError", "SharedMemoryError", "UnsupportedError"]
+
+
+def __getattr__(name: str):
+    for module, names in _LAZY.items():
+        if name in names:
+            value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+            break
+    else:
+        if name not in _DTYPES:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        import torch
+        value = getattr(torch, name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -18,16 +18,22 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+# Only torch-free modules here: torch and the DSL (which needs it) are imported by the commands that
+# use them, so that `coda-dsl --help` answers at once.
 from . import build
 from .build import ToolchainError
-from .dsl import Epilogue
 from .errors import CodaError
-from .ir import format_program
-from .ir.graph import LOAD_KINDS
-from .ir.ops import DTYPES
-from .passes.plan import Config
-from .runtime.op import CompiledOp, signature
+
+if TYPE_CHECKING:
+    from .dsl import Epilogue
+    from .passes.plan import Config
+    from .runtime.op import CompiledOp
+
+# The --help texts spell out two values that live in torch-importing modules (test_cli checks them)
+DTYPE_NAMES = ("bf16", "fp16", "fp32")  # ir.ops.DTYPES
+DEFAULT_CONFIG = "128x256x64_c2x1_cooperative"  # Config().key
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,6 +67,7 @@ def _import(where: str):
 
 def load_epilogue(target: str) -> Epilogue:
     """`path/to/file.py:fn` or `pkg.module:fn` -> the Epilogue object it names."""
+    from .dsl import Epilogue
     where, sep, attr = target.rpartition(":")
     if not sep or not where or not attr:
         raise CliError(f"expected FILE.py:FUNCTION or module:FUNCTION, got {target!r}")
@@ -105,6 +112,10 @@ def specialization(ep: Epilogue, ab_dtype: str = "bf16", b_layout: str = "nk",
                    config: Config | str | None = None) -> CompiledOp:
     """Signature -> plan -> key -> .cu, from options alone (no tensors, no GPU). Every tensor/vector
     operand defaults to ab_dtype and every output to its own dtype or ab_dtype, as in cd.gemm."""
+    from .ir.graph import LOAD_KINDS
+    from .ir.ops import DTYPES
+    from .passes.plan import Config
+    from .runtime.op import CompiledOp, signature
     if ab_dtype not in ("bf16", "fp16"):
         raise CliError(f"--dtype must be bf16 or fp16 (the dtype of A and B), not {ab_dtype!r}")
     if b_layout not in ("nk", "kn"):
@@ -168,6 +179,7 @@ def cmd_emit(args) -> int:
 
 
 def cmd_explain(args) -> int:
+    from .ir import format_program
     ep, spec = _spec_from_args(args)
     plan, sig = spec.plan, spec.plan.signature
     print(f"# epilogue {ep.name} ({ep.source})")
@@ -231,12 +243,31 @@ def cmd_cache(args) -> int:
     print(f"cache {root}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, "
           f"{_size(sum(e['size'] for e in entries))}")
     if entries:
-        print(f"  {'key':<24}  {'size':>9}  {'age':>4}  .so")
+        rows = [(e, *_kernel_header(e["source"])) for e in sorted(entries, key=lambda e: -e["mtime"])]
+        width = max(len("epilogue"), *(len(name) for _, name, _ in rows))
+        print(f"  {'key':<24}  {'epilogue':<{width}}  {'size':>9}  {'age':>4}  .so  config")
         now = time.time()
-        for e in sorted(entries, key=lambda e: -e["mtime"]):
-            print(f"  {e['key']:<24}  {_size(e['size']):>9}  {_age(now - e['mtime']):>4}  "
-                  f"{'yes' if e['has_so'] else 'no'}")
+        for e, name, config in rows:
+            print(f"  {e['key']:<24}  {name:<{width}}  {_size(e['size']):>9}  {_age(now - e['mtime']):>4}  "
+                  f"{'yes' if e['has_so'] else 'no':<3}  {config}")
     return 0
+
+
+def _kernel_header(source: str | None) -> tuple[str, str]:
+    """(epilogue name, config) from the header comment that templates/kernel.cu.j2 writes into every
+    generated kernel.cu; "?" for what an entry lacks."""
+    name = config = "?"
+    try:
+        with open(source or "", encoding="utf-8", errors="replace") as f:
+            head = [next(f, "") for _ in range(8)]
+    except OSError:
+        return name, config
+    for line in head:
+        if line.startswith("// Epilogue `"):
+            name = line.split("`")[1]
+        elif line.startswith("// Config: "):
+            config = line[len("// Config: "):].strip()
+    return name, config
 
 
 def _probe(fn):
@@ -245,6 +276,16 @@ def _probe(fn):
         return fn(), None
     except (ToolchainError, OSError, ImportError, RuntimeError) as e:
         return None, str(e)
+
+
+def torch_cuda_problem() -> str | None:
+    """Why kernels cannot be built against the installed torch (a CPU-only build), else None. The one
+    check behind doctor's torch line; the real-nvcc compile tests skip with its message."""
+    import torch
+    if torch.version.cuda:
+        return None
+    return (f"torch {torch.__version__} is a CPU-only build: kernels include its c10/cuda headers and link "
+            "against its CUDA libraries")
 
 
 def cmd_doctor(args) -> int:
@@ -256,11 +297,11 @@ def cmd_doctor(args) -> int:
 
     row("ok", "python", f"{platform.python_version()} ({sys.executable})")
     import torch
-    if torch.version.cuda:
-        row("ok", "torch", f"{torch.__version__}, CUDA {torch.version.cuda} build")
+    problem = torch_cuda_problem()
+    if problem:
+        row("FAIL", "torch", problem, "install a CUDA build of torch (https://pytorch.org/get-started/locally/)")
     else:
-        row("FAIL", "torch", f"{torch.__version__}, a CPU-only build: kernels link against torch's CUDA libraries",
-            "install a CUDA build of torch (https://pytorch.org/get-started/locally/)")
+        row("ok", "torch", f"{torch.__version__}, CUDA {torch.version.cuda} build")
     nvcc, err = _probe(tools._find_nvcc)
     if nvcc:
         version, err = _probe(lambda: tools._nvcc_version(nvcc[0]))
@@ -391,46 +432,61 @@ def _target_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--b-layout", default="nk", choices=("nk", "kn"),
                    help="nk: B is [N, K] like an nn.Linear weight (default); kn: [K, N] storage")
     p.add_argument("--operand-dtype", action="append", metavar="NAME=DTYPE",
-                   help=f"dtype of a tensor/vector operand ({'|'.join(DTYPES)}; default: --dtype); repeatable")
+                   help=f"dtype of a tensor/vector operand ({'|'.join(DTYPE_NAMES)}; default: --dtype); repeatable")
     p.add_argument("--const", action="append", metavar="NAME=VALUE", help="value of a cd.Const parameter; repeatable")
-    p.add_argument("--config", metavar="TILE_CLUSTER_SCHEDULE", help=f"kernel config (default {Config().key})")
+    p.add_argument("--config", metavar="TILE_CLUSTER_SCHEDULE", help=f"kernel config (default {DEFAULT_CONFIG})")
 
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="coda-dsl", description="GEMM epilogues in Python, fused into CUTLASS "
-                                 "Hopper kernels.")
+                                 "Hopper kernels. `coda-dsl COMMAND --help` describes each command.")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("emit", help="print the generated .cu of an epilogue")
+    def command(name, func, help, description, **kw):
+        p = sub.add_parser(name, help=help, description=description, **kw)
+        p.set_defaults(func=func)
+        return p
+
+    p = command("emit", cmd_emit, "print the generated .cu of an epilogue",
+                "Print the CUDA C++ source (.cu) generated for one specialization of an epilogue: the file "
+                "that a build compiles. Needs no GPU and, without --check, no compiler.")
     _target_options(p)
     p.add_argument("-o", "--output", metavar="FILE", help="write the .cu here instead of stdout")
     p.add_argument("--check", action="store_true", help="also compile-check it with nvcc (no GPU needed)")
-    p.set_defaults(func=cmd_emit)
 
-    p = sub.add_parser("explain", help="print the IR, the EVT plan and the specialization key")
+    p = command("explain", cmd_explain, "print the IR, the EVT plan and the specialization key",
+                "Print what an epilogue lowers to: its IR, the CUTLASS epilogue visitor tree (nodes, fused "
+                "functors, operand bindings) and the specialization key that names its kernel in the cache.")
     _target_options(p)
-    p.set_defaults(func=cmd_explain)
 
-    p = sub.add_parser("build", help="build an epilogue's kernel into the cache")
+    p = command("build", cmd_build, "build an epilogue's kernel into the cache",
+                "Build one specialization of an epilogue's kernel (nvcc, then link) into the cache, so that "
+                "the first cd.gemm call with those dtypes and that config loads it instead of building it.")
     _target_options(p)
     p.add_argument("--compile-only", action="store_true", help="stop at the object file (no link)")
-    p.set_defaults(func=cmd_build)
 
-    p = sub.add_parser("cache", help="list or clear built kernels ($CODA_DSL_CACHE)")
-    p.add_argument("action", choices=("list", "clear"))
-    p.set_defaults(func=cmd_cache)
+    p = command("cache", cmd_cache, "list or clear built kernels ($CODA_DSL_CACHE)",
+                "List the kernels in the build cache (epilogue, config, size, age) or remove them all. "
+                "The cache is $CODA_DSL_CACHE, else $XDG_CACHE_HOME/coda_dsl or ~/.cache/coda_dsl.")
+    p.add_argument("action", choices=("list", "clear"),
+                   help="list: one line per built kernel; clear: remove every cache entry")
 
-    sub.add_parser("doctor", help="check the toolchain and GPU").set_defaults(func=cmd_doctor)
+    command("doctor", cmd_doctor, "check the toolchain and GPU",
+            "Check what building and running kernels needs: a CUDA build of torch, nvcc, the CUTLASS "
+            "headers, ninja, a C++ compiler, a writable cache and an sm_90 GPU. Exits with 1 when kernels "
+            "cannot be built.")
 
-    p = sub.add_parser("demo", help="run the residual_rms example (fused on Hopper, reference elsewhere)")
-    p.add_argument("--m", type=int, default=512)
-    p.add_argument("--n", type=int, default=1024)
-    p.add_argument("--k", type=int, default=256)
-    p.set_defaults(func=cmd_demo)
+    p = command("demo", cmd_demo, "run the residual_rms example (fused on Hopper, reference elsewhere)",
+                "Run the README's residual_rms example on random bf16 data. On an sm_90 GPU it builds (or "
+                "loads) the fused kernel and checks it against the reference backend; elsewhere it runs the "
+                "reference backend on the CPU.")
+    p.add_argument("--m", type=int, default=512, help="rows of A and of the outputs (default 512)")
+    p.add_argument("--n", type=int, default=1024, help="columns of the outputs, rows of B (default 1024)")
+    p.add_argument("--k", type=int, default=256, help="the reduction dimension, columns of A and B (default 256)")
 
     # add_help=False: `coda-dsl bench --help` is the benchmark's own help
-    sub.add_parser("bench", add_help=False, help="run the benchmarks (python -m bench ARGS)").set_defaults(
-        func=cmd_bench)
+    command("bench", cmd_bench, "run the benchmarks from a checkout (python -m bench ARGS; bench --help "
+            "describes them)", None, add_help=False)
     return ap
 
 

@@ -7,13 +7,28 @@ import pytest
 import torch
 
 import coda_dsl as cd
-from coda_dsl.build import Toolchain
+from coda_dsl import build
+from coda_dsl.build import Toolchain, ToolchainError
+from coda_dsl.cli import torch_cuda_problem
 from coda_dsl.passes import Config, Signature, accumulate_into_d, lower, specialize
 
 # A fixed toolchain for tests that fake the builds: specialization keys are then the same everywhere.
 FAKE_TC = Toolchain(nvcc="/fake/bin/nvcc", cuda_home="/fake", nvcc_version="13.0.88",
                     cutlass_include=["/fake/include", "/fake/tools/util/include"],
                     cutlass_version="4.2.0.0", torch_version="2.14.1", csrc_include="/fake/csrc")
+
+
+def real_toolchain_or_skip() -> Toolchain:
+    """The real toolchain for the real-nvcc tests, or a skip with doctor's reason: a missing piece, or
+    a CPU-only torch (whose missing c10/cuda headers would fail the compile)."""
+    try:
+        tc = build.toolchain()
+    except ToolchainError as e:
+        pytest.skip(f"no CUDA toolchain to compile with: {e}")
+    problem = torch_cuda_problem()
+    if problem:
+        pytest.skip(problem)
+    return tc
 
 
 @pytest.fixture

@@ -1,5 +1,8 @@
 """Tests of the `coda-dsl` command line (coda_dsl/cli.py). CPU only, no nvcc run: builds are faked,
 and the toolchain behind specialization keys is a fixed fake, so keys are stable everywhere."""
+import argparse
+import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -13,7 +16,7 @@ from coda_dsl import build, cli
 from coda_dsl.build import cache
 from coda_dsl.examples import residual_rms
 from coda_dsl.runtime import op as runtime
-from conftest import FAKE_TC
+from conftest import FAKE_TC, real_toolchain_or_skip
 
 REPO = Path(__file__).resolve().parent.parent
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -182,6 +185,19 @@ def test_doctor(capsys):
     assert rc == (0 if ready else 1)
 
 
+def test_cpu_only_torch_fails_doctor_and_skips_real_compiles_with_one_reason(capsys, monkeypatch):
+    monkeypatch.setattr(build, "toolchain", lambda: FAKE_TC)  # every other piece is present
+    monkeypatch.setattr(torch.version, "cuda", None)
+    reason = cli.torch_cuda_problem()
+    assert f"torch {torch.__version__} is a CPU-only build" in reason and "c10/cuda" in reason
+    rc, out, _ = run(capsys, "doctor")
+    assert rc == 1 and "FAIL  torch" in out and reason in out
+    with pytest.raises(pytest.skip.Exception, match=re.escape(reason)):
+        real_toolchain_or_skip()
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert cli.torch_cuda_problem() is None and real_toolchain_or_skip() is FAKE_TC
+
+
 def test_cache_list_clear(capsys, tmp_path):
     key = "0123456789abcdef01234567"
     staged = tmp_path / "kernel.so"
@@ -193,6 +209,59 @@ def test_cache_list_clear(capsys, tmp_path):
     assert rc == 0 and "removed 1 cache entry" in out
     rc, out, _ = run(capsys, "cache", "list")
     assert rc == 0 and key not in out and "0 entries" in out
+
+
+def test_cache_list_names_epilogue_and_config(capsys, tmp_path):
+    spec = cli.specialization(residual_rms, config="128x192x64_c2x1_pingpong")
+    staged = tmp_path / "kernel.cu"
+    staged.write_text(spec.source)
+    cache.commit_entry(spec.key, {"kernel.cu": staged}, {"op_name": spec.op_name})
+    staged.write_bytes(b"\0" * 16)
+    cache.commit_entry("00000000000000000000beef", {"kernel.so": staged}, {})  # no kernel.cu: "?"
+    rc, out, _ = run(capsys, "cache", "list")
+    line = next(line for line in out.splitlines() if spec.key in line)
+    assert rc == 0 and "residual_rms" in line and "tile 128x192x64, cluster 2x1, pingpong" in line
+    assert " KB" in line and "no " in line
+    assert "  epilogue " in out and "  config" in out
+    line = next(line for line in out.splitlines() if "beef" in line)
+    assert line.split()[1] == "?" and line.rstrip().endswith("?")
+
+
+def test_every_command_and_option_has_help():
+    subs = next(a for a in cli.parser()._actions if isinstance(a, argparse._SubParsersAction))
+    listed = {c.dest: c.help for c in subs._choices_actions}
+    assert set(listed) == set(subs.choices) and all(listed.values())
+    for name, p in subs.choices.items():
+        if name == "bench":
+            continue  # `coda-dsl bench --help` is the benchmark's own help
+        assert p.description, name
+        for action in p._actions:
+            assert action.help, (name, action.dest)
+
+
+def test_help_literals_match_their_sources():
+    from coda_dsl.ir.ops import DTYPES
+    assert cli.DTYPE_NAMES == tuple(DTYPES) and cli.DEFAULT_CONFIG == cd.Config().key
+
+
+def test_help_and_import_do_not_import_torch():
+    """`coda-dsl --help` answers without importing torch (1-2 s); so do `import coda_dsl` and each command's
+    --help. Run in a fresh interpreter: this one has torch already."""
+    code = ("import sys, coda_dsl, coda_dsl.cli as cli\n"
+            "for argv in [['--help']] + [[c, '--help'] for c in ('emit', 'explain', 'build', 'cache', "
+            "'doctor', 'demo')]:\n"
+            "    try:\n        cli.main(argv)\n    except SystemExit:\n        pass\n"
+            "print('torch imported' if 'torch' in sys.modules else 'no torch')")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert res.returncode == 0 and res.stdout.rstrip().endswith("no torch"), res.stdout[-300:] + res.stderr
+
+
+def test_license_is_named_in_setup():
+    text = (REPO / "LICENSE").read_text()
+    assert text.startswith("BSD 3-Clause License") and "Copyright (c)" in text and "the coda_dsl authors" in text
+    setup = (REPO / "setup.py").read_text()
+    assert 'license="BSD-3-Clause"' in setup and 'license_files=["LICENSE"]' in setup
 
 
 @pytest.mark.skipif(HOPPER, reason="on a Hopper GPU the demo builds the kernel (slow)")

@@ -14,14 +14,12 @@ import coda_dsl as cd
 from coda_dsl import build
 from coda_dsl.codegen import op_name, render
 from coda_dsl.passes.plan import AuxLoad, AuxStore, ColBroadcast, RowBroadcast
+from conftest import real_toolchain_or_skip
 
 
 @pytest.fixture(scope="module")
 def toolchain():
-    try:
-        return build.toolchain()
-    except build.ToolchainError as e:
-        pytest.skip(f"no CUDA toolchain to compile with: {e}")
+    return real_toolchain_or_skip()
 
 
 @pytest.fixture

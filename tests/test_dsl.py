@@ -1,8 +1,11 @@
 """Tracing: every op reachable from the DSL, operand kinds, hash-consing, and every user error
 (EpilogueError naming the epilogue, the user's own file:line, and a fix)."""
 import inspect
+import math
 import os
+import pydoc
 
+import numpy as np
 import pytest
 import torch
 
@@ -115,6 +118,9 @@ def test_cast(dtype, name):
     (lambda x: 1 >= x, "le", (X, 1.0)),
     (lambda x: True * x, "mul", (1.0, X)),
     (lambda x: torch.tensor(2.5) * x, "mul", (2.5, X)),  # a 0-d tensor is a number (torch defers to us)
+    (lambda x: np.float32(2.5) * x, "mul", (2.5, X)),  # so is a numpy scalar (numpy defers to us)
+    (lambda x: np.float64(0.5) < x, "gt", (X, 0.5)),
+    (lambda x: np.float32(2.0) - x, "sub", (2.0, X)),
     (lambda x: cd.where(x > 0, x, float("-inf")), "where", None),
 ])
 def test_python_numbers_on_either_side(spell, op, args):
@@ -314,7 +320,42 @@ def e_string(acc):
     return acc + "1"  # <-
 
 
+def e_math_exp(acc):
+    return math.exp(acc)  # <-
+
+
+def e_torch_exp(acc):
+    return torch.exp(acc)  # <-
+
+
+def e_np_exp(acc):
+    return np.exp(acc)  # <-
+
+
+def e_functional_gelu(acc):
+    return torch.nn.functional.gelu(acc)  # <-
+
+
+def e_torch_where(acc):
+    return torch.where(acc > 0, acc, 0.0)  # <-
+
+
+def e_np_negative(acc):
+    return np.negative(acc)  # <-
+
+
+def e_max_of_two(acc, r: cd.Tensor):
+    return cd.max(acc, r)  # <-
+
+
 BODY_ERRORS = [
+    (e_math_exp, ["math.exp() cannot take a traced value", "fix: use cd.exp(x)"]),
+    (e_torch_exp, ["torch.exp() cannot take a traced value", "fix: use cd.exp(x)"]),
+    (e_np_exp, ["np.exp() cannot take a traced value", "fix: use cd.exp(x)"]),
+    (e_functional_gelu, ["torch.nn.functional.gelu()", "fix: use cd.gelu(x)"]),
+    (e_torch_where, ["torch.where()", "fix: use cd.where(cond, a, b)"]),
+    (e_np_negative, ["np.negative()", "fix: use the cd. functions and operators (listed in help(coda_dsl))"]),
+    (e_max_of_two, ["cd.max(x, axis) reduces", "not a traced value", "cd.maximum(a, b)"]),
     (e_if, ["no truth value", "cd.where"]),
     (e_bool, ["no truth value", "cd.where"]),
     (e_and, ["no truth value", "cd.where"]),
@@ -339,6 +380,20 @@ BODY_ERRORS = [
     (e_iter, ["not iterable", "per element"]),
     (e_string, ["str"]),
 ]
+
+
+def test_help_coda_dsl_lists_every_dsl_function():
+    """Errors say "see help(coda_dsl)": that help lists every cd. function, and __all__ exports them."""
+    functions = [n for n, f in vars(cd.dsl.ops).items()
+                 if inspect.isfunction(f) and f.__module__ == cd.dsl.ops.__name__ and not n.startswith("_")]
+    assert len(functions) > 20
+    text = pydoc.render_doc(cd, renderer=pydoc.plaintext)
+    for name in functions + ["epilogue", "gemm", "Tensor", "VecN", "VecM", "Scalar", "Const", "cast"]:
+        assert name in cd.__all__, name
+        assert f"cd.{name}" in cd.__doc__ and f"cd.{name}" in text, name
+    assert all(getattr(cd, name) is not None for name in cd.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        cd.nope
 
 
 def assert_epilogue_error(fn, needles, where):

@@ -134,7 +134,7 @@ def test_pairwise_lowering():
     assert plan.d_dtype is None and ("D", "bf16", "mh") in plan.outputs
     assert any(isinstance(n, PairStore) for n in plan.nodes)
     src = render(plan, "0" * 24)
-    assert "coda::PairStore<cutlass::bfloat16_t>" in src and "for (int q = 0; q < N / 2; ++q)" in src
+    assert "coda::PairStore<EpilogueDescriptor, cutlass::bfloat16_t>" in src and "for (int q = 0; q < N / 2; ++q)" in src
     tables = lower(specialize(rope_tables.program, {}),
                    Signature("bf16", "nk", (("cos", "bf16"), ("sin", "bf16")), (("D", "bf16"),)))
     assert tables.widened == [] and tables.d_dtype == "bf16"  # [M, N/2] tables are read per pair

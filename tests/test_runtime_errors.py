@@ -66,6 +66,13 @@ def test_missing_and_unexpected_together():
     assert "unexpected operand(s) ['Bias']" in msg and "missing operand(s) ['bias']" in msg
 
 
+def test_epilogue_passed_by_keyword_is_explained():
+    a, b = ab()
+    with pytest.raises(OperandError, match=r"the epilogue is positional: cd.gemm\(A, B, ep_all, ...\), "
+                                           r"not epilogue=ep_all"):
+        cd.gemm(a, b, epilogue=ep_all, **operands())
+
+
 def test_operands_to_an_epilogue_without_any():
     a, b = ab()
     msg = error_of(OperandError, a, b, cd.identity, bias=torch.randn(N))

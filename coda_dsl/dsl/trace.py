@@ -6,7 +6,9 @@ function and line, with the fix.
 from __future__ import annotations
 
 import inspect
+import linecache
 import os
+import re
 import sys
 from typing import Any, Callable
 
@@ -17,14 +19,47 @@ from ..ir.ops import dtype_name
 _DSL_DIR = os.path.dirname(os.path.abspath(__file__))  # frames in here are the tracer, not the user
 
 
-def user_location() -> str:
-    """'file.py:line' of the innermost stack frame outside the DSL package (the user's line)."""
+def _user_frame():
+    """The innermost stack frame outside the DSL package (the user's line), or None."""
     f = sys._getframe(1)
     while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_DSL_DIR + os.sep):
         f = f.f_back
+    return f
+
+
+def user_location() -> str:
+    """'file.py:line' of the user's line."""
+    f = _user_frame()
     if f is None:
         return "<unknown>"
     return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
+
+
+# math/numpy/torch functions whose cd. counterpart has another name
+_CD_NAMES = {"fabs": "abs", "absolute": "abs", "fmax": "maximum", "fmin": "minimum", "clamp_min": "maximum",
+             "clamp_max": "minimum"}
+
+
+def foreign_function(qualname: str) -> EpilogueError:
+    """The error for math.exp(x), np.exp(x), torch.exp(x) and the like on a traced value: they compute
+    once on numbers while tracing, and cannot record anything."""
+    from . import ops
+    name = qualname.rpartition(".")[2]
+    fn = getattr(ops, _CD_NAMES.get(name, name), None)
+    if inspect.isfunction(fn) and fn.__module__ == ops.__name__:
+        required = [p.name for p in inspect.signature(fn).parameters.values() if p.default is p.empty]
+        fix = f"use cd.{fn.__name__}({', '.join(required)})"
+    else:
+        fix = "use the cd. functions and operators (listed in help(coda_dsl))"
+    return fail(f"{qualname}() cannot take a traced value: only coda_dsl's functions record epilogue math", fix)
+
+
+def _called_function() -> str | None:
+    """'math.exp' when the user's line calls math.exp(...) (or another function of math), else None."""
+    f = _user_frame()
+    line = linecache.getline(f.f_code.co_filename, f.f_lineno) if f else ""
+    m = re.search(r"\bmath\.(\w+)\s*\(", line)
+    return f"math.{m.group(1)}" if m else None
 
 
 class _Tracer:
@@ -96,6 +131,9 @@ class Value:
         )
 
     def __float__(self):
+        called = _called_function()  # math.exp(x) lands here: math converts its argument to a float
+        if called:
+            raise foreign_function(called)
         raise fail("float() of a traced value: its value exists only on the GPU", "keep it as a traced value")
 
     __int__ = __index__ = __float__
@@ -103,6 +141,31 @@ class Value:
     def __iter__(self):
         raise fail("a traced value is not iterable",
                    "write the math per element; g, u = cd.pairs(x) splits adjacent column pairs")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        """torch.exp(x) on a traced value: a clear error. Tensor operators (tensor * x) return
+        NotImplemented, so that Python calls our reflected operator (a 0-d tensor is a number)."""
+        name = getattr(func, "__name__", str(func))
+        if name.startswith("__"):
+            return NotImplemented
+        module = getattr(func, "__module__", None) or ""  # F.gelu: torch._C._nn, F.silu: torch.nn.functional
+        raise foreign_function(f"{'torch.nn.functional' if 'nn' in module else 'torch'}.{name}")
+
+    # numpy ufuncs that are Python's operators (numpy scalar * x): (our method, its reflection)
+    _UFUNC_METHODS = {"add": ("__add__", "__radd__"), "subtract": ("__sub__", "__rsub__"),
+                      "multiply": ("__mul__", "__rmul__"), "divide": ("__truediv__", "__rtruediv__"),
+                      "less": ("__lt__", "__gt__"), "less_equal": ("__le__", "__ge__"),
+                      "greater": ("__gt__", "__lt__"), "greater_equal": ("__ge__", "__le__"),
+                      "equal": ("__eq__", "__eq__"), "not_equal": ("__ne__", "__ne__")}
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        """numpy scalar * x records a multiply, as 2.0 * x does; np.exp(x) is a clear error."""
+        methods = self._UFUNC_METHODS.get(ufunc.__name__)
+        if methods and method == "__call__" and not kwargs and len(inputs) == 2:
+            a, b = inputs
+            return getattr(a, methods[0])(b) if isinstance(a, Value) else getattr(b, methods[1])(a)
+        raise foreign_function(f"np.{ufunc.__name__}")
 
     def __getattr__(self, name):
         if name.startswith("__"):  # protocol probes (numpy, torch, copy) must see a plain AttributeError
@@ -229,6 +292,12 @@ def cast(x: Any, dtype) -> Value:
 
 
 def reduce(kind: str, x: Any, axis, index: Any = None) -> Reduction:
+    if isinstance(axis, Value):  # cd.max(a, b): the elementwise maximum was meant
+        elementwise = {"max": "cd.maximum(a, b)", "min": "cd.minimum(a, b)", "sum": "a + b"}.get(
+            kind, "cd.maximum, cd.minimum or the operators")
+        raise fail(f"cd.{kind}(x, axis) reduces x over an output axis; its second argument is the axis "
+                   '("n", "m" or None), not a traced value',
+                   f"for the elementwise result of two values use {elementwise}")
     if axis not in ir.REDUCE_AXES:
         raise fail(f"axis={axis!r} is not an output axis", 'use axis="n" (per row, result [M]), '
                    'axis="m" (per column, result [N]) or axis=None (whole tensor)')

@@ -491,6 +491,9 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
     default; tune=True (or set_tuning(True)) measures the candidates now and records the winner.
     """
     ep = epilogue or identity
+    if epilogue is None and "epilogue" in operands:  # cd.gemm(x, w, epilogue=fn)
+        name = getattr(operands["epilogue"], "name", "fn")
+        raise OperandError(f"cd.gemm: the epilogue is positional: cd.gemm(A, B, {name}, ...), not epilogue={name}")
     if not isinstance(ep, Epilogue):
         raise TypeError(f"cd.gemm: epilogue must be a function decorated with @cd.epilogue, got {ep!r}")
     if backend not in BACKENDS:
