@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import coda_dsl as cd
-from coda_dsl.build.cache import valid_output
+from coda_dsl.build.cache import build_key, valid_output
 from coda_dsl.library import rope_frequencies, rope_positions, swiglu
 from coda_dsl.runtime import op as runtime
 
@@ -172,7 +172,7 @@ def run(cases: list[Case], shapes=None, autotune=False, iters=50, tune=False, dy
     except Exception as e:  # noqa: BLE001  measure what built; a failed kernel would be rebuilt (and fail) per call
         failed.append(f"kernel builds: {type(e).__name__}: {e}")
         for name, op in ops.items():
-            if valid_output(op.unit.key) is None:
+            if valid_output(build_key(op.unit.key)) is None:
                 failed.append(f"{name}: not measured, its kernel did not build")
                 todo = [(c, s) for c, s in todo if c.name != name]
     rows = []
