@@ -91,26 +91,32 @@ def _ninja_file(tc: Toolchain, keys: list[str], compile_only: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
-# Runs ninja in a process group of its own, led by this watchdog: when the building process dies, even
-# by kill -9, the watchdog kills the group, so no ninja, nvcc or cudafe++ keeps compiling for nobody.
+# Runs ninja in a session of its own, under this watchdog: when the building process dies (even by
+# kill -9) or asks it to stop (SIGTERM), it stops ninja with SIGTERM, which ninja passes on to the process
+# group of every command it runs (nvcc and its cudafe++, cicc, ptxas), then kills what is left.
 _WATCHDOG = """
 import os, signal, subprocess, sys, time
-parent = int(sys.argv[1])
+parent, stop = int(sys.argv[1]), []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
 p = subprocess.Popen(sys.argv[2:])
 while p.poll() is None:
-    if os.getppid() != parent:
-        os.killpg(0, signal.SIGKILL)
+    if stop or os.getppid() != parent:
+        p.terminate()
+        try:
+            p.wait(10)
+        finally:
+            os.killpg(0, signal.SIGKILL)
     time.sleep(0.2)
 sys.exit(p.returncode)
 """
-_groups: set[int] = set()  # process groups of builds in progress, killed if the interpreter exits
+_watchdogs: set[int] = set()  # builds in progress, stopped if the interpreter exits
 
 
 @atexit.register
-def _kill_builds() -> None:
-    for pgid in list(_groups):
+def _stop_builds() -> None:
+    for pid in list(_watchdogs):
         with contextlib.suppress(OSError):
-            os.killpg(pgid, signal.SIGKILL)
+            os.kill(pid, signal.SIGTERM)
 
 
 def _run_ninja(staging: Path, targets: list[str], jobs: int, verbose: bool, log) -> tuple[int, str]:
@@ -120,7 +126,7 @@ def _run_ninja(staging: Path, targets: list[str], jobs: int, verbose: bool, log)
     out = []
     p = subprocess.Popen([sys.executable, "-S", "-c", _WATCHDOG, str(os.getpid()), *args], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
-    _groups.add(p.pid)
+    _watchdogs.add(p.pid)
     try:
         for line in p.stdout:
             out.append(line)
@@ -129,10 +135,9 @@ def _run_ninja(staging: Path, targets: list[str], jobs: int, verbose: bool, log)
         p.wait()
     finally:
         if p.returncode is None:  # interrupted (KeyboardInterrupt, an error): stop the compilers with us
-            with contextlib.suppress(OSError):
-                os.killpg(p.pid, signal.SIGKILL)
+            p.terminate()
             p.wait()
-        _groups.discard(p.pid)
+        _watchdogs.discard(p.pid)
         p.stdout.close()
     return p.returncode, "".join(out)
 
