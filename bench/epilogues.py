@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import coda_dsl as cd
-from coda_dsl.build.cache import valid_output
+from coda_dsl.build.cache import build_key, valid_output
 from coda_dsl.library import rope_frequencies, rope_positions, swiglu
 from coda_dsl.runtime import op as runtime
 from coda_dsl.runtime import tune as tuning
@@ -183,7 +183,7 @@ def run(cases: list[Case], shapes=None, autotune=False, iters=50, tune=False, dy
     except Exception as e:  # noqa: BLE001  measure what built; a failed kernel would be rebuilt (and fail) per call
         failed.append(f"kernel builds: {type(e).__name__}: {e}")
         for (name, s), op in ops.items():
-            if valid_output(op.unit.key) is None:
+            if valid_output(build_key(op.unit.key)) is None:
                 failed.append(f"{name} {fmt(s)}: not measured, its kernel did not build")
                 todo = [t for t in todo if (t[0].name, t[1]) != (name, s)]
     rows = []

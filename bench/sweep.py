@@ -16,7 +16,7 @@ import sys
 import torch
 
 import coda_dsl as cd
-from coda_dsl.build.cache import valid_output
+from coda_dsl.build.cache import build_key, valid_output
 from coda_dsl.passes.plan import Config
 from coda_dsl.runtime import op as runtime
 
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
             variants = {"cuBLAS": lambda a, w, o: a @ w.t()}
             for cfg in configs:
                 op = ops[c.name, cfg.key]
-                if valid_output(op.unit.key) is None:
+                if valid_output(build_key(op.unit.key)) is None:
                     failed.append(f"{c.name} {cfg.key}: did not build")
                     continue
                 try:

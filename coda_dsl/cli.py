@@ -205,16 +205,22 @@ def cmd_explain(args) -> int:
     print(f"  outputs: {', '.join(outs)}")
     print(f"\n## specialization\n  A/B {sig.ab_dtype}, B layout {sig.b_layout}, config {sig.config.key}")
     print(f"  key {spec.key}  (op torch.ops.coda_dsl.{spec.op_name})")
+    try:  # the cache entry also depends on the toolchain; explaining needs none
+        print(f"  build key {build.build_key(spec.key)}  (its cache entry with this toolchain)")
+    except ToolchainError as e:
+        print(f"  build key: unknown, no toolchain here ({e})")
     print(f"  canonical: {plan.key}")
     return 0
 
 
 def cmd_build(args) -> int:
     _, spec = _spec_from_args(args)
-    what = "kernel.o" if args.compile_only else "kernel.so"
-    cached = build.cache.valid_output(spec.key, what)
-    path = cached or build.build_units([spec.unit], compile_only=args.compile_only, log=_err)[0]
-    print(f"{'already in the cache' if cached else 'built'}: {path}")
+    start = time.time()
+    path = build.build_units([spec.unit], compile_only=args.compile_only, log=_err)[0]
+    # Built here, or found (perhaps after waiting for another process's build)?
+    meta = build.cache.read_meta(build.build_key(spec.key)) or {}
+    ours = meta.get("pid", os.getpid()) == os.getpid() and meta.get("created", start) >= start
+    print(f"{'built' if ours else 'already in the cache'}: {path}")
     return 0
 
 
@@ -236,8 +242,11 @@ def _age(seconds: float) -> str:
 def cmd_cache(args) -> int:
     root = build.cache_dir()
     if args.action == "clear":
-        n = build.clear_cache()
+        cleared = build.clear_cache()
+        n = cleared.removed
         print(f"removed {n} cache entr{'y' if n == 1 else 'ies'} from {root}")
+        for busy in cleared.busy:
+            print(f"  kept {busy}: it is being built now; clear again once that build is done")
         return 0
     entries = build.cache_entries()
     print(f"cache {root}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, "

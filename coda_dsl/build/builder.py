@@ -1,11 +1,17 @@
 """Parallel ninja builds of kernel translation units into the cache, and loading them into torch."""
 from __future__ import annotations
 
+import atexit
 import contextlib
+import dataclasses
+import fcntl
 import os
+import re
 import shlex
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -13,15 +19,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CodaError
-from .cache import cache_dir, commit_entry, entry_dir, key_locks, valid_output
+from .cache import (build_key, cache_dir, cache_io, check_output, commit_entry, entry_dir, invalidate, key_locks,
+                    make_dir)
 from .tools import Toolchain, compile_command, link_command, ninja_binary, toolchain
 
 
 @dataclass
 class BuildUnit:
-    key: str     # specialization key
+    key: str     # specialization key (cache.specialization_key); the entry is under its build key
     source: str  # full .cu text
     op_name: str = ""  # the TORCH_LIBRARY op the .so registers; informational here
+
+    @property
+    def label(self) -> str:
+        """What the unit is, for messages: its epilogue, as the generated source's header names it."""
+        m = re.search(r"^// Epilogue `([^`]+)`", self.source, re.M)
+        return m.group(1) if m else self.op_name or self.key
+
+
+class KernelLoadError(CodaError, RuntimeError):
+    """A built kernel library cannot be loaded, even after rebuilding it."""
 
 
 class BuildError(CodaError):
@@ -74,17 +91,54 @@ def _ninja_file(tc: Toolchain, keys: list[str], compile_only: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
+# Runs ninja in a session of its own, under this watchdog: when the building process dies (even by
+# kill -9) or asks it to stop (SIGTERM), it stops ninja with SIGTERM, which ninja passes on to the process
+# group of every command it runs (nvcc and its cudafe++, cicc, ptxas), then kills what is left.
+_WATCHDOG = """
+import os, signal, subprocess, sys, time
+parent, stop = int(sys.argv[1]), []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+p = subprocess.Popen(sys.argv[2:])
+while p.poll() is None:
+    if stop or os.getppid() != parent:
+        p.terminate()
+        try:
+            p.wait(10)
+        finally:
+            os.killpg(0, signal.SIGKILL)
+    time.sleep(0.2)
+sys.exit(p.returncode)
+"""
+_watchdogs: set[int] = set()  # builds in progress, stopped if the interpreter exits
+
+
+@atexit.register
+def _stop_builds() -> None:
+    for pid in list(_watchdogs):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)
+
+
 def _run_ninja(staging: Path, targets: list[str], jobs: int, verbose: bool, log) -> tuple[int, str]:
     """Run ninja on staging/build.ninja (-k 0: a failing unit does not stop the others), streaming its
     status lines when verbose. Returns (exit code, combined output). Tests replace this to avoid nvcc."""
     args = [ninja_binary(), "-C", str(staging), "-j", str(jobs), "-k", "0", *targets]
     out = []
-    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          errors="replace") as p:
+    p = subprocess.Popen([sys.executable, "-S", "-c", _WATCHDOG, str(os.getpid()), *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
+    _watchdogs.add(p.pid)
+    try:
         for line in p.stdout:
             out.append(line)
             if verbose:
                 log(line.rstrip("\n"))
+        p.wait()
+    finally:
+        if p.returncode is None:  # interrupted (KeyboardInterrupt, an error): stop the compilers with us
+            p.terminate()
+            p.wait()
+        _watchdogs.discard(p.pid)
+        p.stdout.close()
     return p.returncode, "".join(out)
 
 
@@ -101,7 +155,7 @@ def _fail(unit: BuildUnit, udir: Path, ninja_out: str, compile_only: bool) -> Bu
     """Keep the failing source and log under failed/<key>/ (paths in the log rewritten to point there)."""
     dest = cache_dir() / "failed" / unit.key
     shutil.rmtree(dest, ignore_errors=True)
-    dest.mkdir(parents=True)
+    make_dir(make_dir(cache_dir() / "failed") / unit.key)
     src = dest / "kernel.cu"
     shutil.copyfile(udir / "kernel.cu", src)
     try:
@@ -118,16 +172,20 @@ def _fail(unit: BuildUnit, udir: Path, ninja_out: str, compile_only: bool) -> Bu
 
 
 def _build(units: list[BuildUnit], tc: Toolchain, compile_only: bool, jobs: int | None, verbose: bool,
-           log) -> None:
-    staging_root = cache_dir() / ".staging"
-    staging_root.mkdir(exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=staging_root))
+           log, spec_keys: dict[str, str]) -> None:
+    """Build `units` (keyed by build key) in one staging folder, which this process holds a flock on
+    while it lives, so that `cache clear` removes only the folders of builds that died."""
+    with cache_io():
+        staging = Path(tempfile.mkdtemp(dir=make_dir(cache_dir() / ".staging")))
+    held = os.open(staging, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)
     try:
         keys = [u.key for u in units]
-        for u in units:
-            (staging / u.key).mkdir()
-            (staging / u.key / "kernel.cu").write_text(u.source)
-        (staging / "build.ninja").write_text(_ninja_file(tc, keys, compile_only))
+        with cache_io():
+            for u in units:
+                (staging / u.key).mkdir()
+                (staging / u.key / "kernel.cu").write_text(u.source)
+            (staging / "build.ninja").write_text(_ninja_file(tc, keys, compile_only))
         jobs = jobs or _default_jobs(len(units))
         n = len(units)
         what = f"{n} kernel specialization{'s' if n > 1 else ''}"
@@ -143,17 +201,18 @@ def _build(units: list[BuildUnit], tc: Toolchain, compile_only: bool, jobs: int 
                 with contextlib.suppress(OSError):
                     log(f"--- {k}/build.log ---\n{(staging / k / 'build.log').read_text(errors='replace')}")
         failed = []
-        for u in units:
-            udir = staging / u.key
-            if not (udir / out_name).exists():
-                failed.append(_fail(u, udir, ninja_out, compile_only))
-                continue
-            names = ["kernel.cu", "build.log", "kernel.o"] + ([] if compile_only else ["kernel.so"])
-            commit_entry(u.key, {f: udir / f for f in names if (udir / f).exists()},
-                         {"op_name": u.op_name, "created": time.time(),
-                          "build_seconds": round(time.monotonic() - t0, 1),
-                          "toolchain": {"nvcc": tc.nvcc_version, "cutlass": tc.cutlass_version,
-                                        "torch": tc.torch_version}})
+        with cache_io():
+            for u in units:
+                udir = staging / u.key
+                if not (udir / out_name).exists():
+                    failed.append(_fail(u, udir, ninja_out, compile_only))
+                    continue
+                names = ["kernel.cu", "build.log", "kernel.o"] + ([] if compile_only else ["kernel.so"])
+                commit_entry(u.key, {f: udir / f for f in names if (udir / f).exists()},
+                             {"op_name": u.op_name, "specialization_key": spec_keys[u.key], "pid": os.getpid(),
+                              "created": time.time(), "build_seconds": round(time.monotonic() - t0, 1),
+                              "toolchain": {"nvcc": tc.nvcc_version, "cutlass": tc.cutlass_version,
+                                            "torch": tc.torch_version}})
         dt = time.monotonic() - t0
         log(f"coda_dsl: done in {dt:.1f} s: {n - len(failed)} built, {len(failed)} failed"
             if failed else f"coda_dsl: built {what} in {dt:.1f} s")
@@ -163,35 +222,57 @@ def _build(units: list[BuildUnit], tc: Toolchain, compile_only: bool, jobs: int 
             raise failed[0]
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        os.close(held)
 
 
 def build_units(units: list[BuildUnit], *, compile_only: bool = False, jobs: int | None = None,
                 verbose: bool = False, log=print) -> list[Path]:
-    """Build every unit whose cache entry is missing or corrupt, in one parallel ninja run; return each
+    """Build every unit whose cache entry is missing or damaged, in one parallel ninja run; return each
     unit's .so (or .o with compile_only). Per-key file locks make concurrent callers wait, not rebuild."""
     tc = toolchain()
     out_name = "kernel.o" if compile_only else "kernel.so"
-    unique = list({u.key: u for u in units}.values())
-    with key_locks(u.key for u in unique):
-        todo = [u for u in unique if valid_output(u.key, out_name) is None]
+    bkeys = {u.key: build_key(u.key) for u in units}
+    unique = [dataclasses.replace(u, key=bkeys[u.key]) for u in {u.key: u for u in units}.values()]
+    with key_locks([u.key for u in unique], {u.key: u.label for u in unique}, log):
+        todo = []
+        for u in unique:
+            path, problem = check_output(u.key, out_name)
+            if path is None:
+                if problem:
+                    log(f"coda_dsl: warning: cache entry {entry_dir(u.key)} is damaged ({problem}): rebuilding it")
+                todo.append(u)
         if todo:
-            _build(todo, tc, compile_only, jobs, verbose, log)
-    return [entry_dir(u.key) / out_name for u in units]
+            _build(todo, tc, compile_only, jobs, verbose, log, {v: k for k, v in bkeys.items()})
+    return [entry_dir(bkeys[u.key]) / out_name for u in units]
 
 
 _loaded: dict[str, Path] = {}
 _load_lock = threading.Lock()
 
 
-def load_library(unit: BuildUnit) -> Path:
-    """Memory -> disk cache -> build; then load the .so into torch once per process."""
+def load_library(unit: BuildUnit, log=print) -> Path:
+    """Memory -> disk cache (its content hash checked once per process) -> build; then load the .so into
+    torch once per process. A .so that fails to load is rebuilt once."""
     so = _loaded.get(unit.key)
     if so is not None:
         return so
-    so = valid_output(unit.key) or build_units([unit])[0]
+    bkey = build_key(unit.key)
+    so = check_output(bkey)[0] or build_units([unit], log=log)[0]
     with _load_lock:
         if unit.key not in _loaded:
             import torch
-            torch.ops.load_library(str(so))
+            try:
+                torch.ops.load_library(str(so))
+            except OSError as e:
+                log(f"coda_dsl: warning: cannot load {so} ({e}): rebuilding it")
+                with key_locks([bkey]):
+                    invalidate(bkey)
+                so = build_units([unit], log=log)[0]
+                try:
+                    torch.ops.load_library(str(so))
+                except OSError as e2:
+                    raise KernelLoadError(f"cannot load the kernel library {so}, even rebuilt: {e2}\n"
+                                          "  fix: run `coda-dsl doctor` (a torch or CUDA install that differs "
+                                          "from the one it was built with?)") from None
             _loaded[unit.key] = so
     return _loaded[unit.key]

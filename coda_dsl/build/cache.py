@@ -1,13 +1,18 @@
-"""The on-disk kernel cache: keys, entry validity, atomic writes, per-key file locks.
+"""The on-disk kernel cache: keys, entry validity, atomic writes, per-key file locks, I/O errors.
 
-Layout: <cache_dir>/<key>/{kernel.cu, kernel.o, kernel.so, build.log, meta.json}, <key>.lock beside it,
-.staging/ for builds in progress, failed/<key>/ for the source and log of the last failed build.
-meta.json is written last and records each output's size, so a half-written or truncated entry is
-detected (and rebuilt) instead of loaded.
+Layout: <cache_dir>/<build key>/{kernel.cu, kernel.o, kernel.so, build.log, meta.json}, <build key>.lock
+beside it, .staging/ for builds in progress, failed/<build key>/ for the source and log of the last
+failed build. meta.json is written last and records each output's size and SHA-256, so a half-written,
+truncated or damaged entry is detected (and rebuilt) instead of loaded.
+
+Two keys: the specialization key (plan + codegen; it names the torch op and is in the source) and the
+build key (specialization key + toolchain versions; it names the cache entry). Emitting a kernel needs
+no toolchain; only building does.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import functools
 import hashlib
@@ -15,26 +20,132 @@ import json
 import os
 import re
 import shutil
+import stat
+import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import CodaError
 from .paths import csrc_dir, templates_dir
 from .tools import ARCH, toolchain
 
 CODEGEN_VERSION = "1"  # bump when build flags change in a way the key can't see
 KEY_RE = re.compile(r"^[0-9a-f]{24}$")
 META = "meta.json"
+WAIT_NOTICE_S = 3.0  # a process waiting on another's build lock says so after this long
+
+
+class CacheError(CodaError, OSError):
+    """The kernel cache cannot be read or written; the message names the path and the fix."""
+
+
+class LockTimeoutError(CacheError):
+    """Waited longer than CODA_DSL_LOCK_TIMEOUT for another process's build of the same kernel."""
+
+
+def cache_error(e: OSError, path=None) -> CacheError:
+    """A clear CacheError for an OSError met on a cache path: what is wrong there and what to do."""
+    where = str(path or e.filename or "the kernel cache")
+    code = e.errno
+    if code == errno.ENOTDIR:
+        what, fix = "a part of this path is a regular file, not a directory", \
+            "remove that file, or set CODA_DSL_CACHE to a directory"
+    elif code in (errno.EEXIST, errno.EISDIR):
+        what = "is a directory where a file belongs" if code == errno.EISDIR else \
+            "exists and is not a directory"
+        fix = "remove it (`coda-dsl cache clear` removes such debris)"
+    elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        what = "read-only file system" if code == errno.EROFS else "permission denied"
+        fix = ("make it writable (a cache shared by a group must be group-writable or setgid: see README, "
+               "How caching works), or set CODA_DSL_CACHE to a directory you can write")
+    elif code in (errno.ENOSPC, errno.EDQUOT):
+        what, fix = "no space left on the device (or disk quota exceeded)", \
+            "free some space (`coda-dsl cache clear`), or set CODA_DSL_CACHE to another file system"
+    else:
+        what, fix = e.strerror or str(e), "check the path, or set CODA_DSL_CACHE to another directory"
+    return CacheError(f"kernel cache: {where}: {what}: {fix}")
+
+
+@contextlib.contextmanager
+def cache_io(path=None):
+    """Turn an OSError of the cache's file operations into one clear CacheError."""
+    try:
+        yield
+    except CacheError:
+        raise
+    except OSError as e:
+        raise cache_error(e, path) from e
+
+
+def _shared(directory: Path) -> bool:
+    """A directory that is setgid or group-writable is shared by a group: what we create in it is too."""
+    try:
+        return bool(directory.stat().st_mode & (stat.S_ISGID | stat.S_IWGRP))
+    except OSError:
+        return False
+
+
+def _set_mode(path: Path, fd: int | None = None) -> None:
+    """rw-r--r-- (rwxr-xr-x for directories), group-writable inside a shared directory. Only the owner
+    may chmod: someone else's file keeps its mode."""
+    st = os.fstat(fd) if fd is not None else path.lstat()
+    if st.st_uid != os.geteuid():
+        return
+    shared = _shared(path.parent)
+    if stat.S_ISDIR(st.st_mode):
+        mode = 0o775 if shared else 0o755
+        mode |= stat.S_ISGID if shared and path.parent.stat().st_mode & stat.S_ISGID else 0
+    else:
+        mode = (st.st_mode & 0o111) | (0o664 if shared else 0o644)
+    if stat.S_IMODE(st.st_mode) != mode:
+        os.fchmod(fd, mode) if fd is not None else os.chmod(path, mode)
+
+
+def make_dir(path: Path) -> Path:
+    """mkdir (if missing) with the cache's permissions."""
+    path.mkdir(exist_ok=True)
+    _set_mode(path)
+    return path
+
+
+_fallback_warned = False
 
 
 def cache_dir() -> Path:
     env = os.environ.get("CODA_DSL_CACHE")
     if env:
         root = Path(env).expanduser()
-    else:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        root = (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "coda_dsl"
-    root.mkdir(parents=True, exist_ok=True)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # the user chose this place: say what is wrong with it rather than go elsewhere
+            raise CacheError(f"CODA_DSL_CACHE={env}: {cache_error(e, e.filename or root)}") from None
+        return root
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    root = (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "coda_dsl"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        return root
+    except OSError as e:
+        return _fallback_dir(root, e)
+
+
+def _fallback_dir(default: Path, why: OSError) -> Path:
+    """A per-user cache in the temporary directory, when the default location cannot be created (a
+    read-only home, ~/.cache being a file): a slower start beats no kernels."""
+    global _fallback_warned
+    root = Path(tempfile.gettempdir()) / f"coda_dsl-{os.geteuid()}"
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(root, 0o700)
+    st = root.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():  # someone else's: never use it
+        raise CacheError(f"kernel cache: cannot create {default} ({why.strerror}), and the fallback {root} is "
+                         "not a directory of yours: set CODA_DSL_CACHE to a directory you can write")
+    if not _fallback_warned:
+        _fallback_warned = True
+        print(f"coda_dsl: warning: cannot create the kernel cache {default} ({why.strerror}); using {root} "
+              "(set CODA_DSL_CACHE to choose)", file=sys.stderr)
     return root
 
 
@@ -47,13 +158,21 @@ def _sources_digest() -> str:
     return h.hexdigest()[:16]
 
 
-def specialization_key(canonical: str) -> str:
-    tc = toolchain()
-    parts = [canonical, f"nvcc={tc.nvcc_version}", f"cutlass={tc.cutlass_version}",
-             f"torch={tc.torch_version}", f"arch={ARCH}", f"codegen={CODEGEN_VERSION}",
-             f"sources={_sources_digest()}"]
+def _hash(parts: list[str]) -> str:
     # NUL separators: no two different part lists hash the same text.
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
+
+
+def specialization_key(canonical: str) -> str:
+    """The key of a plan: it names the torch op and appears in the source. No toolchain needed."""
+    return _hash([canonical, f"arch={ARCH}", f"codegen={CODEGEN_VERSION}", f"sources={_sources_digest()}"])
+
+
+def build_key(key: str) -> str:
+    """The cache entry of specialization `key` built by this toolchain: an upgrade of nvcc, CUTLASS or
+    torch builds anew, under the same op name."""
+    tc = toolchain()
+    return _hash([key, f"nvcc={tc.nvcc_version}", f"cutlass={tc.cutlass_version}", f"torch={tc.torch_version}"])
 
 
 def entry_dir(key: str) -> Path:
@@ -68,21 +187,66 @@ def read_meta(key: str) -> dict | None:
     return meta if isinstance(meta, dict) and meta.get("key") == key else None
 
 
-def valid_output(key: str, name: str = "kernel.so") -> Path | None:
-    """Path of a complete output `name` of entry `key`, or None if it is missing, partial or unrecorded."""
-    files = (read_meta(key) or {}).get("files")
-    size = files.get(name) if isinstance(files, dict) else None
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+_verified: dict[str, tuple] = {}  # path -> (inode, size, mtime) whose content hash matched in this process
+
+
+def check_output(key: str, name: str = "kernel.so", verify: bool = True) -> tuple[Path | None, str | None]:
+    """(path, None) for a complete output `name` of entry `key`; (None, None) when the entry has none;
+    (None, what is wrong) when it has a damaged one. `verify`: also check its content hash, once per
+    process (a .so damaged but kept at its size would crash the process that loads it)."""
+    meta = read_meta(key)
     path = entry_dir(key) / name
     try:
-        return path if isinstance(size, int) and path.stat().st_size == size else None
+        st = path.stat()
     except OSError:
-        return None
+        st = None
+    if meta is None:
+        return None, (None if st is None else "no valid meta.json")
+    size = (meta.get("files") or {}).get(name) if isinstance(meta.get("files"), dict) else None
+    digest = (meta.get("sha256") or {}).get(name) if isinstance(meta.get("sha256"), dict) else None
+    if size is None:
+        return None, None  # not built (e.g. compile-only entries have no .so)
+    if st is None:
+        return None, f"{name} is missing"
+    if not stat.S_ISREG(st.st_mode):
+        return None, f"{name} is not a regular file"
+    if st.st_size != size:
+        return None, f"{name} has {st.st_size} bytes, {size} were written"
+    if verify:
+        stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+        if _verified.get(str(path)) != stamp:
+            try:
+                ok = digest is not None and _sha256(path) == digest
+            except OSError as e:
+                return None, f"{name} cannot be read ({e.strerror})"
+            if not ok:
+                return None, f"{name} does not match its recorded SHA-256"
+            _verified[str(path)] = stamp
+    return path, None
+
+
+def valid_output(key: str, name: str = "kernel.so") -> Path | None:
+    """Path of a complete output `name` of entry `key` (size checked; the hash on first use), or None."""
+    return check_output(key, name, verify=False)[0]
+
+
+def invalidate(key: str) -> None:
+    """Mark entry `key` for rebuilding (its loaded .so failed). Caller holds the key's lock."""
+    (entry_dir(key) / META).unlink(missing_ok=True)
 
 
 def atomic_write(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
-        os.fchmod(fd, 0o644)  # mkstemp makes 0600; a shared cache must be readable
+        _set_mode(Path(tmp), fd)  # mkstemp makes 0600; a shared cache must be readable (writable by a group)
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -94,35 +258,90 @@ def atomic_write(path: Path, text: str) -> None:
         raise
 
 
+def _remove(path: Path) -> None:
+    """Remove a file, link or directory tree, whatever it is."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def commit_entry(key: str, files: dict[str, Path], meta: dict) -> Path:
     """Move finished build outputs into the entry dir, meta.json last. Caller holds the key's lock."""
     entry = entry_dir(key)
-    if entry.exists() and not entry.is_dir():
+    if entry.is_symlink() or (entry.exists() and not entry.is_dir()):
         entry.unlink()
-    entry.mkdir(exist_ok=True)
+    make_dir(entry)
     (entry / META).unlink(missing_ok=True)  # invalidate first: readers never pair old meta with new files
-    sizes = {}
+    sizes, digests = {}, {}
     for name, src in files.items():
-        sizes[name] = src.stat().st_size
-        os.replace(src, entry / name)
-    atomic_write(entry / META, json.dumps({**meta, "key": key, "files": sizes}, indent=1))
+        sizes[name], digests[name] = src.stat().st_size, _sha256(src)
+        dst = entry / name
+        if dst.is_dir() and not dst.is_symlink():  # debris: os.replace cannot overwrite a directory
+            shutil.rmtree(dst)
+        os.replace(src, dst)
+        _set_mode(dst)
+    atomic_write(entry / META, json.dumps({**meta, "key": key, "files": sizes, "sha256": digests}, indent=1))
     return entry
 
 
-@contextlib.contextmanager
-def key_locks(keys):
-    """Exclusive flock on <cache_dir>/<key>.lock for each key, taken in sorted order (no deadlock)."""
-    with contextlib.ExitStack() as stack:
-        for key in sorted(set(keys)):
-            stack.enter_context(_lock(cache_dir() / f"{key}.lock"))
-        yield
+# ---- locks ------------------------------------------------------------------------------------------
+
+def lock_timeout() -> float:
+    text = os.environ.get("CODA_DSL_LOCK_TIMEOUT", "1800")
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise CacheError(f"CODA_DSL_LOCK_TIMEOUT={text}: expected a positive number of seconds (default 1800)")
+    return value
+
+
+def _holder(path: Path) -> str:
+    try:
+        pid = path.read_text().split()[0]
+    except (OSError, IndexError):
+        return "another process"
+    return f"pid {pid}" if pid.isdigit() else "another process"
+
+
+def _open_lock(path: Path) -> int:
+    with cache_io(path):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except PermissionError:  # someone else's lock file: flock needs no write access
+            fd = os.open(path, os.O_RDONLY)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(errno.EEXIST, "not a regular file", str(path))
+        _set_mode(path, fd)
+        return fd
 
 
 @contextlib.contextmanager
-def _lock(path: Path):
+def _lock(path: Path, label: str = "", log=None):
+    """Exclusive flock on `path`. Waiting on another process says so (once, through `log`) after
+    WAIT_NOTICE_S and gives up after CODA_DSL_LOCK_TIMEOUT seconds."""
+    timeout, start, told = lock_timeout(), time.monotonic(), False
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fd = _open_lock(path)
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                waited = time.monotonic() - start
+                if waited > timeout:
+                    os.close(fd)
+                    raise LockTimeoutError(
+                        f"gave up after {waited:.0f} s waiting for the build of {label or path.stem} held by "
+                        f"{_holder(path)} (lock {path}): if that process is stuck, end it; or set "
+                        "CODA_DSL_LOCK_TIMEOUT (seconds) to wait longer") from None
+                if log and not told and waited >= WAIT_NOTICE_S:
+                    told = True
+                    log(f"coda_dsl: waiting for the build of {label or path.stem} held by {_holder(path)}")
+                time.sleep(0.1)
         # clear_cache may have unlinked the file while we waited: then our lock guards nothing.
         try:
             if os.fstat(fd).st_ino == os.stat(path).st_ino:
@@ -131,44 +350,102 @@ def _lock(path: Path):
             pass
         os.close(fd)
     try:
+        with contextlib.suppress(OSError):  # who holds it, for the processes that wait
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
     finally:
         os.close(fd)  # releases the flock
 
 
+@contextlib.contextmanager
+def key_locks(keys, labels: dict[str, str] | None = None, log=None):
+    """Exclusive flock on <cache_dir>/<key>.lock for each key, taken in sorted order (no deadlock)."""
+    with contextlib.ExitStack() as stack:
+        for key in sorted(set(keys)):
+            stack.enter_context(_lock(cache_dir() / f"{key}.lock", (labels or {}).get(key, ""), log))
+        yield
+
+
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+# ---- listing and clearing ---------------------------------------------------------------------------
+
 def _entry_keys() -> list[str]:
-    return sorted(p.name for p in cache_dir().iterdir() if KEY_RE.match(p.name) and p.is_dir())
+    with cache_io(cache_dir()):
+        return sorted(p.name for p in cache_dir().iterdir() if KEY_RE.match(p.name) and p.is_dir())
 
 
 def cache_entries() -> list[dict]:
     out = []
     for key in _entry_keys():
         d = entry_dir(key)
-        files = [p for p in d.iterdir() if p.is_file()]
-        meta = read_meta(key) or {}
-        src = d / "kernel.cu"
-        out.append({"key": key, "size": sum(p.stat().st_size for p in files),
-                    "mtime": max((p.stat().st_mtime for p in files), default=d.stat().st_mtime),
-                    "has_so": valid_output(key) is not None,
-                    "source": str(src) if src.exists() else None, "op_name": meta.get("op_name")})
+        with contextlib.suppress(OSError):  # an entry removed while we look is simply not listed
+            files = [p for p in d.iterdir() if p.is_file()]
+            meta = read_meta(key) or {}
+            src = d / "kernel.cu"
+            out.append({"key": key, "size": sum(p.stat().st_size for p in files),
+                        "mtime": max((p.stat().st_mtime for p in files), default=d.stat().st_mtime),
+                        "has_so": valid_output(key) is not None,
+                        "source": str(src) if src.exists() else None, "op_name": meta.get("op_name")})
     return out
 
 
-def clear_cache() -> int:
-    """Remove every entry (each under its lock, so no build in progress is disturbed) and old debris."""
+@dataclass
+class Cleared:
+    removed: int = 0
+    busy: list[str] = field(default_factory=list)  # "<key> (pid N)": entries being built now, kept
+
+
+def clear_cache() -> Cleared:
+    """Remove every entry not being built right now, the debris of crashed builds (staging folders whose
+    builder is gone, a lock or .staging of the wrong type) and failed builds. Never waits."""
     root = cache_dir()
-    entries = set(_entry_keys())
-    orphan_locks = {p.name[:-5] for p in root.glob("*.lock") if KEY_RE.match(p.name[:-5])}
-    for key in sorted(entries | orphan_locks):
-        lock = root / f"{key}.lock"
-        with _lock(lock):
-            shutil.rmtree(root / key, ignore_errors=True)
-            lock.unlink(missing_ok=True)
-    shutil.rmtree(root / "failed", ignore_errors=True)
-    staging = root / ".staging"
-    if staging.is_dir():  # only debris of crashed builds: live ones are younger than a day
-        for d in staging.iterdir():
-            with contextlib.suppress(OSError):
-                if time.time() - d.stat().st_mtime > 86400:
-                    shutil.rmtree(d, ignore_errors=True)
-    return len(entries)
+    result = Cleared()
+    with cache_io(root):
+        entries = set(_entry_keys())
+        locks = {p.name[:-5] for p in root.glob("*.lock") if KEY_RE.match(p.name[:-5])}
+        for key in sorted(entries | locks):
+            lock = root / f"{key}.lock"
+            if lock.exists() and not lock.is_file():  # debris no process can hold
+                _remove(lock)
+            try:
+                fd = os.open(lock, os.O_RDONLY | os.O_CREAT, 0o644)
+            except PermissionError:
+                fd = os.open(lock, os.O_RDONLY)
+            try:
+                if not _try_flock(fd):  # a build holds it: its entry is kept, and said so
+                    result.busy.append(f"{key} ({_holder(lock)})")
+                    continue
+                _remove(root / key)
+                lock.unlink(missing_ok=True)
+                result.removed += key in entries
+            finally:
+                os.close(fd)
+        _remove(root / "failed")
+        staging = root / ".staging"
+        if staging.exists() and not staging.is_dir():
+            _remove(staging)
+        elif staging.is_dir():
+            for d in staging.iterdir():
+                if not staging_in_use(d):
+                    _remove(d)
+    return result
+
+
+def staging_in_use(d: Path) -> bool:
+    """A live build holds a flock on its staging folder (see builder._build); a crashed one does not."""
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        return not _try_flock(fd)
+    finally:
+        os.close(fd)

@@ -36,8 +36,15 @@ class Toolchain:
 def _find_nvcc() -> tuple[str, str]:
     """(nvcc path, CUDA home)."""
     looked = []
-    env_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    for home in ([env_home] if env_home else []) + ["/usr/local/cuda"]:
+    var = next((v for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)), None)
+    if var:  # a toolkit the user named: never silently another one
+        home = os.environ[var]
+        nvcc = Path(home) / "bin" / "nvcc"
+        if os.access(nvcc, os.X_OK):
+            return str(nvcc), str(Path(home))
+        raise ToolchainError(f"{var}={home}, but {nvcc} is not an executable: point {var} at a CUDA toolkit "
+                             f"12.4+ (the directory holding bin/nvcc), or unset it")
+    for home in ["/usr/local/cuda"]:
         nvcc = Path(home) / "bin" / "nvcc"
         looked.append(str(nvcc))
         if os.access(nvcc, os.X_OK):
@@ -66,12 +73,16 @@ def _nvcc_top(nvcc: str) -> Path | None:
 
 def _nvcc_version(nvcc: str) -> str:
     try:
-        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+        run = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError) as e:
         raise ToolchainError(f"nvcc at {nvcc} does not run ({e}): reinstall the CUDA toolkit 12.4+") from e
+    out = run.stdout
     m = re.search(r"V(\d+\.\d+\.\d+)", out) or re.search(r"release (\d+\.\d+)", out)
-    if not m:
-        raise ToolchainError(f"cannot read the version of {nvcc} from `nvcc --version`:\n{out}")
+    if run.returncode or not m:  # nvcc's own words say why (a missing library, a broken install)
+        said = (run.stdout + run.stderr).strip() or "(no output)"
+        how = f"failed (exit code {run.returncode})" if run.returncode else "printed no version"
+        raise ToolchainError(f"`{nvcc} --version` {how}: {said}\n"
+                             "  fix: repair or reinstall the CUDA toolkit 12.4+, or point CUDA_HOME at another")
     return m.group(1)
 
 
