@@ -66,11 +66,17 @@ def test_grads_match_finite_differences(seed):
 
 
 def _count_gemms(monkeypatch):
+    """Records (epilogue, whether D is stored into a given buffer) per cd.gemm call; a given D must pass
+    the cutlass backend's TMA layout check (V = 301: rows padded to 16 bytes)."""
+    from coda_dsl.runtime import checks
     calls = []
     gemm = cd.gemm
 
     def counting(a, b, ep, **kw):
-        calls.append((ep.name, "D" in (kw.get("out") or {})))
+        d = (kw.get("out") or {}).get("D")
+        if d is not None:
+            checks.tma_layout("test", "D", d)
+        calls.append((ep.name, d is not None))
         return gemm(a, b, ep, **kw)
     monkeypatch.setattr(cd, "gemm", counting)
     return calls
@@ -96,7 +102,7 @@ def test_per_row_loss_recomputes_in_the_backward(monkeypatch):
     loss = cd.linear_cross_entropy(x, w, t, reduction="none", backend="reference", chunk_rows=16)
     assert calls == [("ce_forward", False)]
     loss.sum().backward()
-    assert calls[1:] == [("ce_backward", False)] * 3
+    assert calls[1:] == [("ce_backward", True)] * 3
 
 
 def test_no_gradient_wanted_stores_no_logits(monkeypatch):

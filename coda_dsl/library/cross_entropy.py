@@ -107,6 +107,12 @@ def _logit_grad_(z: torch.Tensor, lse, scale, target, uniform: float, hot: float
 _logit_grad_compiled = torch.compile(_logit_grad_, dynamic=True)
 
 
+def _chunk_buffer(rows: int, v: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[rows, V], its rows padded to 16 bytes (V = 50257 too): TMA stores need aligned row strides."""
+    per16 = 16 // torch.empty((), dtype=dtype).element_size()
+    return torch.empty(rows, -(-v // per16) * per16, device=like.device, dtype=dtype)[:, :v]
+
+
 def _stats(x, w, safe, smoothing, cap, backend, logits=None) -> dict:
     """One GEMM: lse, z_target (0 where safe is out of range), z_sum with smoothing; D into `logits`."""
     out = {"D": logits} if logits is not None else None
@@ -145,7 +151,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         loss = torch.empty(m, device=x.device)
         gx = torch.empty_like(x) if need_x else None
         gw = torch.empty_like(w) if need_w else None  # in w's dtype: each chunk's GEMM sums in fp32
-        buf = torch.empty(min(chunk, m), v, device=x.device, dtype=logits_buffer_dtype(x.dtype))
+        buf = _chunk_buffer(min(chunk, m), v, x, logits_buffer_dtype(x.dtype))
         fused = _logit_grad_compiled if x.is_cuda and not torch.compiler.is_compiling() else _logit_grad_
         for s in range(0, m, chunk):
             e = min(m, s + chunk)
@@ -185,10 +191,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[:2]  # a frozen LM head needs no grad_w GEMMs
         grad_x = torch.empty_like(x) if need_x else None
         grad_w = torch.zeros_like(w) if need_w else None  # in w's dtype: each chunk's GEMM sums in fp32
+        buf = _chunk_buffer(min(chunk, m), v, x, x.dtype)
         for s in range(0, m, chunk):
             e = min(m, s + chunk)
             xs, ts, sc = x[s:e], safe[s:e], scale[s:e]
-            common = dict(lse=lse[s:e].contiguous(), scale=sc, uniform=smoothing / v, backend=backend)
+            common = dict(lse=lse[s:e].contiguous(), scale=sc, uniform=smoothing / v, backend=backend,
+                          out={"D": buf[: e - s]})
             out = cd.gemm(xs, w, _backward_softcap_epilogue(cap), target=ts, **common) if cap else \
                 cd.gemm(xs, w, ce_backward, **common)
             p = out["D"]  # [chunk, V]: the logits' gradient, but for the one-hot term
