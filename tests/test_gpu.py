@@ -17,7 +17,7 @@ import coda_dsl as cd
 from coda_dsl.library import (interleave_gate_up, linear_swiglu, rms_consumer, rms_producer, rmsnorm_linear,
                               rope_frequencies, rope_positions, rope_tables, swiglu, swiglu_keep_preactivation)
 from coda_dsl.library.cross_entropy import (_backward_softcap_epilogue, _forward_epilogue, ce_backward,
-                                           combine_vocab_shards, default_chunk_rows, logits_buffer_dtype,
+                                           BUFFER_BYTES, combine_vocab_shards, default_chunk_rows, logits_buffer_dtype,
                                            vocab_shard_stats)
 from coda_dsl.runtime import op as runtime
 from conftest import pairs_with_full_width_operands
@@ -505,14 +505,15 @@ def test_linear_cross_entropy_memory(kernels):
     x, w, t = _ce_problem(m, d, v)
     with torch.no_grad():
         loss, extra = _peak_extra(lambda: cd.linear_cross_entropy(x, w, t, backend="cutlass"))
-    assert extra <= 16 << 20, f"{extra / 2**20:.0f} MiB"  # bf16 logits alone would be 501 MiB
+    assert extra <= 24 << 20, f"{extra / 2**20:.0f} MiB"  # bf16 logits alone would be 501 MiB
     assert _rel(loss, _ce_reference(x, w, t)) <= 1e-3
     cd.linear_cross_entropy(x, w, t, backend="cutlass")  # compiles the fused step outside the measurement
     rows = default_chunk_rows(m, v, "cuda")
     assert rows < m  # two chunks at least
+    assert rows * v * 2 <= BUFFER_BYTES
     grads, extra = _peak_extra(lambda: torch.autograd.grad(cd.linear_cross_entropy(x, w, t, backend="cutlass"), (x, w)))
     expected = rows * v * 2 + x.numel() * 2 + w.numel() * 2
-    assert extra <= expected + (16 << 20), f"{extra / 2**20:.0f} MiB vs {expected / 2**20:.0f} MiB"
+    assert extra <= expected + (32 << 20), f"{extra / 2**20:.0f} MiB vs {expected / 2**20:.0f} MiB"
 
 
 def test_linear_cross_entropy_two_vocabulary_shards(kernels):
