@@ -186,7 +186,7 @@ def test_default_chunk_rows():
     """The [rows, V] buffer within BUFFER_BYTES, rows a multiple of 128, as few chunks as that allows,
     balanced; at Llama-3's vocabulary and M = 8192 tokens, 6 chunks of 1408 rows (344 MiB)."""
     from coda_dsl.library.cross_entropy import BUFFER_BYTES, default_chunk_rows
-    assert default_chunk_rows(8192, 128256) == 1408
+    assert default_chunk_rows(8192, 128256) == 1408 and default_chunk_rows(0, 1000) == 128
     for m, v in [(8192, 128256), (16384, 128256), (8192, 32000), (8192, 256000), (37, 301), (1, 10**7)]:
         rows = default_chunk_rows(m, v)
         chunks = -(-m // rows)
@@ -271,6 +271,21 @@ def test_forward_epilogue_lowers_to_row_nodes():
     for text in ("coda::RowLogSumExp<TileShape>", "coda::RowTake", "coda::finish_logsumexp<",
                  "coda::take_args<Take_z_target>(inputs[0], outputs[1])", "outputs[1].zero_();"):
         assert text in src, text
+
+
+def test_forward_with_logits_lowers_for_cutlass(make_plan):
+    """The forward that also stores the logits chunk: D (fp16, into the buffer) with the row nodes in
+    one kernel, softcap and smoothing included."""
+    from coda_dsl.codegen import render
+    from coda_dsl.library.cross_entropy import _forward_epilogue
+    from coda_dsl.passes.plan import LogSumExp, Take
+
+    plan = make_plan(_forward_epilogue(True, 30.0, True), operand_dtypes={"target": "i64"},
+                     output_dtypes={"D": "fp16"})
+    assert plan.d_dtype == "fp16" and plan.inputs == ["target"]
+    assert [type(n) for n in plan.nodes if isinstance(n, (LogSumExp, Take))] == [LogSumExp, Take]
+    assert [o[0] for o in plan.outputs] == ["lse", "z_target", "z_sum"]
+    assert "coda::RowLogSumExp<TileShape>" in render(plan, "0" * 24)
 
 
 def test_logsumexp_is_per_row_only_and_stable():

@@ -84,7 +84,7 @@ def default_chunk_rows(m: int, v: int, device: torch.device | str = "cpu") -> in
         budget = min(budget, torch.cuda.mem_get_info(device)[0] // 4)
     most = max(_ROW_ALIGN, budget // (2 * v) // _ROW_ALIGN * _ROW_ALIGN)
     chunks = max(1, -(-m // most))
-    return -(-(-(-m // chunks)) // _ROW_ALIGN) * _ROW_ALIGN
+    return max(1, -(-(-(-m // chunks)) // _ROW_ALIGN)) * _ROW_ALIGN  # M = 0 too: a step for range()
 
 
 def _logit_grad_(z: torch.Tensor, lse, scale, target, uniform: float, hot: float, cap: float | None,
