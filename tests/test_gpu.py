@@ -16,9 +16,9 @@ import torch.nn.functional as F
 import coda_dsl as cd
 from coda_dsl.library import (interleave_gate_up, linear_swiglu, rms_consumer, rms_producer, rmsnorm_linear,
                               rope_frequencies, rope_positions, rope_tables, swiglu, swiglu_keep_preactivation)
-from coda_dsl.library.cross_entropy import (_backward_softcap_epilogue, _forward_epilogue, ce_backward,
-                                           BUFFER_BYTES, combine_vocab_shards, default_chunk_rows, logits_buffer_dtype,
-                                           vocab_shard_stats)
+from coda_dsl.library.cross_entropy import (BUFFER_BYTES, _backward_softcap_epilogue, _forward_epilogue,
+                                           ce_backward, combine_vocab_shards, default_chunk_rows,
+                                           logits_buffer_dtype, vocab_shard_stats)
 from coda_dsl.runtime import op as runtime
 from conftest import pairs_with_full_width_operands
 
@@ -511,7 +511,9 @@ def test_linear_cross_entropy_memory(kernels):
     rows = default_chunk_rows(m, v, "cuda")
     assert rows < m  # two chunks at least
     assert rows * v * 2 <= BUFFER_BYTES
-    grads, extra = _peak_extra(lambda: torch.autograd.grad(cd.linear_cross_entropy(x, w, t, backend="cutlass"), (x, w)))
+    def loss_and_grads():
+        return torch.autograd.grad(cd.linear_cross_entropy(x, w, t, backend="cutlass"), (x, w))
+    grads, extra = _peak_extra(loss_and_grads)
     expected = rows * v * 2 + x.numel() * 2 + w.numel() * 2
     assert extra <= expected + (32 << 20), f"{extra / 2**20:.0f} MiB vs {expected / 2**20:.0f} MiB"
 
