@@ -118,6 +118,25 @@ def test_no_gradient_wanted_stores_no_logits(monkeypatch):
     assert _rel(a, ref) < 1e-4
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_uninitialized_buffers_do_not_leak_into_grads(monkeypatch, reduction):
+    """Fresh memory full of NaN: the chunk buffer's row padding (V = 301 -> 304) must not reach grad_x
+    (CPU BLAS reads it when the strided chunk is a GEMM operand)."""
+    x, w, t = _problem(m=40)
+    empty = torch.empty
+
+    def nan_empty(*args, **kw):
+        out = empty(*args, **kw)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    loss = cd.linear_cross_entropy(x, w, t, reduction=reduction, backend="reference", chunk_rows=40)  # one chunk:
+    loss.sum().backward()  # from about 32 rows on, CPU BLAS reads the padding of a strided operand
+    monkeypatch.undo()
+    ref, xf, wf = _torch_loss(x, w, t, reduction=reduction)
+    ref.sum().backward()
+    assert _rel(x.grad, xf.grad) < 1e-2 and _rel(w.grad, wf.grad) < 1e-2
+
+
 def test_frozen_weight_or_input():
     """Only the gradients autograd asks for are computed; each equals the one computed with both."""
     x, w, t = _problem()

@@ -109,9 +109,12 @@ _logit_grad_compiled = torch.compile(_logit_grad_, dynamic=True)
 
 
 def _chunk_buffer(rows: int, v: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[rows, V], its rows padded to 16 bytes (V = 50257 too): TMA stores need aligned row strides."""
+    """[rows, V], its rows padded to 16 bytes (V = 50257 too): TMA stores need aligned row strides.
+    The padding is zeroed: CPU BLAS reads it when g is a GEMM operand (garbage NaN gave NaN grad_x)."""
     per16 = 16 // torch.empty((), dtype=dtype).element_size()
-    return torch.empty(rows, -(-v // per16) * per16, device=like.device, dtype=dtype)[:, :v]
+    buf = torch.empty(rows, -(-v // per16) * per16, device=like.device, dtype=dtype)
+    buf[:, v:].zero_()
+    return buf[:, :v]
 
 
 def _stats(x, w, safe, smoothing, cap, backend, logits=None) -> dict:
