@@ -2,7 +2,7 @@
 cross-entropy. Tables on stdout, progress on stderr; JSON and a PNG chart under bench/results/
 (or $OUT). The same as `coda-dsl bench ARGS`.
 
-    python -m bench [--only identity,...,cross_entropy] [--shapes MxNxK,...] [--ce-shape MxDxV]
+    python -m bench [--only identity,...,cross_entropy] [--shapes MxNxK,...] [--ce-shape MxDxV,...]
                     [--iters 50] [--autotune] [--compile-dynamic] [--tune] [--dry-run]
 
 Each part also runs alone: python -m bench.epilogues, python -m bench.cross_entropy.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 
 from . import cross_entropy, epilogues
-from .harness import compile_label, markdown, no_gpu, parser, results_only_on_stdout, shape
+from .harness import compile_label, markdown, no_gpu, parser, results_only_on_stdout, shapes
 from .harness import command as command_line
 
 CE = "cross_entropy"
@@ -21,7 +21,8 @@ CE = "cross_entropy"
 def main(argv=None) -> int:
     p = parser("python -m bench", __doc__)
     epilogues.add_args(p, only=(*epilogues.CASES, CE))
-    p.add_argument("--ce-shape", type=shape, default=cross_entropy.SHAPE, help="MxDxV of the cross-entropy benchmark")
+    p.add_argument("--ce-shape", type=shapes, default=cross_entropy.SHAPES,
+                   help="MxDxV,... of the cross-entropy benchmark")
     args = p.parse_args(argv)
     cases = [epilogues.CASES[n] for n in args.only if n != CE]
     with_ce = CE in args.only
@@ -31,7 +32,7 @@ def main(argv=None) -> int:
         print(markdown(["bench", "shape", "variants"],
                        plan + (cross_entropy.plan_rows(args.ce_shape, args.autotune) if with_ce else [])))
         print(f"\n{len(plan)} epilogue measurements; {compile_label(args.autotune, args.compile_dynamic)}: "
-              f"about {compiles + 2 * with_ce} compilations")
+              f"about {compiles + 2 * with_ce * len(args.ce_shape)} compilations")
         return 0
     if no_gpu():
         return 1

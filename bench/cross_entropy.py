@@ -1,8 +1,9 @@
-"""LM head + cross-entropy (issue 5): the mean loss of x @ W^T against int64 targets (a few rows
+"""LM head + cross-entropy (issues 5, 13): the mean loss of x @ W^T against int64 targets (a few rows
 ignore_index=-100), forward, and forward+backward (the gradients of x and W), at Llama-3-8B's
-vocabulary. Per variant: median time and the peak memory the call adds, relative to eager PyTorch.
+vocabulary (M = 8192 and 16384 tokens) and at V = 32000 and 256000. Per variant: median time and
+the peak memory the call adds, relative to eager PyTorch.
 
-    python -m bench.cross_entropy [--shape 8192x4096x128256] [--iters 10] [--autotune] [--dry-run]
+    python -m bench.cross_entropy [--shape 8192x4096x128256,...] [--iters 10] [--autotune] [--dry-run]
 
 Variants: eager (bf16 logits cast to fp32, then F.cross_entropy), torch.compile of the same, and
 cd.linear_cross_entropy (by design no fp32 logits). Warnings a variant raises (e.g. coda_dsl
@@ -23,10 +24,11 @@ from coda_dsl.library import cross_entropy as ce
 from coda_dsl.runtime import op as runtime
 
 from .harness import (background, compile_label, compile_mode, fmt, markdown, no_gpu, parser, progress, rel_err,
-                      results_only_on_stdout, save, shape, time_us)
+                      results_only_on_stdout, save, shapes, time_us)
 from .harness import command as command_line
 
 SHAPE = (8192, 4096, 128256)  # M tokens, d model width, V vocabulary (Llama-3-8B)
+SHAPES = [SHAPE, (16384, 4096, 128256), (8192, 4096, 32000), (8192, 4096, 256000)]  # issue 13
 STEPS = ("forward", "forward+backward")
 IGNORED_ROWS = 8  # targets set to ignore_index, like padding
 WARMUP = 3  # calls of 10-100 ms each: a few suffice
@@ -54,19 +56,22 @@ def variants(autotune: bool) -> list[str]:
     return ["eager", compile_label(autotune), "coda_dsl"]
 
 
-def plan_rows(shape=SHAPE, autotune=False) -> list[list[str]]:
-    return [["cross_entropy", f"{fmt(shape)} (M×d×V)", f"{' and '.join(STEPS)}: {', '.join(variants(autotune))}"]]
+def plan_rows(shapes=SHAPES, autotune=False) -> list[list[str]]:
+    return [["cross_entropy", f"{fmt(s)} (M×d×V)", f"{' and '.join(STEPS)}: {', '.join(variants(autotune))}"]
+            for s in shapes]
 
 
-def kernels(shape=SHAPE) -> list:
-    """The kernels cd.linear_cross_entropy launches with its default options, rendered for the same
-    parallel build as the other benchmarks' kernels. Best effort: one left out here is built (or
-    falls back to the reference backend, with a warning) at its first call."""
-    x = torch.empty(128, shape[1], device="cuda", dtype=torch.bfloat16)
-    vec = torch.empty(128, device="cuda")
+def kernels(shapes=SHAPES) -> list:
+    """The kernels cd.linear_cross_entropy launches with its default options (the same for every
+    shape), rendered for the same parallel build as the other benchmarks' kernels: the statistics-only
+    forward (no grad) and the forward that also stores the logits chunk (with gradients). Best effort:
+    one left out here is built (or falls back to the reference backend, with a warning) at its first call."""
+    x = torch.empty(128, 128, device="cuda", dtype=torch.bfloat16)
     target = torch.zeros(128, device="cuda", dtype=torch.int64)
+    logits = torch.empty(128, 128, device="cuda", dtype=ce.logits_buffer_dtype(x.dtype))
     make = {"forward": lambda: cd.compile(ce._forward_epilogue(False, None), x, x, target=target),
-            "backward": lambda: cd.compile(ce.ce_backward, x, x, lse=vec, scale=vec, uniform=0.0)}
+            "forward with logits": lambda: cd.compile(ce._forward_epilogue(False, None, True), x, x, target=target,
+                                                      out={"D": logits})}
     ops = []
     for name, compile_op in make.items():
         try:
@@ -101,10 +106,19 @@ def _peak_mib(fn, args) -> float:
     return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
-def run(shape=SHAPE, iters: int = 10, autotune: bool = False) -> tuple[list[CERow], list[str]]:
-    """Every step and variant; returns the rows and one line per failure."""
+def run(shapes=SHAPES, iters: int = 10, autotune: bool = False) -> tuple[list[CERow], list[str]]:
+    """Every shape, step and variant; returns the rows and one line per failure."""
+    built = background(runtime.prebuild, kernels(shapes))  # nothing to do if `python -m bench` built them
+    rows, failed = [], []
+    for shape in shapes:
+        r, f = _run_shape(shape, built, iters, autotune)
+        rows, failed = rows + r, failed + [f"{fmt(shape)} {line}" for line in f]
+        torch.cuda.empty_cache()  # the next shape's eager logits need the room
+    return rows, failed
+
+
+def _run_shape(shape, built, iters: int, autotune: bool) -> tuple[list[CERow], list[str]]:
     m, d, v = shape
-    built = background(runtime.prebuild, kernels(shape))  # nothing to do if `python -m bench` built them
     x, w, t = _inputs(m, d, v)
     inputs = {"forward": (x, w, t), "forward+backward": (x.detach().requires_grad_(), w.detach().requires_grad_(), t)}
     names = variants(autotune)
@@ -130,6 +144,8 @@ def run(shape=SHAPE, iters: int = 10, autotune: bool = False) -> tuple[list[CERo
                     first_s = time.perf_counter() - t0
                 notes = list(dict.fromkeys(f"{c.category.__name__}: {c.message}" for c in caught))
                 extra = {"first_call_s": round(first_s, 2), "warnings": notes}
+                if name == "coda_dsl":
+                    extra["chunk_rows"] = ce.default_chunk_rows(m, v, x.device)
                 if name == "eager":
                     refs[step] = out
                 elif step in refs:
@@ -180,7 +196,7 @@ def report(rows: list[CERow], failed: list[str], command: str) -> None:
 
 def main(argv=None) -> int:
     p = parser("python -m bench.cross_entropy", __doc__)
-    p.add_argument("--shape", type=shape, default=SHAPE, help="MxDxV: tokens, model width, vocabulary")
+    p.add_argument("--shape", type=shapes, default=SHAPES, help="MxDxV,...: tokens, model width, vocabulary")
     p.add_argument("--iters", type=int, default=10, help="timed calls per variant and step")
     p.add_argument("--autotune", action="store_true", help="torch.compile with max-autotune-no-cudagraphs (slow)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")

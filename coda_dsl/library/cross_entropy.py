@@ -1,20 +1,44 @@
-"""Cross-entropy fused into the LM head: the logits [M, V] are never stored in fp32.
-
-Forward, one GEMM whose epilogue keeps per row only the online log-sum-exp, the target logit (and,
-with label smoothing, the sum of logits); no D. Backward, per chunk of rows: one GEMM whose
-epilogue forms P = (softmax - eps/V) * scale in bf16 (at most one chunk of logits exists at a
-time); the one-hot term, one value per row, is scattered into P, so the epilogue never needs
-column indices; then grad_x = P @ W and grad_W += P^T @ x.
+"""Cross-entropy fused into the LM head: the logits [M, V] are never stored whole, nor in fp32.
 
     loss_m = lse_m - (1 - eps) z[m, t_m] - eps * mean_n z[m, n]     (z: softcapped logits)
+    dloss_m/dz[m, n] = softmax_mn - (1 - eps) [n == t_m] - eps / V   (times dz/dacc = 1 - (z/cap)^2)
+
+Three paths, chosen per call:
+
+- No gradient wanted (torch.no_grad, or neither x nor W requires grad): one GEMM whose epilogue keeps
+  per row only the online log-sum-exp, the target logit (and, with label smoothing, the sum of
+  logits); no D. Extra memory O(M).
+- Gradients wanted, reduction "mean" or "sum": three GEMMs in all, all in the forward, per chunk of
+  rows: (a) the chunk's logits GEMM stores z into a [chunk, V] buffer reused across chunks, with the
+  per-row statistics in the same epilogue; (b) one fused elementwise pass turns z into the logits'
+  gradient g in place; (c) grad_x[chunk] = g @ W and grad_W += g^T @ x[chunk]. The backward only
+  scales the saved gradients by the incoming (scalar) gradient.
+- Gradients wanted, reduction "none" (the incoming gradient is per row, known only in the backward):
+  the statistics-only forward, and a backward that recomputes the logits per chunk (a fourth GEMM)
+  with P = (softmax - eps/V) * scale formed in its epilogue.
+
+The buffer holds z in fp16 for bf16 and fp16 inputs: bf16 logits lose up to |z| * 2^-9, which gave
+2-4 % gradient error vs fp32 autograd on a confident model (logits up to 20-40, p(target) ~ 0.5);
+fp16 gave 0.3-0.5 %, fp32 0.01-0.03 % (CPU measurement, V = 32000). g is then written over z in the
+inputs' dtype (same bytes per element), so the buffer is all the chunk needs. (fp16 holds logits
+up to 65504 in magnitude; a softcap bounds them.)
 """
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import torch
 
 import coda_dsl as cd  # the library is written against the public API, like user code
+
+# The [chunk, V] logits buffer, by default. With grad_W (V x d in W's dtype, 1 GiB at V = 128256,
+# d = 4096) it keeps the forward+backward's peak under 1/8 of eager's (which stores [M, V] in fp32).
+BUFFER_BYTES = 384 << 20
+_ROW_ALIGN = 128  # chunk rows: a multiple of the GEMM tile's M (and of 8: 16-byte aligned row vectors)
+# The kernels' configuration at every shape: the shape-free default, the one these epilogues (row
+# statistics over V) were measured with; cd.gemm's shape rule was measured on other epilogues.
+CONFIG = cd.Config()
 
 
 def _softcapped(acc, cap):
@@ -22,14 +46,17 @@ def _softcapped(acc, cap):
 
 
 @functools.cache
-def _forward_epilogue(smoothing: bool, cap: float | None) -> cd.Epilogue:
+def _forward_epilogue(smoothing: bool, cap: float | None, logits: bool = False) -> cd.Epilogue:
+    """Per row: lse, the target logit (and the sum of logits); with `logits`, D = z too."""
     def ce_forward(acc, target: cd.VecM):
         z = _softcapped(acc, cap)
-        out = {"lse": cd.logsumexp(z, axis="n"), "z_target": cd.take(z, target, axis="n")}
+        out = {"D": z} if logits else {}
+        out.update(lse=cd.logsumexp(z, axis="n"), z_target=cd.take(z, target, axis="n"))
         if smoothing:
             out["z_sum"] = cd.sum(z, axis="n")
         return out
-    return cd.epilogue(ce_forward, name=f"ce_forward{'_smooth' if smoothing else ''}{'_cap' if cap else ''}")
+    name = f"ce_forward{'_logits' if logits else ''}{'_smooth' if smoothing else ''}{'_cap' if cap else ''}"
+    return cd.epilogue(ce_forward, name=name)
 
 
 @cd.epilogue
@@ -48,27 +75,118 @@ def _backward_softcap_epilogue(cap: float) -> cd.Epilogue:
     return cd.epilogue(ce_backward_softcap)
 
 
+def logits_buffer_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the chunk's logits are stored in (see the module docstring)."""
+    return torch.float16 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def default_chunk_rows(m: int, v: int, device: torch.device | str = "cpu") -> int:
+    """Rows per chunk: the [rows, V] buffer within BUFFER_BYTES (and a quarter of the free memory on
+    CUDA), balanced over the chunks M needs, rounded up to a multiple of 128."""
+    budget = BUFFER_BYTES
+    if torch.device(device).type == "cuda" and not torch.compiler.is_compiling():
+        budget = min(budget, torch.cuda.mem_get_info(device)[0] // 4)
+    most = max(_ROW_ALIGN, budget // (2 * v) // _ROW_ALIGN * _ROW_ALIGN)
+    chunks = max(1, -(-m // most))
+    return max(1, -(-(-(-m // chunks)) // _ROW_ALIGN)) * _ROW_ALIGN  # M = 0 too: a step for range()
+
+
+def _logit_grad_(z: torch.Tensor, lse, scale, target, uniform: float, hot: float, cap: float | None,
+                 dtype: torch.dtype) -> None:
+    """In place: the logits z [c, V] become their gradient g, in `dtype` over the same bytes:
+    g = (exp(z - lse) - uniform - hot * [n == target]) * scale * (1 - (z/cap)^2 with a softcap).
+
+    Passes over the buffer: 1 when compiled (one fused kernel reads z and stores g into z's
+    storage; checked on CPU's inductor: no temporary); run eagerly (CPU), ~6 with fp32 temporaries."""
+    zf = z.float()
+    g = torch.exp(zf - lse[:, None]) - uniform
+    cols = torch.arange(z.shape[1], device=z.device)
+    g = torch.where(cols == target[:, None], g - hot, g) * scale[:, None]  # ignored rows: scale 0
+    if cap:
+        g = g * (1.0 - (zf * (1.0 / cap)) ** 2)
+    z.view(dtype).copy_(g)
+
+
+# dynamic: one compile for every chunk size and for every uniform/hot value
+_logit_grad_compiled = torch.compile(_logit_grad_, dynamic=True)
+
+
+def _chunk_buffer(rows: int, v: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[rows, V], its rows padded to 16 bytes (V = 50257 too): TMA stores need aligned row strides.
+    The padding is zeroed: CPU BLAS reads it when g is a GEMM operand (garbage NaN gave NaN grad_x)."""
+    per16 = 16 // torch.empty((), dtype=dtype).element_size()
+    buf = torch.empty(rows, -(-v // per16) * per16, device=like.device, dtype=dtype)
+    buf[:, v:].zero_()
+    return buf[:, :v]
+
+
+def _stats(x, w, safe, smoothing, cap, backend, logits=None) -> dict:
+    """One GEMM: lse, z_target (0 where safe is out of range), z_sum with smoothing; D into `logits`."""
+    out = {"D": logits} if logits is not None else None
+    return cd.gemm(x, w, _forward_epilogue(smoothing > 0, cap, logits is not None), target=safe, out=out,
+                   backend=backend, config=CONFIG)
+
+
+def _row_loss(st: dict, v: int, smoothing: float) -> torch.Tensor:
+    loss = st["lse"] - (1 - smoothing) * st["z_target"]
+    return loss - smoothing * st["z_sum"] / v if smoothing else loss
+
+
+def _reduce(loss, valid, count, reduction):
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    if reduction == "none":
+        return loss
+    total = loss.sum()
+    return total / count.clamp_min(1) if reduction == "mean" else total
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, target, ignore_index, reduction, smoothing, cap, backend, chunk):
+    def forward(ctx, x, w, target, ignore_index, reduction, smoothing, cap, backend, chunk, need_x, need_w):
         valid = target != ignore_index
         safe = torch.where(valid, target, -1)  # out of range: take gives 0, the row is masked anyway
-        st = cd.gemm(x, w, _forward_epilogue(smoothing > 0, cap), target=safe, backend=backend)
-        v = w.shape[0]
-        loss = st["lse"] - (1 - smoothing) * st["z_target"]
-        if smoothing:
-            loss = loss - smoothing * st["z_sum"] / v
-        loss = torch.where(valid, loss, torch.zeros_like(loss))
         count = valid.sum()
-        ctx.save_for_backward(x, w, safe, valid, st["lse"], count)
+        m, v = x.shape[0], w.shape[0]
+        chunk = -(-(chunk or default_chunk_rows(m, v, x.device)) // 8) * 8  # 16-byte aligned row slices
         ctx.cfg = (reduction, smoothing, cap, backend, chunk)
-        if reduction == "none":
-            return loss
-        total = loss.sum()
-        return total / count.clamp_min(1) if reduction == "mean" else total
+        if reduction == "none" or not (need_x or need_w):
+            st = _stats(x, w, safe, smoothing, cap, backend)
+            ctx.save_for_backward(x, w, safe, valid, st["lse"], count)
+            return _reduce(_row_loss(st, v, smoothing), valid, count, reduction)
+        # gradients now, chunk by chunk: the backward then only scales them
+        scale = valid.float() / (count.clamp_min(1) if reduction == "mean" else 1)
+        loss = torch.empty(m, device=x.device)
+        gx = torch.empty_like(x) if need_x else None
+        gw = torch.empty_like(w) if need_w else None  # in w's dtype: each chunk's GEMM sums in fp32
+        buf = _chunk_buffer(min(chunk, m), v, x, logits_buffer_dtype(x.dtype))
+        fused = _logit_grad_compiled if x.is_cuda and not torch.compiler.is_compiling() else _logit_grad_
+        for s in range(0, m, chunk):
+            e = min(m, s + chunk)
+            xs, ts, z = x[s:e], safe[s:e], buf[: e - s]
+            st = _stats(xs, w, ts, smoothing, cap, backend, logits=z)
+            loss[s:e] = _row_loss(st, v, smoothing)
+            fused(z, st["lse"], scale[s:e], ts, smoothing / v, 1.0 - smoothing, cap, x.dtype)
+            g = z.view(x.dtype)
+            if need_x:
+                torch.mm(g, w, out=gx[s:e])
+            if need_w:
+                gw.addmm_(g.t(), xs) if s else torch.mm(g.t(), xs, out=gw)
+        if need_w and m == 0:
+            gw.zero_()
+        ctx.grads = (gx, gw)
+        return _reduce(loss, valid, count, reduction)
 
     @staticmethod
     def backward(ctx, grad):
+        if hasattr(ctx, "grads"):
+            if ctx.grads is None:
+                raise RuntimeError("linear_cross_entropy: backward ran twice through the same forward (retain_graph); "
+                                   "its gradients were computed in the forward and handed out by the first backward. "
+                                   "Call linear_cross_entropy again for a second backward")
+            gx, gw = ctx.grads
+            ctx.grads = None  # the only reference left is ours: autograd takes the tensors without a copy
+            gx, gw = (t.mul_(grad) if t is not None else None for t in (gx, gw))  # in place: no second grad_W
+            return gx, gw, *[None] * 9
         x, w, safe, valid, lse, count = ctx.saved_tensors
         reduction, smoothing, cap, backend, chunk = ctx.cfg
         m, v = x.shape[0], w.shape[0]
@@ -80,11 +198,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[:2]  # a frozen LM head needs no grad_w GEMMs
         grad_x = torch.empty_like(x) if need_x else None
         grad_w = torch.zeros_like(w) if need_w else None  # in w's dtype: each chunk's GEMM sums in fp32
-        chunk = -(-chunk // 8) * 8  # whole 16-byte groups of the per-row vectors: aligned slices
+        buf = _chunk_buffer(min(chunk, m), v, x, x.dtype)
         for s in range(0, m, chunk):
             e = min(m, s + chunk)
             xs, ts, sc = x[s:e], safe[s:e], scale[s:e]
-            common = dict(lse=lse[s:e].contiguous(), scale=sc, uniform=smoothing / v, backend=backend)
+            common = dict(lse=lse[s:e].contiguous(), scale=sc, uniform=smoothing / v, backend=backend,
+                          out={"D": buf[: e - s]}, config=CONFIG)
             out = cd.gemm(xs, w, _backward_softcap_epilogue(cap), target=ts, **common) if cap else \
                 cd.gemm(xs, w, ce_backward, **common)
             p = out["D"]  # [chunk, V]: the logits' gradient, but for the one-hot term
@@ -95,23 +214,65 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_x[s:e] = p @ w
             if need_w:
                 grad_w.addmm_(p.t(), xs)
-        return grad_x, grad_w, None, None, None, None, None, None, None
+        return grad_x, grad_w, *[None] * 9
 
 
-def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
-                         reduction: str = "mean", label_smoothing: float = 0.0, softcap: float | None = None,
-                         backend: str = "auto", chunk_rows: int = 4096) -> torch.Tensor:
-    """F.cross_entropy(x @ w.T, target) without materializing fp32 logits; differentiable in x and w.
-
-    x: [M, d], w: [V, d] (the LM head weight), target: [M] int64. Peak extra memory on the CUTLASS
-    backend: O(M) in the forward; in the backward one [chunk_rows, V] block of logit gradients and
-    grad_w, both in w's dtype. (The reference backend forms fp32 logits.)
-    """
+def _check_args(x, target, reduction, label_smoothing):
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', not {reduction!r}")
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     if target.dtype != torch.int64 or target.shape != x.shape[:1]:
         raise ValueError(f"target must be int64 of shape [{x.shape[0]}], got {target.dtype} {list(target.shape)}")
+
+
+def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
+                         reduction: str = "mean", label_smoothing: float = 0.0, softcap: float | None = None,
+                         backend: str = "auto", chunk_rows: int | None = None) -> torch.Tensor:
+    """F.cross_entropy(x @ w.T, target) without materializing the logits; differentiable in x and w.
+
+    x: [M, d], w: [V, d] (the LM head weight), target: [M] int64. Without gradients: O(M) extra
+    memory. With gradients ("mean"/"sum"): they are computed in the forward (three GEMMs), with one
+    [chunk_rows, V] logits buffer (default: default_chunk_rows, within BUFFER_BYTES) plus grad_x and
+    grad_w; a second backward through the same forward (retain_graph) raises. With "none": the
+    backward recomputes the logits per chunk. Only the gradients autograd asks for are computed.
+    (The reference backend forms fp32 logits per chunk.)
+    """
+    _check_args(x, target, reduction, label_smoothing)
+    grad = torch.is_grad_enabled()  # Function.forward runs without grad mode: decide here
     return _LinearCrossEntropy.apply(x, w, target, ignore_index, reduction, float(label_smoothing),
-                                     float(softcap) if softcap else None, backend, int(chunk_rows))
+                                     float(softcap) if softcap else None, backend,
+                                     int(chunk_rows) if chunk_rows else None,
+                                     grad and x.requires_grad, grad and w.requires_grad)
+
+
+def vocab_shard_stats(x: torch.Tensor, w_shard: torch.Tensor, target: torch.Tensor, vocab_start: int,
+                      ignore_index: int = -100, label_smoothing: float = 0.0, softcap: float | None = None,
+                      backend: str = "auto") -> dict[str, torch.Tensor]:
+    """Per-row partials of one vocabulary shard (rows vocab_start .. vocab_start + V_shard of the LM
+    head, as a tensor-parallel head holds them), fp32 [M] each, forward only, no logits stored:
+    "lse" over the shard's columns, "z_target" (0 where the target is in another shard or ignored)
+    and, with label smoothing, "z_sum". Combine the shards' with combine_vocab_shards, or across
+    GPUs with all-reduces: m = lse, all_reduce(m, MAX); s = exp(lse - m), all_reduce(s, SUM);
+    lse = m + log(s); all_reduce(z_target, SUM) (and z_sum); then the loss as combine_vocab_shards."""
+    _check_args(x, target, "mean", label_smoothing)
+    local = target - vocab_start
+    inside = (target != ignore_index) & (local >= 0) & (local < w_shard.shape[0])
+    with torch.no_grad():
+        return _stats(x, w_shard, torch.where(inside, local, -1), label_smoothing, float(softcap) if softcap else None,
+                      backend)
+
+
+def combine_vocab_shards(stats: Sequence[dict[str, torch.Tensor]], target: torch.Tensor, vocab_size: int,
+                         ignore_index: int = -100, label_smoothing: float = 0.0,
+                         reduction: str = "mean") -> torch.Tensor:
+    """The loss from every shard's vocab_shard_stats, as linear_cross_entropy over the whole
+    vocabulary (vocab_size columns) would give it; the same max / sum-exp steps as the all-reduces."""
+    lse = torch.stack([s["lse"] for s in stats])
+    top = lse.amax(0)
+    total = {"lse": top + torch.log(torch.exp(lse - top).sum(0)),
+             "z_target": torch.stack([s["z_target"] for s in stats]).sum(0)}
+    if label_smoothing:
+        total["z_sum"] = torch.stack([s["z_sum"] for s in stats]).sum(0)
+    valid = target != ignore_index
+    return _reduce(_row_loss(total, vocab_size, label_smoothing), valid, valid.sum(), reduction)
