@@ -146,7 +146,7 @@ def _operands(ep, m, n, dtype, batch=None):
                                      inv_freq=rope_frequencies(n, 128).cuda()),
         lse_and_take: lambda: dict(target=_targets(m, n, lead), shift=-1000.0),
         sin_cos: lambda: dict(pos=torch.randint(0, 131072, (*lead, m), device="cuda").float(),
-                              inv_freq=rope_frequencies(n, 128, base=500000.0).cuda()),
+                              inv_freq=rope_frequencies(2 * n, 128, base=500000.0).cuda()),  # [N]: no pairs
         pairs_with_full_width_operands: lambda: dict(bias=_rand(n, dtype=dtype), rs=_rand(*lead, m, dtype=dtype),
                                                      s=0.7),
     }
@@ -447,7 +447,7 @@ def test_rope_angle_accuracy(kernels):
     rounding of pos * inv_freq itself (up to ulp(131072) / 2 = 0.0039 rad) dominates, as in any fp32 RoPE."""
     m, n, k = 4096, 128, 64
     pos = (torch.arange(m, device="cuda") * 32).float()  # 0 .. 131040
-    inv_freq = rope_frequencies(n, 128, base=500000.0).cuda()
+    inv_freq = rope_frequencies(2 * n, 128, base=500000.0).cuda()  # [N]: sin_cos works on whole columns
     a, b = _ab(m, n, k, torch.bfloat16, "nk")
     got = cd.gemm(a, b, sin_cos, pos=pos, inv_freq=inv_freq, backend="cutlass")
     angle32 = (pos[:, None] * inv_freq[None, :]).double()  # the fp32 product the kernel forms
