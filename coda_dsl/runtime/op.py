@@ -259,6 +259,16 @@ class CompiledOp:
             self._op = getattr(torch.ops.coda_dsl, self.op_name).default
         return self
 
+    def check_widths(self, call: Call) -> None:
+        """[M, N] outputs are stored with TMA, whose rows are whole 16-byte groups: N must fill them."""
+        n = call.mnkl[1]
+        for name, dt, kind in self._outputs:
+            per16 = 16 // dt.itemsize
+            if kind == "mn" and n % per16:
+                raise UnsupportedError(f"{self._where}: output '{name}' is [M, {n}] {dt}; the kernel stores its rows "
+                                       f"with TMA in 16-byte groups, so N must be a multiple of {per16}\n  fix: pad N "
+                                       f"(B's rows) to a multiple of {per16}, or use backend='reference'")
+
     def check_out(self, call: Call, out: dict | None) -> None:
         """Names, shapes, dtypes and layouts of preallocated outputs. `call` and `out` are folded."""
         if not out:
@@ -325,6 +335,7 @@ class CompiledOp:
         if self.plan.reads_d and not (out and isinstance(out.get("D"), torch.Tensor)):
             raise checks.fail(self._where, "this op accumulates into D (accumulate=True)", "pass out={'D': tensor}")
         call = _fold(self.epilogue, call)
+        self.check_widths(call)
         self.check_out(call, _fold_out(out, call))
 
     def __repr__(self) -> str:
@@ -529,6 +540,7 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
     try:
         folded = _fold(ep, call)
         op = spec(cfg if cfg is not None else _choose_config(spec, folded, tune, key))
+        op.check_widths(folded)
     except UnsupportedError as e:
         if backend == "cutlass":
             raise
