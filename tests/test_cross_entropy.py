@@ -331,3 +331,21 @@ def test_label_smoothing_spreads_over_all_v_classes():
     loss = cd.linear_cross_entropy(x, w, t, label_smoothing=0.1, backend="reference")
     ref = F.cross_entropy(x.float() @ w.float().t(), t, label_smoothing=0.1)
     assert abs(loss.item() - ref.item()) < 1e-5
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing,cap", [(0.0, None), (0.1, 30.0)])
+def test_targets_in_the_last_columns(reduction, smoothing, cap):
+    """V = 301: the kernels compute the first 296 columns (whole 16-byte rows), the last 5 are added in
+    fp32 per chunk; targets there, and at the edge of the split, get the full loss and gradient."""
+    x, w, t = _problem(m=48)
+    t[::3] = torch.tensor([295, 296, 300])[torch.arange(16) % 3]
+    loss = cd.linear_cross_entropy(x, w, t, reduction=reduction, label_smoothing=smoothing, softcap=cap,
+                                   backend="reference", chunk_rows=24)
+    g = torch.randn_like(loss)
+    loss.backward(g)
+    ref, xf, wf = _torch_loss(x, w, t, smoothing, cap, reduction)
+    ref.backward(g)
+    assert _rel(loss, ref) < 1e-3
+    assert _rel(x.grad, xf.grad) < 1e-2 and _rel(w.grad, wf.grad) < 1e-2
+    assert _rel(w.grad[296:], wf.grad[296:]) < 1e-2  # the tail's own weight rows

@@ -245,6 +245,11 @@ MAGNITUDE = {("col_and_total_stats", "colsum"): lambda ref: ref["D"].float().abs
              ("col_and_total_stats", "total"): lambda ref: ref["D"].float().abs().sum()}
 
 
+# A sum of all M*N values in fp32, in two different orders (atomics vs torch): ~sqrt(M*N) * 2^-24 apart
+# even when nothing cancels (777 x 4104 values of one sign: 1.3e-5 on the H200).
+WHOLE_SUMS = {("col_and_total_stats", "total"): 1e-4}
+
+
 def _check(ep, a, b, operands, batch=None, **opts):
     ref = cd.gemm(a, b, ep, backend="reference", **operands)
     out = {k: torch.full_like(v, float("nan")) for k, v in ref.items()}  # poison: unwritten -> NaN
@@ -257,7 +262,7 @@ def _check(ep, a, b, operands, batch=None, **opts):
         err = _rel(g, r)
         if (ep.name, name) in MAGNITUDE:
             err *= r.double().norm().item() / max(MAGNITUDE[ep.name, name](ref).double().norm().item(), 1e-30)
-        assert err <= _tol(r), f"{ep.name}.{name}: rel err {err:.2e}"
+        assert err <= WHOLE_SUMS.get((ep.name, name), _tol(r)), f"{ep.name}.{name}: rel err {err:.2e}"
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))

@@ -127,6 +127,39 @@ def _stats(x, w, safe, smoothing, cap, backend, logits=None) -> dict:
                    backend=backend, config=CONFIG)
 
 
+def _split(v: int) -> int:
+    """Columns the kernels compute: a multiple of 8, since they store [rows, V] logits with TMA (16-byte
+    rows). The last V % 8 (at most 7: V = 50257) are computed in fp32 by _tail, per chunk."""
+    return v - v % 8
+
+
+def _tail(xs, w_tail, cap) -> torch.Tensor:
+    """The softcapped fp32 logits of the last V % 8 columns: [rows, V % 8]."""
+    z = xs.float() @ w_tail.float().t()
+    return cap * torch.tanh(z / cap) if cap else z
+
+
+def _merge_tail(st: dict, zt: torch.Tensor, t_tail: torch.Tensor) -> dict:
+    """Statistics over all V columns from the kernel's (the first V - V % 8) and the tail's logits."""
+    if not zt.shape[1]:
+        return st
+    inside = (t_tail >= 0) & (t_tail < zt.shape[1])
+    picked = zt.gather(1, t_tail.clamp(0, zt.shape[1] - 1)[:, None])[:, 0]
+    out = {"lse": torch.logaddexp(st["lse"], torch.logsumexp(zt, 1)),
+           "z_target": st["z_target"] + torch.where(inside, picked, torch.zeros_like(picked))}
+    if "z_sum" in st:
+        out["z_sum"] = st["z_sum"] + zt.sum(1)
+    return out
+
+
+def _tail_grad(zt, lse, scale, t_tail, uniform: float, hot: float, cap) -> torch.Tensor:
+    """d loss / d acc of the tail columns, fp32 [rows, V % 8] (like _logit_grad_)."""
+    g = torch.exp(zt - lse[:, None]) - uniform
+    cols = torch.arange(zt.shape[1], device=zt.device)
+    g = torch.where(cols == t_tail[:, None], g - hot, g) * scale[:, None]
+    return g * (1.0 - (zt / cap) ** 2) if cap else g
+
+
 def _row_loss(st: dict, v: int, smoothing: float) -> torch.Tensor:
     loss = st["lse"] - (1 - smoothing) * st["z_target"]
     return loss - smoothing * st["z_sum"] / v if smoothing else loss
@@ -158,19 +191,27 @@ class _LinearCrossEntropy(torch.autograd.Function):
         loss = torch.empty(m, device=x.device)
         gx = torch.empty_like(x) if need_x else None
         gw = torch.empty_like(w) if need_w else None  # in w's dtype: each chunk's GEMM sums in fp32
-        buf = _chunk_buffer(min(chunk, m), v, x, logits_buffer_dtype(x.dtype))
+        vk = _split(v)
+        wk, wt = w[:vk], w[vk:]
+        buf = _chunk_buffer(min(chunk, m), vk, x, logits_buffer_dtype(x.dtype))
         fused = _logit_grad_compiled if x.is_cuda and not torch.compiler.is_compiling() else _logit_grad_
         for s in range(0, m, chunk):
             e = min(m, s + chunk)
             xs, ts, z = x[s:e], safe[s:e], buf[: e - s]
-            st = _stats(xs, w, ts, smoothing, cap, backend, logits=z)
+            zt = _tail(xs, wt, cap)
+            st = _merge_tail(_stats(xs, wk, torch.where(ts < vk, ts, -1), smoothing, cap, backend, logits=z),
+                             zt, ts - vk)
             loss[s:e] = _row_loss(st, v, smoothing)
             fused(z, st["lse"], scale[s:e], ts, smoothing / v, 1.0 - smoothing, cap, x.dtype)
             g = z.view(x.dtype)
+            gt = _tail_grad(zt, st["lse"], scale[s:e], ts - vk, smoothing / v, 1.0 - smoothing, cap).to(x.dtype)
             if need_x:
-                torch.mm(g, w, out=gx[s:e])
+                torch.mm(g, wk, out=gx[s:e])
+                if vk < v:
+                    gx[s:e].addmm_(gt, wt)
             if need_w:
-                gw.addmm_(g.t(), xs) if s else torch.mm(g.t(), xs, out=gw)
+                gw[:vk].addmm_(g.t(), xs) if s else torch.mm(g.t(), xs, out=gw[:vk])
+                gw[vk:].addmm_(gt.t(), xs) if s else torch.mm(gt.t(), xs, out=gw[vk:])
         if need_w and m == 0:
             gw.zero_()
         ctx.grads = (gx, gw)
@@ -198,22 +239,29 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[:2]  # a frozen LM head needs no grad_w GEMMs
         grad_x = torch.empty_like(x) if need_x else None
         grad_w = torch.zeros_like(w) if need_w else None  # in w's dtype: each chunk's GEMM sums in fp32
-        buf = _chunk_buffer(min(chunk, m), v, x, x.dtype)
+        vk = _split(v)
+        wk, wt = w[:vk], w[vk:]
+        buf = _chunk_buffer(min(chunk, m), vk, x, x.dtype)
         for s in range(0, m, chunk):
             e = min(m, s + chunk)
-            xs, ts, sc = x[s:e], safe[s:e], scale[s:e]
-            common = dict(lse=lse[s:e].contiguous(), scale=sc, uniform=smoothing / v, backend=backend,
-                          out={"D": buf[: e - s]}, config=CONFIG)
-            out = cd.gemm(xs, w, _backward_softcap_epilogue(cap), target=ts, **common) if cap else \
-                cd.gemm(xs, w, ce_backward, **common)
-            p = out["D"]  # [chunk, V]: the logits' gradient, but for the one-hot term
-            hot = (1 - smoothing) * sc * (out["dz_target"] if cap else 1.0)  # 0 on ignored rows
+            xs, ts, sc, lse_s = x[s:e], safe[s:e], scale[s:e], lse[s:e].contiguous()
+            tk = torch.where(ts < vk, ts, -1)
+            common = dict(lse=lse_s, scale=sc, uniform=smoothing / v, backend=backend, out={"D": buf[: e - s]},
+                          config=CONFIG)
+            out = cd.gemm(xs, wk, _backward_softcap_epilogue(cap), target=tk, **common) if cap else \
+                cd.gemm(xs, wk, ce_backward, **common)
+            p = out["D"]  # [chunk, V - V % 8]: the logits' gradient, but for the one-hot term
+            hot = (1 - smoothing) * sc * (out["dz_target"] if cap else (tk >= 0))  # 0: ignored rows, tail targets
             rows = torch.arange(e - s, device=p.device)
-            p.index_put_((rows, ts.clamp_min(0)), -hot.to(p.dtype), accumulate=True)  # now all of it
+            p.index_put_((rows, tk.clamp_min(0)), -hot.to(p.dtype), accumulate=True)  # now all of it
+            gt = _tail_grad(_tail(xs, wt, cap), lse_s, sc, ts - vk, smoothing / v, 1.0 - smoothing, cap).to(x.dtype)
             if need_x:
-                grad_x[s:e] = p @ w
+                grad_x[s:e] = p @ wk
+                if vk < v:
+                    grad_x[s:e] += gt @ wt
             if need_w:
-                grad_w.addmm_(p.t(), xs)
+                grad_w[:vk].addmm_(p.t(), xs)
+                grad_w[vk:].addmm_(gt.t(), xs)
         return grad_x, grad_w, *[None] * 9
 
 
