@@ -180,6 +180,11 @@ def cmd_emit(args) -> int:
 
 def cmd_explain(args) -> int:
     from .ir import format_program
+    why = None
+    if args.shape:  # the configuration cd.gemm would pick, untuned, for this shape (unless --config)
+        from .runtime.tune import default
+        config, why = default(*args.shape)
+        args.config = args.config or config.key
     ep, spec = _spec_from_args(args)
     plan, sig = spec.plan, spec.plan.signature
     print(f"# epilogue {ep.name} ({ep.source})")
@@ -204,6 +209,9 @@ def cmd_explain(args) -> int:
         f"{n} ({d}, {shapes[k]})" for n, d, k in plan.outputs]
     print(f"  outputs: {', '.join(outs)}")
     print(f"\n## specialization\n  A/B {sig.ab_dtype}, B layout {sig.b_layout}, config {sig.config.key}")
+    if why:
+        print(f"  config for M x N x K = {' x '.join(map(str, args.shape))}: " +
+              (f"{args.config} (--config)" if args.config != default(*args.shape)[0].key else why))
     print(f"  key {spec.key}  (op torch.ops.coda_dsl.{spec.op_name})")
     try:  # the cache entry also depends on the toolchain; explaining needs none
         print(f"  build key {build.build_key(spec.key)}  (its cache entry with this toolchain)")
@@ -446,6 +454,15 @@ def _target_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="TILE_CLUSTER_SCHEDULE", help=f"kernel config (default {DEFAULT_CONFIG})")
 
 
+def _shape(text: str) -> tuple[int, int, int]:
+    """'8192x4096x4096' -> (8192, 4096, 4096), for argparse."""
+    try:
+        m, n, k = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MxNxK like 8192x4096x4096, got {text!r}") from None
+    return m, n, k
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="coda-dsl", description="GEMM epilogues in Python, fused into CUTLASS "
                                  "Hopper kernels. `coda-dsl COMMAND --help` describes each command.")
@@ -467,6 +484,8 @@ def parser() -> argparse.ArgumentParser:
                 "Print what an epilogue lowers to: its IR, the CUTLASS epilogue visitor tree (nodes, fused "
                 "functors, operand bindings) and the specialization key that names its kernel in the cache.")
     _target_options(p)
+    p.add_argument("--shape", type=_shape, metavar="MxNxK",
+                   help="use (and explain) the configuration cd.gemm picks for this problem size untuned")
 
     p = command("build", cmd_build, "build an epilogue's kernel into the cache",
                 "Build one specialization of an epilogue's kernel (nvcc, then link) into the cache, so that "

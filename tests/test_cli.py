@@ -289,3 +289,15 @@ def test_python_dash_m():
     res = subprocess.run([sys.executable, "-m", "coda_dsl", "explain", "nope.py:f"], capture_output=True,
                          text=True, cwd=REPO)
     assert res.returncode == 2 and res.stderr.strip() == "coda-dsl explain: error: no such file: nope.py"
+
+
+def test_explain_shape_shows_the_default_config_and_why(capsys):
+    rc, out, _ = run(capsys, "explain", "coda_dsl.examples:bias_gelu", "--shape", "8192x6144x4096")
+    assert rc == 0 and "config 128x192x64_c2x1_pingpong" in out and "192 divides N = 6144" in out
+    rc, out, _ = run(capsys, "explain", "coda_dsl.examples:bias_gelu", "--shape", "8192x4096x14336")
+    assert "config 128x256x64_c2x1_cooperative\n" in out and "K = 14336 >= 8192" in out
+    rc, out, _ = run(capsys, "explain", "coda_dsl.examples:bias_gelu", "--shape", "8192x4096x4096",
+                     "--config", "128x128x64_c1x1_cooperative")
+    assert "config 128x128x64_c1x1_cooperative\n" in out and "(--config)" in out
+    with pytest.raises(SystemExit):
+        cli.main(["explain", "coda_dsl.examples:bias_gelu", "--shape", "8192x4096"])
