@@ -67,7 +67,7 @@ def test_record_key_separates_batch_counts():
 @pytest.mark.parametrize("mnk, expected", [
     ((8192, 4096, 4096), tuning.PINGPONG), ((8192, 14336, 4096), tuning.PINGPONG),
     ((8192, 6144, 4096), tuning.PINGPONG_192), ((8192, 12288, 4096), tuning.PINGPONG_192),
-    ((8192, 4096, 14336), tuning.LONG_K), ((8192, 28672, 8192), tuning.LONG_K), ((777, 4104, 1000), tuning.DEFAULT),
+    ((8192, 4096, 14336), tuning.DEFAULT), ((8192, 28672, 8192), tuning.DEFAULT), ((777, 4104, 1000), tuning.DEFAULT),
 ])
 def test_default_config_by_shape(mnk, expected):
     config, why = tuning.default(*mnk)

@@ -24,7 +24,6 @@ from ..errors import SharedMemoryError
 from ..passes.plan import Config
 
 DEFAULT = Config()  # shape-free (cd.compile without config=): cooperative 128x256, cluster 2x1, swizzle 8
-LONG_K = DEFAULT
 PINGPONG = Config((128, 128, 64), (2, 1), "pingpong")
 PINGPONG_192 = Config((128, 192, 64), (2, 1), "pingpong")
 CANDIDATES = [
@@ -44,7 +43,7 @@ def default(m: int, n: int, k: int, l: int = 1) -> tuple[Config, str]:
     `python -m bench.sweep` (bench/results/sweep_h200.md), M = 8192, every epilogue of the bench:
     - swizzle 8 everywhere: one wave's A and B slices stay in L2 (unswizzled, a wave at N >= 14336
       streams all of B from memory; -2 to -7 % at N = 14336-28672);
-    - K <= 4096: pingpong, whose two warp groups overlap one tile's epilogue with the other's
+    - K < 8192 (measured at 4096): pingpong, whose two warp groups overlap one tile's epilogue with the other's
       mainloop: 0.94-1.02x cuBLAS, against 1.00-1.09x for the cooperative 128x256 tile; 128x192 where
       it divides N (6144, 12288: 0.94-0.99x), else 128x128 (a 192 tile at N = 4096: 1.15-1.19x);
     - K >= 8192: the cooperative 128x256 tile, whose mainloop is the faster one once the epilogue is a
@@ -53,7 +52,7 @@ def default(m: int, n: int, k: int, l: int = 1) -> tuple[Config, str]:
     if m * l * n < 4096 * 4096:
         return DEFAULT, f"M x N = {m * l} x {n} < 4096 x 4096: the shape-free default"
     if k >= 8192:
-        return LONG_K, f"K = {k} >= 8192: the mainloop dominates, cooperative 128x256"
+        return DEFAULT, f"K = {k} >= 8192: the mainloop dominates, cooperative 128x256"
     if n % 192 == 0:
         return PINGPONG_192, f"K = {k} < 8192: pingpong hides the epilogue; 192 divides N = {n}"
     return PINGPONG, f"K = {k} < 8192: pingpong hides the epilogue; 192 does not divide N = {n}"

@@ -9,27 +9,17 @@
 
 namespace coda {
 
-template <class Arguments_>
-struct DirectNode {
-  struct SharedStorage {};
-  using Arguments = Arguments_;
-  using Params = Arguments;
-
-  template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) { return args; }
-  template <class ProblemShape>
+// What a consumer-only node without workspace answers to the collective (no producer loads, no C).
+struct ConsumerOnlyNode {
+  template <class ProblemShape, class Arguments>
   static bool can_implement(ProblemShape const&, Arguments const&) { return true; }
-  template <class ProblemShape>
+  template <class ProblemShape, class Arguments>
   static size_t get_workspace_size(ProblemShape const&, Arguments const&) { return 0; }
-  template <class ProblemShape>
+  template <class ProblemShape, class Arguments>
   static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
                                               cutlass::CudaHostAdapter* = nullptr) {
     return cutlass::Status::kSuccess;
   }
-
-  CUTLASS_HOST_DEVICE DirectNode() {}
-  CUTLASS_HOST_DEVICE DirectNode(Params const& params, SharedStorage const&) : params_ptr(&params) {}
-  Params const* params_ptr = nullptr;
 
   CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
   CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
@@ -38,6 +28,20 @@ struct DirectNode {
   CUTLASS_DEVICE auto get_producer_load_callbacks(cutlass::epilogue::fusion::ProducerLoadArgs<Args...> const&) {
     return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
   }
+};
+
+template <class Arguments_>
+struct DirectNode : ConsumerOnlyNode {
+  struct SharedStorage {};
+  using Arguments = Arguments_;
+  using Params = Arguments;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) { return args; }
+
+  CUTLASS_HOST_DEVICE DirectNode() {}
+  CUTLASS_HOST_DEVICE DirectNode(Params const& params, SharedStorage const&) : params_ptr(&params) {}
+  Params const* params_ptr = nullptr;
 };
 
 // The (m, n, l) coordinates of this thread's values, (CPY, CPY_M, CPY_N, EPI_M, EPI_N) in the

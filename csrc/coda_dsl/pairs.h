@@ -16,33 +16,15 @@ struct PairArguments {
   int64_t batch = 0;  // batch stride
 };
 
-// What both nodes share: an [M, N/2] (or [L, M, N/2]) tensor and registers for this thread's values.
-template <class Pointer>
-struct PairNode : DirectNode<PairArguments<Pointer>> {
-  using Base = DirectNode<PairArguments<Pointer>>;
-  using Base::Base;
-
-  // A derived node's callbacks over this thread's values: their (m, n, l) coordinates per epilogue
-  // subtile, registers for them, and the problem's (M, N, L) for predication.
-  template <template <class, class, class> class Callbacks, class Element, bool ReferenceSrc, class Node,
-            class... Args>
-  CUTLASS_DEVICE static auto callbacks(Node const* node,
-                                       cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
-    auto [tC_cAux, problem_shape_mnl] = thread_coordinates<ReferenceSrc>(args);
-    cute::Tensor tC_rAux = cute::make_tensor<Element>(cute::take<0, 3>(cute::shape(tC_cAux)));
-    return Callbacks<decltype(tC_rAux), decltype(tC_cAux), decltype(problem_shape_mnl)>(
-        cute::move(tC_rAux), cute::move(tC_cAux), problem_shape_mnl, node);
-  }
-
-  template <class Coord>
-  CUTLASS_DEVICE int64_t offset(Coord const& c) const {
-    return cute::get<2>(c) * this->params_ptr->batch + cute::get<0>(c) * this->params_ptr->ld + cute::get<1>(c) / 2;
-  }
-};
+// Where column n's pair value lives in the [M, N/2] (or [L, M, N/2]) tensor, (m, n, l) a coordinate.
+template <class Pointer, class Coord>
+CUTLASS_DEVICE int64_t pair_offset(PairArguments<Pointer> const& a, Coord const& c) {
+  return cute::get<2>(c) * a.batch + cute::get<0>(c) * a.ld + cute::get<1>(c) / 2;
+}
 
 template <class Element>
-struct PairLoad : PairNode<Element const*> {
-  using Base = PairNode<Element const*>;
+struct PairLoad : DirectNode<PairArguments<Element const*>> {
+  using Base = DirectNode<PairArguments<Element const*>>;
   using Base::Base;
 
   template <class RTensor, class CTensor, class ProblemShapeMNL>
@@ -51,17 +33,18 @@ struct PairLoad : PairNode<Element const*> {
         : tC_rAux(cute::forward<RTensor>(r)), tC_cAux(cute::forward<CTensor>(c)), problem_shape_mnl(shape),
           node(node) {}
 
-    RTensor tC_rAux;
-    CTensor tC_cAux;
+    RTensor tC_rAux;  // this thread's values of the current epilogue subtile
+    CTensor tC_cAux;  // their (m, n, l) coordinates, per subtile
     ProblemShapeMNL problem_shape_mnl;
     PairLoad const* node;
 
     CUTLASS_DEVICE void begin_loop(int epi_m, int epi_n) {
       cute::Tensor coords = tC_cAux(cute::_, cute::_, cute::_, epi_m, epi_n);
+      auto const& a = *node->params_ptr;
       CUTLASS_PRAGMA_UNROLL
       for (int k = 0; k < cute::size(tC_rAux); ++k) {
         auto c = coords(k);
-        tC_rAux(k) = cute::elem_less(c, problem_shape_mnl) ? node->params_ptr->ptr[node->offset(c)] : Element(0);
+        tC_rAux(k) = cute::elem_less(c, problem_shape_mnl) ? a.ptr[pair_offset(a, c)] : Element(0);
       }
     }
 
@@ -75,7 +58,10 @@ struct PairLoad : PairNode<Element const*> {
   template <bool ReferenceSrc, class... Args>
   CUTLASS_DEVICE auto get_consumer_store_callbacks(
       cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
-    return Base::template callbacks<ConsumerStoreCallbacks, Element, ReferenceSrc>(this, args);
+    auto [tC_cAux, problem_shape_mnl] = thread_coordinates<ReferenceSrc>(args);
+    cute::Tensor tC_rAux = cute::make_tensor<Element>(cute::take<0, 3>(cute::shape(tC_cAux)));
+    return ConsumerStoreCallbacks<decltype(tC_rAux), decltype(tC_cAux), decltype(problem_shape_mnl)>(
+        cute::move(tC_rAux), cute::move(tC_cAux), problem_shape_mnl, this);
   }
 };
 
@@ -85,7 +71,7 @@ struct PairLoad : PairNode<Element const*> {
 // aligned (TMA's rule: N/2 values of a row must fill 16-byte multiples), the values go straight from
 // registers to global memory instead, predicated per value.
 template <class EpiDesc, class Element>
-struct PairStore {
+struct PairStore : ConsumerOnlyNode {
   using EpiTile = typename EpiDesc::EpilogueTile;
   static constexpr int Stages = cutlass::epilogue::collective::detail::AuxStoreDescriptor<
       EpiDesc, cutlass::layout::RowMajor, Element>::Stages;
@@ -123,28 +109,11 @@ struct PairStore {
     }
     return {args, tma, use_tma};
   }
-  template <class ProblemShape>
-  static bool can_implement(ProblemShape const&, Arguments const&) { return true; }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&) { return 0; }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
-                                              cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
-
   CUTLASS_HOST_DEVICE PairStore() {}
   CUTLASS_HOST_DEVICE PairStore(Params const& params, SharedStorage const& shared)
       : params_ptr(&params), smem(const_cast<Element*>(shared.smem.data())) {}
   Params const* params_ptr = nullptr;
   Element* smem = nullptr;
-
-  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
-  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
-  template <class... Args>
-  CUTLASS_DEVICE auto get_producer_load_callbacks(cutlass::epilogue::fusion::ProducerLoadArgs<Args...> const&) {
-    return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
-  }
 
   template <class RTensor, class LTensor, class CTensor, class ProblemShapeMNL, class STensor, class GTensor>
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
@@ -196,9 +165,7 @@ struct PairStore {
       CUTLASS_PRAGMA_UNROLL
       for (int k = 0; k < cute::size(tC_rAux); ++k) {
         auto c = coords(k);
-        if ((cute::get<1>(c) & 1) == 0 && cute::elem_less(c, problem_shape_mnl)) {
-          a.ptr[cute::get<2>(c) * a.batch + cute::get<0>(c) * a.ld + cute::get<1>(c) / 2] = tC_rAux(k);
-        }
+        if ((cute::get<1>(c) & 1) == 0 && cute::elem_less(c, problem_shape_mnl)) a.ptr[pair_offset(a, c)] = tC_rAux(k);
       }
     }
   };
