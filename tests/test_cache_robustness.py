@@ -21,8 +21,7 @@ import pytest
 import coda_dsl.build as b
 from coda_dsl import cli
 from coda_dsl.build import builder, cache, tools as tcmod
-from conftest import FAKE_TC
-from test_build import bk, cache_root, fake, quiet, unit  # noqa: F401  (fixtures)
+from build_helpers import FAKE_TC, bk, quiet, unit
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -239,7 +238,7 @@ import sys
 sys.path[:0] = {paths!r}
 import coda_dsl.build as b
 from coda_dsl.build import builder, cache
-from conftest import FAKE_TC
+from build_helpers import FAKE_TC
 import dataclasses
 tc = dataclasses.replace(FAKE_TC, nvcc={nvcc!r})
 cache.toolchain = builder.toolchain = lambda: tc
