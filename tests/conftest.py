@@ -7,6 +7,7 @@ What tests import by name lives in plain modules: tests/epilogues.py (the test e
 import random
 import time
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,6 +90,17 @@ def fake(fake_toolchain, cache_root, monkeypatch):
 
     monkeypatch.setattr(builder, "_run_ninja", run)
     return state
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """torch.ops.load_library replaced by a recorder of the bytes it loads, and a fresh process
+    (nothing loaded or verified yet: the build layer has no public reset, so its memos are swapped)."""
+    calls = []
+    monkeypatch.setattr(torch.ops, "load_library", lambda p: calls.append(Path(p).read_bytes()))
+    monkeypatch.setattr(builder, "_loaded", {})
+    monkeypatch.setattr(cache, "_verified", {})
+    return calls
 
 
 # ---- the runtime --------------------------------------------------------------------------------

@@ -8,8 +8,6 @@ import multiprocessing
 import os
 import shutil
 import threading
-import time
-import types
 from pathlib import Path
 
 import pytest
@@ -235,14 +233,10 @@ def test_partial_failure_keeps_good_units(fake, monkeypatch):
     assert ei.value.first_error == f"{failed}/kernel.cu(1): error: boom"  # path rewritten to the kept copy
 
 
-def test_load_library_loads_once(fake, monkeypatch):
-    import torch
-    loaded = []
-    monkeypatch.setattr(torch.ops, "load_library", loaded.append)
-    monkeypatch.setattr(builder, "_loaded", {})
+def test_load_library_loads_once(fake, loads, monkeypatch):
     u = unit()
     so = b.load_library(u)
-    assert b.load_library(u) == so and loaded == [str(so)] and len(fake.calls()) == 1
+    assert b.load_library(u) == so and loads == [so.read_bytes()] and len(fake.calls()) == 1
     monkeypatch.setattr(builder, "_loaded", {})  # a new process: found on disk, not rebuilt
     assert b.load_library(u) == so and len(fake.calls()) == 1
 

@@ -26,17 +26,6 @@ from build_helpers import FAKE_TC, bk, quiet, unit
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture
-def loads(monkeypatch):
-    """torch.ops.load_library replaced by a recorder, and a fresh process (nothing loaded yet)."""
-    import torch
-    calls = []
-    monkeypatch.setattr(torch.ops, "load_library", lambda p: calls.append(Path(p).read_bytes()))
-    monkeypatch.setattr(builder, "_loaded", {})
-    monkeypatch.setattr(cache, "_verified", {})
-    return calls
-
-
 # ---- 3. entries are verified, not trusted by size ---------------------------------------------------
 
 def test_same_size_damage_is_rebuilt_before_loading(fake, loads, capsys):
