@@ -1,34 +1,26 @@
-"""Shared fixtures of the CPU test suite: fresh random seeds, the relative-error metric, a fake
-toolchain, a helper that lowers an epilogue into an EVT plan without a GPU, and an epilogue that both
-the CPU functor simulation and the GPU suite check."""
+"""Fixtures shared by several test files, and nothing else: fresh random seeds, the relative-error
+metric, a temporary kernel cache, the fake toolchain and builds, fake kernels for the cutlass call path,
+a fresh runtime, and a helper that lowers an epilogue into an EVT plan without a GPU.
+
+What tests import by name lives in plain modules: tests/epilogues.py (the test epilogues, `signature`,
+`rel_err`) and tests/build_helpers.py (FAKE_TC, real_toolchain_or_skip, build-unit helpers)."""
 import random
+import time
+import types
+from pathlib import Path
 
 import pytest
 import torch
 
-import coda_dsl as cd
-from coda_dsl import build
-from coda_dsl.build import Toolchain, ToolchainError
-from coda_dsl.cli import torch_cuda_problem
-from coda_dsl.passes import Config, Signature, accumulate_into_d, lower, specialize
-
-# A fixed toolchain for tests that fake the builds: specialization keys are then the same everywhere.
-FAKE_TC = Toolchain(nvcc="/fake/bin/nvcc", cuda_home="/fake", nvcc_version="13.0.88",
-                    cutlass_include=["/fake/include", "/fake/tools/util/include"],
-                    cutlass_version="4.2.0.0", torch_version="2.14.1", csrc_include="/fake/csrc")
-
-
-def real_toolchain_or_skip() -> Toolchain:
-    """The real toolchain for the real-nvcc tests, or a skip with doctor's reason: a missing piece, or
-    a CPU-only torch (whose missing c10/cuda headers would fail the compile)."""
-    try:
-        tc = build.toolchain()
-    except ToolchainError as e:
-        pytest.skip(f"no CUDA toolchain to compile with: {e}")
-    problem = torch_cuda_problem()
-    if problem:
-        pytest.skip(problem)
-    return tc
+import coda_dsl.build as b
+from build_helpers import FAKE_TC
+from coda_dsl.build import builder, cache
+from coda_dsl.passes import accumulate_into_d, lower, specialize
+from coda_dsl import runtime
+from epilogues import rel_err, signature
+# Re-exported only for test_functor_semantics.py and test_pairwise.py, which still import them from
+# here (edited in another branch); new code imports them from epilogues.
+from epilogues import pairs_with_full_width_operands  # noqa: F401
 
 
 @pytest.fixture
@@ -40,28 +32,10 @@ def seed():
     return s
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖out − ref‖ / ‖ref‖, computed in fp64 (a zero reference divides by 1e-30, not 0)."""
-    out, ref = out.detach().double(), ref.detach().double()
-    assert out.shape == ref.shape, (out.shape, ref.shape)
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
 @pytest.fixture
 def rel():
-    """The relative-error metric `rel_err`, as a fixture."""
+    """The relative-error metric `epilogues.rel_err`, as a fixture."""
     return rel_err
-
-
-def signature(ep, ab="bf16", b_layout="nk", operand_dtype="bf16", operand_dtypes=None, output_dtypes=None,
-              consts=None, config=None, deterministic=False, accumulate=False) -> Signature:
-    """The Signature cd.gemm would build for `ep`: every load operand `operand_dtype` unless given in
-    `operand_dtypes`, outputs their traced dtype (else `ab`) unless given in `output_dtypes`."""
-    loads = {p.name: (operand_dtypes or {}).get(p.name, operand_dtype) for p in ep.params
-             if p.kind in ("tensor", "vec_n", "vec_m")}
-    outs = tuple((o.name, (output_dtypes or {}).get(o.name, o.dtype or ab)) for o in ep.program.outputs)
-    return Signature(ab, b_layout, tuple(sorted(loads.items())), outs, tuple(sorted((consts or {}).items())),
-                     config or Config(), deterministic, accumulate)
 
 
 @pytest.fixture
@@ -74,9 +48,83 @@ def make_plan():
     return make
 
 
-@cd.epilogue
-def pairs_with_full_width_operands(acc, bias: cd.VecN, rs: cd.VecM, s: cd.Scalar):
-    """Inside one pair functor: a full-width VecN (read per slot), a VecM and a scalar (one per row)."""
-    even, odd = cd.pairs(acc)
-    y = cd.interleave(even * rs - odd, odd * s + 1.0)
-    return {"D": y * 2.0 + bias, "h": cd.cast(odd - even * s, cd.float32)}
+# ---- kernel cache and builds --------------------------------------------------------------------
+@pytest.fixture
+def cache_root(tmp_path, monkeypatch):
+    """An empty kernel cache of this test's own (CODA_DSL_CACHE), and a toolchain found afresh."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("CODA_DSL_CACHE", str(root))
+    toolchain = b.toolchain  # the real, memoized one (a test may replace b.toolchain)
+    toolchain.cache_clear()
+    yield root
+    toolchain.cache_clear()
+
+
+@pytest.fixture
+def fake_toolchain(cache_root, monkeypatch):
+    """The cache and the builder see FAKE_TC (stable keys everywhere), in a temporary cache."""
+    for mod in (cache, builder):
+        monkeypatch.setattr(mod, "toolchain", lambda: FAKE_TC)
+    return FAKE_TC
+
+
+@pytest.fixture
+def fake(fake_toolchain, cache_root, monkeypatch):
+    """Fake toolchain + fake ninja that 'builds' every target and records its calls (in a file, so
+    forked processes count too)."""
+    counter = cache_root.parent / "ninja_calls"
+    state = types.SimpleNamespace(delay=0.0)
+    state.calls = lambda: counter.read_text().splitlines() if counter.exists() else []
+
+    def run(staging, targets, jobs, verbose, log):
+        with open(counter, "a") as f:
+            f.write(" ".join(targets) + "\n")
+        time.sleep(state.delay)
+        for t in targets:
+            d = staging / t.split("/")[0]
+            (d / "kernel.o").write_bytes(b"\0" * 64)
+            if t.endswith(".so"):
+                (d / "kernel.so").write_bytes(b"\0" * 128)
+            (d / "build.log").write_text("ok\n")
+        return 0, ""
+
+    monkeypatch.setattr(builder, "_run_ninja", run)
+    return state
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """torch.ops.load_library replaced by a recorder of the bytes it loads, and a fresh process
+    (nothing loaded or verified yet: the build layer has no public reset, so its memos are swapped)."""
+    calls = []
+    monkeypatch.setattr(torch.ops, "load_library", lambda p: calls.append(Path(p).read_bytes()))
+    monkeypatch.setattr(builder, "_loaded", {})
+    monkeypatch.setattr(cache, "_verified", {})
+    return calls
+
+
+# ---- the runtime --------------------------------------------------------------------------------
+@pytest.fixture
+def fresh_runtime():
+    """No specialization, config choice or warm-path entry from earlier tests (runtime.clear()), and
+    none left behind for later ones."""
+    runtime.clear()
+    yield
+    runtime.clear()
+
+
+@pytest.fixture
+def fake_kernels(fresh_runtime, monkeypatch):
+    """The cutlass call path on CPU tensors, up to the launch, warm and cold, without a GPU: no Hopper
+    check, no tuning record, and CompiledOps launch a recorder instead of a built kernel. Returns the
+    launches, each (the CompiledOp, its launch arguments (a, b, d, inputs, scalars, outputs))."""
+    launches = []
+
+    def load(self):
+        self._op = lambda *args: launches.append((self, args))
+        return self
+
+    monkeypatch.setattr(runtime.CompiledOp, "load", load)
+    monkeypatch.setattr(runtime.op.checks, "require_hopper", lambda where, device: None)
+    monkeypatch.setattr(runtime.op.tuning, "recorded", lambda *args: None)
+    return launches

@@ -21,21 +21,9 @@ import pytest
 import coda_dsl.build as b
 from coda_dsl import cli
 from coda_dsl.build import builder, cache, tools as tcmod
-from conftest import FAKE_TC
-from test_build import bk, cache_root, fake, quiet, unit  # noqa: F401  (fixtures)
+from build_helpers import FAKE_TC, bk, quiet, unit
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture
-def loads(monkeypatch):
-    """torch.ops.load_library replaced by a recorder, and a fresh process (nothing loaded yet)."""
-    import torch
-    calls = []
-    monkeypatch.setattr(torch.ops, "load_library", lambda p: calls.append(Path(p).read_bytes()))
-    monkeypatch.setattr(builder, "_loaded", {})
-    monkeypatch.setattr(cache, "_verified", {})
-    return calls
 
 
 # ---- 3. entries are verified, not trusted by size ---------------------------------------------------
@@ -239,7 +227,7 @@ import sys
 sys.path[:0] = {paths!r}
 import coda_dsl.build as b
 from coda_dsl.build import builder, cache
-from conftest import FAKE_TC
+from build_helpers import FAKE_TC
 import dataclasses
 tc = dataclasses.replace(FAKE_TC, nvcc={nvcc!r})
 cache.toolchain = builder.toolchain = lambda: tc

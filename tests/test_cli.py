@@ -16,16 +16,15 @@ from coda_dsl import build, cli
 from coda_dsl.build import cache
 from coda_dsl.examples import residual_rms
 from coda_dsl.runtime import op as runtime
-from conftest import FAKE_TC, real_toolchain_or_skip
+from build_helpers import FAKE_TC, real_toolchain_or_skip
 
 REPO = Path(__file__).resolve().parent.parent
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
 @pytest.fixture(autouse=True)
-def env(tmp_path, monkeypatch):
-    monkeypatch.setenv("CODA_DSL_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(cache, "toolchain", lambda: FAKE_TC)
+def env(fake_toolchain):
+    """Every test: a temporary cache and the fake toolchain (stable keys)."""
 
 
 @pytest.fixture

@@ -14,32 +14,13 @@ import coda_dsl as cd
 from coda_dsl import build
 from coda_dsl.codegen import op_name, render
 from coda_dsl.passes.plan import AuxLoad, AuxStore, ColBroadcast, RowBroadcast
-from conftest import real_toolchain_or_skip
+from build_helpers import real_toolchain_or_skip
+from epilogues import rich_operands_and_ops, signature
 
 
 @pytest.fixture(scope="module")
 def toolchain():
     return real_toolchain_or_skip()
-
-
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    root = tmp_path / "cache"
-    monkeypatch.setenv("CODA_DSL_CACHE", str(root))
-    return root
-
-
-@cd.epilogue
-def rich(acc, residual: cd.Tensor, bias: cd.VecN, rstd: cd.VecM, alpha: cd.Scalar, beta: cd.Scalar,
-         c: cd.Const):
-    h = (acc * rstd + bias) * alpha + residual * c  # shared: D and both aux outputs read it
-    g = cd.gelu(h, approximate="tanh")
-    e = (cd.exp(-cd.abs(h)) + cd.log(1 + h * h) + cd.sqrt(cd.relu(h)) + cd.rsqrt(1 + h ** 2) + cd.tanh(h)
-         + cd.sigmoid(h) + cd.gelu(h) + cd.silu(h) + cd.maximum(h, beta) - cd.minimum(h, 0.5) / 3
-         + (h < 1) + (h <= 1) + (h >= 2) + (h == 0) + (h != 0) + cd.cast(h, cd.bfloat16))
-    e = cd.where(e != e, 0.0, e)
-    return {"D": g * beta + e, "h32": cd.cast(h, cd.float32),
-            "g16": cd.cast(cd.where(h > 0, g, float("-inf")), cd.float16)}
 
 
 @cd.epilogue
@@ -56,8 +37,8 @@ def accumulate_with_stats(acc, alpha: cd.Scalar):
             "total": cd.sum(x, axis=None)}
 
 
-def test_rich_kernel_compiles(toolchain, cache, make_plan):
-    plan = make_plan(rich, consts={"c": 0.5}, operand_dtypes={"rstd": "fp32"})
+def test_rich_kernel_compiles(toolchain, cache_root, make_plan):
+    plan = make_plan(rich_operands_and_ops, consts={"c": 0.5}, operand_dtypes={"rstd": "fp32"})
     # the plan really is rich: every operand kind, two aux outputs of different dtypes, a shared value
     kinds = Counter(type(n) for n in plan.nodes)
     assert kinds[AuxLoad] == kinds[RowBroadcast] == kinds[ColBroadcast] == 1 and kinds[AuxStore] == 2
@@ -65,7 +46,7 @@ def test_rich_kernel_compiles(toolchain, cache, make_plan):
     parents = Counter(c for n in plan.nodes for c in n.children)
     assert any(parents[i] >= 3 for i, n in enumerate(plan.nodes) if n.children)
     key = build.specialization_key(plan.key)
-    source = render(plan, key, rich.source)
+    source = render(plan, key, rich_operands_and_ops.source)
 
     # built in the same (parallel) ninja run: the template's other branches. No D with deterministic
     # reductions and finishing kernels; in-place accumulation (C = D) with atomic reductions of every axis.
@@ -84,7 +65,7 @@ def test_rich_kernel_compiles(toolchain, cache, make_plan):
 
     objs = build.build_units(units, compile_only=True)
     obj = objs[0]
-    assert obj.parent.parent == cache and obj.name == "kernel.o"
+    assert obj.parent.parent == cache_root and obj.name == "kernel.o"
     assert all(o.is_file() and o.stat().st_size > 0 for o in objs)
     assert (obj.parent / "kernel.cu").read_text() == source
 
@@ -96,8 +77,6 @@ def compile_functors(toolchain, tmp_path, ep):
     """Compile the functors of `ep`'s rendered source (with the real flags), called from a kernel."""
     from coda_dsl.build.tools import compile_command
     from coda_dsl.passes import lower, specialize
-
-    from conftest import signature
 
     plan = lower(specialize(ep.program, {}), signature(ep))
     src = render(plan, "0" * 24, ep.source)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import coda_dsl as cd
-from conftest import rel_err as _rel
+from epilogues import rel_err as _rel
 
 
 def _problem(m=37, d=32, v=301, dtype=torch.bfloat16):

@@ -20,7 +20,7 @@ from coda_dsl.library.cross_entropy import (BUFFER_BYTES, _backward_softcap_epil
                                            ce_backward, combine_vocab_shards, default_chunk_rows,
                                            logits_buffer_dtype, vocab_shard_stats)
 from coda_dsl.runtime import op as runtime
-from conftest import pairs_with_full_width_operands
+from epilogues import bias_gelu, pairs_with_full_width_operands, residual_rms
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU; none visible to torch")
@@ -30,17 +30,6 @@ SHAPES = [RAGGED, (128, 256, 64), (8, 16, 8), (300, 4112, 256)]
 
 
 # ---- epilogues under test --------------------------------------------------------------------
-@cd.epilogue
-def bias_gelu(acc, bias: cd.VecN):
-    return cd.gelu(acc + bias)
-
-
-@cd.epilogue
-def residual_rms(acc, residual: cd.Tensor, gamma: cd.VecN):
-    h = acc + residual
-    return {"D": h, "h_gamma": h * gamma}
-
-
 @cd.epilogue
 def all_kinds(acc, res: cd.Tensor, scale_m: cd.VecM, bias_n: cd.VecN, alpha: cd.Scalar, c: cd.Const):
     h = alpha * acc * scale_m + bias_n

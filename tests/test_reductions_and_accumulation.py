@@ -11,7 +11,7 @@ from coda_dsl.codegen import render
 from coda_dsl.library import rms_consumer, rmsnorm_linear
 from coda_dsl.passes import accumulate_into_d, specialize
 from coda_dsl.passes.plan import Reduction, SrcFetch
-from conftest import rel_err as _rel
+from epilogues import rel_err as _rel
 
 
 def _ab(m=37, n=56, k=24):

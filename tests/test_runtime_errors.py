@@ -9,7 +9,7 @@ import torch
 import coda_dsl as cd
 from coda_dsl import CodaError, OperandError, UnsupportedError
 from coda_dsl.runtime import op as runtime
-from conftest import pairs_with_full_width_operands
+from epilogues import pairs_with_full_width_operands
 
 M, N, K = 77, 104, 40
 
@@ -393,22 +393,6 @@ def test_batched_gemm_rejects_an_unbatched_tensor_operand(fake_kernels):
         cd.compile(add, a, b, residual=r)
 
 
-@pytest.fixture
-def fake_kernels(monkeypatch):
-    """CompiledOps launch a recorder instead of a built kernel, and the cutlass path runs on CPU tensors:
-    the call path up to the launch, warm and cold, is exercised without a GPU."""
-    launches = []
-
-    def load(self):
-        self._op = lambda a, b, d, inputs, scalars, outputs: launches.append((a, b, d, inputs, scalars, outputs))
-        return self
-
-    monkeypatch.setattr(runtime.CompiledOp, "load", load)
-    monkeypatch.setattr(runtime.checks, "require_hopper", lambda where, device: None)
-    monkeypatch.setattr(runtime, "_choose_config", lambda spec, call, tune, key: runtime.Config())
-    return launches
-
-
 def bad_calls(a, b, ops):
     """Calls that differ from a valid one in one property each; all must fail, the first two only for a
     kept op (cd.gemm builds another specialization for them)."""
@@ -439,7 +423,7 @@ def test_warm_calls_skip_checks_but_not_bad_calls(fake_kernels, monkeypatch):
         n_checked = len(checked)
         a2, b2 = ab()  # same layouts, other tensors and values
         d = call(a2, b2, **{**operands(), "alpha": 2.0})["D"]
-        assert d.shape == (M, N) and fake_kernels[-1][0] is a2 and fake_kernels[-1][4] == [2.0]
+        assert d.shape == (M, N) and fake_kernels[-1][1][0] is a2 and fake_kernels[-1][1][4] == [2.0]
         assert len(checked) == n_checked
     for args, kw, bad_for in bad_calls(a, b, ops):
         n = len(fake_kernels)
@@ -498,7 +482,7 @@ def test_const_values_select_kernels_by_spelling(fake_kernels):
     assert cd.compile(divided, a, b, c=nan) is cd.compile(divided, a, b, c=float("nan"))
     for c in (0.0, -0.0):
         cd.gemm(a, b, divided, backend="cutlass", c=c)
-    assert len({op.key for op in runtime._warm[divided].values()}) == 2  # the warm path tells them apart
+    assert len({op.key for op, _ in fake_kernels[-2:]}) == 2  # the warm path tells them apart
     with pytest.raises(OperandError, match="cd.Const values"):
         cd.compile(divided, a, b, c=0.0)(a, b, c=-0.0)
     cd.compile(divided, a, b, c=nan)(a, b, c=float("nan"))  # any NaN is the NaN it was compiled for
@@ -551,21 +535,16 @@ def test_overlapping_views_alias(fake_kernels):
         cd.gemm(a, b, ep_all, backend="cutlass", out={"D": buf[8:]}, **{**operands(), "residual": buf[:M]})
 
 
-def test_tuning_later_replaces_the_warm_choice(monkeypatch):
+def test_tuning_later_replaces_the_warm_choice(fake_kernels, monkeypatch):
     """A bucket used first without tuning is tuned on a later tune=True call, and calls after that
     launch the tuned configuration (the warm path forgets its earlier choice)."""
-    chosen, tunings = [], []
-    monkeypatch.setattr(runtime.CompiledOp, "load", lambda self: setattr(
-        self, "_op", lambda *args: chosen.append(self.plan.signature.config)) or self)
-    monkeypatch.setattr(runtime.checks, "require_hopper", lambda where, device: None)
+    tunings = []
     tuned = cd.Config((256, 128, 64), (2, 1), "cooperative")
-    monkeypatch.setattr(runtime.tuning, "recorded", lambda *args: None)
     monkeypatch.setattr(runtime.tuning, "tune", lambda *args, **kw: tunings.append(1) or tuned)
-    for cache in ("_ops", "_configs", "_warm"):  # a fresh process, as far as choices go
-        monkeypatch.setattr(runtime, cache, {})
     a, b = ab()
     for tune in (False, True, False):
         cd.gemm(a, b, backend="cutlass", tune=tune)
+    chosen = [op.plan.signature.config for op, _ in fake_kernels]
     assert tunings == [1] and chosen == [runtime.tuning.default(M, N, K)[0], tuned, tuned]
 
 

@@ -10,7 +10,7 @@ from coda_dsl import SharedMemoryError, examples
 from coda_dsl.library import cross_entropy, gated, rmsnorm, rope
 from coda_dsl.passes import Config, accumulate_into_d, smem, specialize
 from coda_dsl.runtime import tune as tuning
-from conftest import signature
+from epilogues import signature
 
 lowering = importlib.import_module("coda_dsl.passes.lower")  # the module (the package exports its function)
 
@@ -113,9 +113,8 @@ def test_examples_fit_at_the_default_config_unchanged(make_plan, ep, consts, ope
         assert plan.signature.config == tuning.DEFAULT and smem.usage(plan).fits and smem.fit(plan) is plan
 
 
-def test_tuning_skips_candidates_that_cannot_fit(tmp_path, monkeypatch):
+def test_tuning_skips_candidates_that_cannot_fit(cache_root, monkeypatch):
     """A candidate config whose buffers do not fit is not built or timed; the others are."""
-    monkeypatch.setenv("CODA_DSL_CACHE", str(tmp_path))
     monkeypatch.setattr(tuning, "device_key", lambda device: "FakeGPU|sm90")
     monkeypatch.setattr(tuning, "_time_us", lambda fn: fn() or 1.0)
     built, launched = [], []

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import coda_dsl as cd
+from coda_dsl import runtime as public_runtime
 from coda_dsl.passes.plan import Config
 from coda_dsl.runtime import op as runtime
 from coda_dsl.runtime import tune as tuning
@@ -18,8 +19,7 @@ def test_record_key_ignores_config_and_buckets_shapes():
     assert k != tuning.record_key(plan_key, tuning.DEFAULT, 8192, 4096, 4096, 1)
 
 
-def test_records_persist_and_are_found(tmp_path, monkeypatch):
-    monkeypatch.setenv("CODA_DSL_CACHE", str(tmp_path))
+def test_records_persist_and_are_found(cache_root, monkeypatch):
     monkeypatch.setattr(tuning, "device_key", lambda device: "FakeGPU|sm90")
     plan_key = f"k|{tuning.DEFAULT.key}|x"
     dev = torch.device("cpu")
@@ -27,12 +27,11 @@ def test_records_persist_and_are_found(tmp_path, monkeypatch):
     best = Config((256, 128, 64), (2, 1), "cooperative")
     tuning._store("FakeGPU|sm90", tuning.record_key(plan_key, tuning.DEFAULT, 100, 200, 300, 1), best, {"a": 1.0})
     assert tuning.recorded(dev, plan_key, tuning.DEFAULT, (120, 250, 300, 1)) == best
-    (tmp_path / "tuned.json").write_text("{not json")  # a corrupt record file means: tune again
+    (cache_root / "tuned.json").write_text("{not json")  # a corrupt record file means: tune again
     assert tuning.recorded(dev, plan_key, tuning.DEFAULT, (120, 250, 300, 1)) is None
 
 
-def test_tune_uses_a_record_without_building(tmp_path, monkeypatch):
-    monkeypatch.setenv("CODA_DSL_CACHE", str(tmp_path))
+def test_tune_uses_a_record_without_building(cache_root, monkeypatch):
     monkeypatch.setattr(tuning, "device_key", lambda device: "FakeGPU|sm90")
     a, b = torch.randn(64, 32).bfloat16(), torch.randn(48, 32).bfloat16()
     from coda_dsl.runtime.op import _check_tensors, _normalize, specialization
@@ -48,8 +47,7 @@ def test_tune_uses_a_record_without_building(tmp_path, monkeypatch):
     assert built == []
 
 
-def test_records_of_other_keys_and_devices_are_kept(tmp_path, monkeypatch):
-    monkeypatch.setenv("CODA_DSL_CACHE", str(tmp_path))
+def test_records_of_other_keys_and_devices_are_kept(cache_root, monkeypatch):
     dev = torch.device("cpu")
     configs = {("GPU-A", "k1"): Config((256, 128, 64)), ("GPU-A", "k2"): Config((128, 128, 64)),
                ("GPU-B", "k1"): Config((64, 256, 64), (1, 1), "pingpong")}
@@ -74,15 +72,23 @@ def test_default_config_by_shape(mnk, expected):
     assert config == expected and why and all(c.swizzle == 8 for c in (config, tuning.DEFAULT))
 
 
-def test_gemm_uses_the_shape_default_and_tells_buckets_apart(monkeypatch):
+def test_gemm_uses_the_shape_default_and_tells_buckets_apart(fake_kernels):
     """Two shapes of one bucket (N 6144 and 8192) get the configurations the rule gives each."""
-    chosen = []
-    monkeypatch.setattr(runtime.CompiledOp, "load", lambda self: setattr(
-        self, "_op", lambda *args: chosen.append(self.plan.signature.config)) or self)
-    monkeypatch.setattr(runtime.checks, "require_hopper", lambda where, device: None)
-    monkeypatch.setattr(runtime.tuning, "recorded", lambda *args: None)
-    for cache in ("_ops", "_configs", "_warm"):
-        monkeypatch.setattr(runtime, cache, {})
     for n in (6144, 8192):
         cd.gemm(torch.randn(4096, 64).bfloat16(), torch.randn(n, 64).bfloat16(), backend="cutlass")
-    assert chosen == [tuning.PINGPONG_192, tuning.PINGPONG]
+    assert [op.plan.signature.config for op, _ in fake_kernels] == [tuning.PINGPONG_192, tuning.PINGPONG]
+
+
+def test_clear_forgets_specializations_choices_and_warm_entries(fake_kernels, monkeypatch):
+    """runtime.clear() starts over as a fresh process would: a new specialization, the config chosen
+    (the record looked up) again, and no warm-path entry launching the old choice."""
+    looked_up = []
+    monkeypatch.setattr(runtime.tuning, "recorded", lambda *args: looked_up.append(1))
+    a, b = torch.randn(64, 32).bfloat16(), torch.randn(48, 32).bfloat16()
+    op = cd.compile(cd.identity, a, b)
+    for _ in range(2):
+        cd.gemm(a, b, backend="cutlass")
+    assert len(looked_up) == 1 and cd.compile(cd.identity, a, b) is op
+    public_runtime.clear()
+    cd.gemm(a, b, backend="cutlass")
+    assert len(looked_up) == 2 and cd.compile(cd.identity, a, b) is not op

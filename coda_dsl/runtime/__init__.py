@@ -1,4 +1,4 @@
 """The callable op: checks, output allocation, launch, torch.compile registration, reference backend."""
-from .op import CompiledOp, compile, gemm, prebuild, set_tuning
+from .op import CompiledOp, clear, compile, gemm, prebuild, set_tuning
 
-__all__ = ["CompiledOp", "compile", "gemm", "prebuild", "set_tuning"]
+__all__ = ["CompiledOp", "clear", "compile", "gemm", "prebuild", "set_tuning"]

@@ -592,6 +592,16 @@ def _choose_config(spec, call: Call, tune: bool, key: tuple) -> Config:
     return choice[0]
 
 
+def clear() -> None:
+    """Forget every in-process specialization, config choice and warm-path entry, as a fresh process
+    would start: the next call specializes, chooses its config (recorded or default) and checks again.
+    Built kernels stay in the disk cache (`coda-dsl cache clear` removes those)."""
+    with _lock:
+        _ops.clear()
+        _configs.clear()
+        _warm.clear()
+
+
 def prebuild(ops: list[CompiledOp], jobs: int | None = None) -> None:
     """Build several specializations in parallel (one ninja run), e.g. before a test or benchmark run."""
     build.build_units([op.unit for op in ops], jobs=jobs)
