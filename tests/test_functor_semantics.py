@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 import coda_dsl as cd
-from coda_dsl.ir.ops import OPS
+from coda_dsl.codegen.cpp import OP_CPP
+from coda_dsl.ir.ops import NODE_OPS, OPS
 from coda_dsl.library import rope_positions, rope_tables, swiglu_keep_preactivation
 from coda_dsl.passes.plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, PairLoad, PairStore,
                                   RowBroadcast)
@@ -116,10 +117,14 @@ def test_op_table_cpp_means_the_torch_function():
     grid = [torch.tensor(v) for v in (-1.5, 0.0, 0.3, 1.0, 2.0)]  # equal operands included (le, ge, eq)
     for op in OPS.values():
         names = [f"a{i}" for i in range(op.arity)]
-        expr = as_python(op.cpp.format(*names))
+        expr = as_python(OP_CPP[op.name].format(*names))
         for args in itertools.product(grid, repeat=op.arity):
             got = torch.as_tensor(eval(expr, {**_ENV, **dict(zip(names, args))})).float()  # noqa: S307
-            assert torch.allclose(got, op.torch_fn(*args).float(), equal_nan=True), (op.name, args, op.cpp)
+            assert torch.allclose(got, op.torch_fn(*args).float(), equal_nan=True), (op.name, args, expr)
+
+
+def test_every_elementwise_op_has_one_cpp_spelling():
+    assert set(OP_CPP) == {name for name, op in NODE_OPS.items() if op.kind == "elementwise"}
 
 
 @cd.epilogue

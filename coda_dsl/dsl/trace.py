@@ -277,7 +277,7 @@ def _outputs(result: Any, name: str, source: str) -> tuple[ir.Output, ...]:
             )
         node = v.node
         dtype = node.attr if node.op == "cast" else None
-        if node.op in ("reduce", "finish"):
+        if node.kind == "reduction":
             dtype = "fp32"
         outs.append(ir.Output(key, node, dtype))
     return tuple(outs)

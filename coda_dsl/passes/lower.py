@@ -17,11 +17,10 @@ from fractions import Fraction
 
 from ..errors import EpilogueError, UnsupportedError
 from ..ir import graph as ir
-from ..ir.ops import OPS
+from ..codegen.cpp import op_expr
 from . import smem, widths
 from .plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, EvtNode, Functor, LogSumExp, PairLoad,
-                   PairStore, Plan, Reduction, RowBroadcast, Signature, SrcFetch, Take, cpp_element,
-                   cpp_float)
+                   PairStore, Plan, Reduction, RowBroadcast, Signature, SrcFetch, Take, cpp_float)
 
 _LOAD_NODE = {"tensor": AuxLoad, "vec_n": RowBroadcast, "vec_m": ColBroadcast}
 _FETCHED = ("acc", "load", "source")  # leaves read by a visitor node of their own (see _Lowering.leaf)
@@ -40,7 +39,7 @@ def validate(program: ir.Program) -> dict[int, Fraction]:
                                     "backend only")
         if node.op == "reduce" and w.get(id(node.inputs[0]), 1) != 1:
             raise unsupported(node, "reductions of half-width values run on the reference backend only")
-        if not node.is_leaf and node.op not in OPS and node.op not in ("cast", "reduce", "finish", "pair", "interleave"):
+        if node.definition is None:
             raise EpilogueError(f"epilogue '{program.name}' ({program.where(node)}): unknown op '{node.op}'")
     return w
 
@@ -120,10 +119,8 @@ class _Lowering:
                 r = (expr(n.inputs[0])[0], expr(n.inputs[1])[0])
             else:
                 args = [expr(i) for i in n.inputs]
-                fmt = (lambda x: f"coda::round_to<{cpp_element(n.attr)}>({x})") if n.op == "cast" else \
-                    OPS[n.op].cpp.format
-                even = emit(fmt(*(a[0] for a in args)))
-                r = (even, even if all(a[0] == a[1] for a in args) else emit(fmt(*(a[1] for a in args))))
+                even = emit(op_expr(n.op, n.attr, [a[0] for a in args]))
+                r = (even, even if all(a[0] == a[1] for a in args) else emit(op_expr(n.op, n.attr, [a[1] for a in args])))
             names[id(n)] = r
             return r
 
@@ -133,7 +130,7 @@ class _Lowering:
     def _pairwise(self, root: ir.Node) -> bool:
         """Does this region touch column pairs (pair/interleave, or any half-width value)?"""
         below = ir.topo_order([root])
-        return any(n.op in ("pair", "interleave") or self.width.get(id(n), 1) != 1 for n in below)
+        return any(n.kind == "structural" or self.width.get(id(n), 1) != 1 for n in below)
 
     def functor(self, arity: int, body: list[str], result: str, text: str) -> Functor:
         f = Functor(f"Fn{len(self.functors)}", arity, body, result, text=text)
@@ -210,7 +207,7 @@ class _Lowering:
         outputs_at = {id(o.node) for o in program.outputs}
         for n in order:  # materialize shared values and outputs, inputs first (a pair half is free to re-read)
             shared = uses[id(n)] >= 2 and n.op != "pair"
-            if not n.is_leaf and n.op not in ("reduce", "finish") and (shared or id(n) in outputs_at):
+            if n.kind in ("elementwise", "structural") and (shared or id(n) in outputs_at):
                 self.value(n)
         for n in order:
             if id(n) in outputs_at and n.op in ("const", "scalar"):
@@ -222,7 +219,7 @@ class _Lowering:
         out_dtypes = dict(self.sig.output_dtypes)
         outputs = []
         for j, o in enumerate(aux):
-            if o.node.op in ("reduce", "finish"):  # a tap on the reduced value, fed by its own region
+            if o.node.kind == "reduction":  # a tap on the reduced value, fed by its own region
                 outputs.append((o.name, "fp32", self.reduction(o.name, o.node, j)))
             elif self.width.get(id(o.node), 1) == HALF:  # one value per column pair: [M, N/2]
                 child = self.value(o.node)

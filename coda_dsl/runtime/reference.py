@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..ir import graph as ir
-from ..ir.ops import DTYPES, OPS
+from ..ir.ops import DTYPES
 from ..passes.widths import infer as infer_widths
 
 SOURCE_OPERAND = "<D>"  # the operands key `source` (D's current contents) is read from (never an identifier)
@@ -74,9 +74,7 @@ def _evaluate(nodes, values: dict, operands: dict, acc: torch.Tensor, widths: di
             values[id(node)] = _leaf(node, operands, acc)
             continue
         args = [values[id(i)] for i in node.inputs]
-        if node.op == "cast":
-            v = args[0].to(DTYPES[node.attr][0]).float()
-        elif node.op == "reduce":
+        if node.op == "reduce":
             kind, axis = node.attr
             x = _full(args[0], acc, widths.get(id(node.inputs[0]), 1))
             if kind == "take":
@@ -92,7 +90,7 @@ def _evaluate(nodes, values: dict, operands: dict, acc: torch.Tensor, widths: di
             w = widths[id(node.inputs[0])] if id(node.inputs[0]) in widths else widths[id(node)] / 2
             v = torch.stack([_full(x, acc, w) for x in args], dim=-1).flatten(-2)
         else:
-            v = OPS[node.op].torch_fn(*args).float()
+            v = node.definition.apply(node.attr, *args)  # elementwise: the op's reference semantics
         values[id(node)] = v
     return values
 
