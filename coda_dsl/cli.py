@@ -179,6 +179,7 @@ def cmd_emit(args) -> int:
 
 
 def cmd_explain(args) -> int:
+    from .codegen.cpp import functor as cpp_functor
     from .ir import format_program
     ep, spec = _spec_from_args(args)
     plan, sig = spec.plan, spec.plan.signature
@@ -192,7 +193,7 @@ def cmd_explain(args) -> int:
         kids = ", ".join(map(str, n.children)) or "-"
         print(f"  [{i}] {n.name:<{width}}  <- ({kids})  {n.cpp_type()}" + (f"  // {n.comment}" if n.comment else ""))
     print("\n## functors")
-    for f in plan.functors:
+    for f in map(cpp_functor, plan.functors):
         print(f"  {f.name}({', '.join(f'x{i}' for i in range(f.arity))})" + (f"  // {f.text}" if f.text else ""))
         for line in [*f.body, f"return {f.result};"]:
             print(f"    {line}")

@@ -7,6 +7,7 @@ import jinja2
 
 from ..build.paths import templates_dir
 from ..passes.plan import Plan, cpp_element
+from . import cpp
 
 
 @functools.cache
@@ -29,6 +30,7 @@ def render(plan: Plan, key: str, source: str = "") -> str:
     sig = plan.signature
     return _environment().get_template("kernel.cu.j2").render(
         plan=plan,
+        functors=[cpp.functor(f) for f in plan.functors],
         key=key,
         op_name=op_name(key),
         source=source,

@@ -1,11 +1,16 @@
-"""How the IR's elementwise ops are spelled in C++: the one table of it (ir/ops.py defines the ops).
+"""Functors in C++: the one table spelling each elementwise op (ir/ops.py defines the ops), and the
+rendering of a plan's functors (passes/plan.py: steps over references) into statements.
 
-Each entry is a str.format template over fp32 operand expressions {0}, {1}, ...; `cast` also gets
-{dtype}, the CUTLASS element type it rounds through. Helpers live in csrc/coda_dsl/functional.h.
+Each table entry is a str.format template over fp32 operand expressions {0}, {1}, ...; `cast` also
+gets {dtype}, the CUTLASS element type it rounds through. Helpers live in csrc/coda_dsl/functional.h.
 """
 from __future__ import annotations
 
-from ..ir.ops import DTYPES
+import math
+from dataclasses import dataclass
+
+from ..ir.ops import DTYPES, to_fp32
+from ..passes.plan import Functor, Ref
 
 OP_CPP: dict[str, str] = {
     "add": "({0} + {1})",
@@ -43,3 +48,51 @@ OP_CPP: dict[str, str] = {
 def op_expr(op: str, attr, args: list[str]) -> str:
     """The C++ expression of elementwise op `op` (attr: cast's dtype name) over operand expressions."""
     return OP_CPP[op].format(*args, dtype=DTYPES[attr][1] if attr is not None else "")
+
+
+def cpp_float(v: float) -> str:
+    """A C++ float literal that round-trips exactly (inf/nan included)."""
+    v = to_fp32(v)  # round first: 1e40 is inf in fp32
+    if math.isnan(v):
+        return "NAN"
+    if math.isinf(v):
+        return "INFINITY" if v > 0 else "(-INFINITY)"
+    return f"{v!r}f"
+
+
+def ref(r: Ref) -> str:
+    """A functor value in C++: inputs x<k> (pairwise: the slot's column, in fp32), temporaries t<i>,
+    constants as literals, scalars by position in the Scalars struct p."""
+    if r.kind == "input":
+        return f"x{r.index}" if r.slot is None else f"float(x{r.index}[2 * q{' + 1' if r.slot else ''}])"
+    if r.kind == "temp":
+        return f"t{r.index}"
+    if r.kind == "const":
+        return cpp_float(r.index)
+    return f"p.s{r.index}"  # by position: the key must not depend on names, nor C++ on them
+
+
+@dataclass(frozen=True)
+class CppFunctor:
+    """A functor as the template renders it."""
+
+    name: str
+    arity: int
+    text: str
+    pairwise: bool
+    body: list[str]  # statements, each defining a float t<i>
+    result: str  # the expression returned (pairwise: for the even slot)
+    result_odd: str  # pairwise: the expression for the odd slot
+
+
+def functor(f: Functor) -> CppFunctor:
+    body = [f"float t{i} = {op_expr(s.op, s.attr, [ref(a) for a in s.args])};" for i, s in enumerate(f.steps)]
+    odd = ref(f.result_odd) if f.pairwise and f.result_odd is not None else ""
+    return CppFunctor(f.name, f.arity, f.text, f.pairwise, body, ref(f.result), odd)
+
+
+def functor_key(f: Functor) -> str:
+    """The functor's code as the plan key spells it (passes/plan.py: Functor.key)."""
+    c = functor(f)
+    pair = f",{c.result_odd}" if c.pairwise else ""
+    return f"[{';'.join(c.body)};return {c.result}{pair}]"

@@ -17,10 +17,9 @@ from fractions import Fraction
 
 from ..errors import EpilogueError, UnsupportedError
 from ..ir import graph as ir
-from ..codegen.cpp import op_expr
 from . import smem, widths
 from .plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, EvtNode, Functor, LogSumExp, PairLoad,
-                   PairStore, Plan, Reduction, RowBroadcast, Signature, SrcFetch, Take, cpp_float)
+                   PairStore, Plan, Reduction, Ref, RowBroadcast, Signature, SrcFetch, Step, Take)
 
 _LOAD_NODE = {"tensor": AuxLoad, "vec_n": RowBroadcast, "vec_m": ColBroadcast}
 _FETCHED = ("acc", "load", "source")  # leaves read by a visitor node of their own (see _Lowering.leaf)
@@ -88,52 +87,52 @@ class _Lowering:
                                                  comment=f"{name}: {kind}, {self.dtypes[name]}"))
         return self.index[id(n)]
 
-    def expression(self, root: ir.Node, operand) -> tuple[list[str], str, str]:
-        """C++ statements computing `root` in fp32; returns them and the names of its even and odd parts.
+    def expression(self, root: ir.Node, operand) -> tuple[list[Step], Ref, Ref]:
+        """The steps computing `root` in fp32; returns them and the values of its even and odd parts.
 
-        `operand(n)` spells the functor input holding node n as (even, odd), or returns None where n
+        `operand(n)` gives the functor input holding node n as (even, odd) references, or None where n
         is computed here. In elementwise functors both parts are one value. In pairwise functors
         (per column pair q) a full-width value has two parts and a half-width one a single value
         kept in both slots; a node is computed twice only when its inputs differ between parts.
         """
-        body: list[str] = []
-        names: dict[int, tuple[str, str]] = {}
+        steps: list[Step] = []
+        values: dict[int, tuple[Ref, Ref]] = {}
 
-        def emit(value: str) -> str:
-            body.append(f"float t{len(body)} = {value};")
-            return f"t{len(body) - 1}"
+        def emit(n: ir.Node, args: list[Ref]) -> Ref:
+            steps.append(Step(n.op, n.attr, tuple(args)))
+            return Ref("temp", len(steps) - 1)
 
-        def expr(n: ir.Node) -> tuple[str, str]:
-            if id(n) in names:
-                return names[id(n)]
+        def expr(n: ir.Node) -> tuple[Ref, Ref]:
+            if id(n) in values:
+                return values[id(n)]
             given = operand(n)
             if given is not None:
                 r = given
             elif n.op == "const":
-                r = (cpp_float(n.attr),) * 2
-            elif n.op == "scalar":  # by position: the key must not depend on names, nor C++ on them
-                r = (f"p.s{self.scalars.index(n.attr)}",) * 2
+                r = (Ref("const", n.attr),) * 2
+            elif n.op == "scalar":  # by position: the key must not depend on names
+                r = (Ref("scalar", self.scalars.index(n.attr)),) * 2
             elif n.op == "pair":
                 r = (expr(n.inputs[0])[n.attr],) * 2
             elif n.op == "interleave":
                 r = (expr(n.inputs[0])[0], expr(n.inputs[1])[0])
             else:
                 args = [expr(i) for i in n.inputs]
-                even = emit(op_expr(n.op, n.attr, [a[0] for a in args]))
-                r = (even, even if all(a[0] == a[1] for a in args) else emit(op_expr(n.op, n.attr, [a[1] for a in args])))
-            names[id(n)] = r
+                even = emit(n, [a[0] for a in args])
+                r = (even, even if all(a[0] == a[1] for a in args) else emit(n, [a[1] for a in args]))
+            values[id(n)] = r
             return r
 
         even, odd = expr(root)
-        return body, even, odd
+        return steps, even, odd
 
     def _pairwise(self, root: ir.Node) -> bool:
         """Does this region touch column pairs (pair/interleave, or any half-width value)?"""
         below = ir.topo_order([root])
         return any(n.kind == "structural" or self.width.get(id(n), 1) != 1 for n in below)
 
-    def functor(self, arity: int, body: list[str], result: str, text: str) -> Functor:
-        f = Functor(f"Fn{len(self.functors)}", arity, body, result, text=text)
+    def functor(self, arity: int, steps: list[Step], result: Ref, text: str) -> Functor:
+        f = Functor(f"Fn{len(self.functors)}", arity, steps, result, text=text)
         self.functors.append(f)
         return f
 
@@ -149,18 +148,18 @@ class _Lowering:
             child = self.index[id(n)] if id(n) in self.index else self.leaf(n)
             if child not in children:
                 children.append(child)
-            x = f"x{children.index(child)}"
+            k = children.index(child)
             if not pairwise:
-                return x, x
-            even = f"float({x}[2 * q])"
+                return Ref("input", k), Ref("input", k)
+            even = Ref("input", k, 0)
             per_row = n.op == "load" and n.attr[0] == "vec_m"  # the same value in every column
             full = self.width.get(id(n), 1) == 1 and not per_row
-            return (even, f"float({x}[2 * q + 1])") if full else (even, even)
+            return (even, Ref("input", k, 1)) if full else (even, even)
 
-        body, result, odd = self.expression(root, operand)
+        steps, result, odd = self.expression(root, operand)
         if not children:  # a constant output still needs one input for Sm90Compute
             children.append(self.leaf(ir.acc()))
-        f = self.functor(len(children), body, result, self.program.where(root))
+        f = self.functor(len(children), steps, result, self.program.where(root))
         if pairwise:
             f.pairwise, f.result_odd = True, odd
         idx = self.add(Compute(f"Region{f.name[2:]}", tuple(children), comment=f"{f.name}: {f.text}", functor=f))
@@ -171,8 +170,9 @@ class _Lowering:
         """A reduction tap (with its finishing expression, if any); returns the output's shape kind."""
         finish = None
         if node.op == "finish":
-            body, result, _ = self.expression(node.attr, lambda n: ("x0", "x0") if n.op == "reduced" else None)
-            finish = self.functor(1, body, result, f"{name}: finishing expression")
+            x0 = Ref("input", 0)
+            steps, result, _ = self.expression(node.attr, lambda n: (x0, x0) if n.op == "reduced" else None)
+            finish = self.functor(1, steps, result, f"{name}: finishing expression")
             node = node.inputs[0]
         kind, axis = node.attr
         child = self.value(node.inputs[0])
@@ -235,7 +235,7 @@ class _Lowering:
         last = self.nodes[-1]
         last_value = last.children[0] if isinstance(last, (AuxStore, Reduction)) else len(self.nodes) - 1
         if d is not None and (len(self.nodes) < 2 or last_value != d):  # the last node must yield D
-            f = self.functor(1, [], "x0", "D")
+            f = self.functor(1, [], Ref("input", 0), "D")
             self.add(Compute(f"Region{f.name[2:]}", (d,), comment=f"{f.name}: D", functor=f))
         return Plan(program.name, self.sig, self.nodes, self.functors, self.inputs, outputs,
                     out_dtypes["D"] if d_out else None, self.scalars, self.widened)

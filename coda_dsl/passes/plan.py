@@ -8,26 +8,15 @@ output.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-from ..ir.ops import DTYPES, to_fp32
+from ..ir.ops import DTYPES
 
 ROUND = "cutlass::FloatRoundStyle::round_to_nearest"
 
 
 def cpp_element(dtype: str) -> str:
     return DTYPES[dtype][1]
-
-
-def cpp_float(v: float) -> str:
-    """A C++ float literal that round-trips exactly (inf/nan included)."""
-    v = to_fp32(v)  # round first: 1e40 is inf in fp32
-    if math.isnan(v):
-        return "NAN"
-    if math.isinf(v):
-        return "INFINITY" if v > 0 else "(-INFINITY)"
-    return f"{v!r}f"
 
 
 @dataclass(frozen=True)
@@ -234,29 +223,52 @@ class ColBroadcast(_Broadcast):
     NODE, STRIDE, ARGS, KEY = "Sm90ColBroadcast", "cute::_1, cute::_0", "vec_m_args", "ColB"
 
 
+@dataclass(frozen=True)
+class Ref:
+    """An fp32 value inside a functor."""
+
+    kind: str  # "input": the functor's input x<index>; "temp": the result of step <index>;
+    # "const": the number `index`; "scalar": the runtime scalar at position `index` (p.s<index>)
+    index: int | float
+    slot: int | None = None  # inputs of pairwise functors: 0 the pair's even column, 1 its odd one
+
+
+@dataclass(frozen=True)
+class Step:
+    """One elementwise op (an op name of ir/ops.py; attr: cast's dtype) applied to earlier values;
+    its result is Ref("temp", its position in the functor's steps)."""
+
+    op: str
+    attr: object
+    args: tuple[Ref, ...]
+
+
 @dataclass
 class Functor:
-    """One fused elementwise region: C++ statements over fp32 inputs x0..xk and scalars p.<name>."""
+    """One fused elementwise region, as data: steps over fp32 inputs x0..xk, scalars and constants.
+    codegen/cpp.py spells it in C++; tests/test_functor_semantics.py runs it with the ops' torch
+    semantics."""
 
     name: str
     arity: int
-    body: list[str]  # statements, each defining a float t<i>
-    result: str  # the expression returned
+    steps: list[Step]
+    result: Ref  # the value returned
     text: str = ""  # the region in DSL terms, for a comment
-    # Pairwise functors work on column pairs q of the fragment (slots 2q, 2q+1): the body sees
-    # x<k>[2 * q] and x<k>[2 * q + 1]; `result` goes to the even slot, `result_odd` to the odd one.
+    # Pairwise functors work on column pairs q of the fragment (slots 2q, 2q+1): inputs are read per
+    # slot (Ref.slot); `result` goes to the even slot, `result_odd` to the odd one.
     pairwise: bool = False
-    result_odd: str = ""
+    result_odd: Ref | None = None
 
     def key(self) -> str:
-        """The functor's code in the plan key (its name and comment are left out)."""
-        pair = f",{self.result_odd}" if self.pairwise else ""
-        return f"[{';'.join(self.body)};return {self.result}{pair}]"
+        """The functor's code in the plan key (its name and comment are left out): its C++ text, so
+        that the key changes exactly when the generated code does."""
+        from ..codegen.cpp import functor_key  # codegen imports this module: import on use
+        return functor_key(self)
 
 
 @dataclass
 class Compute(EvtNode):
-    functor: Functor = field(default_factory=lambda: Functor("", 0, [], ""))
+    functor: Functor = field(default_factory=lambda: Functor("", 0, [], Ref("input", 0)))
 
     def cpp_type(self) -> str:
         return f"fusion::Sm90Compute<{self.functor.name}, float, float, {ROUND}>"
