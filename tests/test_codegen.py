@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import coda_dsl as cd
-from coda_dsl.codegen import op_name, render
+from coda_dsl.codegen import evt, op_name, render
 from coda_dsl.codegen.cpp import functor as cpp_functor
 from coda_dsl.library import rope_tables
 from coda_dsl.passes import Config
@@ -72,7 +72,7 @@ def test_visitor_nodes_and_edges(make_plan, which):
     plan, src = emit(make_plan, ep, consts)
     types = using_types(src)
     for n in plan.nodes:
-        assert types[n.name] == n.cpp_type(), n.name
+        assert types[n.name] == evt.node(n).type, n.name
         assert len(re.findall(rf"^using {n.name} = ", src, re.M)) == 1
     edges, names = evt_edges(src)
     assert names == [n.name for n in plan.nodes]

@@ -4,6 +4,7 @@ import torch
 
 import coda_dsl as cd
 from coda_dsl import EpilogueError
+from coda_dsl.codegen import evt
 from coda_dsl.ir import graph as ir
 from coda_dsl.library import rope_tables
 from coda_dsl.passes import Config, specialize
@@ -333,7 +334,8 @@ def test_reductions_lower_to_their_cutlass_node(make_plan, kind, axis):
     assert (r.kind, r.axis) == (kind, axis)
     node = {"n": "fusion::Sm90ColReduction<", "m": "fusion::Sm90RowReduction<", None: "fusion::Sm90ScalarReduction<"}
     reduce_op = {"sum": "cutlass::plus", "max": "cutlass::maximum", "min": "cutlass::minimum", "amax": "coda::amax_reduce"}
-    assert r.cpp_type().startswith(f"{node[axis]}{reduce_op[kind]}, "), r.cpp_type()
+    cpp_type = evt.node(r).type
+    assert cpp_type.startswith(f"{node[axis]}{reduce_op[kind]}, "), cpp_type
 
 
 def test_config_roundtrip_and_validation():
