@@ -27,15 +27,20 @@ class OpDef:
     name: str
     arity: int  # inputs (reduce: 1, or 2 with take's index)
     kind: str = "elementwise"  # one of KINDS
-    torch_fn: Callable[..., torch.Tensor] | None = None  # elementwise: the reference semantics
+    # the reference semantics on fp32 tensors (structural ops: on operands expanded to their widths)
+    torch_fn: Callable[..., torch.Tensor] | None = None
     takes_attr: bool = False  # torch_fn also receives the node's attr (cast: the dtype)
     # width of the value relative to its inputs': "same" (elementwise), "half" (pair), "double"
     # (interleave); None: not a per-column value of the tile's math (leaves, reductions)
     width_rule: str | None = None
     folder: Callable[[object, list[float]], float] | None = None  # structural ops: constants -> constant
+    # structural ops, per column pair q of the full-width tile: which (input, part) the value's even
+    # and odd parts are (part 0: the pair's even column, 1: its odd one; a half-width value has one
+    # part, kept in both); lowering fuses them into functors with this alone
+    parts: Callable[[object], tuple[tuple[int, int], tuple[int, int]]] | None = None
 
     def apply(self, attr, *args: torch.Tensor) -> torch.Tensor:
-        """The reference semantics on fp32 tensors (elementwise ops)."""
+        """The reference semantics on fp32 tensors (elementwise and structural ops)."""
         return (self.torch_fn(*args, attr) if self.takes_attr else self.torch_fn(*args)).float()
 
     @property
@@ -117,8 +122,10 @@ NODE_OPS: dict[str, OpDef] = {
     "cast": OpDef("cast", 1, "elementwise", lambda x, dtype: x.to(DTYPES[dtype][0]), takes_attr=True,
                   width_rule="same"),
     # a constant has every column equal: either half of it is the constant itself
-    "pair": OpDef("pair", 1, "structural", width_rule="half", folder=lambda _attr, values: values[0]),
-    "interleave": OpDef("interleave", 2, "structural", width_rule="double", folder=_interleave_constants),
+    "pair": OpDef("pair", 1, "structural", lambda x, which: x[..., which::2], takes_attr=True, width_rule="half",
+                  folder=lambda _attr, values: values[0], parts=lambda which: ((0, which), (0, which))),
+    "interleave": OpDef("interleave", 2, "structural", lambda a, b: torch.stack([a, b], dim=-1).flatten(-2),
+                        width_rule="double", folder=_interleave_constants, parts=lambda _attr: ((0, 0), (1, 0))),
     "reduce": OpDef("reduce", 1, "reduction"),
     "finish": OpDef("finish", 1, "reduction"),
     **{leaf: OpDef(leaf, 0, "leaf") for leaf in ("acc", "load", "source", "scalar", "const", "const_param",
@@ -129,6 +136,41 @@ NODE_OPS: dict[str, OpDef] = {
 def op_def(name: str) -> OpDef | None:
     """The definition of node op `name`, or None for an unknown name."""
     return NODE_OPS.get(name)
+
+
+def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[..., m, index[m]]; 0 where the index is outside [0, N) (every index when N = 0). A shared [M]
+    index serves every batch of a batched x."""
+    if x.shape[-1] == 0:
+        return x.new_zeros(x.shape[:-1])
+    index = index.to(x.device).expand(x.shape[:-1])
+    inside = (index >= 0) & (index < x.shape[-1])
+    got = x.gather(-1, torch.where(inside, index, 0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(inside, got, torch.zeros_like(got))
+
+
+@dataclass(frozen=True)
+class ReduceDef:
+    """A reduction kind (the attr of a reduce node): its reference semantics and where it applies.
+    Its C++ (register, shuffle, atomic and combine functions, identity) is in codegen/evt.py."""
+
+    name: str
+    torch_fn: Callable[..., torch.Tensor]  # (x, dims) -> the statistic; indexed: (x, index[m])
+    axes: tuple = ("n", "m", None)  # the output axes it reduces over
+    indexed: bool = False  # reads a per-row int64 column index (a cd.VecM operand): cd.take
+
+
+REDUCTIONS: dict[str, ReduceDef] = {
+    r.name: r
+    for r in [
+        ReduceDef("sum", lambda x, dims: x.sum(dim=dims)),
+        ReduceDef("max", lambda x, dims: x.amax(dim=dims)),
+        ReduceDef("min", lambda x, dims: x.amin(dim=dims)),
+        ReduceDef("amax", lambda x, dims: x.abs().amax(dim=dims)),
+        ReduceDef("logsumexp", lambda x, dims: torch.logsumexp(x, dim=dims), axes=("n",)),
+        ReduceDef("take", _take, axes=("n",), indexed=True),  # x at column index[m] of each row m
+    ]
+}
 
 
 # dtype name -> (torch dtype, CUTLASS element type). The one table of storable dtypes.

@@ -112,10 +112,8 @@ class _Lowering:
                 r = (Ref("const", n.attr),) * 2
             elif n.op == "scalar":  # by position: the key must not depend on names
                 r = (Ref("scalar", self.scalars.index(n.attr)),) * 2
-            elif n.op == "pair":
-                r = (expr(n.inputs[0])[n.attr],) * 2
-            elif n.op == "interleave":
-                r = (expr(n.inputs[0])[0], expr(n.inputs[1])[0])
+            elif n.kind == "structural":  # a re-selection of its inputs' parts: no step
+                r = tuple(expr(n.inputs[i])[part] for i, part in n.definition.parts(n.attr))
             else:
                 args = [expr(i) for i in n.inputs]
                 even = emit(n, [a[0] for a in args])

@@ -15,7 +15,7 @@ from ..ir import graph as ir
 _ANY = ("scalar", "const", "const_param", "reduced")  # broadcast to any width (and so do VecM loads)
 
 
-_SCALE = {"same": 1, "half": Fraction(1, 2), "double": 2}  # a value's width over its inputs', per rule
+WIDTH_SCALE = {"same": 1, "half": Fraction(1, 2), "double": 2}  # a value's width over its inputs', per rule
 
 
 def _rule(n: ir.Node) -> str | None:
@@ -87,7 +87,7 @@ def infer(program: ir.Program) -> dict[int, Fraction]:
                 continue
             ins = [width.get(id(i)) for i in n.inputs if not _any_width(i)]
             if ins and all(w is not None for w in ins):
-                w = ins[0] * _SCALE[rule]
+                w = ins[0] * WIDTH_SCALE[rule]
                 changed |= unify(n, id(n), w)
     for n in nodes:
         if n.op == "reduce" and id(n.inputs[0]) not in width and not _any_width(n.inputs[0]):

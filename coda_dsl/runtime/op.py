@@ -212,7 +212,7 @@ def _facts(ep: Epilogue) -> _Facts:
         facts = _facts_of[ep] = _Facts(
             kinds={p.name: p.kind for p in ep.params},
             widths={k: int(w * 2) for k, w in load_widths(ep.program).items() if w != 1},
-            pairwise=any(n.op in ("pair", "interleave") for n in nodes),
+            pairwise=any(n.kind == "structural" for n in nodes),
             indices=frozenset(n.inputs[1].attr[1] for n in nodes if n.op == "reduce" and n.attr[0] == "take"),
             cross_batch=tuple(o.name for o in ep.program.outputs
                               if (r := ir.reduction_of(o.node)) is not None and r.attr[1] != "n"),
