@@ -423,3 +423,41 @@ def _take_two_indices(acc, t1: cd.VecM, t2: cd.VecM):
 def test_different_kernels_have_different_keys(make_plan, first, second):
     """Two programs that compute different things must never share a cache entry."""
     assert make_plan(first[0], **first[1]).key != make_plan(second[0], **second[1]).key
+
+
+def test_every_op_definition_is_complete():
+    """What passes read from an op definition is there (so no pass needs a list of op names)."""
+    from coda_dsl.ir.ops import KINDS, NODE_OPS
+    for name, op in NODE_OPS.items():
+        assert op.name == name and op.kind in KINDS
+        if op.kind in ("elementwise", "structural"):
+            assert op.torch_fn is not None and op.width_rule in ("same", "half", "double") and op.fold, name
+        if op.kind == "structural":
+            assert op.parts is not None and op.folder is not None, name
+        if op.kind in ("leaf", "reduction"):
+            assert op.width_rule is None and not op.fold, name
+
+
+def test_a_new_elementwise_op_is_its_definition_and_spelling(monkeypatch, make_plan):
+    """An elementwise op is one OpDef (ir/ops.py) plus one C++ spelling (codegen/cpp.py): tracing,
+    folding, validation, widths, the reference backend, lowering and codegen need nothing else."""
+    from coda_dsl.codegen import cpp
+    from coda_dsl.dsl.trace import apply
+    from coda_dsl.ir import ops
+    softsign = ops.elementwise("softsign", 1, lambda x: x / (1 + x.abs()))
+    monkeypatch.setitem(ops.OPS, "softsign", softsign)
+    monkeypatch.setitem(ops.NODE_OPS, "softsign", softsign)
+    monkeypatch.setitem(cpp.OP_CPP, "softsign", "({0} / (1.f + fabsf({0})))")
+
+    @cd.epilogue
+    def soft(acc, c: cd.Const):
+        return apply("softsign", acc) * apply("softsign", c)  # the constant's softsign folds
+
+    a, b = torch.randn(4, 16), torch.randn(8, 16)
+    got = cd.gemm(a, b, soft, c=1.0, backend="reference")["D"].float()
+    z = a @ b.t()
+    assert torch.allclose(got, (z / (1 + z.abs()) * 0.5).bfloat16().float(), atol=1e-2)
+    plan = make_plan(soft, consts={"c": 1.0})
+    (_, comp), = computes(plan)
+    assert [s.op for s in comp.functor.steps] == ["softsign", "mul"]
+    assert "float t0 = (x0 / (1.f + fabsf(x0)));" in cpp.functor(comp.functor).body

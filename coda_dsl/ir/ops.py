@@ -68,7 +68,8 @@ def _gelu_erf(x):
     return torch.nn.functional.gelu(x)
 
 
-def _elementwise(name: str, arity: int, fn: Callable) -> OpDef:
+def elementwise(name: str, arity: int, fn: Callable) -> OpDef:
+    """An elementwise op: same width as its inputs, folded with its reference semantics."""
     return OpDef(name, arity, "elementwise", fn, width_rule="same")
 
 
@@ -76,34 +77,34 @@ def _elementwise(name: str, arity: int, fn: Callable) -> OpDef:
 OPS: dict[str, OpDef] = {
     o.name: o
     for o in [
-        _elementwise("add", 2, torch.add),
-        _elementwise("sub", 2, torch.sub),
-        _elementwise("mul", 2, torch.mul),
-        _elementwise("div", 2, torch.div),
-        _elementwise("neg", 1, torch.neg),
-        _elementwise("maximum", 2, torch.maximum),
-        _elementwise("minimum", 2, torch.minimum),
-        _elementwise("lt", 2, lambda a, b: _f(a < b)),
-        _elementwise("le", 2, lambda a, b: _f(a <= b)),
-        _elementwise("gt", 2, lambda a, b: _f(a > b)),
-        _elementwise("ge", 2, lambda a, b: _f(a >= b)),
-        _elementwise("eq", 2, lambda a, b: _f(a == b)),
-        _elementwise("ne", 2, lambda a, b: _f(a != b)),
-        _elementwise("where", 3, lambda c, a, b: torch.where(c != 0, a, b)),
-        _elementwise("exp", 1, torch.exp),
-        _elementwise("log", 1, torch.log),
-        _elementwise("sqrt", 1, torch.sqrt),
-        _elementwise("rsqrt", 1, torch.rsqrt),
-        _elementwise("tanh", 1, torch.tanh),
-        _elementwise("sin", 1, torch.sin),
-        _elementwise("cos", 1, torch.cos),
-        _elementwise("sigmoid", 1, torch.sigmoid),
-        _elementwise("abs", 1, torch.abs),
-        _elementwise("relu", 1, torch.relu),
-        _elementwise("gelu", 1, _gelu_erf),
-        _elementwise("gelu_tanh", 1, _gelu_tanh),
-        _elementwise("silu", 1, torch.nn.functional.silu),
-        _elementwise("square", 1, torch.square),
+        elementwise("add", 2, torch.add),
+        elementwise("sub", 2, torch.sub),
+        elementwise("mul", 2, torch.mul),
+        elementwise("div", 2, torch.div),
+        elementwise("neg", 1, torch.neg),
+        elementwise("maximum", 2, torch.maximum),
+        elementwise("minimum", 2, torch.minimum),
+        elementwise("lt", 2, lambda a, b: _f(a < b)),
+        elementwise("le", 2, lambda a, b: _f(a <= b)),
+        elementwise("gt", 2, lambda a, b: _f(a > b)),
+        elementwise("ge", 2, lambda a, b: _f(a >= b)),
+        elementwise("eq", 2, lambda a, b: _f(a == b)),
+        elementwise("ne", 2, lambda a, b: _f(a != b)),
+        elementwise("where", 3, lambda c, a, b: torch.where(c != 0, a, b)),
+        elementwise("exp", 1, torch.exp),
+        elementwise("log", 1, torch.log),
+        elementwise("sqrt", 1, torch.sqrt),
+        elementwise("rsqrt", 1, torch.rsqrt),
+        elementwise("tanh", 1, torch.tanh),
+        elementwise("sin", 1, torch.sin),
+        elementwise("cos", 1, torch.cos),
+        elementwise("sigmoid", 1, torch.sigmoid),
+        elementwise("abs", 1, torch.abs),
+        elementwise("relu", 1, torch.relu),
+        elementwise("gelu", 1, _gelu_erf),
+        elementwise("gelu_tanh", 1, _gelu_tanh),
+        elementwise("silu", 1, torch.nn.functional.silu),
+        elementwise("square", 1, torch.square),
     ]
 }
 
