@@ -159,15 +159,16 @@ class ReduceDef:
     torch_fn: Callable[..., torch.Tensor]  # (x, dims) -> the statistic; indexed: (x, index[m])
     axes: tuple = ("n", "m", None)  # the output axes it reduces over
     indexed: bool = False  # reads a per-row int64 column index (a cd.VecM operand): cd.take
+    empty_defined: bool = True  # has a value over no elements (sum: 0); max/min: undefined, refused
 
 
 REDUCTIONS: dict[str, ReduceDef] = {
     r.name: r
     for r in [
         ReduceDef("sum", lambda x, dims: x.sum(dim=dims)),
-        ReduceDef("max", lambda x, dims: x.amax(dim=dims)),
-        ReduceDef("min", lambda x, dims: x.amin(dim=dims)),
-        ReduceDef("amax", lambda x, dims: x.abs().amax(dim=dims)),
+        ReduceDef("max", lambda x, dims: x.amax(dim=dims), empty_defined=False),
+        ReduceDef("min", lambda x, dims: x.amin(dim=dims), empty_defined=False),
+        ReduceDef("amax", lambda x, dims: x.abs().amax(dim=dims), empty_defined=False),
         ReduceDef("logsumexp", lambda x, dims: torch.logsumexp(x, dim=dims), axes=("n",)),
         ReduceDef("take", _take, axes=("n",), indexed=True),  # x at column index[m] of each row m
     ]
