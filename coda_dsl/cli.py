@@ -179,6 +179,8 @@ def cmd_emit(args) -> int:
 
 
 def cmd_explain(args) -> int:
+    from .codegen.cpp import functor as cpp_functor
+    from .codegen.evt import node as cpp_node
     from .ir import format_program
     why = None
     if args.shape:  # the configuration cd.gemm would pick, untuned, for this shape (unless --config)
@@ -195,9 +197,9 @@ def cmd_explain(args) -> int:
     width = max(len(n.name) for n in plan.nodes)
     for i, n in enumerate(plan.nodes):
         kids = ", ".join(map(str, n.children)) or "-"
-        print(f"  [{i}] {n.name:<{width}}  <- ({kids})  {n.cpp_type()}" + (f"  // {n.comment}" if n.comment else ""))
+        print(f"  [{i}] {n.name:<{width}}  <- ({kids})  {cpp_node(n).type}" + (f"  // {n.comment}" if n.comment else ""))
     print("\n## functors")
-    for f in plan.functors:
+    for f in map(cpp_functor, plan.functors):
         print(f"  {f.name}({', '.join(f'x{i}' for i in range(f.arity))})" + (f"  // {f.text}" if f.text else ""))
         for line in [*f.body, f"return {f.result};"]:
             print(f"    {line}")

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import coda_dsl as cd
-from coda_dsl.codegen import op_name, render
+from coda_dsl.codegen import evt, op_name, render
+from coda_dsl.codegen.cpp import functor as cpp_functor
 from coda_dsl.library import rope_tables
 from coda_dsl.passes import Config
 from coda_dsl.passes.plan import AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, RowBroadcast
@@ -71,7 +72,7 @@ def test_visitor_nodes_and_edges(make_plan, which):
     plan, src = emit(make_plan, ep, consts)
     types = using_types(src)
     for n in plan.nodes:
-        assert types[n.name] == n.cpp_type(), n.name
+        assert types[n.name] == evt.node(n).type, n.name
         assert len(re.findall(rf"^using {n.name} = ", src, re.M)) == 1
     edges, names = evt_edges(src)
     assert names == [n.name for n in plan.nodes]
@@ -173,7 +174,7 @@ def test_const_literals_round_trip_exactly(make_plan, value):
         return acc * c
 
     plan, src = emit(make_plan, lit, {"c": value})
-    (body,) = [f.body for f in plan.functors]
+    (body,) = [cpp_functor(f).body for f in plan.functors]
     (lits,) = [float_literals(line) for line in body]
     assert len(lits) == 1
     want = torch.tensor(value, dtype=torch.float32)
@@ -187,7 +188,7 @@ def test_inf_literals_via_where(make_plan):
         return cd.where(acc > 0, cd.minimum(acc, float("inf")), float("-inf"))
 
     plan, src = emit(make_plan, masked)
-    body = " ".join(plan.functors[0].body)
+    body = " ".join(cpp_functor(plan.functors[0]).body)
     assert "(-INFINITY)" in body and re.search(r"[^-]INFINITY", body)
     assert "inf" not in body.replace("INFINITY", "")
 
@@ -244,7 +245,7 @@ def test_scheduler_options(make_plan):
 
 def test_functor_text(make_plan):
     plan, src = emit(make_plan, bias_gelu)
-    (f,) = plan.functors
+    (f,) = map(cpp_functor, plan.functors)
     assert f.arity == 2
     assert "CUTLASS_HOST_DEVICE T operator()(T const& x0_, T const& x1_, Arguments const& p) const {" in src
     assert "coda::gelu_erf(" in src
@@ -273,7 +274,7 @@ def test_op_name():
 
 def test_pair_functors_write_both_slots(make_plan):
     plan, src = emit(make_plan, rope_tables)
-    (f,) = [f for f in plan.functors if f.pairwise]
+    (f,) = [cpp_functor(f) for f in plan.functors if f.pairwise]
     assert f"r[2 * q] = T({f.result});" in src and f"r[2 * q + 1] = T({f.result_odd});" in src
 
 

@@ -142,3 +142,39 @@ def test_pairwise_lowering():
     positions = lower(specialize(rope_positions.program, {}),
                       Signature("bf16", "nk", (("inv_freq", "fp32"), ("pos", "fp32")), (("D", "bf16"),)))
     assert positions.widened == ["inv_freq"]  # an N/2 VecN is widened on the host
+
+
+@cd.epilogue
+def pairs_of_a_constant(acc, c: cd.Const):
+    g, u = cd.pairs(2.0)
+    h, k = cd.pairs(c)
+    return acc * g + u - h * k + cd.interleave(1.5, 1.5)
+
+
+@cd.epilogue
+def interleave_of_two_constants(acc):
+    return acc + cd.interleave(1.0, 2.0)
+
+
+@cd.epilogue
+def interleave_of_two_consts(acc, a: cd.Const, b: cd.Const):
+    return acc + cd.interleave(a, b)
+
+
+def test_pairs_of_a_constant_is_the_constant(make_plan):
+    """A constant's columns are all equal: either half is the constant (it used to be a KeyError in
+    constant folding); it folds away, so the plan is plain elementwise math."""
+    a, b = _w(M, D), _w(2 * FF, D)
+    got = cd.gemm(a, b, pairs_of_a_constant, c=3.0, backend="reference")["D"]
+    ref = a.float() @ b.float().t() * 2.0 + 2.0 - 9.0 + 1.5
+    assert _rel(got, ref) < 1e-2
+    plan = make_plan(pairs_of_a_constant, consts={"c": 3.0})
+    assert not any(f.pairwise for f in plan.functors)
+
+
+@pytest.mark.parametrize("ep, consts", [(interleave_of_two_constants, {}),
+                                        (interleave_of_two_consts, {"a": 1.0, "b": 2.0})], ids=["numbers", "consts"])
+def test_interleave_of_two_different_constants_is_a_clear_error(ep, consts):
+    with pytest.raises(cd.EpilogueError, match=r"test_pairwise.py:\d+\): cd.interleave\(1.0, 2.0\) "
+                                               r"interleaves two different constants(.|\n)*fix:"):
+        cd.gemm(_w(M, D), _w(2 * FF, D), ep, backend="reference", **consts)

@@ -1,4 +1,6 @@
-"""Rendering an EVT plan into one self-contained CUDA translation unit (templates/kernel.cu.j2)."""
+"""Rendering an EVT plan into one self-contained CUDA translation unit (templates/kernel.cu.j2).
+
+All C++ text comes from here: cpp.py spells functors and ops, evt.py the visitor nodes."""
 from __future__ import annotations
 
 import functools
@@ -6,7 +8,9 @@ import functools
 import jinja2
 
 from ..build.paths import templates_dir
-from ..passes.plan import Plan, cpp_element
+from ..passes.plan import Plan
+from . import cpp, evt
+from .evt import cpp_element
 
 
 @functools.cache
@@ -29,6 +33,8 @@ def render(plan: Plan, key: str, source: str = "") -> str:
     sig = plan.signature
     return _environment().get_template("kernel.cu.j2").render(
         plan=plan,
+        nodes=[evt.node(n) for n in plan.nodes],
+        functors=[cpp.functor(f) for f in plan.functors],
         key=key,
         op_name=op_name(key),
         source=source,

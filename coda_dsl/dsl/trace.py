@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from ..errors import EpilogueError
 from ..ir import graph as ir
-from ..ir.ops import dtype_name
+from ..ir.ops import REDUCTIONS, dtype_name
 
 _DSL_DIR = os.path.dirname(os.path.abspath(__file__))  # frames in here are the tracer, not the user
 
@@ -277,7 +277,7 @@ def _outputs(result: Any, name: str, source: str) -> tuple[ir.Output, ...]:
             )
         node = v.node
         dtype = node.attr if node.op == "cast" else None
-        if node.op in ("reduce", "finish"):
+        if node.kind == "reduction":
             dtype = "fp32"
         outs.append(ir.Output(key, node, dtype))
     return tuple(outs)
@@ -301,10 +301,11 @@ def reduce(kind: str, x: Any, axis, index: Any = None) -> Reduction:
     if axis not in ir.REDUCE_AXES:
         raise fail(f"axis={axis!r} is not an output axis", 'use axis="n" (per row, result [M]), '
                    'axis="m" (per column, result [N]) or axis=None (whole tensor)')
-    if kind in ("logsumexp", "take") and axis != "n":
+    definition = REDUCTIONS[kind]
+    if axis not in definition.axes:
         raise fail(f"cd.{kind} works over axis='n' (per row), not {axis!r}")
     idx = None
-    if kind == "take":
+    if definition.indexed:
         idx = lift(index)
         if idx.op != "load" or idx.attr[0] != "vec_m":
             raise fail("cd.take needs a cd.VecM operand of int64 column indices (one per row)",

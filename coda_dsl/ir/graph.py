@@ -17,8 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from .ops import NODE_OPS, REDUCTIONS, OpDef
+
 LOAD_KINDS = ("tensor", "vec_m", "vec_n")  # [M, N], one value per row m, one per column n
-REDUCE_KINDS = ("sum", "max", "min", "amax", "logsumexp", "take")  # take: x at a per-row index
+REDUCE_KINDS = tuple(REDUCTIONS)  # ir/ops.py defines them
 REDUCE_AXES = ("n", "m", None)
 
 
@@ -40,8 +42,19 @@ class Node:
         return f"Node({self.op}, {self.attr!r}, {len(self.inputs)} inputs)"
 
     @property
+    def definition(self) -> OpDef | None:
+        """The op's OpDef (ir/ops.py), or None for an unknown op name (passes.validate rejects those)."""
+        return NODE_OPS.get(self.op)
+
+    @property
+    def kind(self) -> str | None:
+        """leaf | elementwise | structural | reduction (None: an unknown op)."""
+        d = NODE_OPS.get(self.op)
+        return d.kind if d else None
+
+    @property
     def is_leaf(self) -> bool:
-        return self.op in ("acc", "load", "source", "scalar", "const", "const_param", "reduced")
+        return self.kind == "leaf"
 
 
 def acc() -> Node:
@@ -90,7 +103,7 @@ def interleave(a: Node, b: Node) -> Node:
 
 def reduce(kind: str, axis, x: Node, index: Node | None = None) -> Node:
     """A statistic of x over an axis; kind "take" reads x at the column index[m] (a vec_m load)."""
-    assert kind in REDUCE_KINDS and axis in REDUCE_AXES and (index is not None) == (kind == "take")
+    assert axis in REDUCTIONS[kind].axes and (index is not None) == REDUCTIONS[kind].indexed
     return Node("reduce", (x,) if index is None else (x, index), (kind, axis))
 
 

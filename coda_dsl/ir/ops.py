@@ -1,8 +1,11 @@
-"""The elementwise op table: one entry per op, the single place that defines it.
+"""The op table: one OpDef per node op, the single place that defines it.
 
-Each op says how many inputs it takes, what it means (a torch function on fp32 tensors: the
-reference semantics) and how it is spelled in the generated C++ (a format string over fp32
-operands; helpers live in csrc/coda_dsl/functional.h). Adding an elementwise op touches only this file.
+An OpDef says what kind of node the op makes (`kind`), how many inputs it takes, what it means
+(for elementwise ops: a torch function on fp32 tensors, the reference semantics), how its width
+follows from its inputs' (`width_rule`, see passes/widths.py) and how it folds when its inputs are
+constants (`fold`). Passes dispatch on these attributes, not on op names. The C++ spelling of each
+elementwise op lives in codegen/cpp.py (one table, keyed by op name; helpers in
+csrc/coda_dsl/functional.h). Adding an elementwise op: one line here, one there, one cd. function.
 Comparisons yield 1.0 / 0.0, so `where` tests `!= 0`.
 """
 from __future__ import annotations
@@ -12,13 +15,45 @@ from typing import Callable
 
 import torch
 
+KINDS = ("leaf", "elementwise", "structural", "reduction")
+
+
+class FoldError(ValueError):
+    """Constant inputs that make no constant (passes/simplify.py names the user's line)."""
+
 
 @dataclass(frozen=True)
 class OpDef:
     name: str
-    arity: int
-    torch_fn: Callable[..., torch.Tensor]
-    cpp: str  # str.format template over the operand expressions {0}, {1}, ...
+    arity: int  # inputs (reduce: 1, or 2 with take's index)
+    kind: str = "elementwise"  # one of KINDS
+    # the reference semantics on fp32 tensors (structural ops: on operands expanded to their widths)
+    torch_fn: Callable[..., torch.Tensor] | None = None
+    takes_attr: bool = False  # torch_fn also receives the node's attr (cast: the dtype)
+    # width of the value relative to its inputs': "same" (elementwise), "half" (pair), "double"
+    # (interleave); None: not a per-column value of the tile's math (leaves, reductions)
+    width_rule: str | None = None
+    folder: Callable[[object, list[float]], float] | None = None  # structural ops: constants -> constant
+    # structural ops, per column pair q of the full-width tile: which (input, part) the value's even
+    # and odd parts are (part 0: the pair's even column, 1: its odd one; a half-width value has one
+    # part, kept in both); lowering fuses them into functors with this alone
+    parts: Callable[[object], tuple[tuple[int, int], tuple[int, int]]] | None = None
+
+    def apply(self, attr, *args: torch.Tensor) -> torch.Tensor:
+        """The reference semantics on fp32 tensors (elementwise and structural ops)."""
+        return (self.torch_fn(*args, attr) if self.takes_attr else self.torch_fn(*args)).float()
+
+    @property
+    def fold(self) -> bool:
+        """Can constant inputs be folded into one constant?"""
+        return self.kind == "elementwise" or self.folder is not None
+
+    def evaluate(self, attr, values: list[float]) -> float:
+        """The op applied to constants: elementwise ops with the reference semantics (fp32 torch ops),
+        so constant folding never changes a result."""
+        if self.folder is not None:
+            return self.folder(attr, values)
+        return float(self.apply(attr, *(torch.tensor(v, dtype=torch.float32) for v in values)))
 
 
 def _f(x: torch.Tensor) -> torch.Tensor:
@@ -33,39 +68,112 @@ def _gelu_erf(x):
     return torch.nn.functional.gelu(x)
 
 
+def elementwise(name: str, arity: int, fn: Callable) -> OpDef:
+    """An elementwise op: same width as its inputs, folded with its reference semantics."""
+    return OpDef(name, arity, "elementwise", fn, width_rule="same")
+
+
+# The elementwise math of the DSL (what cd. functions and operators record).
 OPS: dict[str, OpDef] = {
     o.name: o
     for o in [
-        OpDef("add", 2, torch.add, "({0} + {1})"),
-        OpDef("sub", 2, torch.sub, "({0} - {1})"),
-        OpDef("mul", 2, torch.mul, "({0} * {1})"),
-        OpDef("div", 2, torch.div, "({0} / {1})"),
-        OpDef("neg", 1, torch.neg, "(-{0})"),
-        OpDef("maximum", 2, torch.maximum, "coda::maximum({0}, {1})"),
-        OpDef("minimum", 2, torch.minimum, "coda::minimum({0}, {1})"),
-        OpDef("lt", 2, lambda a, b: _f(a < b), "float({0} < {1})"),
-        OpDef("le", 2, lambda a, b: _f(a <= b), "float({0} <= {1})"),
-        OpDef("gt", 2, lambda a, b: _f(a > b), "float({0} > {1})"),
-        OpDef("ge", 2, lambda a, b: _f(a >= b), "float({0} >= {1})"),
-        OpDef("eq", 2, lambda a, b: _f(a == b), "float({0} == {1})"),
-        OpDef("ne", 2, lambda a, b: _f(a != b), "float({0} != {1})"),
-        OpDef("where", 3, lambda c, a, b: torch.where(c != 0, a, b), "({0} != 0.f ? {1} : {2})"),
-        OpDef("exp", 1, torch.exp, "expf({0})"),
-        OpDef("log", 1, torch.log, "logf({0})"),
-        OpDef("sqrt", 1, torch.sqrt, "sqrtf({0})"),
-        OpDef("rsqrt", 1, torch.rsqrt, "rsqrtf({0})"),
-        OpDef("tanh", 1, torch.tanh, "tanhf({0})"),
-        OpDef("sin", 1, torch.sin, "coda::fast_sin({0})"),
-        OpDef("cos", 1, torch.cos, "coda::fast_cos({0})"),
-        OpDef("sigmoid", 1, torch.sigmoid, "coda::sigmoid({0})"),
-        OpDef("abs", 1, torch.abs, "fabsf({0})"),
-        OpDef("relu", 1, torch.relu, "coda::relu({0})"),
-        OpDef("gelu", 1, _gelu_erf, "coda::gelu_erf({0})"),
-        OpDef("gelu_tanh", 1, _gelu_tanh, "coda::gelu_tanh({0})"),
-        OpDef("silu", 1, torch.nn.functional.silu, "coda::silu({0})"),
-        OpDef("square", 1, torch.square, "({0} * {0})"),
+        elementwise("add", 2, torch.add),
+        elementwise("sub", 2, torch.sub),
+        elementwise("mul", 2, torch.mul),
+        elementwise("div", 2, torch.div),
+        elementwise("neg", 1, torch.neg),
+        elementwise("maximum", 2, torch.maximum),
+        elementwise("minimum", 2, torch.minimum),
+        elementwise("lt", 2, lambda a, b: _f(a < b)),
+        elementwise("le", 2, lambda a, b: _f(a <= b)),
+        elementwise("gt", 2, lambda a, b: _f(a > b)),
+        elementwise("ge", 2, lambda a, b: _f(a >= b)),
+        elementwise("eq", 2, lambda a, b: _f(a == b)),
+        elementwise("ne", 2, lambda a, b: _f(a != b)),
+        elementwise("where", 3, lambda c, a, b: torch.where(c != 0, a, b)),
+        elementwise("exp", 1, torch.exp),
+        elementwise("log", 1, torch.log),
+        elementwise("sqrt", 1, torch.sqrt),
+        elementwise("rsqrt", 1, torch.rsqrt),
+        elementwise("tanh", 1, torch.tanh),
+        elementwise("sin", 1, torch.sin),
+        elementwise("cos", 1, torch.cos),
+        elementwise("sigmoid", 1, torch.sigmoid),
+        elementwise("abs", 1, torch.abs),
+        elementwise("relu", 1, torch.relu),
+        elementwise("gelu", 1, _gelu_erf),
+        elementwise("gelu_tanh", 1, _gelu_tanh),
+        elementwise("silu", 1, torch.nn.functional.silu),
+        elementwise("square", 1, torch.square),
     ]
 }
+
+
+def _interleave_constants(_attr, values: list[float]) -> float:
+    a, b = values
+    if repr(a) != repr(b):  # columns alternating between two numbers are no single constant
+        raise FoldError(f"cd.interleave({a!r}, {b!r}) interleaves two different constants, which have no width "
+                        "of their own")
+    return a
+
+
+# Every node op: the elementwise math, cast, the pairwise (structural) ops, reductions and leaves.
+NODE_OPS: dict[str, OpDef] = {
+    **OPS,
+    "cast": OpDef("cast", 1, "elementwise", lambda x, dtype: x.to(DTYPES[dtype][0]), takes_attr=True,
+                  width_rule="same"),
+    # a constant has every column equal: either half of it is the constant itself
+    "pair": OpDef("pair", 1, "structural", lambda x, which: x[..., which::2], takes_attr=True, width_rule="half",
+                  folder=lambda _attr, values: values[0], parts=lambda which: ((0, which), (0, which))),
+    "interleave": OpDef("interleave", 2, "structural", lambda a, b: torch.stack([a, b], dim=-1).flatten(-2),
+                        width_rule="double", folder=_interleave_constants, parts=lambda _attr: ((0, 0), (1, 0))),
+    "reduce": OpDef("reduce", 1, "reduction"),
+    "finish": OpDef("finish", 1, "reduction"),
+    **{leaf: OpDef(leaf, 0, "leaf") for leaf in ("acc", "load", "source", "scalar", "const", "const_param",
+                                                   "reduced")},
+}
+
+
+def op_def(name: str) -> OpDef | None:
+    """The definition of node op `name`, or None for an unknown name."""
+    return NODE_OPS.get(name)
+
+
+def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[..., m, index[m]]; 0 where the index is outside [0, N) (every index when N = 0). A shared [M]
+    index serves every batch of a batched x."""
+    if x.shape[-1] == 0:
+        return x.new_zeros(x.shape[:-1])
+    index = index.to(x.device).expand(x.shape[:-1])
+    inside = (index >= 0) & (index < x.shape[-1])
+    got = x.gather(-1, torch.where(inside, index, 0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(inside, got, torch.zeros_like(got))
+
+
+@dataclass(frozen=True)
+class ReduceDef:
+    """A reduction kind (the attr of a reduce node): its reference semantics and where it applies.
+    Its C++ (register, shuffle, atomic and combine functions, identity) is in codegen/evt.py."""
+
+    name: str
+    torch_fn: Callable[..., torch.Tensor]  # (x, dims) -> the statistic; indexed: (x, index[m])
+    axes: tuple = ("n", "m", None)  # the output axes it reduces over
+    indexed: bool = False  # reads a per-row int64 column index (a cd.VecM operand): cd.take
+    empty_defined: bool = True  # has a value over no elements (sum: 0); max/min: undefined, refused
+
+
+REDUCTIONS: dict[str, ReduceDef] = {
+    r.name: r
+    for r in [
+        ReduceDef("sum", lambda x, dims: x.sum(dim=dims)),
+        ReduceDef("max", lambda x, dims: x.amax(dim=dims), empty_defined=False),
+        ReduceDef("min", lambda x, dims: x.amin(dim=dims), empty_defined=False),
+        ReduceDef("amax", lambda x, dims: x.abs().amax(dim=dims), empty_defined=False),
+        ReduceDef("logsumexp", lambda x, dims: torch.logsumexp(x, dim=dims), axes=("n",)),
+        ReduceDef("take", _take, axes=("n",), indexed=True),  # x at column index[m] of each row m
+    ]
+}
+
 
 # dtype name -> (torch dtype, CUTLASS element type). The one table of storable dtypes.
 DTYPES: dict[str, tuple[torch.dtype, str]] = {
@@ -87,12 +195,8 @@ def dtype_name(dtype) -> str:
 
 
 def evaluate(op: str, attr, values: list[float]) -> float:
-    """An op (or cast(attr)) applied to constants with the reference semantics (fp32 torch ops), so
-    constant folding never changes a result."""
-    args = [torch.tensor(v, dtype=torch.float32) for v in values]
-    if op == "cast":
-        return float(args[0].to(DTYPES[attr][0]).float())
-    return float(OPS[op].torch_fn(*args).float())
+    """Op `op` applied to constants (see OpDef.evaluate); raises FoldError where no constant results."""
+    return NODE_OPS[op].evaluate(attr, values)
 
 
 def to_fp32(v: float) -> float:

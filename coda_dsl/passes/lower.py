@@ -17,11 +17,9 @@ from fractions import Fraction
 
 from ..errors import EpilogueError, UnsupportedError
 from ..ir import graph as ir
-from ..ir.ops import OPS
 from . import smem, widths
 from .plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, EvtNode, Functor, LogSumExp, PairLoad,
-                   PairStore, Plan, Reduction, RowBroadcast, Signature, SrcFetch, Take, cpp_element,
-                   cpp_float)
+                   PairStore, Plan, Reduction, Ref, RowBroadcast, Signature, SrcFetch, Step, Take)
 
 _LOAD_NODE = {"tensor": AuxLoad, "vec_n": RowBroadcast, "vec_m": ColBroadcast}
 _FETCHED = ("acc", "load", "source")  # leaves read by a visitor node of their own (see _Lowering.leaf)
@@ -40,7 +38,7 @@ def validate(program: ir.Program) -> dict[int, Fraction]:
                                     "backend only")
         if node.op == "reduce" and w.get(id(node.inputs[0]), 1) != 1:
             raise unsupported(node, "reductions of half-width values run on the reference backend only")
-        if not node.is_leaf and node.op not in OPS and node.op not in ("cast", "reduce", "finish", "pair", "interleave"):
+        if node.definition is None:
             raise EpilogueError(f"epilogue '{program.name}' ({program.where(node)}): unknown op '{node.op}'")
     return w
 
@@ -89,54 +87,50 @@ class _Lowering:
                                                  comment=f"{name}: {kind}, {self.dtypes[name]}"))
         return self.index[id(n)]
 
-    def expression(self, root: ir.Node, operand) -> tuple[list[str], str, str]:
-        """C++ statements computing `root` in fp32; returns them and the names of its even and odd parts.
+    def expression(self, root: ir.Node, operand) -> tuple[list[Step], Ref, Ref]:
+        """The steps computing `root` in fp32; returns them and the values of its even and odd parts.
 
-        `operand(n)` spells the functor input holding node n as (even, odd), or returns None where n
+        `operand(n)` gives the functor input holding node n as (even, odd) references, or None where n
         is computed here. In elementwise functors both parts are one value. In pairwise functors
         (per column pair q) a full-width value has two parts and a half-width one a single value
         kept in both slots; a node is computed twice only when its inputs differ between parts.
         """
-        body: list[str] = []
-        names: dict[int, tuple[str, str]] = {}
+        steps: list[Step] = []
+        values: dict[int, tuple[Ref, Ref]] = {}
 
-        def emit(value: str) -> str:
-            body.append(f"float t{len(body)} = {value};")
-            return f"t{len(body) - 1}"
+        def emit(n: ir.Node, args: list[Ref]) -> Ref:
+            steps.append(Step(n.op, n.attr, tuple(args)))
+            return Ref("temp", len(steps) - 1)
 
-        def expr(n: ir.Node) -> tuple[str, str]:
-            if id(n) in names:
-                return names[id(n)]
+        def expr(n: ir.Node) -> tuple[Ref, Ref]:
+            if id(n) in values:
+                return values[id(n)]
             given = operand(n)
             if given is not None:
                 r = given
             elif n.op == "const":
-                r = (cpp_float(n.attr),) * 2
-            elif n.op == "scalar":  # by position: the key must not depend on names, nor C++ on them
-                r = (f"p.s{self.scalars.index(n.attr)}",) * 2
-            elif n.op == "pair":
-                r = (expr(n.inputs[0])[n.attr],) * 2
-            elif n.op == "interleave":
-                r = (expr(n.inputs[0])[0], expr(n.inputs[1])[0])
+                r = (Ref("const", n.attr),) * 2
+            elif n.op == "scalar":  # by position: the key must not depend on names
+                r = (Ref("scalar", self.scalars.index(n.attr)),) * 2
+            elif n.kind == "structural":  # a re-selection of its inputs' parts: no step
+                r = tuple(expr(n.inputs[i])[part] for i, part in n.definition.parts(n.attr))
             else:
                 args = [expr(i) for i in n.inputs]
-                fmt = (lambda x: f"coda::round_to<{cpp_element(n.attr)}>({x})") if n.op == "cast" else \
-                    OPS[n.op].cpp.format
-                even = emit(fmt(*(a[0] for a in args)))
-                r = (even, even if all(a[0] == a[1] for a in args) else emit(fmt(*(a[1] for a in args))))
-            names[id(n)] = r
+                even = emit(n, [a[0] for a in args])
+                r = (even, even if all(a[0] == a[1] for a in args) else emit(n, [a[1] for a in args]))
+            values[id(n)] = r
             return r
 
         even, odd = expr(root)
-        return body, even, odd
+        return steps, even, odd
 
     def _pairwise(self, root: ir.Node) -> bool:
         """Does this region touch column pairs (pair/interleave, or any half-width value)?"""
         below = ir.topo_order([root])
-        return any(n.op in ("pair", "interleave") or self.width.get(id(n), 1) != 1 for n in below)
+        return any(n.kind == "structural" or self.width.get(id(n), 1) != 1 for n in below)
 
-    def functor(self, arity: int, body: list[str], result: str, text: str) -> Functor:
-        f = Functor(f"Fn{len(self.functors)}", arity, body, result, text=text)
+    def functor(self, arity: int, steps: list[Step], result: Ref, text: str) -> Functor:
+        f = Functor(f"Fn{len(self.functors)}", arity, steps, result, text=text)
         self.functors.append(f)
         return f
 
@@ -152,18 +146,18 @@ class _Lowering:
             child = self.index[id(n)] if id(n) in self.index else self.leaf(n)
             if child not in children:
                 children.append(child)
-            x = f"x{children.index(child)}"
+            k = children.index(child)
             if not pairwise:
-                return x, x
-            even = f"float({x}[2 * q])"
+                return Ref("input", k), Ref("input", k)
+            even = Ref("input", k, 0)
             per_row = n.op == "load" and n.attr[0] == "vec_m"  # the same value in every column
             full = self.width.get(id(n), 1) == 1 and not per_row
-            return (even, f"float({x}[2 * q + 1])") if full else (even, even)
+            return (even, Ref("input", k, 1)) if full else (even, even)
 
-        body, result, odd = self.expression(root, operand)
+        steps, result, odd = self.expression(root, operand)
         if not children:  # a constant output still needs one input for Sm90Compute
             children.append(self.leaf(ir.acc()))
-        f = self.functor(len(children), body, result, self.program.where(root))
+        f = self.functor(len(children), steps, result, self.program.where(root))
         if pairwise:
             f.pairwise, f.result_odd = True, odd
         idx = self.add(Compute(f"Region{f.name[2:]}", tuple(children), comment=f"{f.name}: {f.text}", functor=f))
@@ -174,8 +168,9 @@ class _Lowering:
         """A reduction tap (with its finishing expression, if any); returns the output's shape kind."""
         finish = None
         if node.op == "finish":
-            body, result, _ = self.expression(node.attr, lambda n: ("x0", "x0") if n.op == "reduced" else None)
-            finish = self.functor(1, body, result, f"{name}: finishing expression")
+            x0 = Ref("input", 0)
+            steps, result, _ = self.expression(node.attr, lambda n: (x0, x0) if n.op == "reduced" else None)
+            finish = self.functor(1, steps, result, f"{name}: finishing expression")
             node = node.inputs[0]
         kind, axis = node.attr
         child = self.value(node.inputs[0])
@@ -210,7 +205,7 @@ class _Lowering:
         outputs_at = {id(o.node) for o in program.outputs}
         for n in order:  # materialize shared values and outputs, inputs first (a pair half is free to re-read)
             shared = uses[id(n)] >= 2 and n.op != "pair"
-            if not n.is_leaf and n.op not in ("reduce", "finish") and (shared or id(n) in outputs_at):
+            if n.kind in ("elementwise", "structural") and (shared or id(n) in outputs_at):
                 self.value(n)
         for n in order:
             if id(n) in outputs_at and n.op in ("const", "scalar"):
@@ -222,7 +217,7 @@ class _Lowering:
         out_dtypes = dict(self.sig.output_dtypes)
         outputs = []
         for j, o in enumerate(aux):
-            if o.node.op in ("reduce", "finish"):  # a tap on the reduced value, fed by its own region
+            if o.node.kind == "reduction":  # a tap on the reduced value, fed by its own region
                 outputs.append((o.name, "fp32", self.reduction(o.name, o.node, j)))
             elif self.width.get(id(o.node), 1) == HALF:  # one value per column pair: [M, N/2]
                 child = self.value(o.node)
@@ -238,7 +233,7 @@ class _Lowering:
         last = self.nodes[-1]
         last_value = last.children[0] if isinstance(last, (AuxStore, Reduction)) else len(self.nodes) - 1
         if d is not None and (len(self.nodes) < 2 or last_value != d):  # the last node must yield D
-            f = self.functor(1, [], "x0", "D")
+            f = self.functor(1, [], Ref("input", 0), "D")
             self.add(Compute(f"Region{f.name[2:]}", (d,), comment=f"{f.name}: D", functor=f))
         return Plan(program.name, self.sig, self.nodes, self.functors, self.inputs, outputs,
                     out_dtypes["D"] if d_out else None, self.scalars, self.widened)

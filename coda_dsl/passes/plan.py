@@ -1,33 +1,14 @@
-"""The EVT plan: what one specialization's epilogue is, node by node, ready to render.
+"""The EVT plan: what one specialization's epilogue is, node by node, as data.
 
 A plan is a list of Sm90 visitor nodes in topological order (children before parents); the last
-one yields D. Each node kind is one class owning its part of the generated C++: its type (`cpp_type`),
-its Arguments initializer (`cpp_args`) and what it adds to the cache key (`key`). Runtime operands
-are bound by position: `inputs[i]` of the op is the plan's i-th input operand, `outputs[j]` its j-th
-output.
+one yields D. Each node kind is one class holding what its code depends on and what it adds to the
+cache key (`key`); codegen/evt.py spells each kind in C++ (its type, Arguments initializer and host
+code). Runtime operands are bound by position: `inputs[i]` of the op is the plan's i-th input
+operand, `outputs[j]` its j-th output.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-
-from ..ir.ops import DTYPES, to_fp32
-
-ROUND = "cutlass::FloatRoundStyle::round_to_nearest"
-
-
-def cpp_element(dtype: str) -> str:
-    return DTYPES[dtype][1]
-
-
-def cpp_float(v: float) -> str:
-    """A C++ float literal that round-trips exactly (inf/nan included)."""
-    v = to_fp32(v)  # round first: 1e40 is inf in fp32
-    if math.isnan(v):
-        return "NAN"
-    if math.isinf(v):
-        return "INFINITY" if v > 0 else "(-INFINITY)"
-    return f"{v!r}f"
 
 
 @dataclass(frozen=True)
@@ -130,36 +111,38 @@ class EvtNode:
     children: tuple[int, ...] = ()
     comment: str = ""
 
-    def cpp_type(self) -> str:
-        raise NotImplementedError
-
-    def cpp_args(self) -> str:
-        return "{}"
-
     def key(self) -> str:
         return f"{type(self).__name__}{self.children}"
 
+    # The C++ of a node is codegen's (codegen/evt.py); these read it, for `explain` and tests.
+    def cpp_type(self) -> str:
+        return _cpp(self).type
+
+    def cpp_args(self) -> str:
+        return _cpp(self).args
+
     def cpp_init(self) -> str:
         """Host code before the launch ("" for none)."""
-        return ""
+        return _cpp(self).init
 
     def cpp_finish(self) -> str:
         """Host code after the launch ("" for none)."""
-        return ""
+        return _cpp(self).finish
+
+
+def _cpp(node: EvtNode):
+    from ..codegen.evt import node as cpp_node  # codegen imports this module: import on use
+    return cpp_node(node)
 
 
 @dataclass
 class AccFetch(EvtNode):
-    def cpp_type(self) -> str:
-        return "fusion::Sm90AccFetch"
+    """The fp32 accumulator (Sm90AccFetch)."""
 
 
 @dataclass
 class SrcFetch(EvtNode):
     """The current contents of D, read through CUTLASS's C operand (in-place accumulation)."""
-
-    def cpp_type(self) -> str:
-        return "fusion::Sm90SrcFetch<ElementD>"
 
     def key(self) -> str:
         return "Src"
@@ -177,13 +160,6 @@ class Operand(EvtNode):
 class AuxLoad(Operand):
     """A full [M, N] operand, TMA-loaded into shared memory by the producer warp."""
 
-    def cpp_type(self) -> str:
-        e = cpp_element(self.dtype)
-        return f"coda::AuxLoadFor<EpilogueDescriptor, {e}>"
-
-    def cpp_args(self) -> str:
-        return f"coda::aux_load_args<{self.name}>(inputs[{self.input_index}])"
-
     def key(self) -> str:
         return f"AuxLoad{self.dtype}{self.children}"
 
@@ -192,77 +168,75 @@ class AuxLoad(Operand):
 class PairLoad(Operand):
     """An [M, N/2] operand (one value per column pair), read straight into registers."""
 
-    def cpp_type(self) -> str:
-        return f"coda::PairLoad<{cpp_element(self.dtype)}>"
-
-    def cpp_args(self) -> str:
-        return f"coda::pair_args<{self.name}>(inputs[{self.input_index}])"
-
     def key(self) -> str:
         return f"PairLoad{self.dtype}"
 
 
 @dataclass
-class _Broadcast(Operand):
-    """A vector broadcast along the other output axis. CUTLASS names these nodes after the vector's
-    shape: a vector over n (one value per column) is a *row* broadcast, one over m a *column* one."""
-
-    NODE, STRIDE, ARGS, KEY = "", "", "", ""  # per kind, below
-
-    def cpp_type(self) -> str:
-        return (f"fusion::{self.NODE}<0, TileShape, {cpp_element(self.dtype)}, float, "
-                f"cute::Stride<{self.STRIDE}, int64_t>>")
-
-    def cpp_args(self) -> str:
-        return f"coda::{self.ARGS}<{self.name}>(inputs[{self.input_index}])"
+class RowBroadcast(Operand):
+    """cd.VecN: one value per column n, broadcast down the rows. CUTLASS names broadcast nodes after
+    the vector's shape: a vector over n (one value per column) is a *row* broadcast."""
 
     def key(self) -> str:
-        return f"{self.KEY}{self.dtype}"
+        return f"RowB{self.dtype}"
 
 
 @dataclass
-class RowBroadcast(_Broadcast):
-    """cd.VecN: one value per column n, broadcast down the rows."""
+class ColBroadcast(Operand):
+    """cd.VecM: one value per row m, broadcast along the columns (a *column* broadcast)."""
 
-    NODE, STRIDE, ARGS, KEY = "Sm90RowBroadcast", "cute::_0, cute::_1", "vec_n_args", "RowB"
+    def key(self) -> str:
+        return f"ColB{self.dtype}"
 
 
-@dataclass
-class ColBroadcast(_Broadcast):
-    """cd.VecM: one value per row m, broadcast along the columns."""
+@dataclass(frozen=True)
+class Ref:
+    """An fp32 value inside a functor."""
 
-    NODE, STRIDE, ARGS, KEY = "Sm90ColBroadcast", "cute::_1, cute::_0", "vec_m_args", "ColB"
+    kind: str  # "input": the functor's input x<index>; "temp": the result of step <index>;
+    # "const": the number `index`; "scalar": the runtime scalar at position `index` (p.s<index>)
+    index: int | float
+    slot: int | None = None  # inputs of pairwise functors: 0 the pair's even column, 1 its odd one
+
+
+@dataclass(frozen=True)
+class Step:
+    """One elementwise op (an op name of ir/ops.py; attr: cast's dtype) applied to earlier values;
+    its result is Ref("temp", its position in the functor's steps)."""
+
+    op: str
+    attr: object
+    args: tuple[Ref, ...]
 
 
 @dataclass
 class Functor:
-    """One fused elementwise region: C++ statements over fp32 inputs x0..xk and scalars p.<name>."""
+    """One fused elementwise region, as data: steps over fp32 inputs x0..xk, scalars and constants.
+    codegen/cpp.py spells it in C++; tests/test_functor_semantics.py runs it with the ops' torch
+    semantics."""
 
     name: str
     arity: int
-    body: list[str]  # statements, each defining a float t<i>
-    result: str  # the expression returned
+    steps: list[Step]
+    result: Ref  # the value returned
     text: str = ""  # the region in DSL terms, for a comment
-    # Pairwise functors work on column pairs q of the fragment (slots 2q, 2q+1): the body sees
-    # x<k>[2 * q] and x<k>[2 * q + 1]; `result` goes to the even slot, `result_odd` to the odd one.
+    # Pairwise functors work on column pairs q of the fragment (slots 2q, 2q+1): inputs are read per
+    # slot (Ref.slot); `result` goes to the even slot, `result_odd` to the odd one.
     pairwise: bool = False
-    result_odd: str = ""
+    result_odd: Ref | None = None
 
     def key(self) -> str:
-        """The functor's code in the plan key (its name and comment are left out)."""
-        pair = f",{self.result_odd}" if self.pairwise else ""
-        return f"[{';'.join(self.body)};return {self.result}{pair}]"
+        """The functor's code in the plan key (its name and comment are left out): its C++ text, so
+        that the key changes exactly when the generated code does."""
+        from ..codegen.cpp import functor_key  # codegen imports this module: import on use
+        return functor_key(self)
 
 
 @dataclass
 class Compute(EvtNode):
-    functor: Functor = field(default_factory=lambda: Functor("", 0, [], ""))
+    """A fused elementwise region (Sm90Compute over its functor)."""
 
-    def cpp_type(self) -> str:
-        return f"fusion::Sm90Compute<{self.functor.name}, float, float, {ROUND}>"
-
-    def cpp_args(self) -> str:
-        return "scalars"
+    functor: Functor = field(default_factory=lambda: Functor("", 0, [], Ref("input", 0)))
 
     def key(self) -> str:
         return f"Compute{self.children}{self.functor.key()}"
@@ -272,16 +246,8 @@ class Compute(EvtNode):
 class _Store(EvtNode):
     """An output tensor `outputs[output_index]` of element type `dtype`, a tap on its child's value."""
 
-    NODE, ARGS = "", ""  # per kind, below: the C++ node (a format of the element type), its args helper
-
     dtype: str = "bf16"
     output_index: int = 0
-
-    def cpp_type(self) -> str:
-        return self.NODE.format(cpp_element(self.dtype))
-
-    def cpp_args(self) -> str:
-        return f"coda::{self.ARGS}<{self.name}>(outputs[{self.output_index}])"
 
     def key(self) -> str:
         return f"{type(self).__name__}{self.dtype}{self.children}"
@@ -291,24 +257,10 @@ class _Store(EvtNode):
 class AuxStore(_Store):
     """A full-size auxiliary output, staged in shared memory and TMA-stored."""
 
-    NODE, ARGS = "coda::AuxStoreFor<EpilogueDescriptor, {}>", "aux_store_args"
-
 
 @dataclass
 class PairStore(_Store):
     """A half-width output ([M, N/2], one value per column pair), staged in shared memory and TMA-stored."""
-
-    NODE, ARGS = "coda::PairStore<EpilogueDescriptor, {}>", "pair_args"
-
-
-# kind -> (register reduce, warp-shuffle reduce, global atomic reduce, tile combine, identity)
-_REDUCE_FNS = {
-    "sum": ("cutlass::plus", "cutlass::plus", "cutlass::atomic_add", "cutlass::plus", "0.f"),
-    "max": ("cutlass::maximum", "cutlass::maximum", "cutlass::atomic_maximum", "cutlass::maximum", "-INFINITY"),
-    "min": ("cutlass::minimum", "cutlass::minimum", "coda::atomic_minimum", "cutlass::minimum", "INFINITY"),
-    "amax": ("coda::amax_reduce", "cutlass::maximum", "cutlass::atomic_maximum", "cutlass::maximum", "0.f"),
-}
-_FINISH_COMBINE = {"sum": "coda::Plus", "max": "coda::Max", "min": "coda::Min", "amax": "coda::Max", "take": "coda::Plus"}
 
 
 @dataclass
@@ -328,91 +280,15 @@ class Reduction(EvtNode):
     deterministic: bool = False
     finish: Functor | None = None
 
-    @property
-    def identity(self) -> str:
-        return _REDUCE_FNS[self.kind][4] if self.kind in _REDUCE_FNS else "0.f"
-
-    @property
-    def _partials(self) -> str:
-        return f"partial_{self.output_index}"
-
-    @property
-    def _finish_fn(self) -> str:
-        """The functor the finishing kernel applies to each complete statistic."""
-        return f"{self.finish.name}<float>" if self.finish else "coda::Identity<float>"
-
-    def cpp_type(self) -> str:
-        reg, shuffle, atomic, combine, _ = _REDUCE_FNS[self.kind]
-        if self.axis is None and not self.deterministic:
-            return (f"fusion::Sm90ScalarReduction<{reg}, {atomic}, float, float, {ROUND}, "
-                    "cute::Stride<cute::_0, cute::_0, int64_t>>")
-        node, stride = ("Sm90RowReduction", "cute::_0, cute::_1") if self.axis == "m" else \
-            ("Sm90ColReduction", "cute::_1, cute::_0")  # deterministic totals reduce per-row partials
-        tail = ", 4, true, false" if self.deterministic else ""  # alignment, nullptr check, no final pass
-        return (f"fusion::{node}<{reg}, {shuffle}, {combine if self.deterministic else atomic}, 0, TileShape, "
-                f"float, float, {ROUND}, cute::Stride<{stride}, int64_t>{tail}>")
-
-    def cpp_args(self) -> str:
-        axis = "n" if self.axis is None and self.deterministic else self.axis
-        stride, batch = {"n": ("cute::_1{}, cute::_0{}", "M"), "m": ("cute::_0{}, cute::_1{}", "N"),
-                         None: ("cute::_0{}, cute::_0{}", "1")}[axis]
-        ptr = f"{self._partials}.data_ptr<float>()" if self.deterministic else \
-            f"outputs[{self.output_index}].data_ptr<float>()"
-        return f"{{{ptr}, {self.identity}, {{{stride}, int64_t({batch})}}}}"
-
-    def cpp_init(self) -> str:
-        """Before the launch: atomics accumulate into the output, so fill it with the identity;
-        deterministic mode gets a buffer for the per-tile partials instead."""
-        if not self.deterministic:
-            return f"outputs[{self.output_index}].fill_({self.identity});"
-        p = self._partials
-        return (f"auto {p}_shape = coda::partials<TileShape>(M, N, {'false' if self.axis == 'm' else 'true'});\n"
-                f"  at::Tensor {p} = at::empty({{int64_t(L) * {p}_shape.tiles * {p}_shape.rows_padded}}, "
-                "a.options().dtype(at::kFloat));")
-
-    def cpp_finish(self) -> str:
-        """After the launch: combine partials and/or apply the finishing expression (else nothing)."""
-        if not self.deterministic and self.finish is None:
-            return ""
-        fn = self._finish_fn
-        out = f"outputs[{self.output_index}].data_ptr<float>()"
-        if self.deterministic:
-            p = self._partials
-            shape = f"{p}_shape.rows, {p}_shape.rows_padded, {p}_shape.tiles, L, {str(self.axis is None).lower()}"
-            src = f"{p}.data_ptr<float>()"
-        else:  # in place on the atomically reduced output
-            rows = {"n": "M", "m": "N", None: "1"}[self.axis]
-            shape, src = f"{rows}, {rows}, 1, L, false", out
-        return (f"coda::finish<{_FINISH_COMBINE[self.kind]}, {fn}>({src}, {out}, {shape}, {self.identity}, "
-                "scalars, op_name);")
-
     def key(self) -> str:
         body = self.finish.key() if self.finish else ""
         return f"Reduce{self.kind}{self.axis}{'det' if self.deterministic else ''}{self.children}{body}"
-
 
 
 @dataclass
 class LogSumExp(Reduction):
     """cd.logsumexp over n: per row and N tile an online (max, sum of exp) pair, combined exactly by
     the finishing kernel. Always per-tile partials, never atomics: deterministic in either mode."""
-
-    def cpp_type(self) -> str:
-        return "coda::RowLogSumExp<TileShape>"
-
-    def cpp_args(self) -> str:
-        return f"{{{self._partials}.data_ptr<float>()}}"
-
-    def cpp_init(self) -> str:
-        p = self._partials
-        return (f"auto {p}_shape = coda::partials<TileShape>(M, N, true);\n"
-                f"  at::Tensor {p} = at::empty({{2 * {p}_shape.size(L)}}, a.options().dtype(at::kFloat));")
-
-    def cpp_finish(self) -> str:
-        fn = self._finish_fn
-        p = self._partials
-        return (f"coda::finish_logsumexp<{fn}>({p}.data_ptr<float>(), outputs[{self.output_index}].data_ptr<float>(), "
-                f"{p}_shape, L, scalars, op_name);")
 
     def key(self) -> str:
         return "LogSumExp" + super().key()
@@ -426,17 +302,9 @@ class Take(Reduction):
 
     index_input: int = 0
 
-    def cpp_type(self) -> str:
-        return "coda::RowTake"
-
-    def cpp_args(self) -> str:
-        return f"coda::take_args<{self.name}>(inputs[{self.index_input}], outputs[{self.output_index}])"
-
-    def cpp_init(self) -> str:
-        return f"outputs[{self.output_index}].zero_();"
-
     def key(self) -> str:
         return f"Take{self.index_input}" + super().key()
+
 
 @dataclass
 class Plan:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from ..errors import EpilogueError
 from ..ir import graph as ir
-from ..ir.ops import evaluate
+from ..ir.ops import FoldError
 
 
-def _fold(node: ir.Node, memo: dict[int, ir.Node], consts: dict[str, float]) -> ir.Node:
+def _fold(node: ir.Node, memo: dict[int, ir.Node], consts: dict[str, float], program: ir.Program) -> ir.Node:
     done = memo.get(id(node))
     if done is not None:
         return done
@@ -18,11 +18,16 @@ def _fold(node: ir.Node, memo: dict[int, ir.Node], consts: dict[str, float]) -> 
     elif node.is_leaf:
         out = node
     else:
-        inputs = tuple(_fold(i, memo, consts) for i in node.inputs)
-        attr = _fold(node.attr, memo, consts) if node.op == "finish" else node.attr
+        inputs = tuple(_fold(i, memo, consts, program) for i in node.inputs)
+        attr = _fold(node.attr, memo, consts, program) if node.op == "finish" else node.attr
         out = ir.Node(node.op, inputs, attr)
-        if node.op not in ("reduce", "finish") and all(i.op == "const" for i in inputs):
-            out = ir.const(evaluate(node.op, node.attr, [i.attr for i in inputs]))
+        op = node.definition
+        if op is not None and op.fold and all(i.op == "const" for i in inputs):
+            try:
+                out = ir.const(op.evaluate(node.attr, [i.attr for i in inputs]))
+            except FoldError as e:
+                raise EpilogueError(f"epilogue '{program.name}' ({program.where(node)}): {e}\n  fix: interleave "
+                                    "traced values (e.g. acc * 0 + 1.0 for a constant of the tile's width)") from None
     memo[id(node)] = out
     return out
 
@@ -34,7 +39,7 @@ def specialize(program: ir.Program, consts: dict[str, float]) -> ir.Program:
         raise EpilogueError(f"epilogue '{program.name}': compile-time constant(s) {missing} need a value: "
                             f"pass {missing[0]}=<number> to cd.gemm")
     memo: dict[int, ir.Node] = {}
-    outputs = tuple(ir.Output(o.name, _fold(o.node, memo, consts), o.dtype) for o in program.outputs)
+    outputs = tuple(ir.Output(o.name, _fold(o.node, memo, consts, program), o.dtype) for o in program.outputs)
     locations = {id(memo[k]): v for k, v in program.locations.items() if k in memo}
     locations.update(program.locations)
     return ir.Program(program.name, program.params, outputs, program.source, locations)

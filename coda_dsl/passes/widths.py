@@ -15,6 +15,15 @@ from ..ir import graph as ir
 _ANY = ("scalar", "const", "const_param", "reduced")  # broadcast to any width (and so do VecM loads)
 
 
+WIDTH_SCALE = {"same": 1, "half": Fraction(1, 2), "double": 2}  # a value's width over its inputs', per rule
+
+
+def _rule(n: ir.Node) -> str | None:
+    """The op's width rule (ir/ops.py); None for leaves and reductions, which take no part here."""
+    d = n.definition
+    return d.width_rule if d else None
+
+
 def _any_width(n: ir.Node) -> bool:
     return n.op in _ANY or (n.op == "load" and n.attr[0] == "vec_m")
 
@@ -42,10 +51,11 @@ def infer(program: ir.Program) -> dict[int, Fraction]:
     while changed:  # propagate forward and backward until nothing new is learned
         changed = False
         for n in nodes:
-            if n.is_leaf or n.op in ("reduce", "finish"):
+            rule = _rule(n)
+            if rule is None:
                 continue
             ins = [i for i in n.inputs if not _any_width(i)]
-            if n.op == "pair":
+            if rule == "half":
                 (x,) = n.inputs
                 if id(x) in width:
                     changed |= unify(n, id(n), width[id(x)] / 2)
@@ -53,7 +63,7 @@ def infer(program: ir.Program) -> dict[int, Fraction]:
                     changed |= unify(n, id(x), width[id(n)] * 2)
                 continue
             known = [width[id(i)] for i in ins if id(i) in width]
-            if n.op == "interleave":
+            if rule == "double":
                 if known:
                     changed |= unify(n, id(n), known[0] * 2)
                 elif id(n) in width:
@@ -63,7 +73,7 @@ def infer(program: ir.Program) -> dict[int, Fraction]:
             if known:
                 for i in ins:
                     changed |= unify(n, id(i), known[0])
-                if n.op != "interleave":
+                if rule == "same":
                     changed |= unify(n, id(n), known[0])
     for key, n in load_of.items():  # operands combined with nothing of known width: N wide
         if n.attr[0] != "vec_m":
@@ -72,11 +82,12 @@ def infer(program: ir.Program) -> dict[int, Fraction]:
     while changed:  # values built only from such operands
         changed = False
         for n in nodes:
-            if n.is_leaf or n.op in ("reduce", "finish") or id(n) in width:
+            rule = _rule(n)
+            if rule is None or id(n) in width:
                 continue
             ins = [width.get(id(i)) for i in n.inputs if not _any_width(i)]
             if ins and all(w is not None for w in ins):
-                w = ins[0] / 2 if n.op == "pair" else ins[0] * 2 if n.op == "interleave" else ins[0]
+                w = ins[0] * WIDTH_SCALE[rule]
                 changed |= unify(n, id(n), w)
     for n in nodes:
         if n.op == "reduce" and id(n.inputs[0]) not in width and not _any_width(n.inputs[0]):

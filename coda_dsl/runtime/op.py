@@ -13,7 +13,7 @@ from .. import build, codegen
 from ..dsl import Epilogue, identity
 from ..errors import OperandError, UnsupportedError
 from ..ir import graph as ir
-from ..ir.ops import DTYPES
+from ..ir.ops import DTYPES, REDUCTIONS
 from ..passes import accumulate_into_d, lower, specialize
 from ..passes.widths import load_widths
 from ..passes.plan import Config, Plan, Signature
@@ -212,12 +212,12 @@ def _facts(ep: Epilogue) -> _Facts:
         facts = _facts_of[ep] = _Facts(
             kinds={p.name: p.kind for p in ep.params},
             widths={k: int(w * 2) for k, w in load_widths(ep.program).items() if w != 1},
-            pairwise=any(n.op in ("pair", "interleave") for n in nodes),
-            indices=frozenset(n.inputs[1].attr[1] for n in nodes if n.op == "reduce" and n.attr[0] == "take"),
+            pairwise=any(n.kind == "structural" for n in nodes),
+            indices=frozenset(n.inputs[1].attr[1] for n in nodes if n.op == "reduce" and REDUCTIONS[n.attr[0]].indexed),
             cross_batch=tuple(o.name for o in ep.program.outputs
                               if (r := ir.reduction_of(o.node)) is not None and r.attr[1] != "n"),
             extrema=tuple((o.name, *r.attr) for o in ep.program.outputs
-                          if (r := ir.reduction_of(o.node)) is not None and r.attr[0] in ("max", "min", "amax")))
+                          if (r := ir.reduction_of(o.node)) is not None and not REDUCTIONS[r.attr[0]].empty_defined))
     return facts
 
 

@@ -8,30 +8,10 @@ from __future__ import annotations
 import torch
 
 from ..ir import graph as ir
-from ..ir.ops import DTYPES, OPS
-from ..passes.widths import infer as infer_widths
+from ..ir.ops import DTYPES, REDUCTIONS
+from ..passes.widths import WIDTH_SCALE, infer as infer_widths
 
 SOURCE_OPERAND = "<D>"  # the operands key `source` (D's current contents) is read from (never an identifier)
-
-_REDUCE = {
-    "sum": lambda x, dims: x.sum(dim=dims),
-    "max": lambda x, dims: x.amax(dim=dims),
-    "min": lambda x, dims: x.amin(dim=dims),
-    "amax": lambda x, dims: x.abs().amax(dim=dims),
-    "logsumexp": lambda x, dims: torch.logsumexp(x, dim=dims),
-}
-
-
-def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x[..., m, index[m]]; 0 where the index is outside [0, N) (every index when N = 0). A shared [M]
-    index serves every batch of a batched x."""
-    if x.shape[-1] == 0:
-        return x.new_zeros(x.shape[:-1])
-    index = index.to(x.device).expand(x.shape[:-1])
-    inside = (index >= 0) & (index < x.shape[-1])
-    got = x.gather(-1, torch.where(inside, index, 0).unsqueeze(-1)).squeeze(-1)
-    return torch.where(inside, got, torch.zeros_like(got))
-
 
 def accumulator(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """fp32 A @ B^T (b is [N, K] or [L, N, K]), computed in full fp32 (no TF32)."""
@@ -74,25 +54,21 @@ def _evaluate(nodes, values: dict, operands: dict, acc: torch.Tensor, widths: di
             values[id(node)] = _leaf(node, operands, acc)
             continue
         args = [values[id(i)] for i in node.inputs]
-        if node.op == "cast":
-            v = args[0].to(DTYPES[node.attr][0]).float()
-        elif node.op == "reduce":
+        if node.op == "reduce":
             kind, axis = node.attr
             x = _full(args[0], acc, widths.get(id(node.inputs[0]), 1))
-            if kind == "take":
-                v = _take(x, operands[node.inputs[1].attr[1]])
-            else:
-                v = _REDUCE[kind](x, _reduce_dims(axis, x.ndim))
+            r = REDUCTIONS[kind]
+            v = r.torch_fn(x, operands[node.inputs[1].attr[1]]) if r.indexed else \
+                r.torch_fn(x, _reduce_dims(axis, x.ndim))
         elif node.op == "finish":  # the finishing expression, with `reduced` bound to the statistic
             done = _evaluate(ir.topo_order([node.attr]), {id(ir.reduced()): args[0]}, operands, acc, widths)
             v = done[id(node.attr)]
-        elif node.op == "pair":
-            v = _full(args[0], acc, widths[id(node.inputs[0])])[..., node.attr::2]
-        elif node.op == "interleave":
-            w = widths[id(node.inputs[0])] if id(node.inputs[0]) in widths else widths[id(node)] / 2
-            v = torch.stack([_full(x, acc, w) for x in args], dim=-1).flatten(-2)
+        elif node.kind == "structural":  # on operands expanded to their widths (constants and vectors)
+            ws = [widths[id(i)] if id(i) in widths else widths[id(node)] / WIDTH_SCALE[node.definition.width_rule]
+                  for i in node.inputs]
+            v = node.definition.apply(node.attr, *(_full(x, acc, w) for x, w in zip(args, ws)))
         else:
-            v = OPS[node.op].torch_fn(*args).float()
+            v = node.definition.apply(node.attr, *args)  # elementwise: the op's reference semantics
         values[id(node)] = v
     return values
 

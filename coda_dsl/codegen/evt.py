@@ -1,0 +1,156 @@
+"""The C++ of each visitor node of a plan (passes/plan.py holds them as data): its type, its
+Arguments initializer, and the host code before and after the launch. One function per node kind,
+found by the node's class."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ir.ops import DTYPES
+from ..passes import plan as p
+
+ROUND = "cutlass::FloatRoundStyle::round_to_nearest"
+
+
+def cpp_element(dtype: str) -> str:
+    return DTYPES[dtype][1]
+
+
+@dataclass(frozen=True)
+class CppNode:
+    """A visitor node as the template renders it."""
+
+    name: str
+    children: tuple[int, ...]
+    comment: str
+    type: str  # the C++ type of the node
+    args: str  # its Arguments initializer
+    init: str  # host code before the launch ("" for none)
+    finish: str  # host code after the launch ("" for none)
+
+
+# kind -> (register reduce, warp-shuffle reduce, global atomic reduce, tile combine, identity)
+_REDUCE_FNS = {
+    "sum": ("cutlass::plus", "cutlass::plus", "cutlass::atomic_add", "cutlass::plus", "0.f"),
+    "max": ("cutlass::maximum", "cutlass::maximum", "cutlass::atomic_maximum", "cutlass::maximum", "-INFINITY"),
+    "min": ("cutlass::minimum", "cutlass::minimum", "coda::atomic_minimum", "cutlass::minimum", "INFINITY"),
+    "amax": ("coda::amax_reduce", "cutlass::maximum", "cutlass::atomic_maximum", "cutlass::maximum", "0.f"),
+}
+_FINISH_COMBINE = {"sum": "coda::Plus", "max": "coda::Max", "min": "coda::Min", "amax": "coda::Max", "take": "coda::Plus"}
+# operand leaves: node class -> (C++ type over {e}, the element type; args helper)
+_BROADCAST = {
+    p.RowBroadcast: ("fusion::Sm90RowBroadcast<0, TileShape, {e}, float, cute::Stride<cute::_0, cute::_1, int64_t>>",
+                     "vec_n_args"),
+    p.ColBroadcast: ("fusion::Sm90ColBroadcast<0, TileShape, {e}, float, cute::Stride<cute::_1, cute::_0, int64_t>>",
+                     "vec_m_args"),
+    p.AuxLoad: ("coda::AuxLoadFor<EpilogueDescriptor, {e}>", "aux_load_args"),
+    p.PairLoad: ("coda::PairLoad<{e}>", "pair_args"),
+}
+_STORE = {  # output taps: node class -> (C++ type over {e}; args helper)
+    p.AuxStore: ("coda::AuxStoreFor<EpilogueDescriptor, {e}>", "aux_store_args"),
+    p.PairStore: ("coda::PairStore<EpilogueDescriptor, {e}>", "pair_args"),
+}
+
+
+def identity(r: p.Reduction) -> str:
+    """The reduction's identity as a C++ literal (what atomic outputs are filled with)."""
+    return _REDUCE_FNS[r.kind][4] if r.kind in _REDUCE_FNS else "0.f"
+
+
+def _partials(r: p.Reduction) -> str:
+    return f"partial_{r.output_index}"
+
+
+def _finish_fn(r: p.Reduction) -> str:
+    """The functor the finishing kernel applies to each complete statistic."""
+    return f"{r.finish.name}<float>" if r.finish else "coda::Identity<float>"
+
+
+def _reduction_type(r: p.Reduction) -> str:
+    reg, shuffle, atomic, combine, _ = _REDUCE_FNS[r.kind]
+    if r.axis is None and not r.deterministic:
+        return (f"fusion::Sm90ScalarReduction<{reg}, {atomic}, float, float, {ROUND}, "
+                "cute::Stride<cute::_0, cute::_0, int64_t>>")
+    node, stride = ("Sm90RowReduction", "cute::_0, cute::_1") if r.axis == "m" else \
+        ("Sm90ColReduction", "cute::_1, cute::_0")  # deterministic totals reduce per-row partials
+    tail = ", 4, true, false" if r.deterministic else ""  # alignment, nullptr check, no final pass
+    return (f"fusion::{node}<{reg}, {shuffle}, {combine if r.deterministic else atomic}, 0, TileShape, "
+            f"float, float, {ROUND}, cute::Stride<{stride}, int64_t>{tail}>")
+
+
+def _reduction_args(r: p.Reduction) -> str:
+    axis = "n" if r.axis is None and r.deterministic else r.axis
+    stride, batch = {"n": ("cute::_1{}, cute::_0{}", "M"), "m": ("cute::_0{}, cute::_1{}", "N"),
+                     None: ("cute::_0{}, cute::_0{}", "1")}[axis]
+    ptr = f"{_partials(r)}.data_ptr<float>()" if r.deterministic else f"outputs[{r.output_index}].data_ptr<float>()"
+    return f"{{{ptr}, {identity(r)}, {{{stride}, int64_t({batch})}}}}"
+
+
+def _reduction_init(r: p.Reduction) -> str:
+    """Before the launch: atomics accumulate into the output, so fill it with the identity;
+    deterministic mode gets a buffer for the per-tile partials instead."""
+    if not r.deterministic:
+        return f"outputs[{r.output_index}].fill_({identity(r)});"
+    q = _partials(r)
+    return (f"auto {q}_shape = coda::partials<TileShape>(M, N, {'false' if r.axis == 'm' else 'true'});\n"
+            f"  at::Tensor {q} = at::empty({{int64_t(L) * {q}_shape.tiles * {q}_shape.rows_padded}}, "
+            "a.options().dtype(at::kFloat));")
+
+
+def _reduction_finish(r: p.Reduction) -> str:
+    """After the launch: combine partials and/or apply the finishing expression (else nothing)."""
+    if not r.deterministic and r.finish is None:
+        return ""
+    out = f"outputs[{r.output_index}].data_ptr<float>()"
+    if r.deterministic:
+        q = _partials(r)
+        shape = f"{q}_shape.rows, {q}_shape.rows_padded, {q}_shape.tiles, L, {str(r.axis is None).lower()}"
+        src = f"{q}.data_ptr<float>()"
+    else:  # in place on the atomically reduced output
+        rows = {"n": "M", "m": "N", None: "1"}[r.axis]
+        shape, src = f"{rows}, {rows}, 1, L, false", out
+    return (f"coda::finish<{_FINISH_COMBINE[r.kind]}, {_finish_fn(r)}>({src}, {out}, {shape}, {identity(r)}, "
+            "scalars, op_name);")
+
+
+def _logsumexp(r: p.LogSumExp) -> tuple[str, str, str, str]:
+    """cd.logsumexp: always per-tile partials (max, sum of exp), combined by the finishing kernel."""
+    q = _partials(r)
+    init = (f"auto {q}_shape = coda::partials<TileShape>(M, N, true);\n"
+            f"  at::Tensor {q} = at::empty({{2 * {q}_shape.size(L)}}, a.options().dtype(at::kFloat));")
+    finish = (f"coda::finish_logsumexp<{_finish_fn(r)}>({q}.data_ptr<float>(), "
+              f"outputs[{r.output_index}].data_ptr<float>(), {q}_shape, L, scalars, op_name);")
+    return "coda::RowLogSumExp<TileShape>", f"{{{q}.data_ptr<float>()}}", init, finish
+
+
+def _take(r: p.Take) -> tuple[str, str, str, str]:
+    """cd.take: the output is zeroed first (rows whose index is outside [0, N) keep the 0)."""
+    args = f"coda::take_args<{r.name}>(inputs[{r.index_input}], outputs[{r.output_index}])"
+    return "coda::RowTake", args, f"outputs[{r.output_index}].zero_();", _reduction_finish(r)
+
+
+def _spell(n: p.EvtNode) -> tuple[str, str, str, str]:
+    """(type, args, init, finish) of a visitor node."""
+    kind = type(n)
+    if kind in _BROADCAST:
+        fmt, helper = _BROADCAST[kind]
+        return fmt.format(e=cpp_element(n.dtype)), f"coda::{helper}<{n.name}>(inputs[{n.input_index}])", "", ""
+    if kind in _STORE:
+        fmt, helper = _STORE[kind]
+        return fmt.format(e=cpp_element(n.dtype)), f"coda::{helper}<{n.name}>(outputs[{n.output_index}])", "", ""
+    if kind is p.AccFetch:
+        return "fusion::Sm90AccFetch", "{}", "", ""
+    if kind is p.SrcFetch:
+        return "fusion::Sm90SrcFetch<ElementD>", "{}", "", ""
+    if kind is p.Compute:
+        return f"fusion::Sm90Compute<{n.functor.name}, float, float, {ROUND}>", "scalars", "", ""
+    if kind is p.LogSumExp:
+        return _logsumexp(n)
+    if kind is p.Take:
+        return _take(n)
+    if kind is p.Reduction:
+        return _reduction_type(n), _reduction_args(n), _reduction_init(n), _reduction_finish(n)
+    raise TypeError(f"no C++ for visitor node {kind.__name__}")
+
+
+def node(n: p.EvtNode) -> CppNode:
+    return CppNode(n.name, n.children, n.comment, *_spell(n))
