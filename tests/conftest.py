@@ -18,9 +18,6 @@ from coda_dsl.build import builder, cache
 from coda_dsl.passes import accumulate_into_d, lower, specialize
 from coda_dsl import runtime
 from epilogues import rel_err, signature
-# Re-exported only for test_functor_semantics.py and test_pairwise.py, which still import them from
-# here (edited in another branch); new code imports them from epilogues.
-from epilogues import pairs_with_full_width_operands  # noqa: F401
 
 
 @pytest.fixture

@@ -11,21 +11,10 @@ from coda_dsl.codegen.cpp import functor as cpp_functor
 from coda_dsl.library import rope_tables
 from coda_dsl.passes import Config
 from coda_dsl.passes.plan import AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, RowBroadcast
+from epilogues import bias_gelu
+from epilogues import rich_operands as rich
 
 KEY = "0123456789abcdef01234567"
-
-
-@cd.epilogue
-def bias_gelu(acc, bias: cd.VecN):
-    return cd.gelu(acc + bias)
-
-
-@cd.epilogue
-def rich(acc, residual: cd.Tensor, bias: cd.VecN, rstd: cd.VecM, alpha: cd.Scalar, beta: cd.Scalar, c: cd.Const):
-    h = (acc * rstd + bias) * alpha + residual * c
-    g = cd.gelu(h, approximate="tanh")
-    return {"D": g * beta, "h32": cd.cast(h, cd.float32), "g16": cd.cast(cd.where(h > 0, g, float("-inf")),
-                                                                          cd.float16)}
 
 
 @cd.epilogue

@@ -21,7 +21,7 @@ from coda_dsl.ir.ops import NODE_OPS, OPS
 from coda_dsl.library import rope_positions, rope_tables, swiglu_keep_preactivation
 from coda_dsl.passes.plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, PairLoad, PairStore,
                                   RowBroadcast)
-from conftest import pairs_with_full_width_operands
+from epilogues import pairs_with_full_width_operands
 
 pytestmark = pytest.mark.usefixtures("seed")  # fresh random data every run
 

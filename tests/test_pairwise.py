@@ -10,7 +10,7 @@ import coda_dsl as cd
 from coda_dsl.library import (geglu, interleave_gate_up, linear_swiglu, neox_to_interleaved_rows, reglu,
                               rope_frequencies, rope_positions, rope_tables, swiglu_backward,
                               swiglu_keep_preactivation)
-from conftest import rel_err as _rel
+from epilogues import rel_err as _rel
 
 M, D, FF = 29, 48, 40  # ragged rows; N = 2F interleaved columns
 

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import coda_dsl as cd
 from coda_dsl.codegen import render
+from coda_dsl.codegen.evt import node as cpp
 from coda_dsl.library import rms_consumer, rmsnorm_linear
 from coda_dsl.passes import accumulate_into_d, specialize
 from coda_dsl.passes.plan import Reduction, SrcFetch
@@ -51,9 +52,9 @@ def test_deterministic_lowering_uses_partials_and_a_finishing_kernel(make_plan):
         reds = [n for n in plan.nodes if isinstance(n, Reduction)]
         assert len(reds) == 2 and all(r.finish is not None for r in reds)
         for r in reds:
-            assert ("atomic" in r.cpp_type()) == expect_atomic
-            assert ("fill_" in r.cpp_init()) == expect_atomic  # atomics need the identity, partials don't
-            assert "coda::finish<" in r.cpp_finish()
+            assert ("atomic" in cpp(r).type) == expect_atomic
+            assert ("fill_" in cpp(r).init) == expect_atomic  # atomics need the identity, partials don't
+            assert "coda::finish<" in cpp(r).finish
 
 
 def test_epilogue_without_d_on_reference_and_in_code(make_plan):
@@ -70,7 +71,6 @@ def test_epilogue_without_d_on_reference_and_in_code(make_plan):
     assert _rel(r["total"], y.sum()) < 1e-5
     plan = make_plan(only_stats)  # no D: ElementD = void, and an EVT exposing ElementAux for CUTLASS
     assert plan.d_dtype is None
-    from coda_dsl.codegen import render
     text = render(plan, "0" * 24)
     assert "using ElementD = void;" in text and "using ElementAux = float;" in text
 
@@ -98,7 +98,6 @@ def test_accumulate_lowers_to_a_source_fetch(make_plan):
 
     plan = make_plan(plain, accumulate=True)
     assert plan.reads_d and any(isinstance(n, SrcFetch) for n in plan.nodes)
-    from coda_dsl.codegen import render
     assert "Sm90SrcFetch<ElementD>" in render(plan, "0" * 24)
     assert make_plan(plain).key != plan.key
 
@@ -128,10 +127,10 @@ def test_reduction_identities_atomics_and_strides(make_plan):
     """Atomic mode: each output is filled with its kind's identity, combined with its kind's atomic, and
     addressed per row ([M], axis n) or per column ([N], axis m)."""
     red = {n.kind: n for n in make_plan(extremes).nodes if isinstance(n, Reduction)}
-    assert "fill_(-INFINITY)" in red["max"].cpp_init() and "fill_(INFINITY)" in red["min"].cpp_init()
-    assert "cutlass::atomic_maximum" in red["max"].cpp_type() and "coda::atomic_minimum" in red["min"].cpp_type()
-    assert "{cute::_1{}, cute::_0{}, int64_t(M)}" in red["sum"].cpp_args()
-    assert "{cute::_0{}, cute::_1{}, int64_t(N)}" in red["min"].cpp_args()
+    assert "fill_(-INFINITY)" in cpp(red["max"]).init and "fill_(INFINITY)" in cpp(red["min"]).init
+    assert "cutlass::atomic_maximum" in cpp(red["max"]).type and "coda::atomic_minimum" in cpp(red["min"]).type
+    assert "{cute::_1{}, cute::_0{}, int64_t(M)}" in cpp(red["sum"]).args
+    assert "{cute::_0{}, cute::_1{}, int64_t(N)}" in cpp(red["min"]).args
 
 
 def test_deterministic_partials_and_combines(make_plan):

@@ -114,26 +114,6 @@ class EvtNode:
     def key(self) -> str:
         return f"{type(self).__name__}{self.children}"
 
-    # The C++ of a node is codegen's (codegen/evt.py); these read it, for `explain` and tests.
-    def cpp_type(self) -> str:
-        return _cpp(self).type
-
-    def cpp_args(self) -> str:
-        return _cpp(self).args
-
-    def cpp_init(self) -> str:
-        """Host code before the launch ("" for none)."""
-        return _cpp(self).init
-
-    def cpp_finish(self) -> str:
-        """Host code after the launch ("" for none)."""
-        return _cpp(self).finish
-
-
-def _cpp(node: EvtNode):
-    from ..codegen.evt import node as cpp_node  # codegen imports this module: import on use
-    return cpp_node(node)
-
 
 @dataclass
 class AccFetch(EvtNode):
