@@ -38,10 +38,16 @@ class OpDef:
     # and odd parts are (part 0: the pair's even column, 1: its odd one; a half-width value has one
     # part, kept in both); lowering fuses them into functors with this alone
     parts: Callable[[object], tuple[tuple[int, int], tuple[int, int]]] | None = None
+    # the derivative: grad(d, attr, inputs, output, g) -> one adjoint per input (None: no gradient),
+    # built with d's node constructors (passes/autodiff.py); torch's conventions at kinks and ties.
+    # None: the op has no derivative yet (autodiff refuses programs that need one)
+    grad: Callable | None = None
 
     def apply(self, attr, *args: torch.Tensor) -> torch.Tensor:
-        """The reference semantics on fp32 tensors (elementwise and structural ops)."""
-        return (self.torch_fn(*args, attr) if self.takes_attr else self.torch_fn(*args)).float()
+        """The reference semantics on fp32 tensors (elementwise and structural ops); on fp64 tensors the
+        same math in fp64 (autodiff's checks)."""
+        out = self.torch_fn(*args, attr) if self.takes_attr else self.torch_fn(*args)
+        return out.to(torch.float64 if any(a.dtype == torch.float64 for a in args) else torch.float32)
 
     @property
     def fold(self) -> bool:
@@ -68,43 +74,106 @@ def _gelu_erf(x):
     return torch.nn.functional.gelu(x)
 
 
-def elementwise(name: str, arity: int, fn: Callable) -> OpDef:
-    """An elementwise op: same width as its inputs, folded with its reference semantics."""
-    return OpDef(name, arity, "elementwise", fn, width_rule="same")
+def elementwise(name: str, arity: int, fn: Callable, grad: Callable | None = None) -> OpDef:
+    """An elementwise op: same width as its inputs, folded with its reference semantics; `grad` maps
+    (d, inputs, output, g) to the inputs' adjoints (see OpDef.grad)."""
+    return OpDef(name, arity, "elementwise", fn, width_rule="same",
+                 grad=(lambda d, _attr, x, y, g: grad(d, x, y, g)) if grad else None)
+
+
+def _no_grad(d, x, y, g):  # comparisons: piecewise constant
+    return (None,) * len(x)
+
+
+def _tie_split(d, win, tie, g):
+    """torch's maximum/minimum: the winner takes g, a tie splits it in half."""
+    return d.mul(g, d.add(win, d.mul(tie, d.c(0.5))))
+
+
+def _gelu_grad(d, x, y, g):
+    """d/dx x Phi(x) = Phi(x) + x phi(x); Phi(x) = gelu(x) / x (1/2 at 0: no erf op needed)."""
+    (x,) = x
+    cdf = d.where(d.eq(x, d.c(0.0)), d.c(0.5), d.div(y, x))
+    pdf = d.mul(d.exp(d.mul(d.mul(x, x), d.c(-0.5))), d.c(0.3989422804014327))
+    return (d.mul(g, d.add(cdf, d.mul(x, pdf))),)
+
+
+def _gelu_tanh_grad(d, x, y, g):
+    (x,) = x
+    k0, k1 = 0.7978845608028654, 0.044715
+    t = d.tanh(d.mul(d.c(k0), d.add(x, d.mul(d.c(k1), d.mul(x, d.mul(x, x))))))
+    inner = d.mul(d.c(k0), d.add(d.c(1.0), d.mul(d.c(3 * k1), d.mul(x, x))))
+    slope = d.add(d.mul(d.c(0.5), d.add(d.c(1.0), t)),
+                  d.mul(d.mul(d.c(0.5), x), d.mul(d.sub(d.c(1.0), d.mul(t, t)), inner)))
+    return (d.mul(g, slope),)
+
+
+def _silu_grad(d, x, y, g):
+    (x,) = x
+    s = d.sigmoid(x)
+    return (d.mul(g, d.mul(s, d.add(d.c(1.0), d.mul(x, d.sub(d.c(1.0), s))))),)
 
 
 # The elementwise math of the DSL (what cd. functions and operators record).
 OPS: dict[str, OpDef] = {
     o.name: o
     for o in [
-        elementwise("add", 2, torch.add),
-        elementwise("sub", 2, torch.sub),
-        elementwise("mul", 2, torch.mul),
-        elementwise("div", 2, torch.div),
-        elementwise("neg", 1, torch.neg),
-        elementwise("maximum", 2, torch.maximum),
-        elementwise("minimum", 2, torch.minimum),
-        elementwise("lt", 2, lambda a, b: _f(a < b)),
-        elementwise("le", 2, lambda a, b: _f(a <= b)),
-        elementwise("gt", 2, lambda a, b: _f(a > b)),
-        elementwise("ge", 2, lambda a, b: _f(a >= b)),
-        elementwise("eq", 2, lambda a, b: _f(a == b)),
-        elementwise("ne", 2, lambda a, b: _f(a != b)),
-        elementwise("where", 3, lambda c, a, b: torch.where(c != 0, a, b)),
-        elementwise("exp", 1, torch.exp),
-        elementwise("log", 1, torch.log),
-        elementwise("sqrt", 1, torch.sqrt),
-        elementwise("rsqrt", 1, torch.rsqrt),
-        elementwise("tanh", 1, torch.tanh),
-        elementwise("sin", 1, torch.sin),
-        elementwise("cos", 1, torch.cos),
-        elementwise("sigmoid", 1, torch.sigmoid),
-        elementwise("abs", 1, torch.abs),
-        elementwise("relu", 1, torch.relu),
-        elementwise("gelu", 1, _gelu_erf),
-        elementwise("gelu_tanh", 1, _gelu_tanh),
-        elementwise("silu", 1, torch.nn.functional.silu),
-        elementwise("square", 1, torch.square),
+        elementwise("add", 2, torch.add,
+                    lambda d, x, y, g: (g, g)),
+        elementwise("sub", 2, torch.sub,
+                    lambda d, x, y, g: (g, d.neg(g))),
+        elementwise("mul", 2, torch.mul,
+                    lambda d, x, y, g: (d.mul(g, x[1]), d.mul(g, x[0]))),
+        elementwise("div", 2, torch.div,
+                    lambda d, x, y, g: (d.div(g, x[1]), d.neg(d.div(d.mul(g, y), x[1])))),
+        elementwise("neg", 1, torch.neg,
+                    lambda d, x, y, g: (d.neg(g),)),
+        elementwise("maximum", 2, torch.maximum,
+                    lambda d, x, y, g: (_tie_split(d, d.gt(*x), d.eq(*x), g), _tie_split(d, d.lt(*x), d.eq(*x), g))),
+        elementwise("minimum", 2, torch.minimum,
+                    lambda d, x, y, g: (_tie_split(d, d.lt(*x), d.eq(*x), g), _tie_split(d, d.gt(*x), d.eq(*x), g))),
+        elementwise("lt", 2, lambda a, b: _f(a < b),
+                    _no_grad),
+        elementwise("le", 2, lambda a, b: _f(a <= b),
+                    _no_grad),
+        elementwise("gt", 2, lambda a, b: _f(a > b),
+                    _no_grad),
+        elementwise("ge", 2, lambda a, b: _f(a >= b),
+                    _no_grad),
+        elementwise("eq", 2, lambda a, b: _f(a == b),
+                    _no_grad),
+        elementwise("ne", 2, lambda a, b: _f(a != b),
+                    _no_grad),
+        elementwise("where", 3, lambda c, a, b: torch.where(c != 0, a, b),
+                    lambda d, x, y, g: (None, d.where(x[0], g, d.c(0.0)), d.where(x[0], d.c(0.0), g))),
+        elementwise("exp", 1, torch.exp,
+                    lambda d, x, y, g: (d.mul(g, y),)),
+        elementwise("log", 1, torch.log,
+                    lambda d, x, y, g: (d.div(g, x[0]),)),
+        elementwise("sqrt", 1, torch.sqrt,
+                    lambda d, x, y, g: (d.div(d.mul(g, d.c(0.5)), y),)),
+        elementwise("rsqrt", 1, torch.rsqrt,
+                    lambda d, x, y, g: (d.mul(g, d.mul(d.c(-0.5), d.mul(y, d.mul(y, y)))),)),
+        elementwise("tanh", 1, torch.tanh,
+                    lambda d, x, y, g: (d.mul(g, d.sub(d.c(1.0), d.mul(y, y))),)),
+        elementwise("sin", 1, torch.sin,
+                    lambda d, x, y, g: (d.mul(g, d.cos(x[0])),)),
+        elementwise("cos", 1, torch.cos,
+                    lambda d, x, y, g: (d.neg(d.mul(g, d.sin(x[0]))),)),
+        elementwise("sigmoid", 1, torch.sigmoid,
+                    lambda d, x, y, g: (d.mul(g, d.mul(y, d.sub(d.c(1.0), y))),)),
+        elementwise("abs", 1, torch.abs,
+                    lambda d, x, y, g: (d.mul(g, d.sub(d.gt(x[0], d.c(0.0)), d.lt(x[0], d.c(0.0)))),)),
+        elementwise("relu", 1, torch.relu,
+                    lambda d, x, y, g: (d.mul(g, d.gt(x[0], d.c(0.0))),)),
+        elementwise("gelu", 1, _gelu_erf,
+                    _gelu_grad),
+        elementwise("gelu_tanh", 1, _gelu_tanh,
+                    _gelu_tanh_grad),
+        elementwise("silu", 1, torch.nn.functional.silu,
+                    _silu_grad),
+        elementwise("square", 1, torch.square,
+                    lambda d, x, y, g: (d.mul(g, d.mul(d.c(2.0), x[0])),)),
     ]
 }
 
@@ -121,12 +190,15 @@ def _interleave_constants(_attr, values: list[float]) -> float:
 NODE_OPS: dict[str, OpDef] = {
     **OPS,
     "cast": OpDef("cast", 1, "elementwise", lambda x, dtype: x.to(DTYPES[dtype][0]), takes_attr=True,
-                  width_rule="same"),
+                  width_rule="same", grad=lambda d, _dtype, x, y, g: (g,)),  # rounding: straight through
     # a constant has every column equal: either half of it is the constant itself
     "pair": OpDef("pair", 1, "structural", lambda x, which: x[..., which::2], takes_attr=True, width_rule="half",
-                  folder=lambda _attr, values: values[0], parts=lambda which: ((0, which), (0, which))),
+                  folder=lambda _attr, values: values[0], parts=lambda which: ((0, which), (0, which)),
+                  grad=lambda d, which, x, y, g: (d.interleave(g, d.c(0.0)) if which == 0 else
+                                                  d.interleave(d.c(0.0), g),)),
     "interleave": OpDef("interleave", 2, "structural", lambda a, b: torch.stack([a, b], dim=-1).flatten(-2),
-                        width_rule="double", folder=_interleave_constants, parts=lambda _attr: ((0, 0), (1, 0))),
+                        width_rule="double", folder=_interleave_constants, parts=lambda _attr: ((0, 0), (1, 0)),
+                        grad=lambda d, _attr, x, y, g: (d.pair(g, 0), d.pair(g, 1))),
     "reduce": OpDef("reduce", 1, "reduction"),
     "finish": OpDef("finish", 1, "reduction"),
     **{leaf: OpDef(leaf, 0, "leaf") for leaf in ("acc", "load", "source", "scalar", "const", "const_param",
@@ -160,16 +232,20 @@ class ReduceDef:
     axes: tuple = ("n", "m", None)  # the output axes it reduces over
     indexed: bool = False  # reads a per-row int64 column index (a cd.VecM operand): cd.take
     empty_defined: bool = True  # has a value over no elements (sum: 0); max/min: undefined, refused
+    # the derivative: grad(d, x, y, dy) -> x's adjoint, with y the statistic and dy its gradient (both
+    # broadcast back over the reduced axis); None: none yet
+    grad: Callable | None = None
 
 
 REDUCTIONS: dict[str, ReduceDef] = {
     r.name: r
     for r in [
-        ReduceDef("sum", lambda x, dims: x.sum(dim=dims)),
+        ReduceDef("sum", lambda x, dims: x.sum(dim=dims), grad=lambda d, x, y, dy: dy),
         ReduceDef("max", lambda x, dims: x.amax(dim=dims), empty_defined=False),
         ReduceDef("min", lambda x, dims: x.amin(dim=dims), empty_defined=False),
         ReduceDef("amax", lambda x, dims: x.abs().amax(dim=dims), empty_defined=False),
-        ReduceDef("logsumexp", lambda x, dims: torch.logsumexp(x, dim=dims), axes=("n",)),
+        ReduceDef("logsumexp", lambda x, dims: torch.logsumexp(x, dim=dims), axes=("n",),
+                  grad=lambda d, x, y, dy: d.mul(dy, d.exp(d.sub(x, y)))),  # dy times the softmax
         ReduceDef("take", _take, axes=("n",), indexed=True),  # x at column index[m] of each row m
     ]
 }

@@ -18,18 +18,24 @@ def accumulator(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.matmul(a.float(), b.float().transpose(-1, -2))
 
 
+def _real(t: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    """A loaded value in the math's precision: fp32, or fp64 when the accumulator is (autodiff's checks)."""
+    return t.to(acc.dtype if acc.dtype == torch.float64 else torch.float32)
+
+
 def _leaf(node: ir.Node, operands: dict, acc: torch.Tensor) -> torch.Tensor:
     if node.op == "acc":
         return acc
     if node.op == "const":
-        return torch.tensor(node.attr, dtype=torch.float32, device=acc.device)
+        return torch.tensor(node.attr, dtype=acc.dtype, device=acc.device)
     if node.op == "source":
-        return operands[SOURCE_OPERAND].to(acc.device).float()
+        return _real(operands[SOURCE_OPERAND].to(acc.device), acc)
     if node.op == "scalar":
-        return torch.tensor(float(operands[node.attr]), dtype=torch.float32, device=acc.device)
+        v = operands[node.attr]
+        return _real(v, acc) if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=acc.dtype, device=acc.device)
     kind, name = node.attr
     t = operands[name].to(acc.device)
-    t = t if t.dtype == torch.int64 else t.float()  # cd.take indices stay integers
+    t = t if t.dtype == torch.int64 else _real(t, acc)  # cd.take indices stay integers
     if kind == "vec_n":  # [N] or [L, N] -> broadcast over rows
         return t.unsqueeze(-2)
     if kind == "vec_m":  # [M] or [L, M] -> broadcast over columns
@@ -76,7 +82,13 @@ def _evaluate(nodes, values: dict, operands: dict, acc: torch.Tensor, widths: di
 def evaluate(program: ir.Program, a: torch.Tensor, b: torch.Tensor, operands: dict,
              out_dtypes: dict[str, str]) -> dict[str, torch.Tensor]:
     """Run a specialized program (constants bound). out_dtypes: output name -> dtype name."""
-    acc = accumulator(a, b)
+    return evaluate_on(program, accumulator(a, b), operands, out_dtypes)
+
+
+def evaluate_on(program: ir.Program, acc: torch.Tensor, operands: dict,
+                out_dtypes: dict[str, str | None]) -> dict[str, torch.Tensor]:
+    """The program on a given accumulator: fp32 (the semantics), or fp64 for autodiff's checks, where the
+    math stays in fp64 and is differentiable by torch.autograd. An out dtype None keeps the math's."""
     widths = infer_widths(program)
     values = _evaluate(ir.walk(program), {}, operands, acc, widths)
     result = {}
@@ -86,5 +98,6 @@ def evaluate(program: ir.Program, a: torch.Tensor, b: torch.Tensor, operands: di
             v = _full(v, acc, widths.get(id(o.node), 1))
         elif o.node.op == "finish":  # constants in the expression must not shrink the statistic's shape
             v = torch.broadcast_to(v, values[id(o.node.inputs[0])].shape)
-        result[o.name] = v.to(DTYPES[out_dtypes[o.name]][0]).contiguous()
+        dtype = out_dtypes.get(o.name)
+        result[o.name] = (v.to(DTYPES[dtype][0]) if dtype else v).contiguous()
     return result

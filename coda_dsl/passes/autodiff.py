@@ -1,0 +1,117 @@
+"""Reverse-mode differentiation of an epilogue program: its backward is another epilogue program.
+
+For a forward program y_i = f_i(acc, operands), `derive` builds the program that, given the same
+acc and operands, the incoming gradients of the outputs (`grad_<output>`) and the statistics that the
+derivative needs (`saved_<output>`), computes the gradients of acc and of every differentiable operand:
+
+    output "acc"         dL/dacc, [M, N]: what grad_x = dacc @ W and grad_W = dacc^T x need
+    output <tensor op>   [M, N] (or its width), elementwise
+    output <VecN op>     sum over m (a reduction in the same program), <VecM op> sum over n,
+    output <Scalar op>   sum over all
+
+cd.Const operands, comparisons and int64 indices get none. Each op's rule lives in its definition
+(ir/ops.py: OpDef.grad, ReduceDef.grad); this pass only walks the graph backwards and sums adjoints.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import UnsupportedError
+from ..ir import graph as ir
+from ..ir.ops import REDUCTIONS
+
+GRAD, SAVED = "grad_", "saved_"  # parameter names of the incoming gradients and of saved statistics
+_VEC_OF_AXIS = {"n": "vec_m", "m": "vec_n", None: "scalar"}  # the gradient of a statistic over `axis`
+_SUM_AXIS = {"vec_n": "m", "vec_m": "n", "scalar": None}  # how an operand's adjoint is reduced to its shape
+
+
+class _Builder:
+    """The node constructors the rules use: d.mul(a, b), d.pair(x, 0), d.c(0.5), ..."""
+
+    def c(self, value: float) -> ir.Node:
+        return ir.const(value)
+
+    def pair(self, x: ir.Node, which: int) -> ir.Node:
+        return ir.pair(x, which)
+
+    def interleave(self, a: ir.Node, b: ir.Node) -> ir.Node:
+        return ir.interleave(a, b)
+
+    def __getattr__(self, op: str):
+        return lambda *inputs: ir.compute(op, *inputs)
+
+
+_d = _Builder()
+
+
+@dataclass(frozen=True)
+class Backward:
+    """A derived program and what calling it needs."""
+
+    program: ir.Program
+    grads: tuple[str, ...]  # forward outputs whose incoming gradient is a parameter (grad_<name>)
+    saved: tuple[str, ...]  # forward outputs the derivative reads (saved_<name>): statistics
+    uses_acc: bool  # reads the forward's accumulator (else only the operands and gradients)
+
+
+def _add(a: ir.Node | None, b: ir.Node) -> ir.Node:
+    return b if a is None else ir.compute("add", a, b)
+
+
+def derive(program: ir.Program) -> Backward:
+    """The backward of a specialized forward program (cd.Const values bound)."""
+    where = f"epilogue '{program.name}' ({program.source})"
+    kinds = {p.name: p.kind for p in program.params}
+    for name in kinds:
+        if name.startswith((GRAD, SAVED)) or name == "acc":
+            raise UnsupportedError(f"{where}: operand '{name}' clashes with the backward's names "
+                                   f"('acc', '{GRAD}*', '{SAVED}*'): rename it to differentiate the epilogue")
+    adjoint: dict[int, ir.Node] = {}
+    params, grads, saved = [], [], []
+    for o in program.outputs:
+        r = ir.reduction_of(o.node)
+        if r is None:
+            grads.append(o.name)
+            params.append(ir.Param(GRAD + o.name, "tensor"))
+            adjoint[id(o.node)] = _add(adjoint.get(id(o.node)), ir.load("tensor", GRAD + o.name))
+            continue
+        kind, axis = r.attr
+        rule = REDUCTIONS[kind].grad
+        if rule is None or o.node.op == "finish":
+            what = f"cd.{kind}" + (" with .then(...)" if o.node.op == "finish" else "")
+            raise UnsupportedError(f"{where}: output '{o.name}' is a {what}, which has no derivative yet")
+        vec = _VEC_OF_AXIS[axis]
+        dy = ir.scalar(GRAD + o.name) if vec == "scalar" else ir.load(vec, GRAD + o.name)
+        y = ir.scalar(SAVED + o.name) if vec == "scalar" else ir.load(vec, SAVED + o.name)
+        grads.append(o.name)
+        params.append(ir.Param(GRAD + o.name, vec))
+        if kind == "logsumexp":  # its rule reads the statistic
+            saved.append(o.name)
+            params.append(ir.Param(SAVED + o.name, vec))
+        x = r.inputs[0]
+        adjoint[id(x)] = _add(adjoint.get(id(x)), rule(_d, x, y, dy))
+    order = ir.topo_order([o.node for o in program.outputs])
+    for node in reversed(order):
+        g = adjoint.get(id(node))
+        if g is None or node.is_leaf or node.kind == "reduction":
+            continue
+        definition = node.definition
+        if definition.grad is None:
+            raise UnsupportedError(f"{program.where(node)}: '{node.op}' has no derivative yet")
+        for x, gx in zip(node.inputs, definition.grad(_d, node.attr, node.inputs, node, g)):
+            if gx is not None:
+                adjoint[id(x)] = _add(adjoint.get(id(x)), gx)
+    outputs = []
+    acc_grad = adjoint.get(id(ir.acc()))
+    if acc_grad is not None:
+        outputs.append(ir.Output("acc", acc_grad, None))
+    for p in program.params:
+        leaf = ir.scalar(p.name) if p.kind == "scalar" else ir.load(p.kind, p.name) if p.kind != "const" else None
+        g = adjoint.get(id(leaf)) if leaf is not None else None
+        if g is None:
+            continue
+        outputs.append(ir.Output(p.name, g if p.kind == "tensor" else ir.reduce("sum", _SUM_AXIS[p.kind], g), None))
+    uses = {n.op for n in ir.topo_order([o.node for o in outputs])}
+    backward = ir.Program(f"{program.name}_backward", tuple(p for p in program.params if p.kind != "const")
+                          + tuple(params), tuple(outputs), program.source, program.locations)
+    return Backward(backward, tuple(grads), tuple(saved), "acc" in uses)
