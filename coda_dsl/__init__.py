@@ -11,6 +11,7 @@
 Defining and running epilogues:
     cd.epilogue           decorator: traces fn(acc, operand: kind, ...) into an epilogue
     cd.gemm(A, B, ep, **operands)   runs it: {output name: tensor} (the epilogue is positional)
+    cd.linear(A, B, ep, **operands) the same with autograd: its backward derived from the epilogue
     cd.compile, cd.prebuild, cd.set_tuning, cd.CompiledOp, cd.Config   building and tuning kernels
     cd.identity           the epilogue D = acc
 
@@ -45,7 +46,7 @@ _LAZY = {
                 "min", "minimum", "pairs", "relu", "rsqrt", "sigmoid", "silu", "sin", "sqrt", "sum", "take",
                 "tanh", "where"),
     "passes.plan": ("Config",),
-    "runtime": ("CompiledOp", "compile", "gemm", "prebuild", "set_tuning"),
+    "runtime": ("CompiledOp", "compile", "gemm", "linear", "prebuild", "set_tuning"),
     "library": ("linear_cross_entropy",),
 }
 _DTYPES = ("bfloat16", "float16", "float32")  # torch's, under the names cd.cast accepts

@@ -22,13 +22,25 @@ class Epilogue:
 
     def __init__(self, fn: Callable, name: str | None = None):
         self.fn = fn
-        self.name = name or fn.__name__
-        self.source, self.params = signature_params(fn, RESERVED)
-        self.program: ir.Program = trace(fn, self.params, self.name, self.source)
-        self.output_names = tuple(o.name for o in self.program.outputs)
+        name = name or fn.__name__
+        source, params = signature_params(fn, RESERVED)
+        self._adopt(trace(fn, params, name, source))
+        self.__doc__ = fn.__doc__
+
+    @classmethod
+    def of_program(cls, program: ir.Program) -> "Epilogue":
+        """An epilogue of a program built by a pass (e.g. a derived backward), not traced from a function."""
+        ep = cls.__new__(cls)
+        ep.fn = None
+        ep._adopt(program)
+        return ep
+
+    def _adopt(self, program: ir.Program) -> None:
+        self.program = program
+        self.name, self.source, self.params = program.name, program.source, program.params
+        self.output_names = tuple(o.name for o in program.outputs)
         self.uid = f"{self.name}#{next(self._count)}"  # names this epilogue inside torch.compile graphs
         Epilogue._by_uid[self.uid] = self
-        self.__doc__ = fn.__doc__
 
     @classmethod
     def by_uid(cls, uid: str) -> "Epilogue":
