@@ -19,12 +19,16 @@ Design decisions:
 - **Fused weights derived per forward.** W_qkv (q/k rows permuted per head by
   `neox_to_interleaved_rows`, so the interleaved-pair RoPE epilogue gives HF's half-split rotation;
   q·k is unchanged by a common permutation) and the interleaved W_gate_up are concatenations of the
-  HF parameters, differentiable, so gradients land in q_proj.weight, gate_proj.weight, ...
+  HF parameters, differentiable, so gradients land in q_proj.weight, gate_proj.weight, ... (a copy of
+  those weights per forward: the price of training HF's parameters directly).
+- **Norm statistics across layers.** The down epilogue emits rstd of the layer's output (with this
+  layer's eps: one config per stack); `forward(..., return_rstd=True)` returns it and the next layer
+  takes it as `input_rstd`, so only the first layer computes its input's rstd in torch.
 - **Backward unfused for now.** Each GEMM is one `torch.autograd.Function` whose backward calls one
   named function of plain torch ops (`rms_rope_backward`, `rms_producer_backward`,
   `rms_swiglu_backward`, `residual_rms_backward`); a fused backward epilogue can replace each one.
   Only the gradients autograd asks for are computed.
-- **Attention mask: causal only**, per row of the batch. Packed sequences may restart `position_ids`
+- **Attention mask: causal only**, per row of the batch (SDPA; GQA by `enable_gqa`, torch >= 2.5). Packed sequences may restart `position_ids`
   (RoPE follows them) but attention still spans the whole row; a mask other than None is refused.
 - RoPE: the default and any rope type whose attention scaling is 1 (the inverse frequencies are taken
   from transformers' rope functions for non-default types). No KV cache (training layer).
@@ -212,14 +216,15 @@ def _linear(n_in: int, n_out: int, dtype, device) -> nn.Linear:
 
 def _inv_freq(config) -> torch.Tensor:
     """[head_dim / 2] inverse frequencies, as HF's LlamaRotaryEmbedding computes them."""
-    rope = dict(getattr(config, "rope_parameters", None) or {})
+    # transformers 5 keeps rope_theta and the rope type in rope_parameters; 4.x in rope_theta and rope_scaling
+    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     rope_type = rope.get("rope_type", "default")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if rope_type == "default":
         base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
     if scaling != 1.0:
         raise UnsupportedError(f"coda_dsl.nn: rope_type {rope_type!r} scales cos/sin by {scaling}; only rope types "
                                "with attention scaling 1 are supported (e.g. 'default', 'llama3')")
