@@ -246,9 +246,16 @@ class LlamaAttention(nn.Module):
         inv = _inv_freq(config)
         # per column pair of the fused QKV output: q and k heads rotate, V's pairs get 0
         qkv_inv = torch.cat((inv.repeat(self.num_heads + self.num_kv_heads), torch.zeros(self.num_kv_heads * hd // 2)))
+        self._qkv_inv_freq_fp32 = qkv_inv
         self.register_buffer("qkv_inv_freq", qkv_inv.to(device), persistent=False)
         self.register_buffer("q_rows", neox_to_interleaved_rows(self.num_heads, hd).to(device), persistent=False)
         self.register_buffer("k_rows", neox_to_interleaved_rows(self.num_kv_heads, hd).to(device), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # module.to(torch.bfloat16) casts float buffers too; RoPE angles need the fp32 frequencies
+        super()._apply(fn, recurse)
+        self.qkv_inv_freq = self._qkv_inv_freq_fp32.to(self.qkv_inv_freq.device)
+        return self
 
     def qkv_weight(self) -> torch.Tensor:
         """[Nq + 2 Nkv, D]: q and k rows permuted per head for the interleaved RoPE epilogue."""

@@ -179,6 +179,18 @@ def test_state_dict_round_trip():
         assert torch.equal(back.state_dict()[name], t), name
 
 
+def test_dtype_cast_keeps_rope_frequencies_fp32():
+    """layer.to(torch.bfloat16) casts float buffers too; the RoPE frequencies must stay exact fp32."""
+    config = llama_config()
+    hf = random_hf_layer(config)
+    ours = cdnn.LlamaDecoderLayer.from_hf(hf, backend="reference")
+    exact = ours.self_attn.qkv_inv_freq.clone()
+    ours.to(torch.bfloat16)
+    assert ours.self_attn.q_proj.weight.dtype == torch.bfloat16
+    assert ours.self_attn.qkv_inv_freq.dtype == torch.float32
+    assert torch.equal(ours.self_attn.qkv_inv_freq, exact)
+
+
 def test_llama3_rope_scaling_matches_hf():
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
