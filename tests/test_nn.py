@@ -34,7 +34,7 @@ def hf_forward(layer, config, x, position_ids):
     """HF's layer as its model calls it: RoPE tables from LlamaRotaryEmbedding, an explicit causal mask."""
     s = x.shape[1]
     cos_sin = LlamaRotaryEmbedding(config)(x, position_ids)
-    mask = torch.full((s, s), float("-inf"), dtype=x.dtype).triu(1)[None, None]
+    mask = torch.full((s, s), float("-inf"), dtype=x.dtype, device=x.device).triu(1)[None, None]
     return layer(x, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin)
 
 
