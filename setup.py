@@ -25,6 +25,6 @@ setup(
         "ninja",
         "pybind11",
     ],
-    extras_require={"test": ["pytest>=7"]},
+    extras_require={"test": ["pytest>=7", "transformers>=5"]},  # transformers: tests/test_nn.py's HF reference
     entry_points={"console_scripts": ["coda-dsl=coda_dsl.cli:main"]},
 )

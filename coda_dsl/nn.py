@@ -1,0 +1,361 @@
+"""A trainable Llama decoder layer whose forward is four GEMMs with fused epilogues.
+
+`LlamaDecoderLayer` holds exactly the parameters of Hugging Face's `LlamaDecoderLayer` (same names and
+shapes, so `load_state_dict(hf_layer.state_dict())` works both ways). Per layer, on [M, D] tokens:
+
+    1. QKV     = rope(rstd1[m] * ((x * gamma1) @ W_qkv^T))          epilogue `rms_rope`
+    2. attention through F.scaled_dot_product_attention (causal, GQA)
+    3. h       = attn @ W_o^T + x;  h * gamma2;  rstd2 = rsqrt(mean(h^2) + eps)    `rms_producer`
+    4. y       = swiglu(rstd2[m] * ((h * gamma2) @ W_gate_up^T))   epilogue `rms_swiglu`
+    5. out     = y @ W_down^T + h;  rstd of out for the next layer's norm           `residual_rms`
+
+Design decisions:
+
+- **Gamma on the activation side, nothing folded.** RMSNorm's gamma multiplies the GEMM's input
+  (`h * gamma2` is an output of the o-proj epilogue; `x * gamma1` is one elementwise op at the layer's
+  entrance, since the previous layer does not know this layer's gamma), and rstd scales the
+  accumulator per row. Folding gamma into the weights (W * gamma) would cost a pass over every weight
+  per forward, or a re-fold after each optimizer step; this way training updates HF's own parameters.
+- **Fused weights derived per forward.** W_qkv (q/k rows permuted per head by
+  `neox_to_interleaved_rows`, so the interleaved-pair RoPE epilogue gives HF's half-split rotation;
+  q·k is unchanged by a common permutation) and the interleaved W_gate_up are concatenations of the
+  HF parameters, differentiable, so gradients land in q_proj.weight, gate_proj.weight, ... (a copy of
+  those weights per forward: the price of training HF's parameters directly).
+- **Norm statistics across layers.** The down epilogue emits rstd of the layer's output (with this
+  layer's eps: one config per stack); `forward(..., return_rstd=True)` returns it and the next layer
+  takes it as `input_rstd`, so only the first layer computes its input's rstd in torch.
+- **Backward unfused for now.** Each GEMM is one `torch.autograd.Function` whose backward calls one
+  named function of plain torch ops (`rms_rope_backward`, `rms_producer_backward`,
+  `rms_swiglu_backward`, `residual_rms_backward`); a fused backward epilogue can replace each one.
+  Only the gradients autograd asks for are computed.
+- **Attention mask: causal only**, per row of the batch (SDPA; GQA by `enable_gqa`, torch >= 2.5). Packed sequences may restart `position_ids`
+  (RoPE follows them) but attention still spans the whole row; a mask other than None is refused.
+- RoPE: the default and any rope type whose attention scaling is 1 (the inverse frequencies are taken
+  from transformers' rope functions for non-default types). No KV cache (training layer).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import coda_dsl as cd
+from .errors import UnsupportedError
+from .library import interleave_gate_up, neox_to_interleaved_rows, rms_producer
+from .library.rope import _rotate
+
+
+# ---------------------------------------------------------------- forward epilogues
+
+@cd.epilogue
+def rms_rope(acc, rstd: cd.VecM, pos: cd.VecM, inv_freq: cd.VecN):
+    """QKV projection of a normalized input: rstd scales the row, then RoPE by position (inv_freq 0
+    for V's columns, which pass through)."""
+    angle = pos * inv_freq
+    return _rotate(rstd * acc, cd.cos(angle), cd.sin(angle))
+
+
+@cd.epilogue
+def rms_swiglu(acc, rstd: cd.VecM):
+    """Gate/up projection (interleaved rows) of a normalized input; also stores the pre-activation,
+    the input of the backward."""
+    pre = rstd * acc
+    g, u = cd.pairs(pre)
+    return {"D": cd.silu(g) * u, "pre": pre}
+
+
+@cd.epilogue
+def residual_rms(acc, residual: cd.Tensor, inv_n: cd.Scalar, eps: cd.Scalar):
+    """Down projection plus residual; rstd of the result for the next layer's input norm."""
+    h = acc + residual
+    return {"D": h, "rstd": cd.sum(h * h, axis="n").then(lambda s: cd.rsqrt(s * inv_n + eps))}
+
+
+# ---------------------------------------------------------------- backward steps (plain torch for now)
+
+def _mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return a.to(dtype) @ b.to(dtype)
+
+
+def _linear_grads(ctx, dacc, a, w, ia: int, iw: int):
+    """acc = a @ w^T: (d a, d w), each only if autograd wants it."""
+    da = _mm(dacc, w, a.dtype) if ctx.needs_input_grad[ia] else None
+    dw = _mm(dacc.t(), a, w.dtype) if ctx.needs_input_grad[iw] else None
+    return da, dw
+
+
+def _rstd_grad(dh, drstd, h, rstd, inv_n: float):
+    """dh plus the gradient through rstd = rsqrt(mean(h^2) + eps): d rstd/dh = -rstd^3 h / N."""
+    dh = dh.float() if dh is not None else torch.zeros(h.shape, device=h.device)
+    if drstd is not None:
+        dh = dh - (drstd * rstd ** 3 * inv_n)[:, None] * h.float()
+    return dh
+
+
+def rms_rope_backward(dy, y, rstd, pos, inv_freq):
+    """y = rope(rstd * acc) -> (d acc, d rstd). The rotation is orthogonal, so
+    d rstd = sum_n dy * y / rstd."""
+    angle = pos[:, None] * inv_freq[None, :]
+    cos, sin = angle.cos(), angle.sin()
+    d = dy.float().unflatten(-1, (-1, 2))
+    d0, d1 = d[..., 0], d[..., 1]
+    g = torch.stack((d0 * cos + d1 * sin, d1 * cos - d0 * sin), dim=-1).flatten(-2)  # rotate back
+    return rstd[:, None] * g, (dy.float() * y.float()).sum(-1) / rstd
+
+
+def rms_swiglu_backward(dy, pre, rstd):
+    """y = silu(g) * u with (g, u) = pairs(pre), pre = rstd * acc -> (d acc, d rstd)."""
+    p = pre.float().unflatten(-1, (-1, 2))
+    g, u = p[..., 0], p[..., 1]
+    sig = torch.sigmoid(g)
+    dy = dy.float()
+    dg = dy * u * sig * (1.0 + g * (1.0 - sig))
+    dpre = torch.stack((dg, dy * g * sig), dim=-1).flatten(-2)
+    return rstd[:, None] * dpre, (dpre * pre.float()).sum(-1) / rstd
+
+
+def rms_producer_backward(dh, dhg, drstd, h, rstd, gamma, inv_n: float, want_gamma: bool):
+    """h = acc + residual, outputs (h, h * gamma, rstd(h)) -> (d acc = d residual, d gamma)."""
+    dgamma = (dhg.float() * h.float()).sum(0) if want_gamma and dhg is not None else None
+    if dhg is not None:
+        dh = dhg.float() * gamma.float() + (dh.float() if dh is not None else 0.0)
+    return _rstd_grad(dh, drstd, h, rstd, inv_n), dgamma
+
+
+def residual_rms_backward(dout, drstd, out, rstd, inv_n: float):
+    """out = acc + residual, outputs (out, rstd(out)) -> d acc (= d residual)."""
+    return _rstd_grad(dout, drstd, out, rstd, inv_n)
+
+
+# ---------------------------------------------------------------- one autograd.Function per fused GEMM
+
+class _RmsRopeLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, xg, rstd, w, pos, inv_freq, backend):
+        y = cd.gemm(xg, w, rms_rope, rstd=rstd, pos=pos, inv_freq=inv_freq, backend=backend)["D"]
+        ctx.save_for_backward(xg, rstd, w, pos, inv_freq, y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xg, rstd, w, pos, inv_freq, y = ctx.saved_tensors
+        dacc, drstd = rms_rope_backward(dy, y, rstd, pos, inv_freq)
+        dxg, dw = _linear_grads(ctx, dacc, xg, w, 0, 2)
+        return dxg, drstd if ctx.needs_input_grad[1] else None, dw, None, None, None
+
+
+class _RmsProducerLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, w, residual, gamma, eps, backend):
+        inv_n = 1.0 / w.shape[0]
+        r = cd.gemm(a, w, rms_producer, residual=residual, gamma=gamma, inv_n=inv_n, eps=eps, backend=backend)
+        ctx.save_for_backward(a, w, gamma, r["D"], r["rstd"])
+        ctx.inv_n = inv_n
+        return r["D"], r["h_gamma"], r["rstd"]
+
+    @staticmethod
+    def backward(ctx, dh, dhg, drstd):
+        a, w, gamma, h, rstd = ctx.saved_tensors
+        dacc, dgamma = rms_producer_backward(dh, dhg, drstd, h, rstd, gamma, ctx.inv_n, ctx.needs_input_grad[3])
+        da, dw = _linear_grads(ctx, dacc, a, w, 0, 1)
+        dres = dacc.to(h.dtype) if ctx.needs_input_grad[2] else None
+        return da, dw, dres, dgamma.to(gamma.dtype) if dgamma is not None else None, None, None
+
+
+class _RmsSwigluLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, xg, rstd, w, backend):
+        r = cd.gemm(xg, w, rms_swiglu, rstd=rstd, backend=backend)
+        ctx.save_for_backward(xg, rstd, w, r["pre"])
+        return r["D"]
+
+    @staticmethod
+    def backward(ctx, dy):
+        xg, rstd, w, pre = ctx.saved_tensors
+        dacc, drstd = rms_swiglu_backward(dy, pre, rstd)
+        dxg, dw = _linear_grads(ctx, dacc, xg, w, 0, 2)
+        return dxg, drstd if ctx.needs_input_grad[1] else None, dw, None
+
+
+class _ResidualRmsLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, w, residual, eps, backend):
+        inv_n = 1.0 / w.shape[0]
+        r = cd.gemm(a, w, residual_rms, residual=residual, inv_n=inv_n, eps=eps, backend=backend)
+        ctx.save_for_backward(a, w, r["D"], r["rstd"])
+        ctx.inv_n = inv_n
+        return r["D"], r["rstd"]
+
+    @staticmethod
+    def backward(ctx, dout, drstd):
+        a, w, out, rstd = ctx.saved_tensors
+        dacc = residual_rms_backward(dout, drstd, out, rstd, ctx.inv_n)
+        da, dw = _linear_grads(ctx, dacc, a, w, 0, 1)
+        return da, dw, dacc.to(out.dtype) if ctx.needs_input_grad[2] else None, None, None
+
+
+def input_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """rstd = rsqrt(mean(x^2) + eps) per row, in fp32: what `residual_rms` emits for the next layer."""
+    return torch.rsqrt(x.float().pow(2).mean(-1) + eps)
+
+
+# ---------------------------------------------------------------- modules (HF parameter names)
+
+class RMSNorm(nn.Module):
+    """Holds gamma only (HF's `LlamaRMSNorm.weight`): the norm itself runs in the GEMM epilogues."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype=None, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+        self.variance_epsilon = eps
+
+
+def _linear(n_in: int, n_out: int, dtype, device) -> nn.Linear:
+    return nn.Linear(n_in, n_out, bias=False, dtype=dtype, device=device)
+
+
+def _inv_freq(config) -> torch.Tensor:
+    """[head_dim / 2] inverse frequencies, as HF's LlamaRotaryEmbedding computes them."""
+    # transformers 5 keeps rope_theta and the rope type in rope_parameters; 4.x in rope_theta and rope_scaling
+    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    rope_type = rope.get("rope_type", "default")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if rope_type == "default":
+        base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+    if scaling != 1.0:
+        raise UnsupportedError(f"coda_dsl.nn: rope_type {rope_type!r} scales cos/sin by {scaling}; only rope types "
+                               "with attention scaling 1 are supported (e.g. 'default', 'llama3')")
+    return inv_freq.float()
+
+
+class LlamaAttention(nn.Module):
+    """q/k/v/o projections (HF names). The QKV GEMM's epilogue applies the input norm's rstd and RoPE."""
+
+    def __init__(self, config, dtype=None, device=None):
+        super().__init__()
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        d, hd = config.hidden_size, self.head_dim
+        self.q_proj = _linear(d, self.num_heads * hd, dtype, device)
+        self.k_proj = _linear(d, self.num_kv_heads * hd, dtype, device)
+        self.v_proj = _linear(d, self.num_kv_heads * hd, dtype, device)
+        self.o_proj = _linear(self.num_heads * hd, d, dtype, device)
+        inv = _inv_freq(config)
+        # per column pair of the fused QKV output: q and k heads rotate, V's pairs get 0
+        qkv_inv = torch.cat((inv.repeat(self.num_heads + self.num_kv_heads), torch.zeros(self.num_kv_heads * hd // 2)))
+        self._qkv_inv_freq_fp32 = qkv_inv
+        self.register_buffer("qkv_inv_freq", qkv_inv.to(device), persistent=False)
+        self.register_buffer("q_rows", neox_to_interleaved_rows(self.num_heads, hd).to(device), persistent=False)
+        self.register_buffer("k_rows", neox_to_interleaved_rows(self.num_kv_heads, hd).to(device), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # module.to(torch.bfloat16) casts float buffers too; RoPE angles need the fp32 frequencies
+        super()._apply(fn, recurse)
+        self.qkv_inv_freq = self._qkv_inv_freq_fp32.to(self.qkv_inv_freq.device)
+        return self
+
+    def qkv_weight(self) -> torch.Tensor:
+        """[Nq + 2 Nkv, D]: q and k rows permuted per head for the interleaved RoPE epilogue."""
+        return torch.cat((self.q_proj.weight[self.q_rows], self.k_proj.weight[self.k_rows], self.v_proj.weight))
+
+    def forward(self, xg, rstd, pos, batch: int, backend: str):
+        """xg = x * gamma1 [M, D], rstd [M] -> attention output before o_proj, [M, Nq]."""
+        qkv = _RmsRopeLinear.apply(xg, rstd, self.qkv_weight(), pos, self.qkv_inv_freq, backend)
+        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        heads = lambda t: t.unflatten(0, (batch, -1)).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # noqa: E731
+        q, k, v = (heads(t) for t in qkv.split((nq, nkv, nkv), dim=-1))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.head_dim ** -0.5,
+                                           enable_gqa=self.num_heads != self.num_kv_heads)
+        return o.transpose(1, 2).flatten(-2).flatten(0, 1)
+
+
+class LlamaMLP(nn.Module):
+    """gate/up/down projections (HF names): gate/up in one GEMM (rows interleaved) with rstd and SwiGLU in
+    its epilogue; down with the residual add and the next norm's rstd in its epilogue."""
+
+    def __init__(self, config, dtype=None, device=None):
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise UnsupportedError(f"coda_dsl.nn.LlamaMLP: hidden_act {config.hidden_act!r}; only 'silu' is supported")
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = _linear(d, f, dtype, device)
+        self.up_proj = _linear(d, f, dtype, device)
+        self.down_proj = _linear(f, d, dtype, device)
+
+    def forward(self, hg, rstd, residual, eps: float, backend: str):
+        """hg = h * gamma2 [M, D], rstd [M], residual h -> (h + mlp, rstd of that)."""
+        y = _RmsSwigluLinear.apply(hg, rstd, interleave_gate_up(self.gate_proj.weight, self.up_proj.weight), backend)
+        return _ResidualRmsLinear.apply(y, self.down_proj.weight, residual, eps, backend)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Drop-in for transformers' LlamaDecoderLayer in training (same state dict); see the module docstring.
+
+    backend: cd.gemm's backend for the four forward GEMMs ("auto", "cutlass" or "reference")."""
+
+    def __init__(self, config, layer_idx: int = 0, backend: str = "auto", dtype=None, device=None):
+        super().__init__()
+        if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+            raise UnsupportedError("coda_dsl.nn.LlamaDecoderLayer: attention_bias/mlp_bias are not supported; "
+                                   "use a config with both False (as Llama's)")
+        self.config, self.layer_idx, self.backend = config, layer_idx, backend
+        self.hidden_size = config.hidden_size
+        eps = config.rms_norm_eps
+        self.self_attn = LlamaAttention(config, dtype, device)
+        self.mlp = LlamaMLP(config, dtype, device)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+
+    @classmethod
+    def from_hf(cls, hf_layer, backend: str = "auto") -> "LlamaDecoderLayer":
+        """A copy of a transformers LlamaDecoderLayer (its config, dtype, device and weights)."""
+        w = hf_layer.self_attn.q_proj.weight
+        layer = cls(hf_layer.self_attn.config, getattr(hf_layer.self_attn, "layer_idx", 0), backend,
+                    dtype=w.dtype, device=w.device)
+        layer.load_hf_state_dict(hf_layer.state_dict())
+        return layer
+
+    def load_hf_state_dict(self, state_dict, strict: bool = True):
+        """Load a transformers LlamaDecoderLayer's state dict (the names are the same)."""
+        return self.load_state_dict(state_dict, strict=strict)
+
+    def to_hf(self):
+        """A transformers LlamaDecoderLayer with these weights (eager attention)."""
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer as HFLayer
+        w = self.self_attn.q_proj.weight
+        hf = HFLayer(self.config, self.layer_idx).to(dtype=w.dtype, device=w.device)
+        hf.load_state_dict(self.state_dict())
+        return hf
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
+                use_cache: bool = False, position_embeddings=None, *, input_rstd: torch.Tensor | None = None,
+                return_rstd: bool = False, **kwargs):
+        """hidden_states [B, S, D] -> [B, S, D]. position_ids [B, S] or [1, S] (default 0..S-1 per row);
+        RoPE is computed from them in the QKV epilogue (position_embeddings is ignored).
+        input_rstd [B, S] (fp32): rsqrt(mean(x^2) + eps) of the input, as a previous layer returns it with
+        return_rstd=True; computed here when None. return_rstd: also return this output's rstd."""
+        if attention_mask is not None:
+            raise UnsupportedError("coda_dsl.nn.LlamaDecoderLayer: attention is causal only; pass "
+                                   "attention_mask=None (no padding or packed-sequence masks yet)")
+        if cache is not None or use_cache or kwargs.get("past_key_values") is not None:
+            raise UnsupportedError("coda_dsl.nn.LlamaDecoderLayer: no KV cache (training layer); pass cache=None")
+        x = hidden_states
+        b, s, d = x.shape
+        if position_ids is None:
+            position_ids = torch.arange(s, device=x.device)[None]
+        pos = position_ids.expand(b, s).reshape(-1).float()
+        eps = self.input_layernorm.variance_epsilon
+        xf = x.reshape(b * s, d)
+        rstd = input_rms(xf, eps) if input_rstd is None else input_rstd.reshape(-1)
+        # gamma1 on the activation side: the previous layer's epilogue does not know this layer's gamma
+        xg = xf * self.input_layernorm.weight
+        attn = self.self_attn(xg, rstd, pos, b, self.backend)
+        h, hg, rstd2 = _RmsProducerLinear.apply(attn, self.self_attn.o_proj.weight, xf,
+                                                self.post_attention_layernorm.weight,
+                                                self.post_attention_layernorm.variance_epsilon, self.backend)
+        out, rstd_out = self.mlp(hg, rstd2, h, eps, self.backend)
+        out = out.view(b, s, d)
+        return (out, rstd_out.view(b, s)) if return_rstd else out

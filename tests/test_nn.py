@@ -1,0 +1,246 @@
+"""coda_dsl.nn.LlamaDecoderLayer against Hugging Face's LlamaDecoderLayer (eager attention), on CPU with the
+reference backend: outputs, input gradients and every parameter gradient, and a short training run."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import LlamaConfig  # noqa: E402
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer as HFLayer  # noqa: E402
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding  # noqa: E402
+
+import coda_dsl as cd  # noqa: E402
+from coda_dsl import nn as cdnn  # noqa: E402
+
+
+def llama_config(**kw) -> LlamaConfig:
+    args = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+                rope_theta=500000.0, rms_norm_eps=1e-5, attn_implementation="eager")
+    return LlamaConfig(**{**args, **kw})
+
+
+def random_hf_layer(config, seed=0, layer_idx=0) -> HFLayer:
+    """HF layer with random weights and non-trivial norm gammas (ones would hide gamma mistakes)."""
+    torch.manual_seed(seed)
+    layer = HFLayer(config, layer_idx)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.1) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    return layer
+
+
+def hf_forward(layer, config, x, position_ids):
+    """HF's layer as its model calls it: RoPE tables from LlamaRotaryEmbedding, an explicit causal mask."""
+    s = x.shape[1]
+    cos_sin = LlamaRotaryEmbedding(config)(x, position_ids)
+    mask = torch.full((s, s), float("-inf"), dtype=x.dtype, device=x.device).triu(1)[None, None]
+    return layer(x, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin)
+
+
+def grads(layer, x, y, dy):
+    layer.zero_grad()
+    x.grad = None
+    y.backward(dy)
+    return x.grad, {n: p.grad for n, p in layer.named_parameters()}
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+
+
+def positions(b, s, packed):
+    if not packed:
+        return torch.arange(s)[None].expand(b, s)
+    cut = s // 2 + 1  # two packed sequences per row: positions restart at `cut`
+    p = torch.cat((torch.arange(cut), torch.arange(s - cut)))
+    return p[None].expand(b, s)
+
+
+@pytest.mark.parametrize("s, packed", [(7, False), (13, False), (13, True)])
+def test_layer_matches_hf_fp32(s, packed):
+    config = llama_config()
+    hf = random_hf_layer(config)
+    ours = cdnn.LlamaDecoderLayer.from_hf(hf, backend="reference")
+    torch.manual_seed(1)
+    x = torch.randn(2, s, config.hidden_size, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    pid = positions(2, s, packed)
+    y_hf, y = hf_forward(hf, config, x, pid), ours(x2, position_ids=pid)
+    assert rel_err(y, y_hf) < 1e-5
+    dy = torch.randn_like(y)
+    dx_hf, g_hf = grads(hf, x, y_hf, dy)
+    dx, g = grads(ours, x2, y, dy)
+    assert rel_err(dx, dx_hf) < 1e-5
+    assert g.keys() == g_hf.keys() and len(g) == 9
+    for name in g_hf:
+        assert rel_err(g[name], g_hf[name]) < 1e-4, name
+
+
+def test_default_positions_are_arange():
+    config = llama_config()
+    ours = cdnn.LlamaDecoderLayer.from_hf(random_hf_layer(config), backend="reference")
+    x = torch.randn(2, 5, config.hidden_size)
+    torch.testing.assert_close(ours(x), ours(x, position_ids=torch.arange(5)[None]), rtol=0, atol=0)
+    restart = torch.tensor([[0, 1, 2, 0, 1]])  # a shift alone would not show: RoPE scores are relative
+    assert rel_err(ours(x), ours(x, position_ids=restart)) > 1e-3
+
+
+def test_layer_bf16_within_hf_bf16_error():
+    """bf16: our error against the fp32 reference is within twice HF's own bf16 error (measured: 0.3-1.5 % for both)."""
+    config = llama_config(hidden_size=128, head_dim=32, intermediate_size=176)
+    hf32 = random_hf_layer(config)
+    hf16 = random_hf_layer(config).to(torch.bfloat16)
+    ours = cdnn.LlamaDecoderLayer.from_hf(hf16, backend="reference")
+    assert ours.self_attn.q_proj.weight.dtype == torch.bfloat16
+    torch.manual_seed(1)
+    x32 = torch.randn(2, 13, config.hidden_size)
+    pid = positions(2, 13, False)
+    runs = {}
+    for name, layer, dtype in (("ref", hf32, torch.float32), ("hf", hf16, torch.bfloat16),
+                               ("ours", ours, torch.bfloat16)):
+        x = x32.detach().to(dtype).requires_grad_()
+        y = hf_forward(layer, config, x, pid) if name != "ours" else layer(x, position_ids=pid)
+        assert y.dtype == dtype
+        dx, g = grads(layer, x, y, torch.ones_like(y) / y.numel() ** 0.5)
+        runs[name] = (y, dx, g)
+    ref_y, ref_dx, ref_g = runs["ref"]
+    for i, (ref, name) in enumerate(((ref_y, "out"), (ref_dx, "dx"))):
+        hf_err, our_err = rel_err(runs["hf"][i], ref), rel_err(runs["ours"][i], ref)
+        assert our_err < 2 * hf_err + 2e-3, (name, our_err, hf_err)
+    for name in ref_g:
+        hf_err, our_err = rel_err(runs["hf"][2][name], ref_g[name]), rel_err(runs["ours"][2][name], ref_g[name])
+        assert our_err < 2 * hf_err + 2e-3, (name, our_err, hf_err)
+
+
+def test_frozen_inputs_get_no_gradient_work(monkeypatch):
+    """With the weights frozen, each GEMM's backward does one matmul (the input's), not two."""
+    config = llama_config()
+    ours = cdnn.LlamaDecoderLayer.from_hf(random_hf_layer(config), backend="reference").requires_grad_(False)
+    calls = []
+    real = cdnn._mm
+    monkeypatch.setattr(cdnn, "_mm", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(2, 7, config.hidden_size, requires_grad=True)
+    ours(x).sum().backward()
+    assert len(calls) == 4 and x.grad is not None
+    assert all(p.grad is None for p in ours.parameters())
+    calls.clear()
+    ours.mlp.down_proj.requires_grad_(True)
+    ours(x.detach()).sum().backward()  # only W_down trains: one matmul in all
+    assert len(calls) == 1 and ours.mlp.down_proj.weight.grad is not None
+
+
+def test_stack_trains_like_hf():
+    """Two layers, 20 SGD steps on a regression target: the same losses as two HF layers. The second layer
+    takes the first's rstd from its down-projection epilogue (input_rstd)."""
+    config = llama_config()
+    hf = torch.nn.ModuleList(random_hf_layer(config, seed=i, layer_idx=i) for i in range(2))
+    ours = torch.nn.ModuleList(cdnn.LlamaDecoderLayer.from_hf(l, backend="reference") for l in hf)
+    torch.manual_seed(2)
+    x = torch.randn(2, 9, config.hidden_size)
+    target = torch.randn(2, 9, config.hidden_size)
+    pid = positions(2, 9, False)
+
+    def run_hf():
+        h = x
+        for layer in hf:
+            h = hf_forward(layer, config, h, pid)
+        return h
+
+    def run_ours():
+        h, rstd = ours[0](x, position_ids=pid, return_rstd=True)
+        return ours[1](h, position_ids=pid, input_rstd=rstd)
+
+    losses = {}
+    for name, model, fwd in (("hf", hf, run_hf), ("ours", ours, run_ours)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        losses[name] = []
+        for _ in range(20):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(fwd(), target)
+            loss.backward()
+            opt.step()
+            losses[name].append(loss.item())
+    assert losses["ours"][-1] < 0.95 * losses["ours"][0]  # it does train
+    for a, b in zip(losses["ours"], losses["hf"]):
+        assert abs(a - b) <= 1e-4 * abs(b)
+    for (n, p), (n2, q) in zip(hf.named_parameters(), ours.named_parameters()):
+        assert n == n2 and rel_err(q, p) < 1e-4, n  # the same (HF) parameters were updated
+
+
+def test_state_dict_round_trip():
+    config = llama_config()
+    hf = random_hf_layer(config)
+    ours = cdnn.LlamaDecoderLayer(config, backend="reference")
+    ours.load_hf_state_dict(hf.state_dict())
+    assert set(ours.state_dict()) == set(hf.state_dict())
+    back = ours.to_hf()
+    for name, t in hf.state_dict().items():
+        assert torch.equal(back.state_dict()[name], t), name
+
+
+def test_dtype_cast_keeps_rope_frequencies_fp32():
+    """layer.to(torch.bfloat16) casts float buffers too; the RoPE frequencies must stay exact fp32."""
+    config = llama_config()
+    hf = random_hf_layer(config)
+    ours = cdnn.LlamaDecoderLayer.from_hf(hf, backend="reference")
+    exact = ours.self_attn.qkv_inv_freq.clone()
+    ours.to(torch.bfloat16)
+    assert ours.self_attn.q_proj.weight.dtype == torch.bfloat16
+    assert ours.self_attn.qkv_inv_freq.dtype == torch.float32
+    assert torch.equal(ours.self_attn.qkv_inv_freq, exact)
+
+
+def test_llama3_rope_scaling_matches_hf():
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    config = llama_config(rope_parameters=rope, max_position_embeddings=128)
+    hf = random_hf_layer(config)
+    ours = cdnn.LlamaDecoderLayer.from_hf(hf, backend="reference")
+    x = torch.randn(1, 40, config.hidden_size)
+    pid = torch.arange(40)[None]
+    assert rel_err(ours(x, position_ids=pid), hf_forward(hf, config, x, pid)) < 1e-5
+
+
+def test_refusals():
+    config = llama_config()
+    ours = cdnn.LlamaDecoderLayer(config, backend="reference")
+    x = torch.randn(1, 4, config.hidden_size)
+    with pytest.raises(cd.UnsupportedError, match="causal only"):
+        ours(x, attention_mask=torch.zeros(1, 1, 4, 4))
+    with pytest.raises(cd.UnsupportedError, match="no KV cache"):
+        ours(x, use_cache=True)
+    with pytest.raises(cd.UnsupportedError, match="attention_bias"):
+        cdnn.LlamaDecoderLayer(llama_config(attention_bias=True))
+    with pytest.raises(cd.UnsupportedError, match="hidden_act"):
+        cdnn.LlamaDecoderLayer(llama_config(hidden_act="gelu"))
+
+
+def test_activation_checkpointing_same_gradients():
+    from torch.utils.checkpoint import checkpoint
+    config = llama_config()
+    ours = cdnn.LlamaDecoderLayer.from_hf(random_hf_layer(config), backend="reference")
+    x = torch.randn(2, 7, config.hidden_size, requires_grad=True)
+    dy = torch.randn_like(x)
+    dx, g = grads(ours, x, ours(x), dy)
+    dx, g = dx.clone(), {n: t.clone() for n, t in g.items()}
+    dx_c, g_c = grads(ours, x, checkpoint(ours, x, use_reentrant=False), dy)
+    torch.testing.assert_close(dx_c, dx, rtol=0, atol=0)
+    for n in g:
+        torch.testing.assert_close(g_c[n], g[n], rtol=0, atol=0)
+
+
+def test_torch_compile_fullgraph_cpu():
+    """fullgraph=True traces the four autograd.Functions and cd.gemm (a custom op) without a graph break
+    (aot_eager: no C++ compiler needed)."""
+    config = llama_config()
+    ours = cdnn.LlamaDecoderLayer.from_hf(random_hf_layer(config), backend="reference")
+    x = torch.randn(2, 7, config.hidden_size, requires_grad=True)
+    dy = torch.randn_like(x)
+    dx, g = grads(ours, x, ours(x), dy)
+    dx, g = dx.clone(), {n: t.clone() for n, t in g.items()}
+    compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
+    dx_c, g_c = grads(ours, x, compiled(x), dy)
+    torch.testing.assert_close(dx_c, dx, rtol=1e-5, atol=1e-6)
+    for n in g:
+        torch.testing.assert_close(g_c[n], g[n], rtol=1e-5, atol=1e-6)
