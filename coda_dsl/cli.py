@@ -156,8 +156,24 @@ def specialization(ep: Epilogue, ab_dtype: str = "bf16", b_layout: str = "nk",
 
 def _spec_from_args(args) -> tuple[Epilogue, CompiledOp]:
     ep = load_epilogue(args.target)
+    consts = _pairs(args.const, "--const")
+    if getattr(args, "backward", False):  # the derived backward: an epilogue of its own, consts bound
+        ep, consts = _backward_of(ep, consts), {}
     return ep, specialization(ep, args.dtype, args.b_layout, _pairs(args.operand_dtype, "--operand-dtype"),
-                              _pairs(args.const, "--const"), args.config)
+                              consts, args.config)
+
+
+def _backward_of(ep: Epilogue, consts: dict) -> Epilogue:
+    """The epilogue's backward (passes/autodiff.py): its operands, grad_<output> and saved_<statistic>
+    parameters; outputs acc (dL/dacc) and each differentiable operand's gradient."""
+    from .dsl import Epilogue
+    from .passes import specialize
+    from .passes.autodiff import derive
+    try:
+        values = {k: float(v) for k, v in consts.items()}
+    except ValueError:
+        raise CliError(f"--const: not a number in {consts}") from None
+    return Epilogue.of_program(derive(specialize(ep.program, values)).program)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -480,12 +496,14 @@ def parser() -> argparse.ArgumentParser:
                 "that a build compiles. Needs no GPU and, without --check, no compiler.")
     _target_options(p)
     p.add_argument("-o", "--output", metavar="FILE", help="write the .cu here instead of stdout")
+    p.add_argument("--backward", action="store_true", help="the epilogue's derived backward instead (cd.linear)")
     p.add_argument("--check", action="store_true", help="also compile-check it with nvcc (no GPU needed)")
 
     p = command("explain", cmd_explain, "print the IR, the EVT plan and the specialization key",
                 "Print what an epilogue lowers to: its IR, the CUTLASS epilogue visitor tree (nodes, fused "
                 "functors, operand bindings) and the specialization key that names its kernel in the cache.")
     _target_options(p)
+    p.add_argument("--backward", action="store_true", help="the epilogue's derived backward instead (cd.linear)")
     p.add_argument("--shape", type=_shape, metavar="MxNxK",
                    help="use (and explain) the configuration cd.gemm picks for this problem size untuned")
 

@@ -300,3 +300,12 @@ def test_explain_shape_shows_the_default_config_and_why(capsys):
     assert "config 128x128x64_c1x1_cooperative\n" in out and "(--config)" in out
     with pytest.raises(SystemExit):
         cli.main(["explain", "coda_dsl.examples:bias_gelu", "--shape", "8192x4096"])
+
+
+def test_explain_and_emit_backward(capsys):
+    """The derived backward is an ordinary epilogue: explain lists its IR and plan, emit its .cu."""
+    rc, out, _ = run(capsys, "explain", "coda_dsl.examples:bias_gelu", "--backward")
+    assert rc == 0 and "epilogue bias_gelu_backward(bias: vec_n, grad_D: tensor)" in out
+    assert "out acc:" in out and "out bias:" in out and "reduce[('sum', 'm')]" in out
+    rc, out, _ = run(capsys, "emit", "coda_dsl.examples:bias_gelu", "--backward")
+    assert rc == 0 and "fusion::Sm90RowReduction<" in out and "Epilogue `bias_gelu_backward`" in out
