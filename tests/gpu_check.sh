@@ -17,7 +17,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -m coda_dsl doctor 2>&1 | tee "$OUT/doctor.log"
 rc=0
 s=$(date +%s)
-python3 -m pytest tests/test_gpu.py -q -rs "$@" 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
+python3 -m pytest tests/test_gpu.py tests/test_gpu_nn.py -q -rs "$@" 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
 echo "gpu tests: $(( $(date +%s) - s )) s (builds included)"
 python3 -m coda_dsl demo 2>&1 | tee "$OUT/demo.log" || rc=1
 if [ "${SKIP_BENCH:-0}" != 1 ]; then

@@ -16,6 +16,20 @@ pytestmark = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU;
 B, S = 2, 300  # M = 600: ragged against every tile size
 
 
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    """The layer's four kernels (bf16 activations and weights, fp32 row statistics and RoPE operands) in one
+    parallel build, as tests/test_gpu.py builds its own; a guess that misses only costs a build on first use."""
+    import coda_dsl as cd
+    from coda_dsl.library import rms_producer
+    from coda_dsl.runtime import op as runtime
+    x, f32 = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16), torch.ones(64, device="cuda")
+    runtime.prebuild([cd.compile(cdnn.rms_rope, x, x, rstd=f32, pos=f32, inv_freq=f32),
+                      cd.compile(rms_producer, x, x, residual=x, gamma=x[0], inv_n=1.0, eps=1e-5),
+                      cd.compile(cdnn.rms_swiglu, x, x, rstd=f32),
+                      cd.compile(cdnn.residual_rms, x, x, residual=x, inv_n=1.0, eps=1e-5)])
+
+
 def gpu_config():
     # hidden 512, 8 heads of 64, 4 KV heads: QKV N = 1024, gate/up N = 2 * 1408; every N and K a multiple of 8
     return llama_config(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
