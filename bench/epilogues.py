@@ -96,7 +96,8 @@ CASES = {
                            _residual_sumsq_eager),
     # pairwise: Llama-3-8B's FFN up projection with gate and up interleaved (N = 2 x 14336), and the
     # fused QKV projection (N = 3 x 4096, head dim 128)
-    "swiglu": Case("swiglu", swiglu, lambda m, n: {}, _swiglu_eager, shapes=((8192, 2 * 14336, 4096), (8192, 2 * 28672, 8192))),
+    "swiglu": Case("swiglu", swiglu, lambda m, n: {}, _swiglu_eager,
+                   shapes=((8192, 2 * 14336, 4096), (8192, 2 * 28672, 8192))),
     "rope": Case("rope", rope_positions,
                  lambda m, n: {"pos": torch.arange(m, device="cuda", dtype=torch.float32),
                                "inv_freq": rope_frequencies(n, 128).cuda()}, _rope_eager,

@@ -28,8 +28,9 @@ Design decisions:
   named function of plain torch ops (`rms_rope_backward`, `rms_producer_backward`,
   `rms_swiglu_backward`, `residual_rms_backward`); a fused backward epilogue can replace each one.
   Only the gradients autograd asks for are computed.
-- **Attention mask: causal only**, per row of the batch (SDPA; GQA by `enable_gqa`, torch >= 2.5). Packed sequences may restart `position_ids`
-  (RoPE follows them) but attention still spans the whole row; a mask other than None is refused.
+- **Attention mask: causal only**, per row of the batch (SDPA; GQA by `enable_gqa`, torch >= 2.5).
+  Packed sequences may restart `position_ids` (RoPE follows them) but attention still spans the
+  whole row; a mask other than None is refused.
 - RoPE: the default and any rope type whose attention scaling is 1 (the inverse frequencies are taken
   from transformers' rope functions for non-default types). No KV cache (training layer).
 """

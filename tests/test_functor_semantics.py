@@ -8,7 +8,6 @@ torch function separately, by reading the table's small C++ subset as Python."""
 from __future__ import annotations
 
 import itertools
-import math
 import re
 
 import pytest

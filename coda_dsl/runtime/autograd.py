@@ -37,8 +37,8 @@ def _derive(ep: Epilogue, consts: dict) -> tuple[Epilogue, Backward]:
                 raise OperandError(f"cd.linear: epilogue '{ep.name}' has an output named '{SAVED_ACC}', the name "
                                    "its saved accumulator takes: rename that output")
             p = ep.program
-            forward = Epilogue.of_program(ir.Program(p.name, p.params, (*p.outputs, ir.Output(SAVED_ACC, ir.acc(), None)),
-                                                     p.source, p.locations))
+            outputs = (*p.outputs, ir.Output(SAVED_ACC, ir.acc(), None))
+            forward = Epilogue.of_program(ir.Program(p.name, p.params, outputs, p.source, p.locations))
         per_ep[key] = (forward, back)
     return per_ep[key]
 

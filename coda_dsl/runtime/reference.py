@@ -32,7 +32,9 @@ def _leaf(node: ir.Node, operands: dict, acc: torch.Tensor) -> torch.Tensor:
         return _real(operands[SOURCE_OPERAND].to(acc.device), acc)
     if node.op == "scalar":
         v = operands[node.attr]
-        return _real(v, acc) if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=acc.dtype, device=acc.device)
+        if isinstance(v, torch.Tensor):
+            return _real(v, acc)
+        return torch.tensor(float(v), dtype=acc.dtype, device=acc.device)
     kind, name = node.attr
     t = operands[name].to(acc.device)
     t = t if t.dtype == torch.int64 else _real(t, acc)  # cd.take indices stay integers
