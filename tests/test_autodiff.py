@@ -220,3 +220,25 @@ def test_linear_refuses_what_it_cannot_differentiate():
         cd.linear(torch.randn(4, 8), torch.randn(8, 8), f, backend="reference")
     with pytest.raises(cd.OperandError, match="2-D"):
         cd.linear(torch.randn(2, 4, 8), torch.randn(8, 8), backend="reference")
+
+
+def test_linear_under_torch_compile_and_checkpointing():
+    """torch.compile(fullgraph=True) traces cd.linear with no graph break, and activation checkpointing
+    recomputes it: both give the eager gradients."""
+    from torch.utils.checkpoint import checkpoint
+
+    @cd.epilogue
+    def bias_gelu(acc, bias: cd.VecN):
+        return cd.gelu(acc + bias, approximate="tanh")
+
+    def loss(x, w, b):
+        return cd.linear(x, w, bias_gelu, backend="reference", bias=b)["D"].square().sum()
+
+    leaves = (torch.randn(16, 32, requires_grad=True), torch.randn(24, 32, requires_grad=True),
+              torch.randn(24, requires_grad=True))
+    want = torch.autograd.grad(loss(*leaves), leaves)
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    for got in (torch.autograd.grad(compiled(*leaves), leaves),
+                torch.autograd.grad(checkpoint(loss, *leaves, use_reentrant=False), leaves)):
+        for g, w in zip(got, want):
+            assert rel_err(g, w) < 1e-6
