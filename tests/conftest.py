@@ -15,7 +15,7 @@ import torch
 import coda_dsl.build as b
 from build_helpers import FAKE_TC
 from coda_dsl.build import builder, cache
-from coda_dsl.passes import accumulate_into_d, lower, specialize
+from coda_dsl import pipeline
 from coda_dsl import runtime
 from epilogues import rel_err, signature
 
@@ -39,9 +39,7 @@ def rel():
 def make_plan():
     """make_plan(ep, consts={}, **signature options) -> the lowered Plan."""
     def make(ep, consts=None, **kw):
-        sig = signature(ep, consts=consts, **kw)
-        program = specialize(ep.program, consts or {})
-        return lower(accumulate_into_d(program) if sig.accumulate else program, sig)
+        return pipeline.plan(ep.program, signature(ep, consts=consts, **kw), consts or {})[1]
     return make
 
 

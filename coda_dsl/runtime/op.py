@@ -9,12 +9,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import build, codegen
+from .. import build, codegen, pipeline
 from ..dsl import Epilogue, identity
 from ..errors import OperandError, UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import DTYPES, REDUCTIONS
-from ..passes import accumulate_into_d, lower, specialize
+from ..passes import accumulate_into_d, specialize
 from ..passes.widths import load_widths
 from ..passes.plan import Config, Plan, Signature
 from . import checks, reference, tune as tuning
@@ -240,13 +240,9 @@ class CompiledOp:
 
     @classmethod
     def create(cls, epilogue: Epilogue, sig: Signature, consts: dict[str, float]) -> "CompiledOp":
-        """Specialize, lower, key and render (no build yet: see load())."""
-        program = specialize(epilogue.program, consts)
-        if sig.accumulate:
-            program = accumulate_into_d(program)
-        plan = lower(program, sig)
-        key = build.specialization_key(plan.key)
-        return cls(epilogue, program, plan, key, codegen.render(plan, key, epilogue.source))
+        """The pipeline up to the rendered .cu (no build yet: see load())."""
+        k = pipeline.kernel(epilogue.program, sig, consts)
+        return cls(epilogue, k.program, k.plan, k.key, k.source)
 
     @property
     def unit(self) -> build.BuildUnit:
