@@ -18,6 +18,7 @@ from ..passes import accumulate_into_d, specialize
 from ..passes.widths import load_widths
 from ..passes.plan import Config, Plan, Signature
 from . import checks, reference, tune as tuning
+from .torch_op import register_eager, traced_gemm
 
 BACKENDS = ("auto", "cutlass", "reference")
 
@@ -506,7 +507,6 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
     if backend not in BACKENDS:
         raise OperandError(f"{_where(ep)}: backend must be one of {BACKENDS}, not {backend!r}")
     if torch.compiler.is_compiling():
-        from .torch_op import traced_gemm
         if accumulate:
             raise UnsupportedError(f"{_where(ep)}: accumulate=True inside torch.compile is not supported yet; "
                                    "write D + epilogue(...) functionally there")
@@ -546,6 +546,9 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
     op.check_out(folded, folded_out)
     _remember(_warm.setdefault(ep, {}), warm_key, op)
     return _unfold(op.launch(folded, folded_out), folded)
+
+
+register_eager(gemm)  # what the torch.compile custom op runs
 
 
 def compile(epilogue: Epilogue, A, B, /, *, out: dict | None = None, config: Config | str | None = None,

@@ -10,6 +10,16 @@ from ..ir.ops import DTYPES
 from ..passes.widths import infer as infer_widths
 
 
+# cd.gemm's eager path, which the custom op runs: runtime/op.py registers it when it imports this
+# module (imports flow one way: op -> torch_op)
+_eager_gemm = None
+
+
+def register_eager(gemm) -> None:
+    global _eager_gemm
+    _eager_gemm = gemm
+
+
 def _operands(ep: Epilogue, tensors: list, numbers: list) -> dict:
     it_t, it_n = iter(tensors), iter(numbers)
     return {p.name: next(it_t) if p.kind in ir.LOAD_KINDS else next(it_n) for p in ep.params}
@@ -18,11 +28,9 @@ def _operands(ep: Epilogue, tensors: list, numbers: list) -> dict:
 @torch.library.custom_op("coda_dsl::gemm", mutates_args=())
 def _gemm(uid: str, a: torch.Tensor, b: torch.Tensor, tensors: list[torch.Tensor], numbers: list[float],
           backend: str, config: str, deterministic: bool) -> list[torch.Tensor]:
-    from .op import gemm
-
     ep = Epilogue.by_uid(uid)
-    res = gemm(a, b, ep, backend=backend, config=config or None, deterministic=deterministic,
-               **_operands(ep, tensors, numbers))
+    res = _eager_gemm(a, b, ep, backend=backend, config=config or None, deterministic=deterministic,
+                      **_operands(ep, tensors, numbers))
     return [res[name] for name in ep.output_names]
 
 
