@@ -308,8 +308,8 @@ class CompiledOp:
 
     def run(self, A, B, operands: dict, out: dict | None) -> dict[str, torch.Tensor]:
         """Launch a checked call: fold a batch into M, launch, unfold."""
-        call = _fold(self.epilogue, _unpack(self._kinds, A, B, operands))
-        return _unfold(self.launch(call, _fold_out(out, call)), call)
+        call = _fold_batch(self.epilogue, _unpack(self._kinds, A, B, operands))
+        return _unfold_batch(self.launch(call, _fold_batch_out(out, call)), call)
 
     def __call__(self, A, B, /, *, out: dict | None = None, **operands) -> dict[str, torch.Tensor]:
         layout = _call_layout(self._kinds, A, B, operands, out)
@@ -331,9 +331,9 @@ class CompiledOp:
                               "compile an op for these operands (cd.compile), or call cd.gemm")
         if self.plan.reads_d and not (out and isinstance(out.get("D"), torch.Tensor)):
             raise checks.fail(self._where, "this op accumulates into D (accumulate=True)", "pass out={'D': tensor}")
-        call = _fold(self.epilogue, call)
+        call = _fold_batch(self.epilogue, call)
         self.check_widths(call)
-        self.check_out(call, _fold_out(out, call))
+        self.check_out(call, _fold_batch_out(out, call))
 
     def __repr__(self) -> str:
         return f"<CompiledOp {self.epilogue.name} key={self.key} op=torch.ops.coda_dsl.{self.op_name}>"
@@ -392,7 +392,7 @@ def _config(ep: Epilogue, config) -> Config | None:
         raise checks.fail(_where(ep), str(e), f"pass e.g. config='{Config().key}'") from None
 
 
-def _fold(ep: Epilogue, call: Call) -> Call:
+def _fold_batch(ep: Epilogue, call: Call) -> Call:
     """For the kernel: a 3-D A with one 2-D weight is one GEMM of L*M rows; batched operands follow.
     What cannot follow (per-batch column vectors, statistics over m) is refused with the fix."""
     if call.a.dim() != 3 or call.b.dim() != 2:
@@ -415,7 +415,7 @@ def _fold(ep: Epilogue, call: Call) -> Call:
     return Call(call.a.reshape(l * m, -1), call.b, tensors, call.scalars, call.consts, (l,))
 
 
-def _fold_out(out: dict | None, call: Call) -> dict | None:
+def _fold_batch_out(out: dict | None, call: Call) -> dict | None:
     if not out or not call.batch:
         return out
     folded = {}
@@ -428,7 +428,7 @@ def _fold_out(out: dict | None, call: Call) -> dict | None:
     return folded
 
 
-def _unfold(outs: dict[str, torch.Tensor], call: Call) -> dict[str, torch.Tensor]:
+def _unfold_batch(outs: dict[str, torch.Tensor], call: Call) -> dict[str, torch.Tensor]:
     if not call.batch:
         return outs
     return {k: v.reshape(*call.batch, -1, *v.shape[1:]) for k, v in outs.items()}
@@ -534,7 +534,7 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
     key = call_key(ep, call, dtypes, out, deterministic, accumulate)
     spec = lambda cfg: specialization(ep, call, dtypes, out, cfg, deterministic, accumulate, key)  # noqa: E731
     try:
-        folded = _fold(ep, call)
+        folded = _fold_batch(ep, call)
         op = spec(cfg if cfg is not None else _choose_config(spec, folded, tune, key))
         op.check_widths(folded)
     except UnsupportedError as e:
@@ -542,10 +542,10 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
             raise
         warnings.warn(f"coda_dsl: running on the reference backend (slow): {e}", stacklevel=2)
         return run_reference(ep, call, out, accumulate)
-    folded_out = _fold_out(out, folded)
+    folded_out = _fold_batch_out(out, folded)
     op.check_out(folded, folded_out)
     _remember(_warm.setdefault(ep, {}), warm_key, op)
-    return _unfold(op.launch(folded, folded_out), folded)
+    return _unfold_batch(op.launch(folded, folded_out), folded)
 
 
 register_eager(gemm)  # what the torch.compile custom op runs
