@@ -151,9 +151,11 @@ def _fallback_dir(default: Path, why: OSError) -> Path:
 
 @functools.cache
 def _sources_digest() -> str:
-    """The template and the hand-written headers every kernel includes: editing them changes every key."""
+    """The template, the hand-written headers every kernel includes and codegen's own spelling of the
+    plan (codegen/*.py; plan keys hold plans as data): editing them changes every key."""
     h = hashlib.sha256()
-    for f in sorted([*templates_dir().glob("*.j2"), *csrc_dir().rglob("*.h")]):
+    codegen = Path(__file__).resolve().parent.parent / "codegen"
+    for f in sorted([*templates_dir().glob("*.j2"), *csrc_dir().rglob("*.h"), *codegen.glob("*.py")]):
         h.update(f.name.encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:16]
 

@@ -90,9 +90,3 @@ def functor(f: Functor) -> CppFunctor:
     odd = ref(f.result_odd) if f.pairwise and f.result_odd is not None else ""
     return CppFunctor(f.name, f.arity, f.text, f.pairwise, body, ref(f.result), odd)
 
-
-def functor_key(f: Functor) -> str:
-    """The functor's code as the plan key spells it (passes/plan.py: Functor.key)."""
-    c = functor(f)
-    pair = f",{c.result_odd}" if c.pairwise else ""
-    return f"[{';'.join(c.body)};return {c.result}{pair}]"

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..ir.ops import to_fp32
+
 
 @dataclass(frozen=True)
 class Config:
@@ -206,10 +208,20 @@ class Functor:
     result_odd: Ref | None = None
 
     def key(self) -> str:
-        """The functor's code in the plan key (its name and comment are left out): its C++ text, so
-        that the key changes exactly when the generated code does."""
-        from ..codegen.cpp import functor_key  # codegen imports this module: import on use
-        return functor_key(self)
+        """The functor in the plan key, as data (its name and comment left out). How codegen spells it
+        is in every key too (build/cache.py digests codegen/), so a new spelling is a new key."""
+        steps = ";".join(f"{s.op}{'' if s.attr is None else f'[{s.attr}]'}({','.join(map(_ref_key, s.args))})"
+                         for s in self.steps)
+        odd = f",{_ref_key(self.result_odd)}" if self.pairwise and self.result_odd is not None else ""
+        return f"[{steps};return {_ref_key(self.result)}{odd}]"
+
+
+def _ref_key(r: Ref) -> str:
+    if r.kind == "input":
+        return f"x{r.index}" + ("" if r.slot is None else f".{r.slot}")
+    if r.kind == "const":  # the fp32 value, -0.0 and nan included
+        return f"{to_fp32(r.index)!r}f"
+    return f"{'t' if r.kind == 'temp' else 's'}{r.index}"
 
 
 @dataclass
