@@ -202,6 +202,16 @@ def run(cases: list[Case], shapes=None, autotune=False, iters=50, tune=False, dy
     return rows, failed
 
 
+def round_robin(variants: dict[str, Callable], sets: list[tuple], iters: int) -> dict[str, float]:
+    """Median µs of each variant(a, w, operands), timed round-robin over several rounds: clock and thermal
+    drift during the run then hits every variant alike instead of whichever was measured last."""
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(ROUNDS):
+        for name, fn in variants.items():
+            samples[name].append(time_us(fn, sets, max(1, iters // ROUNDS)))
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
 def _measure(c: Case, shape, op, compiled, compile_s: float | None, label: str, iters: int, tune: bool) -> list[Row]:
     m, n, k = shape
     sets = rotation(lambda: _inputs(c, m, n, k), 2 * (m * k + n * k + m * n))
@@ -216,13 +226,7 @@ def _measure(c: Case, shape, op, compiled, compile_s: float | None, label: str, 
     variants = _variants(c, op, compiled, label)
     if compiled is None:  # its compile failed (reported): time the others
         del variants[label]
-    # Round-robin over the variants, several rounds: clock and thermal drift during the run then hits
-    # every variant alike instead of whichever was measured last.
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(ROUNDS):
-        for name, fn in variants.items():
-            samples[name].append(time_us(fn, sets, max(1, iters // ROUNDS)))
-    times = {name: statistics.median(v) for name, v in samples.items()}
+    times = round_robin(variants, sets, iters)
     extra = {"coda_dsl fused": {"rel_err_vs_eager": err}, label: {"compile_s": round(compile_s or 0, 2)}}
     return [Row(c.name, fmt(shape), name, t, 2 * m * n * k / t / 1e6, t / times[FLOOR], extra.get(name, {}))
             for name, t in times.items()]

@@ -10,7 +10,6 @@ and schedule are in the name). JSON under $OUT or bench/results/ (sweep.json).
 """
 from __future__ import annotations
 
-import statistics
 import sys
 
 import torch
@@ -20,9 +19,9 @@ from coda_dsl.build.cache import build_key, valid_output
 from coda_dsl.passes.plan import Config
 from coda_dsl.runtime import op as runtime
 
-from .epilogues import CASES, ROUNDS, _inputs
+from .epilogues import CASES, _inputs, round_robin
 from .harness import (Row, fmt, markdown, no_gpu, parser, progress, rel_err, results_only_on_stdout, rotation,
-                      save, shapes, subset, time_us)
+                      save, shapes, subset)
 from .harness import command as command_line
 
 LLAMA = ((8192, 4096, 4096), (8192, 6144, 4096), (8192, 14336, 4096), (8192, 4096, 14336),  # 8B: o, qkv, up, down
@@ -90,11 +89,7 @@ def main(argv=None) -> int:
                     failed.append(f"{c.name} {cfg.key} {fmt(shape)}: rel. error {err:.3g}")
                     continue
                 variants[cfg.key] = (lambda op: lambda a, w, o: op(a, w, **o))(op)
-            samples: dict[str, list[float]] = {v: [] for v in variants}
-            for _ in range(ROUNDS):
-                for v, fn in variants.items():
-                    samples[v].append(time_us(fn, sets, max(1, args.iters // ROUNDS)))
-            t = {v: statistics.median(s) for v, s in samples.items()}
+            t = round_robin(variants, sets, args.iters)
             rows += [Row(c.name, fmt(shape), v, t[v], 2 * m * n * k / t[v] / 1e6, t[v] / t["cuBLAS"]) for v in t]
             header = header or [cfg.key for cfg in configs]
             lines.append([fmt(shape), f"{t['cuBLAS']:.0f}", *(f"{t[k] / t['cuBLAS']:.3f}" if k in t else "–"
