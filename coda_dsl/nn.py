@@ -43,7 +43,7 @@ from torch import nn
 import coda_dsl as cd
 from .errors import UnsupportedError
 from .library import interleave_gate_up, neox_to_interleaved_rows, rms_producer
-from .library.rope import _rotate
+from .library.rope import rotate
 
 
 # ---------------------------------------------------------------- forward epilogues
@@ -53,7 +53,7 @@ def rms_rope(acc, rstd: cd.VecM, pos: cd.VecM, inv_freq: cd.VecN):
     """QKV projection of a normalized input: rstd scales the row, then RoPE by position (inv_freq 0
     for V's columns, which pass through)."""
     angle = pos * inv_freq
-    return _rotate(rstd * acc, cd.cos(angle), cd.sin(angle))
+    return rotate(rstd * acc, cd.cos(angle), cd.sin(angle))
 
 
 @cd.epilogue

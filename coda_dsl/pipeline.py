@@ -26,6 +26,7 @@ class Kernel:
     plan: Plan
     key: str  # the specialization key: names the op and, with the toolchain, the cache entry
     source: str  # the .cu
+    op_name: str  # what it registers: torch.ops.coda_dsl.<op_name>
 
 
 def plan(program: ir.Program, sig: Signature, consts: dict[str, float]) -> tuple[ir.Program, Plan]:
@@ -40,4 +41,4 @@ def kernel(program: ir.Program, sig: Signature, consts: dict[str, float]) -> Ker
     """plan(), then the key and the rendered .cu."""
     program, p = plan(program, sig, consts)
     key = build.specialization_key(p.key)
-    return Kernel(program, p, key, codegen.render(p, key, program.source))
+    return Kernel(program, p, key, codegen.render(p, key, program.source), codegen.op_name(key))

@@ -13,7 +13,7 @@ import torch
 import coda_dsl as cd  # the library is written against the public API, like user code
 
 
-def _rotate(acc, cos, sin):
+def rotate(acc, cos, sin):  # column pairs (x0, x1) turned by the angle of cos, sin
     x0, x1 = cd.pairs(acc)
     return cd.interleave(x0 * cos - x1 * sin, x0 * sin + x1 * cos)
 
@@ -21,7 +21,7 @@ def _rotate(acc, cos, sin):
 @cd.epilogue
 def rope_tables(acc, cos: cd.Tensor, sin: cd.Tensor):
     """cos, sin: [M, N/2] (one angle per row and column pair)."""
-    return _rotate(acc, cos, sin)
+    return rotate(acc, cos, sin)
 
 
 @cd.epilogue
@@ -29,7 +29,7 @@ def rope_positions(acc, pos: cd.VecM, inv_freq: cd.VecN):
     """pos: [M] token positions; inv_freq: [N/2] per column pair (0 for columns that pass through).
     The angle is computed in fp32 in the epilogue."""
     angle = pos * inv_freq
-    return _rotate(acc, cd.cos(angle), cd.sin(angle))
+    return rotate(acc, cd.cos(angle), cd.sin(angle))
 
 
 def neox_to_interleaved_rows(n_heads: int, head_dim: int) -> torch.Tensor:

@@ -9,14 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import build, codegen, pipeline
+from .. import build, pipeline
 from ..dsl import Epilogue, identity
 from ..errors import OperandError, UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import DTYPES, REDUCTIONS
 from ..passes import accumulate_into_d, specialize
 from ..passes.widths import load_widths
-from ..passes.plan import Config, Plan, Signature
+from ..passes.plan import Config, Signature
 from . import checks, reference, tune as tuning
 from .torch_op import register_eager, traced_gemm
 
@@ -225,9 +225,11 @@ def _facts(ep: Epilogue) -> _Facts:
 class CompiledOp:
     """One built specialization of an epilogue. Call it like cd.gemm, without the epilogue argument."""
 
-    def __init__(self, epilogue: Epilogue, program: ir.Program, plan: Plan, key: str, source: str):
-        self.epilogue, self.program, self.plan, self.key, self.source = epilogue, program, plan, key, source
-        self.op_name = codegen.op_name(key)
+    def __init__(self, epilogue: Epilogue, kernel: pipeline.Kernel):
+        self.epilogue = epilogue
+        self.program, self.plan, self.key, self.source, self.op_name = (
+            kernel.program, kernel.plan, kernel.key, kernel.source, kernel.op_name)
+        plan = self.plan
         self._op = None
         self._where = _where(epilogue)
         d = [("D", plan.d_dtype, "mn")] if plan.d_dtype else []
@@ -242,8 +244,7 @@ class CompiledOp:
     @classmethod
     def create(cls, epilogue: Epilogue, sig: Signature, consts: dict[str, float]) -> "CompiledOp":
         """The pipeline up to the rendered .cu (no build yet: see load())."""
-        k = pipeline.kernel(epilogue.program, sig, consts)
-        return cls(epilogue, k.program, k.plan, k.key, k.source)
+        return cls(epilogue, pipeline.kernel(epilogue.program, sig, consts))
 
     @property
     def unit(self) -> build.BuildUnit:
