@@ -91,20 +91,23 @@ def default_chunk_rows(m: int, v: int, device: torch.device | str = "cpu") -> in
     return max(1, -(-(-(-m // chunks)) // _ROW_ALIGN)) * _ROW_ALIGN  # M = 0 too: a step for range()
 
 
-def _logit_grad_(z: torch.Tensor, lse, scale, target, uniform: float, hot: float, cap: float | None,
-                 dtype: torch.dtype) -> None:
-    """In place: the logits z [c, V] become their gradient g, in `dtype` over the same bytes:
-    g = (exp(z - lse) - uniform - hot * [n == target]) * scale * (1 - (z/cap)^2 with a softcap).
-
-    Passes over the buffer: 1 when compiled (one fused kernel reads z and stores g into z's
-    storage; checked on CPU's inductor: no temporary); run eagerly (CPU), ~6 with fp32 temporaries."""
+def _logit_grad(z: torch.Tensor, lse, scale, target, uniform: float, hot: float, cap: float | None):
+    """The logits' gradient in fp32, from the (softcapped) logits z [c, V']:
+    g = (exp(z - lse) - uniform - hot * [n == target]) * scale * (1 - (z/cap)^2 with a softcap)."""
     zf = z.float()
     g = torch.exp(zf - lse[:, None]) - uniform
     cols = torch.arange(z.shape[1], device=z.device)
     g = torch.where(cols == target[:, None], g - hot, g) * scale[:, None]  # ignored rows: scale 0
-    if cap:
-        g = g * (1.0 - (zf * (1.0 / cap)) ** 2)
-    z.view(dtype).copy_(g)
+    return g * (1.0 - (zf * (1.0 / cap)) ** 2) if cap else g
+
+
+def _logit_grad_(z: torch.Tensor, lse, scale, target, uniform: float, hot: float, cap: float | None,
+                 dtype: torch.dtype) -> None:
+    """In place: the logits z [c, V] become their gradient (_logit_grad), in `dtype` over the same bytes.
+
+    Passes over the buffer: 1 when compiled (one fused kernel reads z and stores g into z's
+    storage; checked on CPU's inductor: no temporary); run eagerly (CPU), ~6 with fp32 temporaries."""
+    z.view(dtype).copy_(_logit_grad(z, lse, scale, target, uniform, hot, cap))
 
 
 # dynamic: one compile for every chunk size and for every uniform/hot value
@@ -152,14 +155,6 @@ def _merge_tail(st: dict, zt: torch.Tensor, t_tail: torch.Tensor) -> dict:
     return out
 
 
-def _tail_grad(zt, lse, scale, t_tail, uniform: float, hot: float, cap) -> torch.Tensor:
-    """d loss / d acc of the tail columns, fp32 [rows, V % 8] (like _logit_grad_)."""
-    g = torch.exp(zt - lse[:, None]) - uniform
-    cols = torch.arange(zt.shape[1], device=zt.device)
-    g = torch.where(cols == t_tail[:, None], g - hot, g) * scale[:, None]
-    return g * (1.0 - (zt / cap) ** 2) if cap else g
-
-
 def _row_loss(st: dict, v: int, smoothing: float) -> torch.Tensor:
     loss = st["lse"] - (1 - smoothing) * st["z_target"]
     return loss - smoothing * st["z_sum"] / v if smoothing else loss
@@ -204,7 +199,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             loss[s:e] = _row_loss(st, v, smoothing)
             fused(z, st["lse"], scale[s:e], ts, smoothing / v, 1.0 - smoothing, cap, x.dtype)
             g = z.view(x.dtype)
-            gt = _tail_grad(zt, st["lse"], scale[s:e], ts - vk, smoothing / v, 1.0 - smoothing, cap).to(x.dtype)
+            gt = _logit_grad(zt, st["lse"], scale[s:e], ts - vk, smoothing / v, 1.0 - smoothing, cap).to(x.dtype)
             if need_x:
                 torch.mm(g, wk, out=gx[s:e])
                 if vk < v:
@@ -254,7 +249,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             hot = (1 - smoothing) * sc * (out["dz_target"] if cap else (tk >= 0))  # 0: ignored rows, tail targets
             rows = torch.arange(e - s, device=p.device)
             p.index_put_((rows, tk.clamp_min(0)), -hot.to(p.dtype), accumulate=True)  # now all of it
-            gt = _tail_grad(_tail(xs, wt, cap), lse_s, sc, ts - vk, smoothing / v, 1.0 - smoothing, cap).to(x.dtype)
+            gt = _logit_grad(_tail(xs, wt, cap), lse_s, sc, ts - vk, smoothing / v, 1.0 - smoothing, cap).to(x.dtype)
             if need_x:
                 grad_x[s:e] = p @ wk
                 if vk < v:
