@@ -216,15 +216,20 @@ def test_refusals():
         cdnn.LlamaDecoderLayer(llama_config(hidden_act="gelu"))
 
 
-def test_activation_checkpointing_same_gradients():
-    from torch.utils.checkpoint import checkpoint
+def _eager_and_wrapped_grads(wrap):
+    """(dx, grads) of the layer called eagerly, and called through wrap(layer)(x)."""
     config = llama_config()
     ours = cdnn.LlamaDecoderLayer.from_hf(random_hf_layer(config), backend="reference")
     x = torch.randn(2, 7, config.hidden_size, requires_grad=True)
     dy = torch.randn_like(x)
     dx, g = grads(ours, x, ours(x), dy)
     dx, g = dx.clone(), {n: t.clone() for n, t in g.items()}
-    dx_c, g_c = grads(ours, x, checkpoint(ours, x, use_reentrant=False), dy)
+    return (dx, g), grads(ours, x, wrap(ours)(x), dy)
+
+
+def test_activation_checkpointing_same_gradients():
+    from torch.utils.checkpoint import checkpoint
+    (dx, g), (dx_c, g_c) = _eager_and_wrapped_grads(lambda m: lambda x: checkpoint(m, x, use_reentrant=False))
     torch.testing.assert_close(dx_c, dx, rtol=0, atol=0)
     for n in g:
         torch.testing.assert_close(g_c[n], g[n], rtol=0, atol=0)
@@ -233,14 +238,7 @@ def test_activation_checkpointing_same_gradients():
 def test_torch_compile_fullgraph_cpu():
     """fullgraph=True traces the four autograd.Functions and cd.gemm (a custom op) without a graph break
     (aot_eager: no C++ compiler needed)."""
-    config = llama_config()
-    ours = cdnn.LlamaDecoderLayer.from_hf(random_hf_layer(config), backend="reference")
-    x = torch.randn(2, 7, config.hidden_size, requires_grad=True)
-    dy = torch.randn_like(x)
-    dx, g = grads(ours, x, ours(x), dy)
-    dx, g = dx.clone(), {n: t.clone() for n, t in g.items()}
-    compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
-    dx_c, g_c = grads(ours, x, compiled(x), dy)
+    (dx, g), (dx_c, g_c) = _eager_and_wrapped_grads(lambda m: torch.compile(m, fullgraph=True, backend="aot_eager"))
     torch.testing.assert_close(dx_c, dx, rtol=1e-5, atol=1e-6)
     for n in g:
         torch.testing.assert_close(g_c[n], g[n], rtol=1e-5, atol=1e-6)
