@@ -24,7 +24,7 @@ def kernels():
     from coda_dsl.library import rms_producer
     from coda_dsl.runtime import op as runtime
     x, f32 = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16), torch.ones(64, device="cuda")
-    runtime.prebuild([cd.compile(cdnn.rms_rope, x, x, rstd=f32, pos=f32, inv_freq=f32),
+    runtime.prebuild([cd.compile(cdnn.rms_rope, x, x, rstd=f32, pos=f32, inv_freq=f32[:32]),  # per column pair
                       cd.compile(rms_producer, x, x, residual=x, gamma=x[0], inv_n=1.0, eps=1e-5),
                       cd.compile(cdnn.rms_swiglu, x, x, rstd=f32),
                       cd.compile(cdnn.residual_rms, x, x, residual=x, inv_n=1.0, eps=1e-5)])
