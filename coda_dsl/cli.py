@@ -222,7 +222,7 @@ def cmd_explain(args) -> int:
     print("\n## binding")
     print(f"  inputs:  {', '.join(f'{n} ({d})' for n, d in sig.operand_dtypes if n in plan.inputs) or '-'}")
     print(f"  scalars: {', '.join(plan.scalars) or '-'}")
-    shapes = {"mn": "[M, N]", "mh": "[M, N/2]", "m": "[M]", "n": "[N]", "": "scalar"}
+    shapes = {"mn": "[M, N]", "mh": "[M, N/2]", "mw": "[M, 2N]", "m": "[M]", "n": "[N]", "": "scalar"}
     outs = ([f"D ({plan.d_dtype}, [M, N])"] if plan.d_dtype else []) + [
         f"{n} ({d}, {shapes[k]})" for n, d, k in plan.outputs]
     print(f"  outputs: {', '.join(outs)}")

@@ -58,6 +58,15 @@ def pairs_with_full_width_operands(acc, bias: cd.VecN, rs: cd.VecM, s: cd.Scalar
     return {"D": y * 2.0 + bias, "h": cd.cast(odd - even * s, cd.float32)}
 
 
+@cd.epilogue
+def double_width(acc, pre: cd.Tensor, rs: cd.VecM):
+    """A backward's shapes beside other nodes: a [M, 2N] operand split by cd.pairs, an interleaved [M, 2N]
+    output, a per-row sum and an N-wide output of the same halves."""
+    g, u = cd.pairs(pre)
+    dg = acc * cd.sigmoid(g) * rs
+    return {"D": cd.interleave(dg, acc * u), "s": cd.sum(dg * u, axis="n"), "h": g - u}
+
+
 # ---- helpers ------------------------------------------------------------------------------------
 def signature(ep, ab="bf16", b_layout="nk", operand_dtype="bf16", operand_dtypes=None, output_dtypes=None,
               consts=None, config=None, deterministic=False, accumulate=False) -> Signature:

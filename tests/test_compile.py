@@ -15,7 +15,7 @@ from coda_dsl import build
 from coda_dsl.codegen import op_name, render
 from coda_dsl.passes.plan import AuxLoad, AuxStore, ColBroadcast, RowBroadcast
 from build_helpers import real_toolchain_or_skip
-from epilogues import rich_operands_and_ops, signature
+from epilogues import double_width, rich_operands_and_ops, signature
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +52,13 @@ def test_rich_kernel_compiles(toolchain, cache_root, make_plan):
     # reductions and finishing kernels; in-place accumulation (C = D) with atomic reductions of every axis.
     # A pairwise kernel: pair-loop functors, a half-width D stored per pair, no D tile. And the
     # cross-entropy forward: online log-sum-exp and target gather (coda::RowLogSumExp / RowTake).
+    # Double width: a [M, 2N] operand split in two (WideLoad), an interleaved [M, 2N] output (WideStore).
     from coda_dsl.library import swiglu_keep_preactivation
     from coda_dsl.library.cross_entropy import _forward_epilogue
     others = [make_plan(statistics_only, deterministic=True), make_plan(accumulate_with_stats, accumulate=True),
               make_plan(swiglu_keep_preactivation),
-              make_plan(_forward_epilogue(True, 30.0), operand_dtypes={"target": "i64"})]
+              make_plan(_forward_epilogue(True, 30.0), operand_dtypes={"target": "i64"}),
+              make_plan(double_width, operand_dtypes={"rs": "fp32"})]
     assert others[0].d_dtype is None and others[1].reads_d and others[2].d_dtype is None
     units = [build.BuildUnit(key, source, op_name(key))]
     for p in others:

@@ -29,8 +29,7 @@ GOLDEN = Path(__file__).resolve().parent / "golden"
 REGEN = os.environ.get("CODA_REGEN_GOLDEN") == "1"
 PINGPONG = "128x128x64_c1x1_pingpong"
 
-# (epilogue, consts) of every example and library epilogue, named by case; swiglu_backward is left out:
-# its D is 2N wide, which runs on the reference backend only (no code to render)
+# (epilogue, consts) of every example and library epilogue, named by case
 EPILOGUES = {
     "residual_rms": (examples.residual_rms, {}),
     "bias_gelu": (examples.bias_gelu, {}),
@@ -39,6 +38,7 @@ EPILOGUES = {
     "geglu": (gated.geglu, {}),
     "reglu": (gated.reglu, {}),
     "swiglu_keep_preactivation": (gated.swiglu_keep_preactivation, {}),
+    "swiglu_backward": (gated.swiglu_backward, {}),
     "rope_tables": (rope.rope_tables, {}),
     "rope_positions": (rope.rope_positions, {}),
     "rms_producer": (rmsnorm.rms_producer, {}),

@@ -15,12 +15,13 @@ import torch.nn.functional as F
 
 import coda_dsl as cd
 from coda_dsl.library import (interleave_gate_up, linear_swiglu, rms_consumer, rms_producer, rmsnorm_linear,
-                              rope_frequencies, rope_positions, rope_tables, swiglu, swiglu_keep_preactivation)
+                              rope_frequencies, rope_positions, rope_tables, swiglu, swiglu_backward,
+                              swiglu_keep_preactivation)
 from coda_dsl.library.cross_entropy import (BUFFER_BYTES, _backward_softcap_epilogue, _forward_epilogue,
                                            ce_backward, combine_vocab_shards, default_chunk_rows,
                                            logits_buffer_dtype, vocab_shard_stats)
 from coda_dsl.runtime import op as runtime
-from epilogues import bias_gelu, pairs_with_full_width_operands, residual_rms
+from epilogues import bias_gelu, double_width, pairs_with_full_width_operands, residual_rms
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU; none visible to torch")
@@ -138,6 +139,8 @@ def _operands(ep, m, n, dtype, batch=None):
                               inv_freq=rope_frequencies(2 * n, 128, base=500000.0).cuda()),  # [N]: no pairs
         pairs_with_full_width_operands: lambda: dict(bias=_rand(n, dtype=dtype), rs=_rand(*lead, m, dtype=dtype),
                                                      s=0.7),
+        swiglu_backward: lambda: dict(pre=3 * _rand(*lead, m, 2 * n, dtype=dtype)),
+        double_width: lambda: dict(pre=_rand(*lead, m, 2 * n, dtype=dtype), rs=_rand(*lead, m, dtype=torch.float32)),
     }
     return make[ep]()
 
@@ -160,7 +163,8 @@ CASES = [
     (rms_consumer(None), torch.bfloat16, "nk"),
 ]
 CASES += [(ep, torch.bfloat16, "nk") for ep in (swiglu, swiglu_keep_preactivation, rope_tables, rope_positions,
-                                                 lse_and_take, pairs_with_full_width_operands, sin_cos)]
+                                                 lse_and_take, pairs_with_full_width_operands, sin_cos,
+                                                 swiglu_backward, double_width)]
 # further specializations: (case, compile options)
 VARIANTS = [
     ((row_stats, torch.bfloat16, "nk"), dict(deterministic=True)),
@@ -170,6 +174,7 @@ VARIANTS = [
     ((scaled_bias, torch.bfloat16, "nk"), dict(accumulate=True, out_dtype=torch.bfloat16)),
     # the row nodes under another thread layout: one warp group per 64-row tile
     ((lse_and_take, torch.bfloat16, "nk"), dict(config=cd.Config((64, 256, 64), (1, 1), "pingpong"))),
+    ((double_width, torch.bfloat16, "nk"), dict(config=runtime.tuning.PINGPONG.key)),
 ]
 # tile-scheduler options and other tiles: each with reductions + a full-size load, and with pair stores
 SCHEDULER_CONFIGS = [runtime.tuning.PINGPONG.key, runtime.tuning.PINGPONG_192.key,
@@ -263,11 +268,19 @@ def test_matches_reference(kernels, case, shape):
     _check(ep, a, b, _operands(ep, m, n, dtype))
 
 
-@pytest.mark.parametrize("ep", [cd.identity, residual_rms, all_kinds], ids=lambda e: e.name)
+@pytest.mark.parametrize("ep", [cd.identity, residual_rms, all_kinds, double_width], ids=lambda e: e.name)
 def test_batched(kernels, ep):
     m, n, k, l = 200, 264, 96, 3
     a, b = _ab(m, n, k, torch.bfloat16, "nk", batch=l)  # [L, M, K] x [L, N, K]
     _check(ep, a, b, _operands(ep, m, n, torch.bfloat16, batch=l), batch=l)
+
+
+def test_double_width_other_config_and_unaligned_rows(kernels):
+    """[M, 2N] operands and outputs under pingpong tiles; with N = 1001 the output's rows (2002 bf16) are not
+    whole 16-byte groups, so the interleaved output goes straight from registers (no TMA)."""
+    for m, n, k, opts in ((777, 4104, 1000, dict(config=runtime.tuning.PINGPONG.key)), (300, 1001, 64, {})):
+        a, b = _ab(m, n, k, torch.bfloat16, "nk")
+        _check(double_width, a, b, _operands(double_width, m, n, torch.bfloat16), **opts)
 
 
 def test_batched_a_shared_weight(kernels):

@@ -112,14 +112,22 @@ def test_width_errors_and_odd_n():
     with pytest.raises(cd.OperandError, match="shape"):  # a cos table must be [M, N/2]
         cd.gemm(_w(8, 16), _w(8, 16), rope_tables, cos=torch.ones(8, 8), sin=torch.ones(8, 8),
                 backend="reference")
-    with pytest.raises(cd.UnsupportedError, match="wider than N"):  # 2N-wide outputs: reference backend only
-        from coda_dsl.passes import lower, specialize
-        from coda_dsl.passes.plan import Signature
+    from coda_dsl.passes import lower, specialize
+    from coda_dsl.passes.plan import Signature
 
-        @cd.epilogue
-        def doubled(acc):
-            return cd.interleave(acc, acc)
-        lower(specialize(doubled.program, {}), Signature("bf16", "nk", (), (("D", "bf16"),)))
+    @cd.epilogue
+    def doubled_then_scaled(acc):
+        return cd.interleave(acc, acc) * 2.0
+
+    @cd.epilogue
+    def wide_operand_unsplit(acc, pre: cd.Tensor):
+        return {"D": acc, "y": pre + cd.interleave(acc, acc)}
+
+    for ep, operands in ((doubled_then_scaled, ()), (wide_operand_unsplit, (("pre", "bf16"),))):
+        # math on a 2N-wide value: the reference backend only
+        with pytest.raises(cd.UnsupportedError, match=r"2N-wide value must be a cd.Tensor operand split"):
+            lower(specialize(ep.program, {}), Signature("bf16", "nk", operands,
+                                                        tuple((o, "bf16") for o in ep.output_names)))
 
 
 def test_pairwise_lowering():
@@ -142,6 +150,25 @@ def test_pairwise_lowering():
     positions = lower(specialize(rope_positions.program, {}),
                       Signature("bf16", "nk", (("inv_freq", "fp32"), ("pos", "fp32")), (("D", "bf16"),)))
     assert positions.widened == ["inv_freq"]  # an N/2 VecN is widened on the host
+
+
+def test_double_width_lowering():
+    """A backward's shapes: cd.pairs of a [M, 2N] operand -> two WideLoads (columns 2n, 2n + 1), a
+    cd.interleave output -> one WideStore of its two N-wide halves, [M, 2N]; no pairwise functor."""
+    from coda_dsl.codegen import render
+    from coda_dsl.passes import lower, specialize
+    from coda_dsl.passes.plan import Signature, WideLoad, WideStore
+
+    plan = lower(specialize(swiglu_backward.program, {}),
+                 Signature("bf16", "nk", (("pre", "bf16"),), (("D", "bf16"), ("y", "bf16"))))
+    assert plan.d_dtype is None and ("D", "bf16", "mw") in plan.outputs and ("y", "bf16", "mn") in plan.outputs
+    loads = [n for n in plan.nodes if isinstance(n, WideLoad)]
+    assert sorted(n.part for n in loads) == [0, 1] and plan.inputs == ["pre"]
+    (store,) = [n for n in plan.nodes if isinstance(n, WideStore)]
+    assert len(store.children) == 2 and not any(f.pairwise for f in plan.functors)
+    src = render(plan, "0" * 24)
+    assert "coda::WideLoad<cutlass::bfloat16_t, 0>" in src and "coda::WideLoad<cutlass::bfloat16_t, 1>" in src
+    assert "coda::WideStore<EpilogueDescriptor, cutlass::bfloat16_t>" in src
 
 
 @cd.epilogue

@@ -4,8 +4,10 @@ Partition: every elementwise node that is an output, or that feeds two or more u
 visitor node (`Compute` with a generated functor); the expression tree below it, down to leaves and
 other such nodes, is fused into that functor. So a shared subexpression is computed once, and each
 fused region is one functor. Leaves: acc -> Sm90AccFetch, cd.Tensor -> AuxLoad (TMA), VecN ->
-RowBroadcast, VecM -> ColBroadcast; scalars ride in the functors' Arguments; constants are literals.
-Outputs other than D are taps on their value: AuxStore for tensors (PairStore at half width),
+RowBroadcast, VecM -> ColBroadcast, the halves cd.pairs(x) of a double-width (2N) cd.Tensor -> WideLoad;
+scalars ride in the functors' Arguments; constants are literals.
+Outputs other than D are taps on their value: AuxStore for tensors (PairStore at half width, WideStore
+for a double-width cd.interleave(a, b)),
 Reduction for statistics (LogSumExp and Take for cd.logsumexp / cd.take), with their finishing
 expression, if any; the last node yields D. With accumulation, D's value reads the
 current D (`source` -> Sm90SrcFetch, CUTLASS's C operand).
@@ -19,7 +21,8 @@ from ..errors import EpilogueError, UnsupportedError
 from ..ir import graph as ir
 from . import smem, widths
 from .plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, EvtNode, Functor, LogSumExp, PairLoad,
-                   PairStore, Plan, Reduction, Ref, RowBroadcast, Signature, SrcFetch, Step, Take)
+                   PairStore, Plan, Reduction, Ref, RowBroadcast, Signature, SrcFetch, Step, Take, WideLoad,
+                   WideStore)
 
 _LOAD_NODE = {"tensor": AuxLoad, "vec_n": RowBroadcast, "vec_m": ColBroadcast}
 _FETCHED = ("acc", "load", "source")  # leaves read by a visitor node of their own (see _Lowering.leaf)
@@ -28,19 +31,39 @@ _FETCHED = ("acc", "load", "source")  # leaves read by a visitor node of their o
 def validate(program: ir.Program) -> dict[int, Fraction]:
     """Reject what no lowering can run, with the user's line; returns the widths of the values."""
     w = widths.infer(program)  # raises on mixed widths, naming the line
+    users: dict[int, list[ir.Node]] = {}
+    for node in ir.walk(program):
+        for i in node.inputs:
+            users.setdefault(id(i), []).append(node)
+    outputs = {id(o.node) for o in program.outputs}
 
     def unsupported(node, what):
         return UnsupportedError(f"epilogue '{program.name}' ({program.where(node)}): {what}")
 
     for node in ir.walk(program):
-        if w.get(id(node), 1) > 1:
-            raise unsupported(node, "values wider than N (2N-wide operands or outputs) run on the reference "
+        if w.get(id(node), 1) > 1 and not _double_width_ok(node, w, users.get(id(node), []), outputs):
+            raise unsupported(node, "a 2N-wide value must be a cd.Tensor operand split by cd.pairs(x), or an "
+                                    "output cd.interleave(a, b) of N-wide values; other uses run on the reference "
                                     "backend only")
         if node.op == "reduce" and w.get(id(node.inputs[0]), 1) != 1:
-            raise unsupported(node, "reductions of half-width values run on the reference backend only")
+            raise unsupported(node, "reductions of values not N wide run on the reference backend only")
         if node.definition is None:
             raise EpilogueError(f"epilogue '{program.name}' ({program.where(node)}): unknown op '{node.op}'")
     return w
+
+
+def _double_width_ok(node: ir.Node, w: dict[int, Fraction], users: list[ir.Node], outputs: set[int]) -> bool:
+    """The two shapes of a 2N-wide value the kernel has nodes for (WideLoad, WideStore)."""
+    if w[id(node)] != 2:
+        return False
+    if node.op == "load":
+        return node.attr[0] == "tensor" and all(u.op == "pair" for u in users)
+    return node.op == "interleave" and id(node) in outputs and not users
+
+
+def _wide_half(n: ir.Node, w: dict[int, Fraction]) -> bool:
+    """cd.pairs(x)[i] of a 2N-wide operand x: an N-wide leaf, read by a WideLoad of its own."""
+    return n.op == "pair" and w.get(id(n.inputs[0]), 1) == 2
 
 
 HALF = Fraction(1, 2)
@@ -74,6 +97,12 @@ class _Lowering:
                 self.index[id(n)] = self.add(AccFetch("Acc", comment="fp32 accumulator of A @ B^T"))
             elif n.op == "source":
                 self.index[id(n)] = self.add(SrcFetch("Source", comment="current D (accumulate: D += ...)"))
+            elif _wide_half(n, self.width):
+                _, name = n.inputs[0].attr
+                self.index[id(n)] = self.add(WideLoad(f"Load_{name}_{n.attr}", dtype=self.dtypes[name],
+                                                      input_index=self.input(name), part=n.attr,
+                                                      comment=f"{name}: cd.Tensor [M, 2N], columns 2n + {n.attr}, "
+                                                              f"{self.dtypes[name]}"))
             else:
                 kind, name = n.attr
                 cls = _LOAD_NODE[kind]
@@ -124,10 +153,23 @@ class _Lowering:
         even, odd = expr(root)
         return steps, even, odd
 
+    def fetched(self, n: ir.Node) -> bool:
+        """Is n's value read by a visitor node of its own (see leaf)?"""
+        return n.op in _FETCHED or _wide_half(n, self.width)
+
     def _pairwise(self, root: ir.Node) -> bool:
-        """Does this region touch column pairs (pair/interleave, or any half-width value)?"""
-        below = ir.topo_order([root])
-        return any(n.kind == "structural" or self.width.get(id(n), 1) != 1 for n in below)
+        """Does this region touch column pairs (pair/interleave, or any half-width value)? Its leaves
+        (a WideLoad's half of a 2N operand among them) are N wide."""
+        seen, todo = set(), [root]
+        while todo:
+            n = todo.pop()
+            if id(n) in seen or (n is not root and self.fetched(n)):
+                continue
+            seen.add(id(n))
+            if n.kind == "structural" or self.width.get(id(n), 1) != 1:
+                return True
+            todo.extend(n.inputs)
+        return False
 
     def functor(self, arity: int, steps: list[Step], result: Ref, text: str) -> Functor:
         f = Functor(f"Fn{len(self.functors)}", arity, steps, result, text=text)
@@ -141,7 +183,7 @@ class _Lowering:
         pairwise = self._pairwise(root)
 
         def operand(n: ir.Node):
-            if n is root or not (id(n) in self.index or n.op in _FETCHED):
+            if n is root or not (id(n) in self.index or self.fetched(n)):
                 return None
             child = self.index[id(n)] if id(n) in self.index else self.leaf(n)
             if child not in children:
@@ -191,7 +233,7 @@ class _Lowering:
         return {"n": "m", "m": "n", None: ""}[axis]
 
     def value(self, n: ir.Node) -> int:
-        if n.op in _FETCHED:
+        if self.fetched(n):
             return self.leaf(n)
         return self.index[id(n)] if id(n) in self.index else self.region(n)
 
@@ -205,13 +247,14 @@ class _Lowering:
         outputs_at = {id(o.node) for o in program.outputs}
         for n in order:  # materialize shared values and outputs, inputs first (a pair half is free to re-read)
             shared = uses[id(n)] >= 2 and n.op != "pair"
-            if n.kind in ("elementwise", "structural") and (shared or id(n) in outputs_at):
+            wide = self.width.get(id(n), 1) == 2  # an interleaved output: its WideStore takes both halves
+            if n.kind in ("elementwise", "structural") and (shared or id(n) in outputs_at) and not wide:
                 self.value(n)
         for n in order:
             if id(n) in outputs_at and n.op in ("const", "scalar"):
                 self.region(n)
         d_out = program.output("D")
-        if d_out is not None and self.width.get(id(d_out.node), 1) != 1:  # a half-width D is stored as a tap
+        if d_out is not None and self.width.get(id(d_out.node), 1) != 1:  # a D not N wide is stored as a tap
             d_out = None
         aux = [o for o in program.outputs if o is not d_out]  # D is stored as D unless it became a tap
         out_dtypes = dict(self.sig.output_dtypes)
@@ -224,6 +267,11 @@ class _Lowering:
                 self.add(PairStore(f"Store_{o.name}", (child,), dtype=out_dtypes[o.name], output_index=j,
                                    comment=f"output {o.name}: {out_dtypes[o.name]}, [M, N/2]"))
                 outputs.append((o.name, out_dtypes[o.name], "mh"))
+            elif self.width.get(id(o.node), 1) == 2:  # cd.interleave(a, b): [M, 2N]
+                halves = tuple(self.value(x) for x in o.node.inputs)
+                self.add(WideStore(f"Store_{o.name}", halves, dtype=out_dtypes[o.name], output_index=j,
+                                   comment=f"output {o.name}: {out_dtypes[o.name]}, [M, 2N], interleaved"))
+                outputs.append((o.name, out_dtypes[o.name], "mw"))
             else:
                 child = self.value(o.node)
                 self.add(AuxStore(f"Store_{o.name}", (child,), dtype=out_dtypes[o.name], output_index=j,

@@ -155,6 +155,17 @@ class PairLoad(Operand):
 
 
 @dataclass
+class WideLoad(Operand):
+    """One of the two interleaved halves of a [M, 2N] operand (`part` 0: columns 2n, 1: columns 2n + 1),
+    an [M, N] value read straight into registers: what cd.pairs of a double-width operand gives."""
+
+    part: int = 0
+
+    def key(self) -> str:
+        return f"WideLoad{self.dtype}{self.part}"
+
+
+@dataclass
 class RowBroadcast(Operand):
     """cd.VecN: one value per column n, broadcast down the rows. CUTLASS names broadcast nodes after
     the vector's shape: a vector over n (one value per column) is a *row* broadcast."""
@@ -256,6 +267,12 @@ class PairStore(_Store):
 
 
 @dataclass
+class WideStore(_Store):
+    """A double-width output ([M, 2N]) interleaving its two children (cd.interleave(a, b) of [M, N]
+    values), staged in shared memory and TMA-stored."""
+
+
+@dataclass
 class Reduction(EvtNode):
     """A statistic of its input over an output axis, in fp32.
 
@@ -308,7 +325,7 @@ class Plan:
     functors: list[Functor]
     inputs: list[str]  # operand names, in the order the op receives them
     outputs: list[tuple[str, str, str]]  # (name, dtype, shape kind) in the order the op receives them;
-    # shape kind: "mn" full tensor, "mh" [M, N/2] (pairwise), "m" per row, "n" per column, "" a scalar
+    # shape kind: "mn" full tensor, "mh" [M, N/2] (pairwise), "mw" [M, 2N] (interleaved), "m" per row, "n" per column, "" a scalar
     d_dtype: str | None  # dtype of D; None: the epilogue stores no D
     scalars: list[str]  # scalar operand names, in the order the op receives them
     widened: list[str] = field(default_factory=list)  # N/2-wide operands the runtime widens to N

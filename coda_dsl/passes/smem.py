@@ -16,7 +16,7 @@ import math
 
 from ..errors import SharedMemoryError
 from ..ir.ops import DTYPES
-from .plan import AuxLoad, AuxStore, Config, PairStore, Plan, Reduction, RowBroadcast
+from .plan import AuxLoad, AuxStore, Config, PairStore, Plan, Reduction, RowBroadcast, WideStore
 
 CAPACITY = 232448  # bytes of shared memory an sm90 block may use (cutlass detail::sm90_smem_capacity_bytes)
 MIN_STAGES = 2  # "Specialization requires Stages set to value 2 or more."
@@ -86,6 +86,8 @@ def usage(plan: Plan, config: Config | None = None) -> Usage:
             what, elements = f"output '{plan.outputs[n.output_index][0]}' ({n.dtype})", stages_d * sub
         elif isinstance(n, PairStore):  # half-width: one value per column pair
             what, elements = f"output '{plan.outputs[n.output_index][0]}' ({n.dtype}, N/2 wide)", stages_d * sub // 2
+        elif isinstance(n, WideStore):  # double width: two values per column
+            what, elements = f"output '{plan.outputs[n.output_index][0]}' ({n.dtype}, 2N wide)", stages_d * sub * 2
         elif isinstance(n, RowBroadcast):  # one CTA tile's row of the vector
             what, elements = f"operand '{names[n.input_index]}' (cd.VecN, {n.dtype})", tn
         else:

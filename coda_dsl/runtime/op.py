@@ -341,6 +341,7 @@ class CompiledOp:
 
 
 _SHAPES = {"mn": lambda lead, m, n: (*lead, m, n), "mh": lambda lead, m, n: (*lead, m, n // 2),
+           "mw": lambda lead, m, n: (*lead, m, 2 * n),
            "m": lambda lead, m, n: (*lead, m), "n": lambda lead, m, n: (*lead, n), "": lambda lead, m, n: lead}
 
 

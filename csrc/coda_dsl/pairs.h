@@ -1,9 +1,15 @@
-// Visitor nodes for half-width operands and outputs of pairwise epilogues (cd.pairs): column pair
-// (2j, 2j+1) of the tile corresponds to column j of an [M, N/2] tensor. Pairwise functors keep a
-// half-width value in both slots of its pair: PairLoad fills both, PairStore writes the even one.
-// PairLoad reads straight into registers, like CUTLASS's Sm90AuxLoad<0>, addressed through the element
-// coordinates (j = n / 2 is not an affine function of n); PairStore stages through shared memory.
+// Visitor nodes for operands and outputs whose columns are not the tile's (pairwise epilogues):
+//   half width, [M, N/2] (cd.pairs of the accumulator): column pair (2j, 2j+1) of the tile <-> column j.
+//     Pairwise functors keep a half-width value in both slots of its pair: PairLoad fills both,
+//     PairStore writes the even one.
+//   double width, [M, 2N] (a backward's interleaved pre-activation): tile column n <-> columns 2n, 2n+1.
+//     WideLoad<Part> reads one of the two as an [M, N] value; WideStore interleaves two [M, N] values.
+// Loads read straight into registers, like CUTLASS's Sm90AuxLoad<0>, addressed through the element
+// coordinates (n / 2 and 2n + 1 are not what a TMA box of the tile addresses); stores stage through
+// shared memory and go out with TMA.
 #pragma once
+
+#include <utility>
 
 #include "coda_dsl/direct.h"
 
@@ -12,31 +18,40 @@ namespace coda {
 template <class Pointer>
 struct PairArguments {
   Pointer ptr = nullptr;
-  int64_t ld = 0;     // row stride of the [M, N/2] tensor, in elements
+  int64_t ld = 0;     // row stride of the tensor, in elements
   int64_t batch = 0;  // batch stride
 };
 
-// Where column n's pair value lives in the [M, N/2] (or [L, M, N/2]) tensor, (m, n, l) a coordinate.
-template <class Pointer, class Coord>
-CUTLASS_DEVICE int64_t pair_offset(PairArguments<Pointer> const& a, Coord const& c) {
-  return cute::get<2>(c) * a.batch + cute::get<0>(c) * a.ld + cute::get<1>(c) / 2;
+// Tile column n -> the tensor's column.
+struct HalfColumns {
+  CUTLASS_HOST_DEVICE static int64_t of(int64_t n) { return n / 2; }
+};
+template <int Part>
+struct WideColumns {
+  CUTLASS_HOST_DEVICE static int64_t of(int64_t n) { return 2 * n + Part; }
+};
+
+// Where the value for coordinate c = (m, n, l) lives.
+template <class Columns, class Pointer, class Coord>
+CUTLASS_DEVICE int64_t column_offset(PairArguments<Pointer> const& a, Coord const& c) {
+  return cute::get<2>(c) * a.batch + cute::get<0>(c) * a.ld + Columns::of(cute::get<1>(c));
 }
 
-template <class Element>
-struct PairLoad : DirectNode<PairArguments<Element const*>> {
+template <class Element, class Columns>
+struct ColumnLoad : DirectNode<PairArguments<Element const*>> {
   using Base = DirectNode<PairArguments<Element const*>>;
   using Base::Base;
 
   template <class RTensor, class CTensor, class ProblemShapeMNL>
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE ConsumerStoreCallbacks(RTensor&& r, CTensor&& c, ProblemShapeMNL shape, PairLoad const* node)
+    CUTLASS_DEVICE ConsumerStoreCallbacks(RTensor&& r, CTensor&& c, ProblemShapeMNL shape, ColumnLoad const* node)
         : tC_rAux(cute::forward<RTensor>(r)), tC_cAux(cute::forward<CTensor>(c)), problem_shape_mnl(shape),
           node(node) {}
 
     RTensor tC_rAux;  // this thread's values of the current epilogue subtile
     CTensor tC_cAux;  // their (m, n, l) coordinates, per subtile
     ProblemShapeMNL problem_shape_mnl;
-    PairLoad const* node;
+    ColumnLoad const* node;
 
     CUTLASS_DEVICE void begin_loop(int epi_m, int epi_n) {
       cute::Tensor coords = tC_cAux(cute::_, cute::_, cute::_, epi_m, epi_n);
@@ -44,7 +59,7 @@ struct PairLoad : DirectNode<PairArguments<Element const*>> {
       CUTLASS_PRAGMA_UNROLL
       for (int k = 0; k < cute::size(tC_rAux); ++k) {
         auto c = coords(k);
-        tC_rAux(k) = cute::elem_less(c, problem_shape_mnl) ? a.ptr[pair_offset(a, c)] : Element(0);
+        tC_rAux(k) = cute::elem_less(c, problem_shape_mnl) ? a.ptr[column_offset<Columns>(a, c)] : Element(0);
       }
     }
 
@@ -65,21 +80,33 @@ struct PairLoad : DirectNode<PairArguments<Element const*>> {
   }
 };
 
-// A half-width output: each thread writes the even slot of its pairs into a [EpiM, EpiN/2] shared-memory
-// tile, which one warp stores with TMA when the collective stores D (same stages, fences and barriers
-// as CUTLASS's Sm90AuxStore); TMA clips the ragged edges. Where the tensor's rows are not 16-byte
-// aligned (TMA's rule: N/2 values of a row must fill 16-byte multiples), the values go straight from
-// registers to global memory instead, predicated per value.
-template <class EpiDesc, class Element>
-struct PairStore : ConsumerOnlyNode {
+template <class Element>
+using PairLoad = ColumnLoad<Element, HalfColumns>;
+template <class Element, int Part>
+using WideLoad = ColumnLoad<Element, WideColumns<Part>>;
+
+// Outputs of other widths, staged in a [EpiM, OutN] shared-memory tile per stage that one warp stores
+// with TMA when the collective stores D (same stages, fences and barriers as CUTLASS's Sm90AuxStore);
+// TMA clips the ragged edges. Inputs == 1: half width (each thread writes the even slot of its pairs);
+// Inputs == 2: double width, the two children interleaved (column n of child i -> column 2n + i).
+// Where the tensor's rows are not 16-byte aligned (TMA's rule), the values go straight from registers
+// to global memory instead, predicated per value.
+template <class EpiDesc, class Element, int Inputs>
+struct ColumnStore : ConsumerOnlyNode {
+  static_assert(Inputs == 1 || Inputs == 2);
   using EpiTile = typename EpiDesc::EpilogueTile;
   static constexpr int Stages = cutlass::epilogue::collective::detail::AuxStoreDescriptor<
       EpiDesc, cutlass::layout::RowMajor, Element>::Stages;
   static constexpr int EpiM = cute::size<0>(EpiTile{});
-  static constexpr int HalfN = cute::size<1>(EpiTile{}) / 2;
-  using SmemLayoutTma = cute::Layout<cute::Shape<cute::Int<EpiM>, cute::Int<HalfN>>, cute::Stride<cute::Int<HalfN>, cute::_1>>;
-  using SmemLayout = cute::Layout<cute::Shape<cute::Int<EpiM>, cute::Int<HalfN>, cute::Int<Stages>>,
-                                  cute::Stride<cute::Int<HalfN>, cute::_1, cute::Int<EpiM * HalfN>>>;
+  static constexpr int EpiN = cute::size<1>(EpiTile{});
+  static constexpr int OutN = Inputs == 1 ? EpiN / 2 : EpiN * 2;  // the tile's columns in the output
+  template <class X>
+  CUTLASS_HOST_DEVICE static constexpr auto out_columns(X x) {  // tile or problem columns -> output columns
+    if constexpr (Inputs == 1) return x / cute::_2{}; else return x * cute::_2{};
+  }
+  using SmemLayoutTma = cute::Layout<cute::Shape<cute::Int<EpiM>, cute::Int<OutN>>, cute::Stride<cute::Int<OutN>, cute::_1>>;
+  using SmemLayout = cute::Layout<cute::Shape<cute::Int<EpiM>, cute::Int<OutN>, cute::Int<Stages>>,
+                                  cute::Stride<cute::Int<OutN>, cute::_1, cute::Int<EpiM * OutN>>>;
   using StrideMNL = cute::Stride<int64_t, cute::_1, int64_t>;
   using TMA = decltype(cute::make_tma_copy(
       cute::SM90_TMA_STORE{},
@@ -103,51 +130,68 @@ struct PairStore : ConsumerOnlyNode {
     bool use_tma = reinterpret_cast<uintptr_t>(args.ptr) % 16 == 0 && aligned(args.ld) && aligned(args.batch);
     TMA tma{};
     if (use_tma) {
-      auto t = cute::make_tensor(args.ptr, cute::make_layout(cute::make_shape(int(M), int(N) / 2, int(L)),
+      auto t = cute::make_tensor(args.ptr, cute::make_layout(cute::make_shape(int(M), out_columns(int(N)), int(L)),
                                                            StrideMNL{args.ld, cute::_1{}, args.batch}));
       tma = cute::make_tma_copy(cute::SM90_TMA_STORE{}, t, SmemLayoutTma{});
     }
     return {args, tma, use_tma};
   }
-  CUTLASS_HOST_DEVICE PairStore() {}
-  CUTLASS_HOST_DEVICE PairStore(Params const& params, SharedStorage const& shared)
+  CUTLASS_HOST_DEVICE ColumnStore() {}
+  CUTLASS_HOST_DEVICE ColumnStore(Params const& params, SharedStorage const& shared)
       : params_ptr(&params), smem(const_cast<Element*>(shared.smem.data())) {}
   Params const* params_ptr = nullptr;
   Element* smem = nullptr;
 
   template <class RTensor, class LTensor, class CTensor, class ProblemShapeMNL, class STensor, class GTensor>
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE ConsumerStoreCallbacks(RTensor&& r, LTensor&& local, CTensor&& c, ProblemShapeMNL shape,
-                                          STensor&& s, GTensor&& g, PairStore const* node)
-        : tC_rAux(cute::forward<RTensor>(r)), tC_lAux(cute::forward<LTensor>(local)), tC_cAux(cute::forward<CTensor>(c)),
-          problem_shape_mnl(shape), bSG_sAux(cute::forward<STensor>(s)), bSG_gAux(cute::forward<GTensor>(g)),
-          node(node) {}
+    CUTLASS_DEVICE ConsumerStoreCallbacks(LTensor&& local, CTensor&& c, ProblemShapeMNL shape, STensor&& s,
+                                          GTensor&& g, ColumnStore const* node)
+        : tC_lAux(cute::forward<LTensor>(local)), tC_cAux(cute::forward<CTensor>(c)), problem_shape_mnl(shape),
+          bSG_sAux(cute::forward<STensor>(s)), bSG_gAux(cute::forward<GTensor>(g)), node(node) {}
 
-    RTensor tC_rAux;  // this thread's values of the current epilogue subtile
+    RTensor tC_rAux[Inputs];  // this thread's values of the current epilogue subtile, per input
     LTensor tC_lAux;  // their (m, n) within a subtile
     CTensor tC_cAux;  // their (m, n, l) in the problem, per subtile (the direct path)
     ProblemShapeMNL problem_shape_mnl;
     STensor bSG_sAux;  // (TMA, TMA_M, TMA_N, PIPE)
     GTensor bSG_gAux;  // (TMA, TMA_M, TMA_N, EPI_M, EPI_N)
-    PairStore const* node;
+    ColumnStore const* node;
 
-    template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
-    CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int, int,
-                              cutlass::Array<ElementInput, FragmentSize> const& frg_input) {
-      using Convert = cutlass::NumericArrayConverter<Element, ElementInput, FragmentSize,
+    template <int I, class Fragment>
+    CUTLASS_DEVICE void keep(int epi_v, Fragment const& frg) {
+      using Convert = cutlass::NumericArrayConverter<Element, typename Fragment::Element, Fragment::kElements,
                                                      cutlass::FloatRoundStyle::round_to_nearest>;
-      cute::Tensor tC_rAux_frg = cute::recast<cutlass::Array<Element, FragmentSize>>(cute::coalesce(tC_rAux));
-      tC_rAux_frg(epi_v) = Convert{}(frg_input);
-      return frg_input;
+      cute::recast<cutlass::Array<Element, Fragment::kElements>>(cute::coalesce(tC_rAux[I]))(epi_v) = Convert{}(frg);
+    }
+
+    template <int... I, class... Fragments>
+    CUTLASS_DEVICE void keep_all(int epi_v, std::integer_sequence<int, I...>, Fragments const&... frg) {
+      (keep<I>(epi_v, frg), ...);
+    }
+
+    template <typename ElementAccumulator, int FragmentSize, class First, class... Rest>
+    CUTLASS_DEVICE First visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int, int,
+                              First const& first, Rest const&... rest) {
+      static_assert(1 + sizeof...(Rest) == Inputs, "one child per input");
+      keep_all(epi_v, std::make_integer_sequence<int, Inputs>{}, first, rest...);
+      return first;
     }
 
     CUTLASS_DEVICE void postreduce(int, int, int store_iteration, bool issue_smem_store) {
       if (!node->params_ptr->use_tma || !issue_smem_store) return;
-      Element* stage = node->smem + (store_iteration % Stages) * (EpiM * HalfN);
+      Element* stage = node->smem + (store_iteration % Stages) * (EpiM * OutN);
       CUTLASS_PRAGMA_UNROLL
-      for (int k = 0; k < cute::size(tC_rAux); ++k) {
+      for (int k = 0; k < cute::size(tC_rAux[0]); ++k) {
         auto c = tC_lAux(k);
-        if ((cute::get<1>(c) & 1) == 0) stage[cute::get<0>(c) * HalfN + cute::get<1>(c) / 2] = tC_rAux(k);
+        int m = cute::get<0>(c), n = cute::get<1>(c);
+        if constexpr (Inputs == 1) {
+          if ((n & 1) == 0) stage[m * OutN + n / 2] = tC_rAux[0](k);
+        } else {  // both columns of the output pair in one store
+          cutlass::Array<Element, 2> both;
+          both[0] = tC_rAux[0](k);
+          both[1] = tC_rAux[1](k);
+          reinterpret_cast<cutlass::Array<Element, 2>*>(stage)[m * EpiN + n] = both;
+        }
       }
     }
 
@@ -163,9 +207,15 @@ struct PairStore : ConsumerOnlyNode {
       cute::Tensor coords = tC_cAux(cute::_, cute::_, cute::_, epi_m, epi_n);
       Arguments const& a = node->params_ptr->args;
       CUTLASS_PRAGMA_UNROLL
-      for (int k = 0; k < cute::size(tC_rAux); ++k) {
+      for (int k = 0; k < cute::size(tC_rAux[0]); ++k) {
         auto c = coords(k);
-        if ((cute::get<1>(c) & 1) == 0 && cute::elem_less(c, problem_shape_mnl)) a.ptr[pair_offset(a, c)] = tC_rAux(k);
+        if (!cute::elem_less(c, problem_shape_mnl)) continue;
+        if constexpr (Inputs == 1) {
+          if ((cute::get<1>(c) & 1) == 0) a.ptr[column_offset<HalfColumns>(a, c)] = tC_rAux[0](k);
+        } else {
+          a.ptr[column_offset<WideColumns<0>>(a, c)] = tC_rAux[0](k);
+          a.ptr[column_offset<WideColumns<1>>(a, c)] = tC_rAux[1](k);
+        }
       }
     }
   };
@@ -176,25 +226,29 @@ struct PairStore : ConsumerOnlyNode {
     auto [M, N, K, L] = args.problem_shape_mnkl;
     auto [m, n, k, l] = args.tile_coord_mnkl;
     auto [tC_cAux, shape_mnl] = thread_coordinates<ReferenceSrc>(args);
-    Tensor tC_rAux = make_tensor<Element>(take<0, 3>(shape(tC_cAux)));
+    using RTensor = decltype(make_tensor<Element>(take<0, 3>(shape(tC_cAux))));
     // (m, n) of each value within its subtile: the same for every subtile, so subtile (0, 0)'s
     Tensor tC_cTile = cutlass::epilogue::fusion::sm90_partition_for_epilogue<ReferenceSrc>(
         make_identity_tensor(take<0, 2>(args.tile_shape_mnk)), args.epi_tile, args.tiled_copy, args.thread_idx);
     Tensor tC_lAux = tC_cTile(_, _, _, 0, 0);
 
-    Tensor mAux = params_ptr->tma.get_tma_tensor(make_shape(int(M), int(N) / 2, int(L)));
-    Tensor gAux = local_tile(mAux, make_shape(get<0>(args.tile_shape_mnk), get<1>(args.tile_shape_mnk) / _2{}),
+    Tensor mAux = params_ptr->tma.get_tma_tensor(make_shape(int(M), out_columns(int(N)), int(L)));
+    Tensor gAux = local_tile(mAux, make_shape(get<0>(args.tile_shape_mnk), out_columns(get<1>(args.tile_shape_mnk))),
                              make_coord(m, n, l));
-    Tensor gAux_epi = flat_divide(gAux, make_shape(Int<EpiM>{}, Int<HalfN>{}));  // (EpiM, HalfN, EPI_M, EPI_N)
-    Tensor sAux_epi = make_tensor(make_smem_ptr(smem), SmemLayout{});          // (EpiM, HalfN, PIPE)
+    Tensor gAux_epi = flat_divide(gAux, make_shape(Int<EpiM>{}, Int<OutN>{}));  // (EpiM, OutN, EPI_M, EPI_N)
+    Tensor sAux_epi = make_tensor(make_smem_ptr(smem), SmemLayout{});          // (EpiM, OutN, PIPE)
     auto thrblk_s2g = params_ptr->tma.get_slice(_0{});
     Tensor bSG_sAux = thrblk_s2g.partition_S(sAux_epi);
     Tensor bSG_gAux = thrblk_s2g.partition_D(gAux_epi);
-    return ConsumerStoreCallbacks<decltype(tC_rAux), decltype(tC_lAux), decltype(tC_cAux), decltype(shape_mnl),
+    return ConsumerStoreCallbacks<RTensor, decltype(tC_lAux), decltype(tC_cAux), decltype(shape_mnl),
                                   decltype(bSG_sAux), decltype(bSG_gAux)>(
-        cute::move(tC_rAux), cute::move(tC_lAux), cute::move(tC_cAux), shape_mnl, cute::move(bSG_sAux),
-        cute::move(bSG_gAux), this);
+        cute::move(tC_lAux), cute::move(tC_cAux), shape_mnl, cute::move(bSG_sAux), cute::move(bSG_gAux), this);
   }
 };
+
+template <class EpiDesc, class Element>
+using PairStore = ColumnStore<EpiDesc, Element, 1>;
+template <class EpiDesc, class Element>
+using WideStore = ColumnStore<EpiDesc, Element, 2>;
 
 }  // namespace coda
