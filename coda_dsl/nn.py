@@ -24,10 +24,11 @@ Design decisions:
 - **Norm statistics across layers.** The down epilogue emits rstd of the layer's output (with this
   layer's eps: one config per stack); `forward(..., return_rstd=True)` returns it and the next layer
   takes it as `input_rstd`, so only the first layer computes its input's rstd in torch.
-- **Backward unfused for now.** Each GEMM is one `torch.autograd.Function` whose backward calls one
-  named function of plain torch ops (`rms_rope_backward`, `rms_producer_backward`,
-  `rms_swiglu_backward`, `residual_rms_backward`); a fused backward epilogue can replace each one.
-  Only the gradients autograd asks for are computed.
+- **Backward.** The MLP is one `torch.autograd.Function` (`_Mlp`): its backward GEMM dY = dOut @ W_down
+  carries the SwiGLU and rstd derivative in its epilogue (`rms_swiglu_grad`: it reads the saved [M, 2F]
+  pre-activation and writes the [M, 2F] gradient of the gate/up accumulator). The other steps are named
+  functions of plain torch ops (`rms_rope_backward`, `rms_producer_backward`, `residual_rms_backward`)
+  between cuBLAS GEMMs. Only the gradients autograd asks for are computed.
 - **Attention mask: causal only**, per row of the batch (SDPA; GQA by `enable_gqa`, torch >= 2.5).
   Packed sequences may restart `position_ids` (RoPE follows them) but attention still spans the
   whole row; a mask other than None is refused.
@@ -63,6 +64,18 @@ def rms_swiglu(acc, rstd: cd.VecM):
     pre = rstd * acc
     g, u = cd.pairs(pre)
     return {"D": cd.silu(g) * u, "pre": pre}
+
+
+@cd.epilogue
+def rms_swiglu_grad(acc, pre: cd.Tensor, rstd: cd.VecM):
+    """rms_swiglu's backward, in the epilogue of the GEMM that produces its incoming gradient (acc = dY =
+    dOut @ W_down, F wide): D = the gradient of the gate/up accumulator ([M, 2F], interleaved like pre),
+    and per row sum_n d(pre) * pre, which is rstd's gradient times rstd."""
+    g, u = cd.pairs(pre)
+    sig = cd.sigmoid(g)
+    dg = acc * u * sig * (1.0 + g * (1.0 - sig))
+    du = acc * g * sig
+    return {"D": cd.interleave(rstd * dg, rstd * du), "dpre_pre": cd.sum(dg * g + du * u, axis="n")}
 
 
 @cd.epilogue
@@ -102,17 +115,6 @@ def rms_rope_backward(dy, y, rstd, pos, inv_freq):
     d0, d1 = d[..., 0], d[..., 1]
     g = torch.stack((d0 * cos + d1 * sin, d1 * cos - d0 * sin), dim=-1).flatten(-2)  # rotate back
     return rstd[:, None] * g, (dy.float() * y.float()).sum(-1) / rstd
-
-
-def rms_swiglu_backward(dy, pre, rstd):
-    """y = silu(g) * u with (g, u) = pairs(pre), pre = rstd * acc -> (d acc, d rstd)."""
-    p = pre.float().unflatten(-1, (-1, 2))
-    g, u = p[..., 0], p[..., 1]
-    sig = torch.sigmoid(g)
-    dy = dy.float()
-    dg = dy * u * sig * (1.0 + g * (1.0 - sig))
-    dpre = torch.stack((dg, dy * g * sig), dim=-1).flatten(-2)
-    return rstd[:, None] * dpre, (dpre * pre.float()).sum(-1) / rstd
 
 
 def rms_producer_backward(dh, dhg, drstd, h, rstd, gamma, inv_n: float, want_gamma: bool):
@@ -163,36 +165,34 @@ class _RmsProducerLinear(torch.autograd.Function):
         return da, dw, dres, dgamma.to(gamma.dtype) if dgamma is not None else None, None, None
 
 
-class _RmsSwigluLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, xg, rstd, w, backend):
-        r = cd.gemm(xg, w, rms_swiglu, rstd=rstd, backend=backend)
-        ctx.save_for_backward(xg, rstd, w, r["pre"])
-        return r["D"]
+class _Mlp(torch.autograd.Function):
+    """The MLP's two GEMMs: y = swiglu(rstd * (hg @ W_gate_up^T)), out = y @ W_down^T + residual (and its
+    rstd). The backward's dY = dOut @ W_down carries rms_swiglu_grad in its epilogue, so the SwiGLU
+    derivative costs no pass of its own over the [M, 2F] pre-activation."""
 
     @staticmethod
-    def backward(ctx, dy):
-        xg, rstd, w, pre = ctx.saved_tensors
-        dacc, drstd = rms_swiglu_backward(dy, pre, rstd)
-        dxg, dw = _linear_grads(ctx, dacc, xg, w, 0, 2)
-        return dxg, drstd if ctx.needs_input_grad[1] else None, dw, None
-
-
-class _ResidualRmsLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a, w, residual, eps, backend):
-        inv_n = 1.0 / w.shape[0]
-        r = cd.gemm(a, w, residual_rms, residual=residual, inv_n=inv_n, eps=eps, backend=backend)
-        ctx.save_for_backward(a, w, r["D"], r["rstd"])
-        ctx.inv_n = inv_n
-        return r["D"], r["rstd"]
+    def forward(ctx, hg, rstd, w_gu, w_down, residual, eps, backend):
+        r = cd.gemm(hg, w_gu, rms_swiglu, rstd=rstd, backend=backend)
+        inv_n = 1.0 / w_down.shape[0]
+        o = cd.gemm(r["D"], w_down, residual_rms, residual=residual, inv_n=inv_n, eps=eps, backend=backend)
+        ctx.save_for_backward(hg, rstd, w_gu, w_down, r["D"], r["pre"], o["D"], o["rstd"])
+        ctx.inv_n, ctx.backend = inv_n, backend
+        return o["D"], o["rstd"]
 
     @staticmethod
-    def backward(ctx, dout, drstd):
-        a, w, out, rstd = ctx.saved_tensors
-        dacc = residual_rms_backward(dout, drstd, out, rstd, ctx.inv_n)
-        da, dw = _linear_grads(ctx, dacc, a, w, 0, 1)
-        return da, dw, dacc.to(out.dtype) if ctx.needs_input_grad[2] else None, None, None
+    def backward(ctx, dout, drstd_out):
+        hg, rstd, w_gu, w_down, y, pre, out, rstd_out = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        dacc = residual_rms_backward(dout, drstd_out, out, rstd_out, ctx.inv_n).to(y.dtype)  # = d residual
+        dhg = drstd = dw_gu = None
+        if any(need[:3]):
+            g = cd.gemm(dacc, w_down.t(), rms_swiglu_grad, pre=pre, rstd=rstd, backend=ctx.backend)
+            dgu = g["D"]  # d(hg @ W_gate_up^T), [M, 2F]
+            dhg = _mm(dgu, w_gu, hg.dtype) if need[0] else None
+            drstd = g["dpre_pre"] / rstd if need[1] else None
+            dw_gu = _mm(dgu.t(), hg, w_gu.dtype) if need[2] else None
+        dw_down = _mm(dacc.t(), y, w_down.dtype) if need[3] else None
+        return dhg, drstd, dw_gu, dw_down, dacc if need[4] else None, None, None
 
 
 def input_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -288,8 +288,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, hg, rstd, residual, eps: float, backend: str):
         """hg = h * gamma2 [M, D], rstd [M], residual h -> (h + mlp, rstd of that)."""
-        y = _RmsSwigluLinear.apply(hg, rstd, interleave_gate_up(self.gate_proj.weight, self.up_proj.weight), backend)
-        return _ResidualRmsLinear.apply(y, self.down_proj.weight, residual, eps, backend)
+        w_gu = interleave_gate_up(self.gate_proj.weight, self.up_proj.weight)
+        return _Mlp.apply(hg, rstd, w_gu, self.down_proj.weight, residual, eps, backend)
 
 
 class LlamaDecoderLayer(nn.Module):

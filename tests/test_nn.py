@@ -114,20 +114,23 @@ def test_layer_bf16_within_hf_bf16_error():
 
 
 def test_frozen_inputs_get_no_gradient_work(monkeypatch):
-    """With the weights frozen, each GEMM's backward does one matmul (the input's), not two."""
+    """With the weights frozen, each GEMM's backward does one matmul (the input's), not two; the down
+    projection's is the fused dY GEMM (rms_swiglu_grad), which a frozen MLP input does not need."""
     config = llama_config()
     ours = cdnn.LlamaDecoderLayer.from_hf(random_hf_layer(config), backend="reference").requires_grad_(False)
-    calls = []
-    real = cdnn._mm
-    monkeypatch.setattr(cdnn, "_mm", lambda *a: calls.append(1) or real(*a))
+    calls, fused = [], []
+    real_mm, real_gemm = cdnn._mm, cdnn.cd.gemm
+    monkeypatch.setattr(cdnn, "_mm", lambda *a: calls.append(1) or real_mm(*a))
+    monkeypatch.setattr(cdnn.cd, "gemm", lambda a, b, ep, **k: (ep is cdnn.rms_swiglu_grad and fused.append(1))
+                        or real_gemm(a, b, ep, **k))
     x = torch.randn(2, 7, config.hidden_size, requires_grad=True)
     ours(x).sum().backward()
-    assert len(calls) == 4 and x.grad is not None
+    assert len(calls) == 3 and len(fused) == 1 and x.grad is not None
     assert all(p.grad is None for p in ours.parameters())
-    calls.clear()
+    calls.clear(), fused.clear()
     ours.mlp.down_proj.requires_grad_(True)
     ours(x.detach()).sum().backward()  # only W_down trains: one matmul in all
-    assert len(calls) == 1 and ours.mlp.down_proj.weight.grad is not None
+    assert len(calls) == 1 and not fused and ours.mlp.down_proj.weight.grad is not None
 
 
 def test_stack_trains_like_hf():
