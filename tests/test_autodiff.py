@@ -242,3 +242,32 @@ def test_linear_under_torch_compile_and_checkpointing():
                 torch.autograd.grad(checkpoint(loss, *leaves, use_reentrant=False), leaves)):
         for g, w in zip(got, want):
             assert rel_err(g, w) < 1e-6
+
+
+def test_fused_backward_step_equals_the_eager_one():
+    """On CUDA the derived program runs through torch.compile (fused=True); here on the CPU, with the
+    operand kinds, a statistic output and column pairs (widths under symbolic shapes)."""
+    from coda_dsl.library import swiglu
+    from coda_dsl.passes.autodiff import GRAD
+    from coda_dsl.runtime.autograd import _derive
+
+    @cd.epilogue
+    def f(acc, bias: cd.VecN, scale: cd.VecM, alpha: cd.Scalar):
+        h = cd.gelu(acc * scale + bias, approximate="tanh") * alpha
+        return {"D": h, "lse": cd.logsumexp(h, axis="n")}
+    m, n = 37, 24
+    for ep, ops, dys in ((f, dict(bias=torch.randn(n), scale=torch.rand(m) + 0.5, alpha=0.7),
+                          {"D": torch.randn(m, n), "lse": torch.randn(m)}),
+                         (swiglu, {}, {"D": torch.randn(m, n // 2)})):
+        derived = _derive(ep, {})
+        acc = torch.randn(m, n).bfloat16()
+        operands = {**ops, **{GRAD + k: v for k, v in dys.items()}}
+        if derived.back.saved:  # the statistic the derivative reads: the forward's own
+            fwd = cd.gemm(acc.float(), torch.eye(n), ep, backend="reference", **ops)
+            operands.update({"saved_" + k: fwd[k] for k in derived.back.saved})
+        dtypes = {"acc": "bf16", **{k: "fp32" for k, v in ops.items() if isinstance(v, torch.Tensor)}}
+        eager = derived.backward(acc, operands, dtypes, fused=False)
+        fused = derived.backward(acc, operands, dtypes, fused=True)
+        assert eager.keys() == fused.keys() and eager["acc"].dtype == torch.bfloat16
+        for k in eager:
+            assert rel_err(fused[k], eager[k]) < 1e-2, k

@@ -3,8 +3,9 @@
 
 Forward: the fused GEMM, with the accumulator as one more output when the derivative reads it (in
 A's dtype: the pre-activation that training frameworks save). Backward: the derived epilogue on the
-saved accumulator gives dacc and the operands' gradients (for now as an unfused torch step, on the
-reference semantics), then grad_x = dacc @ W and grad_W = dacc^T x.
+saved accumulator gives dacc and the operands' gradients (its reference semantics as torch ops; on
+CUDA through torch.compile, which fuses them into a kernel or two instead of a pass per op), then
+grad_x = dacc @ W and grad_W = dacc^T x.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from ..dsl import Epilogue, identity
 from ..errors import OperandError
 from ..ir import graph as ir
+from ..ir.ops import dtype_name
 from ..passes import specialize
 from ..passes.autodiff import GRAD, SAVED, Backward, derive
 from . import reference
@@ -22,11 +24,32 @@ from .op import gemm
 
 SAVED_ACC = "acc"  # the forward's extra output: its accumulator (derive() refuses operands of that name)
 
-# epilogue -> {consts: (forward epilogue with the accumulator as an output, its backward)}
+class _Derived:
+    """An epilogue's forward with its accumulator as an output (when the derivative reads it), and the
+    derived backward program as a function of (acc, operands)."""
+
+    def __init__(self, forward: Epilogue, back: Backward):
+        self.forward, self.back = forward, back
+        self._compiled = None
+
+    def _eager(self, acc: torch.Tensor, operands: dict, out_dtypes: dict) -> dict[str, torch.Tensor]:
+        return reference.evaluate_on(self.back.program, acc.float(), operands, out_dtypes)
+
+    def backward(self, acc: torch.Tensor, operands: dict, out_dtypes: dict, fused: bool) -> dict[str, torch.Tensor]:
+        """The gradients, in out_dtypes (name -> dtype name). fused: through torch.compile, which fuses the
+        derivative's ops into a kernel or two (eager, each op is a pass over [M, N])."""
+        if not fused:
+            return self._eager(acc, operands, out_dtypes)
+        if self._compiled is None:
+            self._compiled = torch.compile(self._eager, dynamic=True)
+        return self._compiled(acc, operands, out_dtypes)
+
+
+# epilogue -> {consts: _Derived}
 _derived: "weakref.WeakKeyDictionary[Epilogue, dict]" = weakref.WeakKeyDictionary()
 
 
-def _derive(ep: Epilogue, consts: dict) -> tuple[Epilogue, Backward]:
+def _derive(ep: Epilogue, consts: dict) -> _Derived:
     key = tuple(sorted((k, repr(v)) for k, v in consts.items()))
     per_ep = _derived.setdefault(ep, {})
     if key not in per_ep:
@@ -39,7 +62,7 @@ def _derive(ep: Epilogue, consts: dict) -> tuple[Epilogue, Backward]:
             p = ep.program
             outputs = (*p.outputs, ir.Output(SAVED_ACC, ir.acc(), None))
             forward = Epilogue.of_program(ir.Program(p.name, p.params, outputs, p.source, p.locations))
-        per_ep[key] = (forward, back)
+        per_ep[key] = _Derived(forward, back)
     return per_ep[key]
 
 
@@ -48,16 +71,17 @@ class _Linear(torch.autograd.Function):
     def forward(ctx, ep, names, numbers, options, x, w, *tensors):
         operands = {**dict(zip(names, tensors)), **numbers}
         consts = {p.name: operands[p.name] for p in ep.params if p.kind == "const"}
-        forward, back = _derive(ep, consts)
-        outs = gemm(x, w, forward, **options, **operands)
+        derived = _derive(ep, consts)
+        back = derived.back
+        outs = gemm(x, w, derived.forward, **options, **operands)
         acc = outs.pop(SAVED_ACC, None)
-        ctx.back, ctx.names, ctx.numbers = back, names, numbers
+        ctx.derived, ctx.names, ctx.numbers = derived, names, numbers
         ctx.save_for_backward(x, w, acc, *tensors, *(outs[o] for o in back.saved))
         return tuple(outs[o] for o in ep.output_names)  # linear() names them in this order
 
     @staticmethod
     def backward(ctx, *grads):
-        back, names = ctx.back, ctx.names
+        back, names = ctx.derived.back, ctx.names
         x, w, acc, *rest = ctx.saved_tensors
         tensors, saved = rest[:len(names)], rest[len(names):]
         outs = dict(zip(back.grads, grads))  # the forward's outputs, in its order
@@ -67,12 +91,14 @@ class _Linear(torch.autograd.Function):
                        if o in back.grads}}
         if acc is None:  # the derivative does not read the accumulator: any tensor of its shape will do
             acc = torch.zeros(x.shape[0], w.shape[0], device=x.device)
-        got = reference.evaluate_on(back.program, acc.float(), operands, {})
+        out_dtypes = {"acc": dtype_name(x.dtype), **{n: dtype_name(t.dtype) for n, t in zip(names, tensors)}}
+        # fused on CUDA; inside a compiled graph the derivative is traced like the rest
+        got = ctx.derived.backward(acc, operands, out_dtypes, fused=acc.is_cuda and not torch.compiler.is_compiling())
         dacc = got.get("acc")
         need_x, need_w = ctx.needs_input_grad[4:6]
-        grad_x = dacc.to(x.dtype) @ w if need_x and dacc is not None else None
-        grad_w = dacc.t().to(x.dtype) @ x if need_w and dacc is not None else None
-        grad_ops = [got[n].to(t.dtype) if n in got and ctx.needs_input_grad[6 + i] else None
+        grad_x = dacc @ w if need_x and dacc is not None else None
+        grad_w = dacc.t() @ x if need_w and dacc is not None else None
+        grad_ops = [got[n] if n in got and ctx.needs_input_grad[6 + i] else None
                     for i, (n, t) in enumerate(zip(names, tensors))]
         return (None, None, None, None, grad_x, grad_w, *grad_ops)
 

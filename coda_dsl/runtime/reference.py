@@ -51,7 +51,8 @@ def _reduce_dims(axis, ndim: int):
 
 def _full(v: torch.Tensor, acc: torch.Tensor, width) -> torch.Tensor:
     """v broadcast to the [.., M, width * N] shape of its value (constants and vectors expand)."""
-    return torch.broadcast_to(v, (*acc.shape[:-1], int(acc.shape[-1] * width)))
+    # integer arithmetic (a Fraction or int width): under torch.compile the shape is symbolic
+    return torch.broadcast_to(v, (*acc.shape[:-1], acc.shape[-1] * width.numerator // width.denominator))
 
 
 def _evaluate(nodes, values: dict, operands: dict, acc: torch.Tensor, widths: dict) -> dict[int, torch.Tensor]:
