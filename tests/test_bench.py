@@ -15,7 +15,7 @@ import coda_dsl as cd
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ lives at the repository root
 
 from bench import __main__ as bench_main  # noqa: E402
-from bench import cross_entropy, epilogues, harness, host_overhead  # noqa: E402
+from bench import cross_entropy, epilogues, harness, host_overhead, linear_backward  # noqa: E402
 from bench.harness import FLOOR, Row  # noqa: E402
 
 
@@ -66,7 +66,7 @@ def test_bad_arguments(args, capsys):
     assert e.value.code == 2
 
 
-@pytest.mark.parametrize("entry", [bench_main.main, epilogues.main, cross_entropy.main])
+@pytest.mark.parametrize("entry", [bench_main.main, epilogues.main, cross_entropy.main, linear_backward.main])
 def test_no_cuda_exits_with_one_line(entry, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert entry([]) == 1
@@ -136,8 +136,11 @@ def fake_gpu(monkeypatch, tmp_path):
         t = time.perf_counter()
         fn(*sets[0])
         return (time.perf_counter() - t) * 1e6
-    for mod in (epilogues, cross_entropy):
+    for mod in (epilogues, cross_entropy, linear_backward):
         monkeypatch.setattr(mod, "time_us", time_us)
+    monkeypatch.setattr(linear_backward, "no_gpu", lambda: False)
+    monkeypatch.setattr(linear_backward, "rotation", lambda make, nbytes: [make(), make()])
+    monkeypatch.setattr(linear_backward, "_r", lambda *s, grad=True: torch.randn(*s).bfloat16().requires_grad_(grad))
     monkeypatch.setattr(epilogues, "rotation", lambda make, nbytes: [make(), make()])
     monkeypatch.setattr(epilogues, "_r", lambda *s: torch.randn(*s, dtype=torch.bfloat16))
     monkeypatch.setattr(epilogues.runtime, "prebuild", lambda ops: None)
@@ -172,6 +175,19 @@ def test_whole_run_on_fake_gpu(fake_gpu, capsys):
     assert [(r["step"], r["variant"]) for r in ce] == [(s, v) for s in cross_entropy.STEPS
                                                       for v in ("eager", "torch.compile", "coda_dsl")]
     assert all(r["extra"]["rel_err_vs_eager"] < 2e-2 for r in ce if r["variant"] != "eager")
+
+
+def test_linear_backward_on_fake_gpu(fake_gpu, capsys):
+    assert linear_backward.main(["--dry-run"]) == 0
+    assert "| swiglu | 8192×14336×4096 |" in capsys.readouterr().out
+    assert linear_backward.main(["--shapes", "64x128x32", "--iters", "2"]) == 0
+    out, err = capsys.readouterr()
+    for name in linear_backward.CASES:
+        for variant in (linear_backward.FLOOR, "coda_dsl cd.linear", "eager", "torch.compile"):
+            assert f"| {name} | 64×128×32 | {variant} |" in out
+    assert "differ" not in err  # cd.linear's gradients agree with eager PyTorch's
+    rows = json.loads((fake_gpu / "linear_backward.json").read_text())["rows"]
+    assert len(rows) == 12 and all(r["vs_gemm"] > 0 for r in rows)
 
 
 def test_failures_are_reported_and_the_rest_measured(fake_gpu, capsys, monkeypatch):
