@@ -3,14 +3,17 @@ ignore_index=-100), forward, and forward+backward (the gradients of x and W), at
 vocabulary (M = 8192 and 16384 tokens) and at V = 32000 and 256000. Per variant: median time and
 the peak memory the call adds, relative to eager PyTorch.
 
-    python -m bench.cross_entropy [--shape 8192x4096x128256,...] [--iters 10] [--autotune] [--dry-run]
+    python -m bench.cross_entropy [--shape 8192x4096x128256,...] [--iters 10] [--autotune]
+                                  [--chunk-rows 2048,4096] [--dry-run]
 
 Variants: eager (bf16 logits cast to fp32, then F.cross_entropy), torch.compile of the same, and
-cd.linear_cross_entropy (by design no fp32 logits). Warnings a variant raises (e.g. coda_dsl
+cd.linear_cross_entropy (by design no fp32 logits), with its default chunk rows and, per --chunk-rows,
+with others ("coda_dsl (chunk R)"). Warnings a variant raises (e.g. coda_dsl
 running on its reference backend) are printed under the table and kept in the JSON.
 """
 from __future__ import annotations
 
+import functools
 import sys
 import time
 import warnings
@@ -52,13 +55,13 @@ class CERow:
     bench: str = "cross_entropy"
 
 
-def variants(autotune: bool) -> list[str]:
-    return ["eager", compile_label(autotune), "coda_dsl"]
+def variants(autotune: bool, chunk_rows=()) -> list[str]:
+    return ["eager", compile_label(autotune), "coda_dsl", *(f"coda_dsl (chunk {r})" for r in chunk_rows)]
 
 
-def plan_rows(shapes=SHAPES, autotune=False) -> list[list[str]]:
-    return [["cross_entropy", f"{fmt(s)} (M×d×V)", f"{' and '.join(STEPS)}: {', '.join(variants(autotune))}"]
-            for s in shapes]
+def plan_rows(shapes=SHAPES, autotune=False, chunk_rows=()) -> list[list[str]]:
+    return [["cross_entropy", f"{fmt(s)} (M×d×V)",
+             f"{' and '.join(STEPS)}: {', '.join(variants(autotune, chunk_rows))}"] for s in shapes]
 
 
 def kernels(shapes=SHAPES) -> list:
@@ -106,24 +109,25 @@ def _peak_mib(fn, args) -> float:
     return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
-def run(shapes=SHAPES, iters: int = 10, autotune: bool = False) -> tuple[list[CERow], list[str]]:
+def run(shapes=SHAPES, iters: int = 10, autotune: bool = False, chunk_rows=()) -> tuple[list[CERow], list[str]]:
     """Every shape, step and variant; returns the rows and one line per failure."""
     built = background(runtime.prebuild, kernels(shapes))  # nothing to do if `python -m bench` built them
     rows, failed = [], []
     for shape in shapes:
-        r, f = _run_shape(shape, built, iters, autotune)
+        r, f = _run_shape(shape, built, iters, autotune, chunk_rows)
         rows, failed = rows + r, failed + [f"{fmt(shape)} {line}" for line in f]
         torch.cuda.empty_cache()  # the next shape's eager logits need the room
     return rows, failed
 
 
-def _run_shape(shape, built, iters: int, autotune: bool) -> tuple[list[CERow], list[str]]:
+def _run_shape(shape, built, iters: int, autotune: bool, chunk_rows=()) -> tuple[list[CERow], list[str]]:
     m, d, v = shape
     x, w, t = _inputs(m, d, v)
     inputs = {"forward": (x, w, t), "forward+backward": (x.detach().requires_grad_(), w.detach().requires_grad_(), t)}
-    names = variants(autotune)
+    names = variants(autotune, chunk_rows)
     losses = dict(zip(names, [eager_loss, torch.compile(eager_loss, mode=compile_mode(autotune), dynamic=False),
-                              cd.linear_cross_entropy]))
+                              cd.linear_cross_entropy,
+                              *(functools.partial(cd.linear_cross_entropy, chunk_rows=r) for r in chunk_rows)]))
     refs, raw, failed = {}, [], []
     # variant by variant, eager first (the reference), so that torch.compile compiles while nvcc builds
     for name, loss in losses.items():
@@ -144,8 +148,9 @@ def _run_shape(shape, built, iters: int, autotune: bool) -> tuple[list[CERow], l
                     first_s = time.perf_counter() - t0
                 notes = list(dict.fromkeys(f"{c.category.__name__}: {c.message}" for c in caught))
                 extra = {"first_call_s": round(first_s, 2), "warnings": notes}
-                if name == "coda_dsl":
-                    extra["chunk_rows"] = ce.default_chunk_rows(m, v, x.device)
+                if name.startswith("coda_dsl"):
+                    extra["chunk_rows"] = getattr(loss, "keywords", {}).get("chunk_rows") or \
+                        ce.default_chunk_rows(m, v, x.device)
                 if name == "eager":
                     refs[step] = out
                 elif step in refs:
@@ -199,15 +204,17 @@ def main(argv=None) -> int:
     p.add_argument("--shape", type=shapes, default=SHAPES, help="MxDxV,...: tokens, model width, vocabulary")
     p.add_argument("--iters", type=int, default=10, help="timed calls per variant and step")
     p.add_argument("--autotune", action="store_true", help="torch.compile with max-autotune-no-cudagraphs (slow)")
+    p.add_argument("--chunk-rows", type=lambda t: [int(r) for r in t.split(",")], default=[],
+                   help="also measure cd.linear_cross_entropy with these chunk_rows (comma-separated)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
     args = p.parse_args(argv)
     if args.dry_run:
-        print(markdown(["bench", "shape", "variants"], plan_rows(args.shape, args.autotune)))
+        print(markdown(["bench", "shape", "variants"], plan_rows(args.shape, args.autotune, args.chunk_rows)))
         return 0
     if no_gpu():
         return 1
     with results_only_on_stdout():
-        rows, failed = run(args.shape, args.iters, args.autotune)
+        rows, failed = run(args.shape, args.iters, args.autotune, args.chunk_rows)
     report(rows, failed, command_line("python -m bench.cross_entropy", argv))
     return 1 if failed else 0
 

@@ -54,8 +54,9 @@ def test_dry_run_options(capsys):
     assert "64×32×100" in out and "identity" not in out
     assert epilogues.main(["--dry-run", "--only", "rope", "--compile-dynamic"]) == 0
     assert "torch.compile (dynamic)" in capsys.readouterr().out
-    assert cross_entropy.main(["--dry-run", "--shape", "128x64x1000"]) == 0
-    assert "128×64×1000" in capsys.readouterr().out
+    assert cross_entropy.main(["--dry-run", "--shape", "128x64x1000", "--chunk-rows", "256,512"]) == 0
+    out = capsys.readouterr().out
+    assert "128×64×1000" in out and "coda_dsl (chunk 256), coda_dsl (chunk 512)" in out
 
 
 @pytest.mark.parametrize("args", [["--only", "nope"], ["--shapes", "4096x4096"], ["--ce-shape", "1x2x0"],
@@ -175,6 +176,13 @@ def test_whole_run_on_fake_gpu(fake_gpu, capsys):
     assert [(r["step"], r["variant"]) for r in ce] == [(s, v) for s in cross_entropy.STEPS
                                                       for v in ("eager", "torch.compile", "coda_dsl")]
     assert all(r["extra"]["rel_err_vs_eager"] < 2e-2 for r in ce if r["variant"] != "eager")
+
+
+def test_cross_entropy_other_chunk_rows_on_fake_gpu(fake_gpu, capsys):
+    assert cross_entropy.main(["--shape", "64x32x100", "--chunk-rows", "16", "--iters", "2"]) == 0
+    assert "| 64×32×100 | forward+backward | coda_dsl (chunk 16) |" in capsys.readouterr().out
+    rows = json.loads((fake_gpu / "cross_entropy.json").read_text())["rows"]
+    assert [r["extra"]["chunk_rows"] for r in rows if r["variant"] == "coda_dsl (chunk 16)"] == [16, 16]
 
 
 def test_linear_backward_on_fake_gpu(fake_gpu, capsys):
