@@ -27,8 +27,8 @@ Design decisions:
 - **Backward.** The MLP is one `torch.autograd.Function` (`_Mlp`): its backward GEMM dY = dOut @ W_down
   carries the SwiGLU and rstd derivative in its epilogue (`rms_swiglu_grad`: it reads the saved [M, 2F]
   pre-activation and writes the [M, 2F] gradient of the gate/up accumulator). The other steps are named
-  functions of plain torch ops (`rms_rope_backward`, `rms_producer_backward`, `residual_rms_backward`)
-  between cuBLAS GEMMs. Only the gradients autograd asks for are computed.
+  functions of plain torch ops (`rms_rope_backward`, `rms_producer_backward`, `residual_rms_backward`),
+  fused by torch.compile on CUDA, between cuBLAS GEMMs. Only the gradients autograd asks for are computed.
 - **Attention mask: causal only**, per row of the batch (SDPA; GQA by `enable_gqa`, torch >= 2.5).
   Packed sequences may restart `position_ids` (RoPE follows them) but attention still spans the
   whole row; a mask other than None is refused.
@@ -45,6 +45,7 @@ import coda_dsl as cd
 from .errors import UnsupportedError
 from .library import interleave_gate_up, neox_to_interleaved_rows, rms_producer
 from .library.rope import rotate
+from .runtime.fused import on_cuda
 
 
 # ---------------------------------------------------------------- forward epilogues
@@ -85,7 +86,7 @@ def residual_rms(acc, residual: cd.Tensor, inv_n: cd.Scalar, eps: cd.Scalar):
     return {"D": h, "rstd": cd.sum(h * h, axis="n").then(lambda s: cd.rsqrt(s * inv_n + eps))}
 
 
-# ---------------------------------------------------------------- backward steps (plain torch for now)
+# ---------------------------------------------------------------- backward steps (torch ops, fused on CUDA)
 
 def _mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return a.to(dtype) @ b.to(dtype)
@@ -106,6 +107,7 @@ def _rstd_grad(dh, drstd, h, rstd, inv_n: float):
     return dh
 
 
+@on_cuda
 def rms_rope_backward(dy, y, rstd, pos, inv_freq):
     """y = rope(rstd * acc) -> (d acc, d rstd). The rotation is orthogonal, so
     d rstd = sum_n dy * y / rstd."""
@@ -117,6 +119,7 @@ def rms_rope_backward(dy, y, rstd, pos, inv_freq):
     return rstd[:, None] * g, (dy.float() * y.float()).sum(-1) / rstd
 
 
+@on_cuda
 def rms_producer_backward(dh, dhg, drstd, h, rstd, gamma, inv_n: float, want_gamma: bool):
     """h = acc + residual, outputs (h, h * gamma, rstd(h)) -> (d acc = d residual, d gamma)."""
     dgamma = (dhg.float() * h.float()).sum(0) if want_gamma and dhg is not None else None
@@ -125,6 +128,7 @@ def rms_producer_backward(dh, dhg, drstd, h, rstd, gamma, inv_n: float, want_gam
     return _rstd_grad(dh, drstd, h, rstd, inv_n), dgamma
 
 
+@on_cuda
 def residual_rms_backward(dout, drstd, out, rstd, inv_n: float):
     """out = acc + residual, outputs (out, rstd(out)) -> d acc (= d residual)."""
     return _rstd_grad(dout, drstd, out, rstd, inv_n)

@@ -245,3 +245,20 @@ def test_torch_compile_fullgraph_cpu():
     torch.testing.assert_close(dx_c, dx, rtol=1e-5, atol=1e-6)
     for n in g:
         torch.testing.assert_close(g_c[n], g[n], rtol=1e-5, atol=1e-6)
+
+
+def test_backward_steps_compile_to_the_same_values():
+    """On CUDA the layer's torch backward steps run through torch.compile (runtime/fused.py); compiled here
+    on the CPU they give what they give eagerly (None arguments included)."""
+    torch.manual_seed(0)
+    m, n = 9, 16
+    f32 = lambda *s: torch.randn(*s)  # noqa: E731
+    rstd = torch.rand(m) + 0.5
+    cases = [(cdnn.rms_rope_backward, (f32(m, n), f32(m, n), rstd, torch.arange(m).float(), torch.rand(n // 2))),
+             (cdnn.rms_producer_backward, (None, f32(m, n), f32(m), f32(m, n), rstd, f32(n), 1.0 / n, True)),
+             (cdnn.residual_rms_backward, (f32(m, n), f32(m), f32(m, n), rstd, 1.0 / n))]
+    for step, args in cases:
+        want = step(*args)
+        got = torch.compile(step.eager, dynamic=True)(*args)
+        for g, w in zip(got, want) if isinstance(want, tuple) else [(got, want)]:
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)

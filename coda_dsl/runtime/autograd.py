@@ -19,30 +19,22 @@ from ..ir import graph as ir
 from ..ir.ops import dtype_name
 from ..passes import specialize
 from ..passes.autodiff import GRAD, SAVED, Backward, derive
-from . import reference
+from . import fused, reference
 from .op import gemm
 
 SAVED_ACC = "acc"  # the forward's extra output: its accumulator (derive() refuses operands of that name)
 
 class _Derived:
     """An epilogue's forward with its accumulator as an output (when the derivative reads it), and the
-    derived backward program as a function of (acc, operands)."""
+    derived backward program as a function of (acc, operands, out_dtypes), fused on CUDA."""
 
     def __init__(self, forward: Epilogue, back: Backward):
         self.forward, self.back = forward, back
-        self._compiled = None
+        self.backward = fused.on_cuda(self._backward)
 
-    def _eager(self, acc: torch.Tensor, operands: dict, out_dtypes: dict) -> dict[str, torch.Tensor]:
+    def _backward(self, acc: torch.Tensor, operands: dict, out_dtypes: dict) -> dict[str, torch.Tensor]:
+        """The gradients, in out_dtypes (name -> dtype name)."""
         return reference.evaluate_on(self.back.program, acc.float(), operands, out_dtypes)
-
-    def backward(self, acc: torch.Tensor, operands: dict, out_dtypes: dict, fused: bool) -> dict[str, torch.Tensor]:
-        """The gradients, in out_dtypes (name -> dtype name). fused: through torch.compile, which fuses the
-        derivative's ops into a kernel or two (eager, each op is a pass over [M, N])."""
-        if not fused:
-            return self._eager(acc, operands, out_dtypes)
-        if self._compiled is None:
-            self._compiled = torch.compile(self._eager, dynamic=True)
-        return self._compiled(acc, operands, out_dtypes)
 
 
 # epilogue -> {consts: _Derived}
@@ -92,8 +84,7 @@ class _Linear(torch.autograd.Function):
         if acc is None:  # the derivative does not read the accumulator: any tensor of its shape will do
             acc = torch.zeros(x.shape[0], w.shape[0], device=x.device)
         out_dtypes = {"acc": dtype_name(x.dtype), **{n: dtype_name(t.dtype) for n, t in zip(names, tensors)}}
-        # fused on CUDA; inside a compiled graph the derivative is traced like the rest
-        got = ctx.derived.backward(acc, operands, out_dtypes, fused=acc.is_cuda and not torch.compiler.is_compiling())
+        got = ctx.derived.backward(acc, operands, out_dtypes)
         dacc = got.get("acc")
         need_x, need_w = ctx.needs_input_grad[4:6]
         grad_x = dacc @ w if need_x and dacc is not None else None
