@@ -168,12 +168,18 @@ def plot(curves: list[Curve], path, title: str):
     except ImportError:
         progress("train_llama: matplotlib is not installed, so no PNG (pip install matplotlib)")
         return None
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (ax, dax) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(2, 1))
+    steps = range(1, len(curves[0].losses) + 1)
     for c, style in zip(curves, ("-", "--", ":")):
-        ax.plot(range(1, len(c.losses) + 1), c.losses, style, label=c.variant)
+        ax.plot(steps, c.losses, style, label=c.variant)
+        if c is not curves[0]:  # the curves overlap: their difference shows the agreement
+            dax.plot(steps, [a - b for a, b in zip(c.losses, curves[0].losses)], style, label=c.variant)
     ax.axhline(math.log(SUCCESSORS), color="gray", lw=0.8, ls="-.", label=f"ln {SUCCESSORS} (best reachable)")
-    ax.set(xlabel="step", ylabel="loss (mean next-token cross-entropy)", title=title)
+    ax.set(ylabel="loss (next-token cross-entropy)", title=title)
     ax.legend()
+    dax.axhline(0, color="gray", lw=0.8)
+    dax.set(xlabel="step", ylabel=f"loss − {curves[0].variant}")
+    dax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
