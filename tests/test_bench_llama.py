@@ -202,3 +202,33 @@ def test_coda_model_copies_the_weights():
         hf_name = name if name.startswith("lm_head") else "model." + name
         assert torch.equal(p, names[hf_name]) and p.data_ptr() != names[hf_name].data_ptr(), name
     assert init.model.rotary_emb.inv_freq.dtype == torch.float32
+
+
+# ---------------------------------------------------------------- on an sm_90 GPU (the lead's H200 run)
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+gpu = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU; none visible to torch")
+
+
+@gpu
+def test_layer_bench_smoke_gpu(tmp_path, monkeypatch, capsys):
+    """The tiny config through the real path: cutlass kernels, torch.compile, CUDA events, memory stats."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert ll.main(["--config", "tiny", "--tokens", "512", "--seq", "256", "--iters", "3"]) == 0
+    rows = json.loads((tmp_path / "llama_layer.json").read_text())["rows"]
+    assert [r["variant"] for r in rows] == [ll.FLOOR, *ll.VARIANTS]
+    assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > r["fwd_ms"] for r in rows)
+    assert all(r["peak_mib"] > 0 for r in rows[1:])
+    assert rows[1]["extra"]["rel_err_vs_hf_eager"] < 2e-2 and rows[3]["extra"]["rel_err_vs_hf_eager"] < 2e-2
+
+
+@gpu
+def test_training_smoke_gpu(tmp_path, monkeypatch):
+    """bf16 on the GPU: a few steps, the curves within bf16 noise of each other (loose: chaotic divergence)."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert tl.main(["--steps", "30", "--batch", "4", "--seq", "64", "--layers", "2", "--lr", "3e-3",
+                    "--no-compile", "--backend", "cutlass"]) == 0
+    hf, coda = json.loads((tmp_path / "train_llama.json").read_text())["rows"]
+    assert max(abs(a - b) for a, b in zip(hf["losses"], coda["losses"])) < 0.1
+    loss = coda["losses"]
+    assert sum(loss[-5:]) / 5 < sum(loss[:5]) / 5 - 0.1  # fp32 on the CPU: 6.31 -> 6.09
