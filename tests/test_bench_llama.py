@@ -1,0 +1,234 @@
+"""bench/llama_layer.py and bench/train_llama.py without a GPU: arguments, the floor's GEMM shapes, the
+tables, a whole layer-benchmark run on the CPU (reference backend, host timing) and a short training
+run whose coda_dsl loss curve must match HF's."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ lives at the repository root
+
+from bench import llama_layer as ll  # noqa: E402
+from bench import train_llama as tl  # noqa: E402
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------- llama_layer
+
+def test_floor_gemms_of_llama3_8b():
+    """By hand: QKV N = (32 + 2 * 8) * 128 = 6144, gate/up N = 2 * 14336; dgrad swaps N and K, wgrad is
+    [N, K] contracted over the tokens."""
+    t = 8192
+    assert ll.floor_gemms(ll.llama_config("8b"), t) == [
+        ("qkv fwd", t, 6144, 4096), ("qkv dgrad", t, 4096, 6144), ("qkv wgrad", 6144, 4096, t),
+        ("o fwd", t, 4096, 4096), ("o dgrad", t, 4096, 4096), ("o wgrad", 4096, 4096, t),
+        ("gate_up fwd", t, 28672, 4096), ("gate_up dgrad", t, 4096, 28672), ("gate_up wgrad", 28672, 4096, t),
+        ("down fwd", t, 4096, 14336), ("down dgrad", t, 14336, 4096), ("down wgrad", 4096, 14336, t)]
+
+
+def test_floor_parts_compute_those_shapes():
+    config = ll.llama_config("tiny")
+    parts = ll.floor_parts(config, 2, 16, "cpu")
+    gemms = ll.floor_gemms(config, 32)
+    assert list(parts) == [p for p, *_ in gemms] + ["attention fwd", "attention bwd"]
+    for part, m, n, _ in gemms:
+        assert parts[part]().shape == (m, n), part
+    assert parts["attention fwd"]().shape == (2, 4, 16, 32)
+    dq, dk, dv = parts["attention bwd"]()
+    assert dq.shape == (2, 4, 16, 32) and dk.shape == dv.shape == (2, 2, 16, 32)
+    assert parts["attention bwd"]()[0].shape == dq.shape  # the retained graph runs again
+    assert [p for p in parts if ll.is_forward(p)] == ["qkv fwd", "o fwd", "gate_up fwd", "down fwd", "attention fwd"]
+
+
+def test_fwd_bwd_returns_gradients_without_accumulating():
+    from coda_dsl import nn as cdnn
+    config = ll.llama_config("tiny")
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer as HFLayer
+    layer = cdnn.LlamaDecoderLayer.from_hf(HFLayer(config, 0), backend="reference")
+    x = torch.randn(1, 8, config.hidden_size)
+    fwd, fwd_bwd = ll.layer_calls(layer, x, torch.randn_like(x))
+    assert not fwd().requires_grad
+    grads = fwd_bwd()
+    assert len(grads) == 1 + 9 and grads[0].shape == x.shape
+    assert all(p.grad is None for p in layer.parameters())
+
+
+def test_layer_arguments(capsys):
+    args = ll.parse([])
+    assert (args.config, args.tokens, args.seq, args.iters, args.json) == ("8b", [8192, 16384], 2048, 20, None)
+    assert ll.parse(["--tokens", "4096", "--seq", "1024", "--config", "1b"]).tokens == [4096]
+    for bad in (["--tokens", "3000"], ["--tokens", "8192,x"], ["--config", "70b"], ["--token", "8192"]):
+        with pytest.raises(SystemExit) as e:
+            ll.parse(bad)
+        assert e.value.code == 2, bad
+    assert "multiples of --seq 2048" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("entry", [ll.main, tl.main])
+def test_no_cuda_exits_with_one_line(entry, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert entry([]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and "CUDA" in err
+
+
+def test_layer_table():
+    rows = [ll.LayerRow(8192, ll.FLOOR, 6.0, 16.0, None, {"parts_ms": {}}),
+            ll.LayerRow(8192, ll.CODA, 6.6, 16.8, 5000.0),
+            ll.LayerRow(8192, ll.EAGER, 9.9, 21.0, 9000.0),
+            ll.LayerRow(8192, ll.COMPILED, 7.92, 18.48, 7000.4)]
+    lines = ll.table(rows).splitlines()
+    assert lines[1] == "|---|---|" + "---:|" * 7
+    assert lines[2] == "| 8192 | floor (cuBLAS GEMMs + SDPA) | 6.00 | 16.00 | 1.000 | 1.000 | – | – | – |"
+    assert lines[3] == "| 8192 | coda_dsl | 6.60 | 16.80 | 1.100 | 1.050 | – | – | 5000 |"
+    assert lines[5] == "| 8192 | HF torch.compile | 7.92 | 18.48 | 1.320 | 1.155 | 1.20× | 1.10× | 7000 |"
+
+
+@pytest.fixture
+def host_timing(monkeypatch, tmp_path):
+    """The layer benchmark on the CPU: one host-timed call per fn instead of CUDA events; no memory stats."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    timed = []
+
+    def round_robin(fns, iters):
+        timed.append(list(fns))
+        out = {}
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            out[name] = (time.perf_counter() - t) * 1e3
+        return out
+    monkeypatch.setattr(ll, "time_round_robin", round_robin)
+    monkeypatch.setattr(ll, "peak_mib", lambda fn: fn() is not None and 1.0)
+    return tmp_path, timed
+
+
+def test_layer_bench_runs_on_cpu(host_timing, capsys):
+    tmp, timed = host_timing
+    argv = ["--config", "tiny", "--tokens", "32,64", "--seq", "16", "--iters", "1", "--json", str(tmp / "x.json")]
+    assert ll.main(argv, device="cpu", backend="reference", compile_fn=lambda f, **kw: f) == 0
+    out = capsys.readouterr().out
+    for tokens in (32, 64):
+        for v in ll.VARIANTS:
+            assert f"| {tokens} | {v} |" in out
+        assert f"| {tokens} | gate_up wgrad | 704×128×{tokens} |" in out
+        assert f"| {tokens} | attention bwd | B {tokens // 16}, S 16, 4/2 heads × 32 |" in out
+    # every variant's fwd and fwd+bwd and every floor part timed in the same round-robin
+    assert timed[0] == [f"{v} {s}" for v in ll.VARIANTS for s in ("fwd", "fwd+bwd")] + \
+        [f"floor {p}" for p, *_ in ll.floor_gemms(ll.llama_config("tiny"), 32)] + ["floor attention fwd",
+                                                                                   "floor attention bwd"]
+    data = json.loads((tmp / "x.json").read_text())
+    assert data == json.loads((tmp / "llama_layer.json").read_text())
+    assert data["meta"]["command"] == "python -m bench.llama_layer " + " ".join(argv) and data["meta"]["failed"] == []
+    rows = data["rows"]
+    assert [(r["tokens"], r["variant"]) for r in rows] == [(t, v) for t in (32, 64) for v in (ll.FLOOR, *ll.VARIANTS)]
+    floor = rows[0]
+    assert floor["fwd_ms"] == pytest.approx(sum(t for p, t in floor["extra"]["parts_ms"].items() if p.endswith("fwd")))
+    assert floor["fwd_bwd_ms"] == pytest.approx(sum(floor["extra"]["parts_ms"].values()))
+    # bf16, the same weights: coda_dsl and "compiled" HF (eager here) agree with HF eager
+    assert rows[1]["extra"]["rel_err_vs_hf_eager"] < 2e-2 and rows[3]["extra"]["rel_err_vs_hf_eager"] == 0
+
+
+def test_layer_bench_reports_a_failing_variant(host_timing, capsys):
+    class Broken(torch.nn.Module):  # as torch.compile's module: the layer's parameters, a failing call
+        def __init__(self, layer, **kw):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, *a, **k):
+            raise RuntimeError("boom")
+    assert ll.main(["--config", "tiny", "--tokens", "32", "--seq", "16", "--iters", "1"], device="cpu",
+                   backend="reference", compile_fn=Broken) == 1
+    out = capsys.readouterr().out
+    assert "- FAILED 32 tokens HF torch.compile: RuntimeError: boom" in out
+    assert "| 32 | coda_dsl |" in out and "| 32 | HF torch.compile |" not in out
+
+
+# ---------------------------------------------------------------- train_llama
+
+def test_markov_batches():
+    b = tl.markov_batches(50, 3, 4, 20, seed=1)
+    assert b.shape == (3, 4, 21) and b.dtype == torch.int64 and 0 <= b.min() and b.max() < 50
+    assert torch.equal(b, tl.markov_batches(50, 3, 4, 20, seed=1))
+    assert not torch.equal(b, tl.markov_batches(50, 3, 4, 20, seed=2))
+    successors = {}
+    for row in b.reshape(-1, 21).tolist():
+        for a, c in zip(row, row[1:]):
+            successors.setdefault(a, set()).add(c)
+    assert max(len(s) for s in successors.values()) <= tl.SUCCESSORS  # learnable: few successors per token
+
+
+def test_train_arguments():
+    args = tl.parse([])
+    assert (args.steps, args.batch, args.seq, args.layers, args.device, args.backend) == (200, 16, 128, 4, "cuda", "auto")
+    with pytest.raises(SystemExit):
+        tl.parse(["--steps", "0"])
+
+
+def test_training_matches_hf_on_cpu(tmp_path, monkeypatch, capsys):
+    """fp32 on the CPU: the coda_dsl model's loss curve is HF's within 1e-3 at every step."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    argv = ["--device", "cpu", "--backend", "reference", "--steps", "6", "--batch", "2", "--seq", "16", "--layers", "2",
+            "--lr", "3e-3"]
+    assert tl.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| HF eager |" in out and "| coda_dsl |" in out and "torch.compile" not in out  # no compile on the CPU
+    data = json.loads((tmp_path / "train_llama.json").read_text())
+    assert data["meta"]["command"] == "python -m bench.train_llama " + " ".join(argv)
+    hf, coda = data["rows"]
+    assert (hf["variant"], coda["variant"]) == (tl.HF, tl.CODA) and len(hf["losses"]) == len(coda["losses"]) == 6
+    assert hf["losses"][0] == pytest.approx(math.log(512), abs=0.5)  # starts near uniform
+    assert len(set(hf["losses"])) == 6  # the weights do change
+    assert max(abs(a - b) for a, b in zip(hf["losses"], coda["losses"])) < 1e-3
+    assert data["meta"]["max_abs_diff_vs_hf_eager"]["coda_dsl"] < 1e-3
+    assert coda["tokens_per_s"] > 0
+    assert (tmp_path / "train_llama.png").read_bytes()[:8] == PNG
+
+
+def test_coda_model_copies_the_weights():
+    init = tl.initial_model(2, "cpu", torch.float32)
+    coda = tl.CodaLM(init, "reference")
+    names = dict(init.named_parameters())
+    assert len(list(coda.parameters())) == len(names)
+    for name, p in coda.named_parameters():
+        hf_name = name if name.startswith("lm_head") else "model." + name
+        assert torch.equal(p, names[hf_name]) and p.data_ptr() != names[hf_name].data_ptr(), name
+    assert init.model.rotary_emb.inv_freq.dtype == torch.float32
+
+
+# ---------------------------------------------------------------- on an sm_90 GPU (the lead's H200 run)
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+gpu = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU; none visible to torch")
+
+
+@gpu
+def test_layer_bench_smoke_gpu(tmp_path, monkeypatch, capsys):
+    """The tiny config through the real path: cutlass kernels, torch.compile, CUDA events, memory stats."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert ll.main(["--config", "tiny", "--tokens", "512", "--seq", "256", "--iters", "3"]) == 0
+    rows = json.loads((tmp_path / "llama_layer.json").read_text())["rows"]
+    assert [r["variant"] for r in rows] == [ll.FLOOR, *ll.VARIANTS]
+    assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > r["fwd_ms"] for r in rows)
+    assert all(r["peak_mib"] > 0 for r in rows[1:])
+    assert rows[1]["extra"]["rel_err_vs_hf_eager"] < 2e-2 and rows[3]["extra"]["rel_err_vs_hf_eager"] < 2e-2
+
+
+@gpu
+def test_training_smoke_gpu(tmp_path, monkeypatch):
+    """bf16 on the GPU: a few steps, the curves within bf16 noise of each other (loose: chaotic divergence)."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert tl.main(["--steps", "30", "--batch", "4", "--seq", "64", "--layers", "2", "--lr", "3e-3",
+                    "--no-compile", "--backend", "cutlass"]) == 0
+    hf, coda = json.loads((tmp_path / "train_llama.json").read_text())["rows"]
+    assert max(abs(a - b) for a, b in zip(hf["losses"], coda["losses"])) < 0.1
+    loss = coda["losses"]
+    assert sum(loss[-5:]) / 5 < sum(loss[:5]) / 5 - 0.1  # fp32 on the CPU: 6.31 -> 6.09
