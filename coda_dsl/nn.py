@@ -335,6 +335,26 @@ class LlamaDecoderLayer(nn.Module):
         hf.load_state_dict(self.state_dict())
         return hf
 
+    def prebuild(self, tokens: int) -> None:
+        """Build the five kernels this layer launches on `tokens` rows (its four forward GEMMs and the
+        backward's dY GEMM) in one parallel ninja run, or find them in the cache; else the first forward
+        and backward build them one after another. Each gets the config cd.gemm picks at its shape."""
+        from .runtime import op as runtime
+        from .runtime.tune import default
+        attn, w = self.self_attn, self.self_attn.q_proj.weight
+        d, f = self.hidden_size, self.mlp.gate_proj.weight.shape[0]
+        nq, nqkv = attn.num_heads * attn.head_dim, (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim
+        x, f32 = torch.empty(64, 64, dtype=w.dtype, device=w.device), torch.empty(64, device=w.device)
+
+        def compiled(ep, b, n: int, k: int, **operands):  # a small problem: only dtypes and layouts matter
+            return cd.compile(ep, x, b, config=default(tokens, n, k)[0], **operands)
+        runtime.prebuild([
+            compiled(rms_rope, x, nqkv, d, rstd=f32, pos=f32, inv_freq=f32[:32]),
+            compiled(rms_producer, x, d, nq, residual=x, gamma=x[0], inv_n=1.0, eps=1e-5),
+            compiled(rms_swiglu, x, 2 * f, d, rstd=f32),
+            compiled(residual_rms, x, d, f, residual=x, inv_n=1.0, eps=1e-5),
+            compiled(rms_swiglu_grad, x.t(), f, d, pre=torch.cat((x, x), -1), rstd=f32)])  # B = W_down^T
+
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
                 use_cache: bool = False, position_embeddings=None, *, input_rstd: torch.Tensor | None = None,
                 return_rstd: bool = False, **kwargs):

@@ -18,18 +18,9 @@ B, S = 2, 300  # M = 600: ragged against every tile size
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
-    """The layer's five kernels (bf16 activations and weights, fp32 row statistics and RoPE operands) in one
-    parallel build, as tests/test_gpu.py builds its own; a guess that misses only costs a build on first use."""
-    import coda_dsl as cd
-    from coda_dsl.library import rms_producer
-    from coda_dsl.runtime import op as runtime
-    x, f32 = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16), torch.ones(64, device="cuda")
-    runtime.prebuild([cd.compile(cdnn.rms_rope, x, x, rstd=f32, pos=f32, inv_freq=f32[:32]),  # per column pair
-                      cd.compile(rms_producer, x, x, residual=x, gamma=x[0], inv_n=1.0, eps=1e-5),
-                      cd.compile(cdnn.rms_swiglu, x, x, rstd=f32),
-                      cd.compile(cdnn.residual_rms, x, x, residual=x, inv_n=1.0, eps=1e-5),
-                      # the backward's dY = dOut @ W_down: B is W_down^T ([K, N] storage)
-                      cd.compile(cdnn.rms_swiglu_grad, x, x.t(), pre=torch.cat((x, x), -1), rstd=f32)])
+    """The layer's five kernels in one parallel build (LlamaDecoderLayer.prebuild), as tests/test_gpu.py
+    builds its own; one it misses only costs a build on first use."""
+    cdnn.LlamaDecoderLayer(gpu_config(), dtype=torch.bfloat16, device="cuda").prebuild(B * S)
 
 
 def gpu_config():
