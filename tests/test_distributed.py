@@ -16,14 +16,32 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 pytest.importorskip("transformers")
-from test_nn import llama_config, random_hf_layer, rel_err  # noqa: E402
+from transformers import LlamaConfig  # noqa: E402  (the config only: the ranks need not import HF's model code)
 
 import coda_dsl as cd  # noqa: E402
 from coda_dsl import nn as cdnn  # noqa: E402
+from epilogues import rel_err  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch built without torch.distributed / gloo")
 WORLD = 2
+
+
+def llama_config(**kw) -> LlamaConfig:
+    """tests/test_nn.py's small config (not imported from there: HF's modeling code would add seconds per rank)."""
+    args = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+                rope_theta=500000.0, rms_norm_eps=1e-5)
+    return LlamaConfig(**{**args, **kw})
+
+
+def random_layer(config, seed: int = 0, layer_idx: int = 0) -> cdnn.LlamaDecoderLayer:
+    """Random weights and non-trivial norm gammas (ones would hide gamma mistakes), as test_nn's HF layers."""
+    torch.manual_seed(seed)
+    layer = cdnn.LlamaDecoderLayer(config, layer_idx, backend="reference")
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.1) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    return layer
 
 
 def _free_port() -> int:
@@ -75,8 +93,7 @@ class Stack(torch.nn.Module):
     def __init__(self, config, n_layers: int, vocab: int):
         super().__init__()
         self.layers = torch.nn.ModuleList(
-            cdnn.LlamaDecoderLayer.from_hf(random_hf_layer(config, seed=i, layer_idx=i), backend="reference")
-            for i in range(n_layers))
+            random_layer(config, seed=i, layer_idx=i) for i in range(n_layers))
         torch.manual_seed(10)
         self.lm_head = torch.nn.Linear(config.hidden_size, vocab, bias=False)
 
@@ -112,9 +129,12 @@ def _fsdp_rank(rank, mesh):
     assert isinstance(model.layers[0], FSDPModule) and isinstance(model, FSDPModule)
     w = model.layers[0].self_attn.q_proj.weight
     assert w.placements[0].is_shard(0) and w.to_local().shape[0] == w.shape[0] // WORLD
+    calls = []  # checkpointing recomputes each layer's forward in the backward
+    model.layers[0]._checkpoint_wrapped_module.register_forward_pre_hook(lambda *_: calls.append(1))
     part = model(*batch[rank]) / total
     # FSDP averages the ranks' gradients: scale by the world size so they sum to the global batch's
     (part * WORLD).backward()
+    assert len(calls) == 2
     loss = part.detach().clone()
     dist.all_reduce(loss)
     assert_close(loss, ref_loss.detach(), "loss")
@@ -149,7 +169,7 @@ def _tp_rank(rank, mesh):
     from torch.distributed.tensor import DTensor
     from coda_dsl.parallel import TPLlamaDecoderLayer, tensor_parallel
     config = llama_config()  # 4 q heads, 2 kv heads, intermediate 96: 2 / 1 / 48 per rank
-    layer = cdnn.LlamaDecoderLayer.from_hf(random_hf_layer(config), backend="reference")
+    layer = random_layer(config)
     ref = copy.deepcopy(layer)
     torch.manual_seed(5)  # the same input on both ranks (replicated)
     x = torch.randn(2, 11, config.hidden_size)
