@@ -155,6 +155,24 @@ def _fsdp_rank(rank, mesh):
     full = model.state_dict()  # HF names (checkpoint_wrapper's prefix removed), sharded values
     assert set(_strip(k) for k in full) == set(ref.state_dict())
 
+    # the CUDA policy (bf16 parameters, fp32 reduction; the fp32 rstd passed between layers stays fp32)
+    # also runs on CPU: the loss and gradients within bf16 error of the fp32 one-process run
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    mixed = copy.deepcopy(ref)
+    fully_shard_stack(mixed, mixed.layers, mesh, checkpoint=False,
+                      mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32, cast_forward_inputs=False))
+    ref.zero_grad()
+    ref_loss = sum(ref(*seq) for seq in batch) / total
+    ref_loss.backward()
+    part = mixed(*batch[rank]) / total
+    (part * WORLD).backward()
+    loss = part.detach().clone()
+    dist.all_reduce(loss)
+    assert_close(loss, ref_loss.detach(), "bf16 loss", tol=2e-2)
+    for n, p in mixed.named_parameters():
+        assert p.grad.dtype == torch.float32  # FSDP keeps fp32 sharded gradients
+        assert_close(p.grad.full_tensor(), ref_params[n].grad, f"bf16 {n}", tol=5e-2)
+
 
 def test_fsdp2_stack_matches_one_process():
     """2 ranks with 9 and 5 tokens: the loss, every gathered parameter gradient and the loss after an SGD
@@ -177,10 +195,10 @@ def _tp_rank(rank, mesh):
     rstd_in = cdnn.input_rms(x.flatten(0, 1), config.rms_norm_eps).view(2, 11)
     dy, dr = torch.randn_like(x), torch.randn(2, 11)
 
-    def run(m):
-        xi, ri = x.clone().requires_grad_(), rstd_in.clone().requires_grad_()
+    def run(m, dtype=torch.float32):
+        xi, ri = x.to(dtype, copy=True).requires_grad_(), rstd_in.clone().requires_grad_()
         y, r = m(xi, position_ids=pid, input_rstd=ri, return_rstd=True)
-        (y * dy).sum().add((r * dr).sum()).backward()  # the output and its rstd both carry gradient
+        (y.float() * dy).sum().add((r * dr).sum()).backward()  # the output and its rstd both carry gradient
         return y.detach(), r.detach(), xi.grad, ri.grad
 
     expect = run(ref)
@@ -205,6 +223,15 @@ def _tp_rank(rank, mesh):
     assert set(sd) == set(ref.state_dict())
     for n, t in ref.state_dict().items():
         assert_close(sd[n].full_tensor(), t, n)
+
+    # bf16: the tensor-parallel layer's error against fp32 is within twice the unsharded bf16 layer's
+    l32 = random_layer(config)
+    bf16 = torch.bfloat16
+    runs = [run(l32), run(copy.deepcopy(l32).to(bf16), bf16),
+            run(tensor_parallel(copy.deepcopy(l32).to(bf16), mesh), bf16)]
+    for i, what in enumerate(("out", "rstd", "dx", "d input_rstd")):
+        single, sharded = rel_err(runs[1][i], runs[0][i]), rel_err(runs[2][i], runs[0][i])
+        assert sharded < 2 * single + 2e-3, (what, sharded, single)
 
     with pytest.raises(cd.UnsupportedError, match="num_key_value_heads = 1 does not split evenly"):
         tensor_parallel(cdnn.LlamaDecoderLayer(llama_config(num_key_value_heads=1)), mesh)
