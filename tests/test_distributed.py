@@ -29,15 +29,15 @@ WORLD = 2
 
 def llama_config(**kw) -> LlamaConfig:
     """tests/test_nn.py's small config (not imported from there: HF's modeling code would add seconds per rank)."""
-    args = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
-                rope_theta=500000.0, rms_norm_eps=1e-5)
+    args = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "intermediate_size": 96, "rope_theta": 500000.0, "rms_norm_eps": 1e-5}
     return LlamaConfig(**{**args, **kw})
 
 
-def random_layer(config, seed: int = 0, layer_idx: int = 0) -> cdnn.LlamaDecoderLayer:
+def random_layer(config, seed: int = 0, layer_idx: int = 0, backend: str = "reference") -> cdnn.LlamaDecoderLayer:
     """Random weights and non-trivial norm gammas (ones would hide gamma mistakes), as test_nn's HF layers."""
     torch.manual_seed(seed)
-    layer = cdnn.LlamaDecoderLayer(config, layer_idx, backend="reference")
+    layer = cdnn.LlamaDecoderLayer(config, layer_idx, backend=backend)
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0, 0.1) if p.dim() > 1 else p.uniform_(0.5, 1.5)
@@ -50,9 +50,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank, fn, port, backend, device_type):
+def _rank_main(rank, fn, port, backend, device_type, timeout):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(backend, rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=timeout))
     try:
         from torch.distributed.device_mesh import init_device_mesh
         torch.set_num_threads(1)  # 2 ranks on a 2-core CI machine
@@ -64,7 +66,7 @@ def _rank_main(rank, fn, port, backend, device_type):
 def spawn(fn, timeout: float = 120, backend: str = "gloo", device_type: str = "cpu"):
     """Run fn(rank, mesh) in WORLD fresh processes; a rank's exception fails the test with its traceback,
     and ranks still running after `timeout` seconds are killed and the test fails (no CI hang)."""
-    ctx = mp.start_processes(_rank_main, args=(fn, _free_port(), backend, device_type), nprocs=WORLD,
+    ctx = mp.start_processes(_rank_main, args=(fn, _free_port(), backend, device_type, timeout), nprocs=WORLD,
                              join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=1.0):
@@ -90,10 +92,10 @@ class Stack(torch.nn.Module):
     """Decoder layers (each layer hands its output's rstd to the next) and an LM head with the fused
     cross-entropy; forward returns the summed token loss."""
 
-    def __init__(self, config, n_layers: int, vocab: int):
+    def __init__(self, config, n_layers: int, vocab: int, backend: str = "reference"):
         super().__init__()
-        self.layers = torch.nn.ModuleList(
-            random_layer(config, seed=i, layer_idx=i) for i in range(n_layers))
+        self.backend = backend
+        self.layers = torch.nn.ModuleList(random_layer(config, i, i, backend) for i in range(n_layers))
         torch.manual_seed(10)
         self.lm_head = torch.nn.Linear(config.hidden_size, vocab, bias=False)
 
@@ -102,7 +104,7 @@ class Stack(torch.nn.Module):
         for layer in self.layers:
             h, rstd = layer(h, position_ids=position_ids, input_rstd=rstd, return_rstd=True)
         return cd.linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, target.flatten(), reduction="sum",
-                                       backend="reference")
+                                       backend=self.backend)
 
 
 def _batch(lengths, d, vocab):
@@ -114,6 +116,7 @@ def _batch(lengths, d, vocab):
 
 def _fsdp_rank(rank, mesh):
     from torch.distributed.fsdp import FSDPModule
+
     from coda_dsl.parallel import fully_shard_stack
     config, vocab, lengths = llama_config(), 40, (9, 5)
     model = Stack(config, 2, vocab)
@@ -153,7 +156,7 @@ def _fsdp_rank(rank, mesh):
         dist.all_reduce(nxt)
         assert_close(nxt, sum(ref(*seq) for seq in batch) / total, "loss after a step", tol=1e-4)
     full = model.state_dict()  # HF names (checkpoint_wrapper's prefix removed), sharded values
-    assert set(_strip(k) for k in full) == set(ref.state_dict())
+    assert {_strip(k) for k in full} == set(ref.state_dict())
 
     # the CUDA policy (bf16 parameters, fp32 reduction; the fp32 rstd passed between layers stays fp32)
     # also runs on CPU: the loss and gradients within bf16 error of the fp32 one-process run
@@ -185,6 +188,7 @@ def test_fsdp2_stack_matches_one_process():
 
 def _tp_rank(rank, mesh):
     from torch.distributed.tensor import DTensor
+
     from coda_dsl.parallel import TPLlamaDecoderLayer, tensor_parallel
     config = llama_config()  # 4 q heads, 2 kv heads, intermediate 96: 2 / 1 / 48 per rank
     layer = random_layer(config)
@@ -247,6 +251,7 @@ def test_tensor_parallel_layer_matches_unsharded():
 
 def _vocab_ce_rank(rank, mesh):
     from torch.distributed.tensor import Shard, distribute_tensor
+
     from coda_dsl.parallel import vocab_parallel_cross_entropy
     m, d, v = 37, 24, 51  # 51 rows: 26 on rank 0, 25 on rank 1
     g = torch.Generator().manual_seed(7)
