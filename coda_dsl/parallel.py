@@ -154,17 +154,18 @@ class TPLlamaDecoderLayer(LlamaDecoderLayer):
         q, k, v = (heads(t) for t in qkv.split((nh * hd, nkv * hd, nkv * hd), dim=-1))
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=hd ** -0.5, enable_gqa=nh != nkv)
         o = o.transpose(1, 2).flatten(-2).flatten(0, 1)
-        # row-parallel o_proj: reduce, then the residual add and the post-attention norm's statistics
-        h = (self._row_parallel(o, attn.o_proj.weight, group) + xf.float()).to(x.dtype)
-        norm2 = self.post_attention_layernorm
-        rstd2 = input_rms(h, norm2.variance_epsilon)
-        hg, rstd2 = _CopyToTP.apply(group, h * _local(norm2.weight), rstd2)
+        # row-parallel o_proj: reduce, then the residual add and the post-attention norm's statistics, from
+        # the fp32 sum as the fused epilogue (rms_producer) takes them
+        h32 = self._row_parallel(o, attn.o_proj.weight, group) + xf.float()
+        h, norm2 = h32.to(x.dtype), self.post_attention_layernorm
+        rstd2 = input_rms(h32, norm2.variance_epsilon)
+        hg, rstd2 = _CopyToTP.apply(group, (h32 * _local(norm2.weight)).to(x.dtype), rstd2)
         # column-parallel gate/up (the same rows of both, interleaved here), rstd + SwiGLU fused
         w_gu = interleave_gate_up(_local(mlp.gate_proj.weight), _local(mlp.up_proj.weight))
         y = cd.linear(hg, w_gu, rms_swiglu, rstd=rstd2, backend=backend)["D"]
-        out = (self._row_parallel(y, mlp.down_proj.weight, group) + h.float()).to(x.dtype)
-        out3 = out.view(b, s, d)
-        return (out3, input_rms(out, eps).view(b, s)) if return_rstd else out3
+        out32 = self._row_parallel(y, mlp.down_proj.weight, group) + h.float()
+        out = out32.to(x.dtype).view(b, s, d)
+        return (out, input_rms(out32, eps).view(b, s)) if return_rstd else out
 
     def _row_parallel(self, a: torch.Tensor, w: torch.Tensor, group) -> torch.Tensor:
         """sum over ranks of a @ w_local^T, fp32."""
