@@ -274,6 +274,8 @@ def _vocab_ce_rank(rank, mesh):
         assert_close(loss.detach(), ref.detach(), f"loss ({case})")
         assert_close(xs.grad, x.grad, f"grad_x ({case})")
         assert_close(ws.grad.full_tensor(), w.grad, f"grad_W ({case})")
+    with pytest.raises(cd.UnsupportedError, match="must be a DTensor sharded by rows"):
+        vocab_parallel_cross_entropy(x0, w0, target)
 
 
 def test_vocab_parallel_cross_entropy_matches_linear_cross_entropy():
