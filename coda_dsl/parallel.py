@@ -1,0 +1,281 @@
+"""coda_dsl.nn layers in PyTorch's own distributed engines: FSDP2, tensor parallelism, a vocab-parallel LM head.
+
+Everything here takes a torch DeviceMesh and works on any device type the mesh has (CPU + gloo with the
+reference backend in the test suite; CUDA + NCCL with the cutlass backend on GPUs).
+
+- **FSDP2** (`fully_shard_stack`): `torch.distributed.fsdp.fully_shard` on each decoder layer and on the
+  root, optionally with activation checkpointing (checkpoint_wrapper, non-reentrant) under it. FSDP2
+  all-gathers a layer's parameters before its forward, so the fused GEMMs see whole weights; gradients are
+  reduce-scattered. `mixed_precision_policy(device_type)`: bf16 parameters with fp32 gradient reduction on
+  CUDA; on CPU fp32 throughout (None), since the CPU runs are exactness tests against one process.
+- **Tensor parallelism** (`tensor_parallel(layer, mesh)`): shards one `coda_dsl.nn.LlamaDecoderLayer`
+  over a 1-D mesh in place (Megatron-style, parameters become DTensors with the same HF names, so
+  optimizers and state dicts work; `full_tensor()` gives HF's layout). QKV and gate/up are
+  column-parallel and keep their fused epilogues (rstd + RoPE, rstd + SwiGLU) since those are
+  row-local: each rank holds whole q and kv heads, and the same rows of gate_proj and up_proj, which it
+  interleaves locally. o_proj and down_proj are row-parallel: their partial sums are all-reduced (in
+  fp32) BEFORE the residual add and the next RMSNorm's statistics, which therefore run in torch on this
+  path (the single-GPU layer fuses them into the GEMM epilogue, where the sum is whole).
+- **Vocabulary-parallel cross-entropy** (`vocab_parallel_cross_entropy`): each rank holds rows of the LM
+  head, computes its shard's (lse, target logit) partials with `library.vocab_shard_stats` (no logits
+  stored), and the partials are combined by all-reduces (max, then sum of exp); the backward recomputes
+  the shard's logits per chunk with the `ce_backward` epilogue and all-reduces grad_x.
+
+GPU check (2 sm_90 GPUs, NCCL, cutlass backend):
+    torchrun --nproc-per-node 2 -m pytest tests/test_gpu_distributed.py -q -x -p no:cacheprovider
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import coda_dsl as cd
+from .errors import UnsupportedError
+from .library import interleave_gate_up, neox_to_interleaved_rows
+from .library.cross_entropy import (_check_args, ce_backward, combine_vocab_shards, default_chunk_rows,
+                                    vocab_shard_stats)
+from .nn import LlamaDecoderLayer, input_rms, rms_rope, rms_swiglu
+
+
+# ---------------------------------------------------------------- FSDP2
+
+def mixed_precision_policy(device_type: str):
+    """bf16 parameters, fp32 gradient reduction on CUDA; None (fp32 throughout) elsewhere. Layer inputs are
+    not cast (cast_forward_inputs=False), so the fp32 rstd a layer hands the next one stays fp32; the
+    root's policy casts the stack's input."""
+    if device_type != "cuda":
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+
+def fully_shard_stack(root: torch.nn.Module, layers: torch.nn.ModuleList, mesh: DeviceMesh,
+                      checkpoint: bool = True, mp_policy="auto") -> torch.nn.Module:
+    """FSDP2 on every module of `layers` (a ModuleList inside root), then on root. checkpoint: activation
+    checkpointing of each layer (recomputed in the backward, parameters re-gathered by FSDP).
+    mp_policy: a MixedPrecisionPolicy, None, or "auto" (mixed_precision_policy of the mesh's device)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    if mp_policy == "auto":
+        mp_policy = mixed_precision_policy(mesh.device_type)
+    kw = {"mp_policy": mp_policy} if mp_policy is not None else {}
+    if checkpoint:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        for i in range(len(layers)):
+            layers[i] = checkpoint_wrapper(layers[i])  # non-reentrant; state-dict names stay unprefixed
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, **kw)
+    root_kw = {"mp_policy": MixedPrecisionPolicy(mp_policy.param_dtype, mp_policy.reduce_dtype)} if kw else {}
+    return fully_shard(root, mesh=mesh, **root_kw)
+
+
+# ---------------------------------------------------------------- tensor-parallel collectives
+
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward (the input is replicated); the backward all-reduces the ranks' partial gradients."""
+
+    @staticmethod
+    def forward(ctx, group, *xs):
+        ctx.group = group
+        return xs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        out = []
+        for g in grads:
+            if g is not None:
+                g = g.contiguous()
+                dist.all_reduce(g, group=ctx.group)
+            out.append(g)
+        return (None, *out)
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """All-reduce (sum) of the row-parallel partials forward; identity backward (the gradient is replicated)."""
+
+    @staticmethod
+    def forward(ctx, group, x):
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, g
+
+
+@cd.epilogue
+def fp32_partial(acc):
+    """A row-parallel GEMM's partial sum, kept in fp32 for the all-reduce (no bf16 rounding per rank)."""
+    return cd.cast(acc, torch.float32)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's block of a DTensor parameter (differentiable: the gradient lands in the DTensor)."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+# ---------------------------------------------------------------- tensor-parallel Llama layer
+
+class TPLlamaDecoderLayer(LlamaDecoderLayer):
+    """A LlamaDecoderLayer after tensor_parallel(): same parameter names (DTensors), same call signature;
+    the input and output hidden states are replicated over the mesh (plain tensors)."""
+
+    tp_mesh: DeviceMesh
+    _tp_inv_freq: torch.Tensor
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
+                use_cache: bool = False, position_embeddings=None, *, input_rstd: torch.Tensor | None = None,
+                return_rstd: bool = False, **kwargs):
+        if attention_mask is not None or cache is not None or use_cache:
+            raise UnsupportedError("coda_dsl.parallel.TPLlamaDecoderLayer: causal attention without a KV cache only; "
+                                   "pass attention_mask=None, cache=None")
+        group, backend = self.tp_mesh.get_group(), self.backend
+        attn, mlp = self.self_attn, self.mlp
+        x = hidden_states
+        b, s, d = x.shape
+        if position_ids is None:
+            position_ids = torch.arange(s, device=x.device)[None]
+        pos = position_ids.expand(b, s).reshape(-1).float()
+        eps = self.input_layernorm.variance_epsilon
+        xf = x.reshape(b * s, d)
+        rstd = input_rms(xf, eps) if input_rstd is None else input_rstd.reshape(-1)
+        xg, rstd = _CopyToTP.apply(group, xf * _local(self.input_layernorm.weight), rstd)
+        # column-parallel QKV: this rank's whole heads, rstd + RoPE fused in the epilogue
+        hd, nh, nkv = attn.head_dim, self._tp_heads, self._tp_kv_heads
+        wq, wk, wv = (_local(p.weight) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+        w_qkv = torch.cat((wq[neox_to_interleaved_rows(nh, hd)], wk[neox_to_interleaved_rows(nkv, hd)], wv))
+        inv_freq = self._tp_inv_freq.to(x.device)
+        qkv = cd.linear(xg, w_qkv, rms_rope, rstd=rstd, pos=pos, inv_freq=inv_freq, backend=backend)["D"]
+        heads = lambda t: t.unflatten(0, (b, s)).unflatten(-1, (-1, hd)).transpose(1, 2)  # noqa: E731
+        q, k, v = (heads(t) for t in qkv.split((nh * hd, nkv * hd, nkv * hd), dim=-1))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=hd ** -0.5, enable_gqa=nh != nkv)
+        o = o.transpose(1, 2).flatten(-2).flatten(0, 1)
+        # row-parallel o_proj: reduce, then the residual add and the post-attention norm's statistics, from
+        # the fp32 sum as the fused epilogue (rms_producer) takes them
+        h32 = self._row_parallel(o, attn.o_proj.weight, group) + xf.float()
+        h, norm2 = h32.to(x.dtype), self.post_attention_layernorm
+        rstd2 = input_rms(h32, norm2.variance_epsilon)
+        hg, rstd2 = _CopyToTP.apply(group, (h32 * _local(norm2.weight)).to(x.dtype), rstd2)
+        # column-parallel gate/up (the same rows of both, interleaved here), rstd + SwiGLU fused
+        w_gu = interleave_gate_up(_local(mlp.gate_proj.weight), _local(mlp.up_proj.weight))
+        y = cd.linear(hg, w_gu, rms_swiglu, rstd=rstd2, backend=backend)["D"]
+        out32 = self._row_parallel(y, mlp.down_proj.weight, group) + h.float()
+        out = out32.to(x.dtype).view(b, s, d)
+        return (out, input_rms(out32, eps).view(b, s)) if return_rstd else out
+
+    def _row_parallel(self, a: torch.Tensor, w: torch.Tensor, group) -> torch.Tensor:
+        """sum over ranks of a @ w_local^T, fp32."""
+        return _ReduceFromTP.apply(group, cd.linear(a, _local(w), fp32_partial, backend=self.backend)["D"])
+
+
+def tensor_parallel(layer: LlamaDecoderLayer, mesh: DeviceMesh) -> TPLlamaDecoderLayer:
+    """Shard `layer` in place over the 1-D `mesh` (every rank passes a layer with the same weights) and
+    return it as a TPLlamaDecoderLayer. Column-parallel q/k/v/gate/up (rows), row-parallel o/down
+    (columns), norms replicated; all parameters become DTensors."""
+    if type(layer) is not LlamaDecoderLayer:
+        raise UnsupportedError(f"coda_dsl.parallel.tensor_parallel: expected a coda_dsl.nn.LlamaDecoderLayer, "
+                               f"got {type(layer).__name__} (apply it once, before fully_shard)")
+    if mesh.ndim != 1:
+        raise UnsupportedError(f"coda_dsl.parallel.tensor_parallel: needs a 1-D mesh, got {mesh.ndim}-D; "
+                               "pass the tensor-parallel sub-mesh, e.g. mesh['tp']")
+    world = mesh.size()
+    attn, cfg = layer.self_attn, layer.config
+    for what, n in (("num_attention_heads", attn.num_heads), ("num_key_value_heads", attn.num_kv_heads),
+                    ("intermediate_size", cfg.intermediate_size)):
+        if n % world:
+            raise UnsupportedError(f"coda_dsl.parallel.tensor_parallel: {what} = {n} does not split evenly over "
+                                   f"{world} ranks (each rank must hold whole heads and equal shares); use a "
+                                   f"tensor-parallel size that divides it")
+    col, row = ColwiseParallel(), RowwiseParallel()
+    parallelize_module(layer, mesh, {"self_attn.q_proj": col, "self_attn.k_proj": col, "self_attn.v_proj": col,
+                                     "self_attn.o_proj": row, "mlp.gate_proj": col, "mlp.up_proj": col,
+                                     "mlp.down_proj": row})
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        norm.weight = torch.nn.Parameter(distribute_tensor(norm.weight.data, mesh, [Replicate()]))
+    layer.__class__ = TPLlamaDecoderLayer
+    layer.tp_mesh = mesh
+    layer._tp_heads, layer._tp_kv_heads = attn.num_heads // world, attn.num_kv_heads // world
+    # this rank's QKV column pairs: its q and k heads rotate, its V pairs get 0 (as LlamaAttention's buffer)
+    inv = attn._qkv_inv_freq_fp32[: attn.head_dim // 2]
+    layer._tp_inv_freq = torch.cat((inv.repeat(layer._tp_heads + layer._tp_kv_heads),
+                                    torch.zeros(layer._tp_kv_heads * attn.head_dim // 2)))
+    return layer
+
+
+# ---------------------------------------------------------------- vocabulary-parallel cross-entropy
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, target, vocab_start, vocab_size, group, ignore_index, reduction, smoothing, backend):
+        st = vocab_shard_stats(x, w, target, vocab_start, ignore_index, smoothing, None, backend)
+        top = st["lse"].clone()
+        dist.all_reduce(top, dist.ReduceOp.MAX, group=group)
+        # one all-reduce for the sums: exp(lse - max), the target logit (0 off this shard), the logit sum
+        sums = [torch.exp(st["lse"] - top), st["z_target"]] + ([st["z_sum"]] if smoothing else [])
+        sums = torch.stack(sums)
+        dist.all_reduce(sums, group=group)
+        total = {"lse": top + torch.log(sums[0]), "z_target": sums[1]}
+        if smoothing:
+            total["z_sum"] = sums[2]
+        ctx.save_for_backward(x, w, target, total["lse"])
+        ctx.cfg = (vocab_start, vocab_size, group, ignore_index, reduction, smoothing, backend)
+        return combine_vocab_shards([total], target, vocab_size, ignore_index, smoothing, reduction)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w, target, lse = ctx.saved_tensors
+        vocab_start, vocab_size, group, ignore_index, reduction, smoothing, backend = ctx.cfg
+        m, v = x.shape[0], w.shape[0]
+        valid = target != ignore_index
+        scale = grad.float() if reduction == "none" else grad.float().expand(m)
+        if reduction == "mean":
+            scale = scale / valid.sum().clamp_min(1)
+        scale = torch.where(valid, scale, torch.zeros_like(scale)).contiguous()
+        local = target - vocab_start
+        hot_rows = valid & (local >= 0) & (local < v)
+        grad_x = torch.zeros_like(x)  # this shard's part; all-reduced below
+        grad_w = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
+        chunk = default_chunk_rows(m, max(v, 1), x.device)
+        for s in range(0, m, chunk):
+            e = min(m, s + chunk)
+            xs, sc = x[s:e], scale[s:e]
+            # (softmax - eps/V) * scale over this shard's columns, then the one-hot term where it lies here
+            p = cd.gemm(xs, w, ce_backward, lse=lse[s:e].contiguous(), scale=sc, uniform=smoothing / vocab_size,
+                        backend=backend)["D"]
+            rows = torch.arange(e - s, device=x.device)
+            hot = ((1 - smoothing) * sc * hot_rows[s:e]).to(p.dtype)
+            p.index_put_((rows, local[s:e].clamp(0, max(v - 1, 0))), -hot, accumulate=True)
+            grad_x[s:e] = p @ w
+            if grad_w is not None:
+                grad_w.addmm_(p.t(), xs)
+        dist.all_reduce(grad_x, group=group)
+        return grad_x, grad_w, *[None] * 8
+
+
+def vocab_parallel_cross_entropy(x: torch.Tensor, lm_head_weight: DTensor, target: torch.Tensor,
+                                 ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                                 backend: str = "auto") -> torch.Tensor:
+    """linear_cross_entropy(x, W, target) with W [V, d] a DTensor sharded by rows (Shard(0), torch.chunk
+    split) over a 1-D mesh; x [M, d] and target [M] replicated over it. Returns the same (replicated)
+    loss; grad_x is whole on every rank, W's gradient is a Shard(0) DTensor. No softcap yet. On the
+    cutlass backend each rank's row count must be a multiple of 8 (pad V to a multiple of 8 * ranks)."""
+    _check_args(x, target, reduction, label_smoothing)
+    if not isinstance(lm_head_weight, DTensor) or lm_head_weight.device_mesh.ndim != 1 \
+            or lm_head_weight.placements[0] != torch.distributed.tensor.Shard(0):
+        raise UnsupportedError("coda_dsl.parallel.vocab_parallel_cross_entropy: lm_head_weight must be a DTensor "
+                               "sharded by rows over a 1-D mesh: distribute_tensor(w, mesh, [Shard(0)]) or "
+                               "ColwiseParallel on the LM head")
+    mesh = lm_head_weight.device_mesh
+    vocab_size = lm_head_weight.shape[0]
+    w = lm_head_weight.to_local()
+    vocab_start = min(mesh.get_local_rank() * -(-vocab_size // mesh.size()), vocab_size)  # torch.chunk's split
+    if x.is_cuda and backend != "reference" and w.shape[0] % 8:
+        raise UnsupportedError(f"coda_dsl.parallel.vocab_parallel_cross_entropy: this rank holds {w.shape[0]} "
+                               "vocabulary rows; the cutlass backward stores [rows, V_shard] with 16-byte rows, "
+                               "so pad the vocabulary to a multiple of 8 * ranks")
+    return _VocabParallelCE.apply(x, w, target, vocab_start, vocab_size, mesh.get_group(), ignore_index, reduction,
+                                  float(label_smoothing), backend)
