@@ -183,7 +183,7 @@ def cmd_emit(args) -> int:
     _, spec = _spec_from_args(args)
     if args.output:
         Path(args.output).write_text(spec.source)
-        _err(f"wrote {args.output} (key {spec.key}, op torch.ops.coda_dsl.{spec.op_name})")
+        _err(f"wrote {args.output} (key {spec.key}, op coda_dsl::{spec.op_name})")
     else:
         sys.stdout.write(spec.source)
         sys.stdout.flush()
@@ -230,7 +230,7 @@ def cmd_explain(args) -> int:
     if why:
         print(f"  config for M x N x K = {' x '.join(map(str, args.shape))}: " +
               (f"{args.config} (--config)" if args.config != default(*args.shape)[0].key else why))
-    print(f"  key {spec.key}  (op torch.ops.coda_dsl.{spec.op_name})")
+    print(f"  key {spec.key}  (op coda_dsl::{spec.op_name})")
     try:  # the cache entry also depends on the toolchain; explaining needs none
         print(f"  build key {build.build_key(spec.key)}  (its cache entry with this toolchain)")
     except ToolchainError as e:

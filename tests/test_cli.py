@@ -58,7 +58,7 @@ def key_of(text):
 def test_emit_stdout_and_file(capsys, tmp_path):
     rc, out, _ = run(capsys, "emit", "coda_dsl.examples:residual_rms")
     assert rc == 0
-    assert "Sm90TopologicalVisitor" in out and "TORCH_LIBRARY" in out
+    assert "Sm90TopologicalVisitor" in out and "extern \"C\" int coda_launch" in out
     dest = tmp_path / "k.cu"
     rc, out2, err = run(capsys, "emit", "coda_dsl.examples:residual_rms", "-o", dest)
     assert rc == 0 and out2 == "" and str(dest) in err
@@ -67,7 +67,7 @@ def test_emit_stdout_and_file(capsys, tmp_path):
 
 def test_emit_from_file(capsys, eps):
     rc, out, _ = run(capsys, "emit", f"{eps}:scaled", "--const", "c=2")
-    assert rc == 0 and "Sm90TopologicalVisitor" in out and "TORCH_LIBRARY" in out and "2.0f" in out
+    assert rc == 0 and "Sm90TopologicalVisitor" in out and "extern \"C\" int coda_launch" in out and "2.0f" in out
 
 
 def test_explain(capsys):

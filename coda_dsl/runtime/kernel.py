@@ -1,0 +1,77 @@
+"""The call into a built kernel library: its two `extern "C"` functions (csrc/coda_dsl/abi.h) reached
+through ctypes. Tensors go as plain data (pointer, rank, sizes, strides), the stream is torch's current
+one on A's device, the workspace comes from torch's caching allocator (safe under CUDA graph capture),
+and a refusal comes back as a KernelError with the kernel's message. Every check of shapes, strides,
+alignment, aliasing and devices happened before (runtime/op.py, runtime/checks.py)."""
+from __future__ import annotations
+
+import ctypes
+import struct
+
+import torch
+
+from ..errors import KernelError
+
+_INT64 = ctypes.c_int64
+_MESSAGE_BYTES = 1024
+
+
+def pack_tensors(tensors: list[torch.Tensor]) -> bytes:
+    """abi.h's TensorArg per tensor: data pointer, rank, three sizes, three strides (int64, zero-padded)."""
+    values: list[int] = []
+    for t in tensors:
+        shape, stride = t.shape, t.stride()
+        pad = (0,) * (3 - len(shape))
+        values += (t.data_ptr(), len(shape), *shape, *pad, *stride, *pad)
+    return struct.pack(f"{len(values)}q", *values)
+
+
+def current_stream(device: int) -> int:
+    """torch's current stream on `device`, as the raw cudaStream_t (what a launch in C++ would use)."""
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
+class Kernel:
+    """A loaded kernel library, called like the torch op it replaces: (a, b, d, inputs, scalars, outputs)."""
+
+    def __init__(self, library: ctypes.CDLL):
+        # a PyDLL: its calls hold the GIL, so one message buffer serves every thread
+        self._size = library.coda_workspace_size
+        self._size.argtypes = [ctypes.c_char_p, _INT64, ctypes.c_char_p, _INT64, ctypes.c_int,
+                               ctypes.POINTER(_INT64), ctypes.c_char_p, _INT64]
+        self._size.restype = ctypes.c_int
+        self._launch = library.coda_launch
+        self._launch.argtypes = [ctypes.c_char_p, _INT64, ctypes.c_char_p, _INT64, ctypes.c_int, ctypes.c_void_p,
+                                 ctypes.c_void_p, _INT64, ctypes.c_char_p, _INT64]
+        self._launch.restype = ctypes.c_int
+        self._message = ctypes.create_string_buffer(_MESSAGE_BYTES)
+        self._workspace: dict[tuple, int] = {}  # (A's shape, B's shape, device) -> workspace bytes
+
+    def _error(self) -> KernelError:
+        return KernelError(self._message.value.decode(errors="replace"))
+
+    def workspace_size(self, tensors: bytes, n: int, scalars: bytes, n_scalars: int, device: int) -> int:
+        size = _INT64(0)
+        if self._size(tensors, n, scalars, n_scalars, device, ctypes.byref(size), self._message, _MESSAGE_BYTES):
+            raise self._error()
+        return size.value
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, d: torch.Tensor | None, inputs: list[torch.Tensor],
+                 scalars: list[float], outputs: list[torch.Tensor]) -> None:
+        tensors = [a, b, *inputs, *outputs] if d is None else [a, b, d, *inputs, *outputs]
+        packed = pack_tensors(tensors)
+        numbers = struct.pack(f"{len(scalars)}d", *scalars)
+        device = a.get_device()
+        # The workspace depends on the problem's M, N, K, L and the device's SM count, not on strides
+        # or pointers: asked once per shape (the launch checks it is large enough).
+        key = (a.shape, b.shape, device)
+        size = self._workspace.get(key)
+        if size is None:
+            if len(self._workspace) >= 1024:  # many shapes: forget them rather than grow without bound
+                self._workspace.clear()
+            size = self._workspace[key] = self.workspace_size(packed, len(tensors), numbers, len(scalars), device)
+        workspace = torch.empty(size, dtype=torch.uint8, device=a.device) if size else None
+        if self._launch(packed, len(tensors), numbers, len(scalars), device, current_stream(device),
+                        workspace.data_ptr() if workspace is not None else None, size, self._message,
+                        _MESSAGE_BYTES):
+            raise self._error()
