@@ -314,13 +314,13 @@ def _probe(fn):
 
 
 def torch_cuda_problem() -> str | None:
-    """Why kernels cannot be built against the installed torch (a CPU-only build), else None. The one
+    """Why kernels cannot run with the installed torch (a CPU-only build), else None. The one
     check behind doctor's torch line; the real-nvcc compile tests skip with its message."""
     import torch
     if torch.version.cuda:
         return None
-    return (f"torch {torch.__version__} is a CPU-only build: kernels include its c10/cuda headers and link "
-            "against its CUDA libraries")
+    return (f"torch {torch.__version__} is a CPU-only build: it cannot make the CUDA tensors, streams and "
+            "workspaces that kernels run on")
 
 
 def cmd_doctor(args) -> int:

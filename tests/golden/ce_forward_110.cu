@@ -104,8 +104,8 @@ int64_t run(coda::Call const& call) {
   if (call.n_tensors != first_input + n_inputs + n_outputs || call.n_scalars != 0)
     coda::fail(op_name, ": wrong operand count");
   coda::DeviceGuard device_guard(call.device);  // for the GEMM and every helper kernel and fill below
-  coda::Tensor a(call.tensors), b(call.tensors + 1);
-  coda::Tensors inputs(call.tensors + first_input, n_inputs), outputs(call.tensors + first_input + n_inputs, n_outputs);
+  coda::TensorRef a(call.tensors), b(call.tensors + 1);
+  coda::TensorRefs inputs(call.tensors + first_input, n_inputs), outputs(call.tensors + first_input + n_inputs, n_outputs);
   int L = a.dim() == 3 ? int(a.size(0)) : 1;
   int M = int(a.size(-2)), K = int(a.size(-1)), N = int(b.size(-2));
 
