@@ -6,6 +6,7 @@ alignment, aliasing and devices happened before (runtime/op.py, runtime/checks.p
 from __future__ import annotations
 
 import ctypes
+import functools
 import struct
 
 import torch
@@ -17,13 +18,25 @@ _MESSAGE_BYTES = 1024
 
 
 def pack_tensors(tensors: list[torch.Tensor]) -> bytes:
-    """abi.h's TensorArg per tensor: data pointer, rank, three sizes, three strides (int64, zero-padded)."""
+    """abi.h's TensorArg per tensor: data pointer, rank, three sizes, three strides (int64; the unused
+    dimensions are zero bytes, written by the struct format's padding, one format per list of ranks)."""
     values: list[int] = []
+    ranks = []
     for t in tensors:
-        shape, stride = t.shape, t.stride()
-        pad = (0,) * (3 - len(shape))
-        values += (t.data_ptr(), len(shape), *shape, *pad, *stride, *pad)
-    return struct.pack(f"{len(values)}q", *values)
+        shape = t.shape
+        values.append(t.data_ptr())
+        values.append(len(shape))
+        values += shape
+        values += t.stride()
+        ranks.append(len(shape))
+    return struct.pack(_format(tuple(ranks)), *values)
+
+
+@functools.cache
+def _format(ranks: tuple[int, ...]) -> str:
+    if any(r > 3 for r in ranks):
+        raise ValueError(f"kernel operands have at most 3 dimensions, got ranks {list(ranks)}")
+    return "=" + "".join(f"qq{r}q{8 * (3 - r)}x{r}q{8 * (3 - r)}x" for r in ranks)
 
 
 def current_stream(device: int) -> int:
