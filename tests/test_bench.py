@@ -3,6 +3,7 @@ JSON writer and the chart. The measurements themselves need an sm_90 GPU (tests/
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -185,10 +186,16 @@ def test_failures_are_reported_and_the_rest_measured(fake_gpu, capsys, monkeypat
 
 
 def test_host_overhead_python_only_runs_without_a_gpu(monkeypatch, capsys):
+    from coda_dsl.runtime import kernel
     from coda_dsl.runtime import op as runtime
-    for owner, name in ((runtime.CompiledOp, "load"), (runtime.checks, "require_hopper"), (runtime, "_choose_config")):
+    for owner, name in ((runtime.CompiledOp, "load"), (runtime.checks, "require_hopper"), (runtime, "_choose_config"),
+                        (kernel, "current_stream")):
         monkeypatch.setattr(owner, name, getattr(owner, name))  # restored after the script stubs them
-    monkeypatch.setattr(host_overhead, "per_call_us", lambda fn, n: fn() and 1.0)
+    calls = []
+    monkeypatch.setattr(host_overhead, "per_call_us", lambda fn, n: calls.append(fn()) or 1.0)
     assert host_overhead.main(["--python-only"]) == 0
     out = capsys.readouterr().out
-    assert "| cd.gemm(A, B, epilogue, ...) | 1.0 |" in out and "| CompiledOp(A, B, ...) | 1.0 |" in out
+    for how in ["kernel call stubbed in Python"] + (["ctypes into a no-op library"] if shutil.which("cc") else []):
+        assert f"| cd.gemm(A, B, epilogue, ...) ({how}) | 1.0 |" in out and f"| CompiledOp(A, B, ...) ({how}) | 1.0 |" in out
+    assert all(isinstance(c, dict) and "D" in c for c in calls)  # each timed call returned its outputs
+    runtime.clear()  # its ops hold the stubs
