@@ -94,11 +94,12 @@ struct Call {
 class Workspace {
  public:
   explicit Workspace(Call const& call) : call_(call) {}
-  void* take(int64_t bytes) {
+  void* take(int64_t bytes) {  // null for 0 bytes, as CUTLASS gets when it needs no workspace
+    if (bytes == 0) return nullptr;
     int64_t at = used_;
     used_ += (bytes + 255) / 256 * 256;
     if (!call_.query && used_ > call_.workspace_size)
-      fail("workspace of ", std::to_string(call_.workspace_size), " bytes is smaller than the ",
+      fail("coda_dsl: workspace of ", std::to_string(call_.workspace_size), " bytes is smaller than the ",
            std::to_string(used_), " this problem needs");
     return call_.query ? nullptr : call_.workspace + at;
   }
