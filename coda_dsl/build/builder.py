@@ -190,7 +190,7 @@ def _build(units: list[BuildUnit], tc: Toolchain, compile_only: bool, jobs: int 
         jobs = jobs or _default_jobs(len(units))
         n = len(units)
         what = f"{n} kernel specialization{'s' if n > 1 else ''}"
-        est = 45 if _cpus() >= 8 else 75
+        est = 30 if _cpus() >= 8 else 45  # kernels without torch headers (bench/results/build_phases.md)
         log(f"coda_dsl: {'compile-checking' if compile_only else 'building'} {what} with nvcc "
             f"(≈{est} s each on {_cpus()} cores, -j {jobs}) ...")
         t0 = time.monotonic()
