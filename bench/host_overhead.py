@@ -47,10 +47,8 @@ def per_call_us(fn, n: int = 2000) -> float:
 
 
 NOOP_LIBRARY = r"""#include <stdint.h>
-int coda_workspace_size(const void* t, int64_t n, const double* s, int64_t ns, int device, int64_t* size,
-                        char* message, int64_t message_size) { *size = 0; return 0; }
-int coda_launch(const void* t, int64_t n, const double* s, int64_t ns, int device, void* stream, void* ws,
-                int64_t ws_size, char* message, int64_t message_size) { return 0; }
+int coda_workspace_size(const void* args, int64_t* size, char* message, int64_t message_size) { *size = 0; return 0; }
+int coda_launch(const void* args, char* message, int64_t message_size) { return 0; }
 """
 
 

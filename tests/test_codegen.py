@@ -83,7 +83,7 @@ def test_build_and_entry_point_text(make_plan, which):
     assert "-gencode" not in src  # flags belong to the build, not the source
     # the library's two extern "C" functions (csrc/coda_dsl/abi.h), both through the one run()
     assert src.count('extern "C" int coda_workspace_size(') == 1 and src.count('extern "C" int coda_launch(') == 1
-    assert src.count(f"{op_name(KEY)}_ns::run({{tensors, n_tensors, scalars, n_scalars, device,") == 2
+    assert src.count(f"{op_name(KEY)}_ns::run(coda::Call(args, ") == 2
     assert f"Specialization key: {KEY}" in src
     assert f"epilogue {plan.name}" in src and ep.source in src
     first_input = 3 if plan.d_dtype else 2  # A, B, then D if the kernel stores one

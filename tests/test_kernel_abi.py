@@ -18,15 +18,17 @@ STUB = r"""
 #include <stdint.h>
 #include <string.h>
 typedef struct { int64_t data, dim, sizes[3], strides[3]; } TensorArg;  /* abi.h's TensorArg */
+typedef struct { int64_t n_tensors, n_scalars, device, stream, workspace, workspace_size; } CallArgs;
 
 TensorArg seen[16];
 double seen_scalars[8];
 int64_t seen_n, seen_n_scalars, seen_ws_size, queries, launches;
-int seen_device;
-void *seen_stream, *seen_ws;
+int64_t seen_device, seen_stream, seen_ws;
 
-static int refuse(const double* s, int64_t n, char* message, int64_t size) {
-  if (n > 0 && s[0] < 0) {  /* a negative first scalar: refuse, as CUTLASS's can_implement would */
+static int refuse(const CallArgs* a, char* message, int64_t size) {
+  const TensorArg* t = (const TensorArg*)(a + 1);
+  const double* s = (const double*)(t + a->n_tensors);
+  if (a->n_scalars > 0 && s[0] < 0) {  /* a negative first scalar: refuse, as CUTLASS's can_implement would */
     strncpy(message, "coda_dsl::stub (epilogue stub): CUTLASS cannot run this problem", size - 1);
     message[size - 1] = 0;
     return 1;
@@ -34,21 +36,22 @@ static int refuse(const double* s, int64_t n, char* message, int64_t size) {
   return 0;
 }
 
-int coda_workspace_size(const TensorArg* t, int64_t n, const double* s, int64_t ns, int device, int64_t* size,
-                        char* message, int64_t message_size) {
+int coda_workspace_size(const CallArgs* a, int64_t* size, char* message, int64_t message_size) {
   ++queries;
-  if (refuse(s, ns, message, message_size)) return 1;
+  if (refuse(a, message, message_size)) return 1;
+  const TensorArg* t = (const TensorArg*)(a + 1);
   *size = t[0].sizes[t[0].dim - 2] * 4;  /* M floats: depends on the shape only */
   return 0;
 }
 
-int coda_launch(const TensorArg* t, int64_t n, const double* s, int64_t ns, int device, void* stream, void* ws,
-                int64_t ws_size, char* message, int64_t message_size) {
+int coda_launch(const CallArgs* a, char* message, int64_t message_size) {
   ++launches;
-  if (refuse(s, ns, message, message_size)) return 1;
-  memcpy(seen, t, n * sizeof(TensorArg));
-  memcpy(seen_scalars, s, ns * sizeof(double));
-  seen_n = n; seen_n_scalars = ns; seen_device = device; seen_stream = stream; seen_ws = ws; seen_ws_size = ws_size;
+  if (refuse(a, message, message_size)) return 1;
+  const TensorArg* t = (const TensorArg*)(a + 1);
+  memcpy(seen, t, a->n_tensors * sizeof(TensorArg));
+  memcpy(seen_scalars, t + a->n_tensors, a->n_scalars * sizeof(double));
+  seen_n = a->n_tensors; seen_n_scalars = a->n_scalars; seen_device = a->device; seen_stream = a->stream;
+  seen_ws = a->workspace; seen_ws_size = a->workspace_size;
   return 0;
 }
 """
@@ -70,9 +73,6 @@ class Seen:
     def scalars(self):
         arr = (ctypes.c_double * 8).in_dll(self.lib, "seen_scalars")
         return list(arr[:self.int("seen_n_scalars")])
-
-    def pointer(self, name):
-        return ctypes.c_void_p.in_dll(self.lib, name).value
 
 
 @pytest.fixture
@@ -102,8 +102,8 @@ def test_tensors_scalars_stream_and_workspace_arrive(stub):
     k(a, b, d, [vec], [0.5, -0.0], [stat])
     assert seen.tensors() == [expected(t) for t in (a, b, d, vec, stat)]
     assert seen.scalars() == [0.5, -0.0] and str(seen.scalars()[1]) == "-0.0"
-    assert seen.pointer("seen_stream") == 0xC0DA and ctypes.c_int.in_dll(seen.lib, "seen_device").value == -1
-    assert seen.int("seen_ws_size") == 32 * 4 and seen.pointer("seen_ws")  # the size the query gave, allocated
+    assert seen.int("seen_stream") == 0xC0DA and seen.int("seen_device") == -1
+    assert seen.int("seen_ws_size") == 32 * 4 and seen.int("seen_ws")  # the size the query gave, allocated
 
 
 def test_without_d_and_workspace(stub):
@@ -111,7 +111,7 @@ def test_without_d_and_workspace(stub):
     a, b, out = torch.randn(0, 16), torch.randn(8, 16), torch.empty(0)
     k(a, b, None, [], [], [out])  # M = 0: no workspace, so a null pointer
     assert seen.tensors() == [expected(t) for t in (a, b, out)]
-    assert seen.int("seen_ws_size") == 0 and seen.pointer("seen_ws") is None
+    assert seen.int("seen_ws_size") == 0 and seen.int("seen_ws") == 0
 
 
 def test_workspace_size_asked_once_per_shape(stub):

@@ -124,18 +124,10 @@ int64_t run(coda::Call const& call) {
 }  // namespace k74edabe2e185a34cbace_ns
 
 // The library's two entry points (csrc/coda_dsl/abi.h describes them).
-extern "C" int coda_workspace_size(coda::TensorArg const* tensors, int64_t n_tensors, double const* scalars,
-                                   int64_t n_scalars, int device, int64_t* size, char* message, int64_t message_size) {
-  return coda::guarded(message, message_size, [&] {
-    *size = k74edabe2e185a34cbace_ns::run({tensors, n_tensors, scalars, n_scalars, device, nullptr, nullptr, 0, true});
-  });
+extern "C" int coda_workspace_size(coda::CallArgs const* args, int64_t* size, char* message, int64_t message_size) {
+  return coda::guarded(message, message_size, [&] { *size = k74edabe2e185a34cbace_ns::run(coda::Call(args, true)); });
 }
 
-extern "C" int coda_launch(coda::TensorArg const* tensors, int64_t n_tensors, double const* scalars, int64_t n_scalars,
-                           int device, void* stream, void* workspace, int64_t workspace_size, char* message,
-                           int64_t message_size) {
-  return coda::guarded(message, message_size, [&] {
-    k74edabe2e185a34cbace_ns::run({tensors, n_tensors, scalars, n_scalars, device, static_cast<cudaStream_t>(stream),
-                          static_cast<char*>(workspace), workspace_size, false});
-  });
+extern "C" int coda_launch(coda::CallArgs const* args, char* message, int64_t message_size) {
+  return coda::guarded(message, message_size, [&] { k74edabe2e185a34cbace_ns::run(coda::Call(args, false)); });
 }
