@@ -13,6 +13,7 @@ Prints a table; the cache is a temporary directory, removed at the end.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
@@ -71,6 +72,18 @@ def warm_load(triples, env) -> tuple[float, float]:
     return t_import, t_load
 
 
+@contextlib.contextmanager
+def _restored_cache_env(saved: str | None):
+    """CODA_DSL_CACHE as it was before the benchmark pointed it at its temporary caches."""
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("CODA_DSL_CACHE", None)
+        else:
+            os.environ["CODA_DSL_CACHE"] = saved
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.build_time", description=__doc__.split("\n")[0])
     p.add_argument("--kernels", type=int, default=10, help="cached kernels the warm load opens (default 10)")
@@ -78,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-serial", action="store_true", help="skip the one-at-a-time cold builds")
     args = p.parse_args(argv)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="coda_build_time_") as root:
+    saved = os.environ.get("CODA_DSL_CACHE")
+    with tempfile.TemporaryDirectory(prefix="coda_build_time_") as root, _restored_cache_env(saved):
         def fresh_cache(name: str) -> dict:
             os.environ["CODA_DSL_CACHE"] = os.path.join(root, name)
             return dict(os.environ)

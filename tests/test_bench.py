@@ -3,6 +3,7 @@ JSON writer and the chart. The measurements themselves need an sm_90 GPU (tests/
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import time
@@ -18,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ lives at 
 from bench import __main__ as bench_main  # noqa: E402
 from bench import cross_entropy, epilogues, harness, host_overhead  # noqa: E402
 from bench.harness import FLOOR, Row  # noqa: E402
+from build_helpers import FAKE_TC  # noqa: E402
 
 
 def _rows() -> list[Row]:
@@ -199,3 +201,26 @@ def test_host_overhead_python_only_runs_without_a_gpu(monkeypatch, capsys):
         assert f"| cd.gemm(A, B, epilogue, ...) ({how}) | 1.0 |" in out and f"| CompiledOp(A, B, ...) ({how}) | 1.0 |" in out
     assert all(isinstance(c, dict) and "D" in c for c in calls)  # each timed call returned its outputs
     runtime.clear()  # its ops hold the stubs
+
+
+def test_build_time_table_without_building(monkeypatch, capsys):
+    """bench.build_time's plan and table, with the builds and the fresh-process load faked: 10 distinct
+    specializations (the 3 representatives first), the serial builds one unit each, then the 3 together."""
+    from bench import build_time
+    from coda_dsl import build
+    triples = build_time.specs(10)
+    assert len({u.key for u in build_time.units(triples)}) == 10
+    assert [ep.split(":")[1] for ep, _, _ in triples[:3]] == ["identity", "bias_gelu", "residual_rms"]
+    with pytest.raises(SystemExit):
+        build_time.specs(len(build_time.REPRESENTATIVES) * len(build_time.VARIANTS) + 1)
+    timed, untimed = [], []
+    monkeypatch.setattr(build_time, "_timed_build", lambda us, jobs: timed.append(len(us)) or 2.5)
+    monkeypatch.setattr(build, "build_units", lambda us, **kw: untimed.append(len(us)))
+    monkeypatch.setattr(build_time, "warm_load", lambda triples, env: (0.25, 0.5))
+    monkeypatch.setattr(build, "toolchain", lambda: FAKE_TC)
+    before = os.environ.get("CODA_DSL_CACHE")
+    assert build_time.main([]) == 0
+    assert os.environ.get("CODA_DSL_CACHE") == before  # main pointed it at its temporary caches, then back
+    out = capsys.readouterr().out
+    assert timed == [1, 1, 1, 3] and untimed == [7]
+    assert "| cold build, alone: bias_gelu | 2.5 |" in out and "| fresh process: import + load 10 | 0.75 |" in out

@@ -414,10 +414,11 @@ def test_cuda_graph_capture_and_replay(kernels):
             assert _rel(out[name], ref[name]) <= 1e-2
 
 
-@pytest.mark.parametrize("config", [None, "128x256x64_c2x1_cooperative_rm_s4_streamk"], ids=["atomic", "streamk"])
+@pytest.mark.parametrize("config", [None, "128x256x64_c2x1_cooperative_rm_s4_streamk"], ids=["deterministic", "streamk"])
 def test_cuda_graph_capture_with_a_workspace(kernels, config):
     """Kernels whose calls need a workspace from torch's caching allocator (deterministic partials; stream-K's
-    flags, zeroed per launch) and fill outputs before the GEMM (atomic reductions): captured and replayed."""
+    flags, zeroed per launch) and fill outputs before the GEMM (atomic reductions, with stream-K): captured and
+    replayed."""
     opts = dict(deterministic=True) if config is None else dict(config=config)
     a, b = _ab(384, 520, 128, torch.bfloat16, "nk")
     residual = _rand(384, 520)
