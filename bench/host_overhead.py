@@ -6,13 +6,20 @@
 Tiny shapes keep the GPU idle, so the host is the bottleneck: CPU time per call = wall time of N
 back-to-back calls / N. Compares cd.gemm, a kept CompiledOp and a bare torch.matmul of the same size.
 --python-only runs on CPU tensors with the kernel replaced by a no-op: what is left is coda_dsl's
-own Python (checks, caches, output allocation), without the torch op dispatch and the launch.
+own Python (checks, caches, output allocation), without the launch; twice, with the kernel call
+stubbed in Python, and through the real ctypes call (runtime/kernel.py: packing, workspace) into a
+no-op library with the kernels' two extern "C" functions (built with the C compiler, if there is one).
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -39,9 +46,28 @@ def per_call_us(fn, n: int = 2000) -> float:
     return (time.perf_counter() - t) / n * 1e6
 
 
-def _stub_kernels() -> None:
-    """Kernels that do nothing, and the cutlass call path allowed on CPU tensors."""
-    runtime.CompiledOp.load = lambda self: setattr(self, "_op", lambda *args: None) or self
+NOOP_LIBRARY = r"""#include <stdint.h>
+int coda_workspace_size(const void* args, int64_t* size, char* message, int64_t message_size) { *size = 0; return 0; }
+int coda_launch(const void* args, char* message, int64_t message_size) { return 0; }
+"""
+
+
+def _noop_library():
+    """A kernel library that launches nothing, called like a real one (None without a C compiler)."""
+    from coda_dsl.runtime import kernel
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    d = Path(tempfile.mkdtemp(prefix="coda_noop_"))
+    (d / "noop.c").write_text(NOOP_LIBRARY)
+    subprocess.run([cc, "-shared", "-fPIC", "-O2", str(d / "noop.c"), "-o", str(d / "noop.so")], check=True)
+    kernel.current_stream = lambda device: 0  # CPU tensors: no CUDA stream to ask for
+    return kernel.Kernel(ctypes.PyDLL(str(d / "noop.so")))
+
+
+def _stub_kernels(kernel_call) -> None:
+    """Kernels that do nothing (kernel_call), and the cutlass call path allowed on CPU tensors."""
+    runtime.CompiledOp.load = lambda self: setattr(self, "_op", kernel_call) or self
     runtime.checks.require_hopper = lambda where, device: None
     runtime._choose_config = lambda spec, call, tune, key: runtime.Config()
 
@@ -51,7 +77,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--python-only", action="store_true", help="CPU tensors, kernel launch stubbed out")
     args = p.parse_args(argv)
     if args.python_only:
-        _stub_kernels()
         device, backend, n = "cpu", "cutlass", 20000
     elif no_gpu():
         return 1
@@ -60,11 +85,20 @@ def main(argv: list[str] | None = None) -> int:
     a = torch.randn(128, 64, device=device, dtype=torch.bfloat16)
     w = torch.randn(128, 64, device=device, dtype=torch.bfloat16)
     bias = torch.randn(128, device=device, dtype=torch.bfloat16)
-    op = cd.compile(bias_relu, a, w, bias=bias, alpha=1.0)
     rows = {} if args.python_only else {"torch.matmul (reference point)": per_call_us(lambda: a @ w.t(), n)}
-    rows["cd.gemm(A, B, epilogue, ...)"] = per_call_us(
-        lambda: cd.gemm(a, w, bias_relu, backend=backend, bias=bias, alpha=0.5), n)
-    rows["CompiledOp(A, B, ...)"] = per_call_us(lambda: op(a, w, bias=bias, alpha=0.5), n)
+    stubs = [("", None)] if not args.python_only else \
+        [(" (kernel call stubbed in Python)", lambda *args: None), (" (ctypes into a no-op library)", _noop_library())]
+    for label, kernel_call in stubs:
+        if args.python_only:
+            if kernel_call is None:
+                print("no C compiler: the ctypes rows are left out", file=sys.stderr)
+                continue
+            runtime.clear()
+            _stub_kernels(kernel_call)
+        op = cd.compile(bias_relu, a, w, bias=bias, alpha=1.0)
+        rows[f"cd.gemm(A, B, epilogue, ...){label}"] = per_call_us(
+            lambda: cd.gemm(a, w, bias_relu, backend=backend, bias=bias, alpha=0.5), n)
+        rows[f"CompiledOp(A, B, ...){label}"] = per_call_us(lambda: op(a, w, bias=bias, alpha=0.5), n)
     what = "Python µs per call (launch stubbed)" if args.python_only else "host µs per call"
     print(f"| call | {what} |\n|---|---:|")
     for k, v in rows.items():

@@ -30,11 +30,12 @@ x ** 2 / 0.5 / -0.5 and the comparisons < <= > >= == !=, which give 1.0 or 0.0):
 math.*, numpy and torch functions cannot take traced values: use the cd. functions above.
 
 Library: cd.linear_cross_entropy (more in coda_dsl.library). Errors: cd.CodaError and its subclasses
-cd.EpilogueError, cd.OperandError, cd.UnsupportedError (cd.SharedMemoryError). The README's DSL reference has the details.
+cd.EpilogueError, cd.OperandError, cd.UnsupportedError (cd.SharedMemoryError), cd.KernelError. The
+README's DSL reference has the details.
 """
 import importlib
 
-from .errors import CodaError, EpilogueError, OperandError, SharedMemoryError, UnsupportedError
+from .errors import CodaError, EpilogueError, KernelError, OperandError, SharedMemoryError, UnsupportedError
 
 __version__ = "0.1.0"
 
@@ -52,7 +53,7 @@ _LAZY = {
 _DTYPES = ("bfloat16", "float16", "float32")  # torch's, under the names cd.cast accepts
 
 __all__ = [name for names in _LAZY.values() for name in names] + list(_DTYPES) + [
-    "CodaError", "EpilogueError", "OperandError", "SharedMemoryError", "UnsupportedError"]
+    "CodaError", "EpilogueError", "KernelError", "OperandError", "SharedMemoryError", "UnsupportedError"]
 
 
 def __getattr__(name: str):

@@ -183,7 +183,7 @@ def cmd_emit(args) -> int:
     _, spec = _spec_from_args(args)
     if args.output:
         Path(args.output).write_text(spec.source)
-        _err(f"wrote {args.output} (key {spec.key}, op torch.ops.coda_dsl.{spec.op_name})")
+        _err(f"wrote {args.output} (key {spec.key}, op coda_dsl::{spec.op_name})")
     else:
         sys.stdout.write(spec.source)
         sys.stdout.flush()
@@ -230,7 +230,7 @@ def cmd_explain(args) -> int:
     if why:
         print(f"  config for M x N x K = {' x '.join(map(str, args.shape))}: " +
               (f"{args.config} (--config)" if args.config != default(*args.shape)[0].key else why))
-    print(f"  key {spec.key}  (op torch.ops.coda_dsl.{spec.op_name})")
+    print(f"  key {spec.key}  (op coda_dsl::{spec.op_name})")
     try:  # the cache entry also depends on the toolchain; explaining needs none
         print(f"  build key {build.build_key(spec.key)}  (its cache entry with this toolchain)")
     except ToolchainError as e:
@@ -314,13 +314,13 @@ def _probe(fn):
 
 
 def torch_cuda_problem() -> str | None:
-    """Why kernels cannot be built against the installed torch (a CPU-only build), else None. The one
+    """Why kernels cannot run with the installed torch (a CPU-only build), else None. The one
     check behind doctor's torch line; the real-nvcc compile tests skip with its message."""
     import torch
     if torch.version.cuda:
         return None
-    return (f"torch {torch.__version__} is a CPU-only build: kernels include its c10/cuda headers and link "
-            "against its CUDA libraries")
+    return (f"torch {torch.__version__} is a CPU-only build: it cannot make the CUDA tensors, streams and "
+            "workspaces that kernels run on")
 
 
 def cmd_doctor(args) -> int:

@@ -19,3 +19,8 @@ class UnsupportedError(CodaError, NotImplementedError):
 
 class SharedMemoryError(UnsupportedError):
     """A kernel whose buffers cannot fit in a block's shared memory at any config tried (raised before nvcc)."""
+
+
+class KernelError(CodaError, RuntimeError):
+    """A built kernel refused a call (CUTLASS cannot run the problem) or its launch failed; the kernel's
+    message says which op, what and the fix."""

@@ -26,7 +26,7 @@ class Kernel:
     plan: Plan
     key: str  # the specialization key: names the op and, with the toolchain, the cache entry
     source: str  # the .cu
-    op_name: str  # what it registers: torch.ops.coda_dsl.<op_name>
+    op_name: str  # its name in C++ and in its messages: coda_dsl::<op_name>
 
 
 def plan(program: ir.Program, sig: Signature, consts: dict[str, float]) -> tuple[ir.Program, Plan]:

@@ -15,7 +15,7 @@ FAKE_TC = Toolchain(nvcc="/fake/bin/nvcc", cuda_home="/fake", nvcc_version="13.0
 
 def real_toolchain_or_skip() -> Toolchain:
     """The real toolchain for the real-nvcc tests, or a skip with doctor's reason: a missing piece, or
-    a CPU-only torch (whose missing c10/cuda headers would fail the compile)."""
+    a CPU-only torch (the kernels build without torch, but could never run)."""
     try:
         tc = b.toolchain()
     except ToolchainError as e:

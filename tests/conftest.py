@@ -89,11 +89,12 @@ def fake(fake_toolchain, cache_root, monkeypatch):
 
 @pytest.fixture
 def loads(monkeypatch):
-    """torch.ops.load_library replaced by a recorder of the bytes it loads, and a fresh process
-    (nothing loaded or verified yet: the build layer has no public reset, so its memos are swapped)."""
+    """The library loader (builder._dlopen) replaced by a recorder of the bytes it loads, and a fresh
+    process (nothing loaded or verified yet: the build layer has no public reset, so its memos are swapped)."""
     calls = []
-    monkeypatch.setattr(torch.ops, "load_library", lambda p: calls.append(Path(p).read_bytes()))
+    monkeypatch.setattr(builder, "_dlopen", lambda p: calls.append(Path(p).read_bytes()))
     monkeypatch.setattr(builder, "_loaded", {})
+    monkeypatch.setattr(builder, "_handles", {})
     monkeypatch.setattr(cache, "_verified", {})
     return calls
 

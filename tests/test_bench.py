@@ -3,6 +3,8 @@ JSON writer and the chart. The measurements themselves need an sm_90 GPU (tests/
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -17,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ lives at 
 from bench import __main__ as bench_main  # noqa: E402
 from bench import cross_entropy, epilogues, harness, host_overhead, linear_backward  # noqa: E402
 from bench.harness import FLOOR, Row  # noqa: E402
+from build_helpers import FAKE_TC  # noqa: E402
 
 
 def _rows() -> list[Row]:
@@ -210,10 +213,39 @@ def test_failures_are_reported_and_the_rest_measured(fake_gpu, capsys, monkeypat
 
 
 def test_host_overhead_python_only_runs_without_a_gpu(monkeypatch, capsys):
+    from coda_dsl.runtime import kernel
     from coda_dsl.runtime import op as runtime
-    for owner, name in ((runtime.CompiledOp, "load"), (runtime.checks, "require_hopper"), (runtime, "_choose_config")):
+    for owner, name in ((runtime.CompiledOp, "load"), (runtime.checks, "require_hopper"), (runtime, "_choose_config"),
+                        (kernel, "current_stream")):
         monkeypatch.setattr(owner, name, getattr(owner, name))  # restored after the script stubs them
-    monkeypatch.setattr(host_overhead, "per_call_us", lambda fn, n: fn() and 1.0)
+    calls = []
+    monkeypatch.setattr(host_overhead, "per_call_us", lambda fn, n: calls.append(fn()) or 1.0)
     assert host_overhead.main(["--python-only"]) == 0
     out = capsys.readouterr().out
-    assert "| cd.gemm(A, B, epilogue, ...) | 1.0 |" in out and "| CompiledOp(A, B, ...) | 1.0 |" in out
+    for how in ["kernel call stubbed in Python"] + (["ctypes into a no-op library"] if shutil.which("cc") else []):
+        assert f"| cd.gemm(A, B, epilogue, ...) ({how}) | 1.0 |" in out and f"| CompiledOp(A, B, ...) ({how}) | 1.0 |" in out
+    assert all(isinstance(c, dict) and "D" in c for c in calls)  # each timed call returned its outputs
+    runtime.clear()  # its ops hold the stubs
+
+
+def test_build_time_table_without_building(monkeypatch, capsys):
+    """bench.build_time's plan and table, with the builds and the fresh-process load faked: 10 distinct
+    specializations (the 3 representatives first), the serial builds one unit each, then the 3 together."""
+    from bench import build_time
+    from coda_dsl import build
+    triples = build_time.specs(10)
+    assert len({u.key for u in build_time.units(triples)}) == 10
+    assert [ep.split(":")[1] for ep, _, _ in triples[:3]] == ["identity", "bias_gelu", "residual_rms"]
+    with pytest.raises(SystemExit):
+        build_time.specs(len(build_time.REPRESENTATIVES) * len(build_time.VARIANTS) + 1)
+    timed, untimed = [], []
+    monkeypatch.setattr(build_time, "_timed_build", lambda us, jobs: timed.append(len(us)) or 2.5)
+    monkeypatch.setattr(build, "build_units", lambda us, **kw: untimed.append(len(us)))
+    monkeypatch.setattr(build_time, "warm_load", lambda triples, env: (0.25, 0.5))
+    monkeypatch.setattr(build, "toolchain", lambda: FAKE_TC)
+    before = os.environ.get("CODA_DSL_CACHE")
+    assert build_time.main([]) == 0
+    assert os.environ.get("CODA_DSL_CACHE") == before  # main pointed it at its temporary caches, then back
+    out = capsys.readouterr().out
+    assert timed == [1, 1, 1, 3] and untimed == [7]
+    assert "| cold build, alone: bias_gelu | 2.5 |" in out and "| fresh process: import + load 10 | 0.75 |" in out

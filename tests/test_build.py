@@ -339,11 +339,11 @@ def test_build_error_format_real_nvcc(cache_root):
 TINY_TU = r"""
 #include <cutlass/cutlass.h>
 #include <cute/tensor.hpp>
-#include <torch/library.h>
-#include <ATen/core/Tensor.h>
+#include "coda_dsl/abi.h"
 __global__ void coda_tiny(float* x) { x[threadIdx.x] *= 2.f; }
-static at::Tensor tiny(const at::Tensor& x) { return x; }
-TORCH_LIBRARY_FRAGMENT(coda_dsl_test, m) { m.def("tiny(Tensor x) -> Tensor", &tiny); }
+extern "C" int coda_tiny_launch(float* x, void* stream, char* message, int64_t message_size) {
+  return coda::guarded(message, message_size, [&] { coda_tiny<<<1, 32, 0, static_cast<cudaStream_t>(stream)>>>(x); });
+}
 """
 
 

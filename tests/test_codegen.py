@@ -77,17 +77,20 @@ def test_visitor_nodes_and_edges(make_plan, which):
 
 
 @pytest.mark.parametrize("which", sorted(EPILOGUES))
-def test_build_and_registration_text(make_plan, which):
+def test_build_and_entry_point_text(make_plan, which):
     ep, consts = EPILOGUES[which]
     plan, src = emit(make_plan, ep, consts)
     assert "-gencode" not in src  # flags belong to the build, not the source
-    assert "TORCH_LIBRARY_FRAGMENT(coda_dsl, m)" in src
-    assert f'm.def("{op_name(KEY)}(Tensor a, Tensor b' in src
-    assert f'm.impl("{op_name(KEY)}", &{op_name(KEY)}_ns::run)' in src
+    # the library's two extern "C" functions (csrc/coda_dsl/abi.h), both through the one run()
+    assert src.count('extern "C" int coda_workspace_size(') == 1 and src.count('extern "C" int coda_launch(') == 1
+    assert src.count(f"{op_name(KEY)}_ns::run(coda::Call(args, ") == 2
     assert f"Specialization key: {KEY}" in src
     assert f"epilogue {plan.name}" in src and ep.source in src
-    assert f"inputs.size() == {len(plan.inputs)} && outputs.size() == {len(plan.outputs)}" in src
-    assert f"scalar_values.size() == {len(plan.scalars)}" in src
+    first_input = 3 if plan.d_dtype else 2  # A, B, then D if the kernel stores one
+    assert (f"constexpr int n_inputs = {len(plan.inputs)}, n_outputs = {len(plan.outputs)}, "
+            f"first_input = {first_input};") in src
+    assert f"call.n_scalars != {len(plan.scalars)}" in src
+    assert ("coda::TensorRef d(call.tensors + 2);" in src) == bool(plan.d_dtype)
     assert '#include "coda_dsl/evt.h"' in src
 
 
@@ -127,7 +130,7 @@ def test_scalars_struct_and_binding(make_plan):
     # fields by position (names never reach C++ or the key); the user's names stay as comments
     assert scalars_struct(src) == ["s0", "s1"] and plan.scalars == ["alpha", "beta"]
     assert "float s0;  // alpha" in src and "float s1;  // beta" in src
-    assert "Scalars scalars{ float(scalar_values[0]), float(scalar_values[1]) };" in src
+    assert "Scalars scalars{ float(call.scalars[0]), float(call.scalars[1]) };" in src
     assert re.search(r"\bp\.s0\b", src) and re.search(r"\bp\.s1\b", src)
     _, src0 = emit(make_plan, bias_gelu)
     assert scalars_struct(src0) == [] and "Scalars scalars{  };" in src0
@@ -226,7 +229,7 @@ def test_scheduler_options(make_plan):
     assert "args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::AlongM;" in src
     assert "args.scheduler.max_swizzle_size = 2;" in src
     assert "CollectiveEpilogue,\n" in src and "cutlass::gemm::StreamKScheduler>;" in src
-    assert "coda::launch<Gemm, true>(args, a, op_name);" in src  # stream-K's flags are zeroed per launch
+    assert "coda::launch<Gemm, true>(args, gemm_ws, gemm_ws_size, call, op_name);" in src  # stream-K: flags zeroed per launch
     _, along_n = emit(make_plan, bias_gelu, config=Config(raster="n", swizzle=1))
     assert "RasterOrderOptions::AlongN;" in along_n and "max_swizzle_size = 1;" in along_n
     assert "StreamKScheduler" not in along_n and "coda::launch<Gemm>(" in along_n

@@ -427,6 +427,43 @@ def test_cuda_graph_capture_and_replay(kernels):
             assert _rel(out[name], ref[name]) <= 1e-2
 
 
+@pytest.mark.parametrize("config", [None, "128x256x64_c2x1_cooperative_rm_s4_streamk"], ids=["deterministic", "streamk"])
+def test_cuda_graph_capture_with_a_workspace(kernels, config):
+    """Kernels whose calls need a workspace from torch's caching allocator (deterministic partials; stream-K's
+    flags, zeroed per launch) and fill outputs before the GEMM (atomic reductions, with stream-K): captured and
+    replayed."""
+    opts = dict(deterministic=True) if config is None else dict(config=config)
+    a, b = _ab(384, 520, 128, torch.bfloat16, "nk")
+    residual = _rand(384, 520)
+    cd.gemm(a, b, row_stats, residual=residual, **opts)  # warm: build/load and the workspace size, outside capture
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(g):
+        out = cd.gemm(a, b, row_stats, residual=residual, **opts)
+    torch.cuda.current_stream().wait_stream(s)
+    for _ in range(2):
+        a.copy_(_rand(384, 128)); residual.copy_(_rand(384, 520))
+        g.replay()
+        torch.cuda.synchronize()
+        ref = cd.gemm(a, b, row_stats, residual=residual, backend="reference")
+        for name in ref:
+            assert _rel(out[name], ref[name]) <= _tol(ref[name]), name
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_call_on_a_device_that_is_not_current(kernels):
+    """The launcher makes A's device current for its launches and restores the caller's."""
+    with torch.cuda.device(0):
+        a, b = (t.to("cuda:1") for t in _ab(256, 264, 128, torch.bfloat16, "nk"))
+        residual = _rand(256, 264).to("cuda:1")
+        got = cd.gemm(a, b, row_stats, residual=residual)
+        assert torch.cuda.current_device() == 0
+    ref = cd.gemm(a, b, row_stats, residual=residual, backend="reference")
+    for name in ref:
+        assert got[name].device == a.device and _rel(got[name], ref[name]) <= _tol(ref[name]), name
+
+
 def test_torch_compile_fullgraph(kernels):
     a, b = _ab(256, 264, 128, torch.bfloat16, "nk")
     residual, gamma = _rand(256, 264), _rand(264)

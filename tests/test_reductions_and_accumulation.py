@@ -53,7 +53,8 @@ def test_deterministic_lowering_uses_partials_and_a_finishing_kernel(make_plan):
         assert len(reds) == 2 and all(r.finish is not None for r in reds)
         for r in reds:
             assert ("atomic" in cpp(r).type) == expect_atomic
-            assert ("fill_" in cpp(r).init) == expect_atomic  # atomics need the identity, partials don't
+            assert ("coda::fill(" in cpp(r).fill) == expect_atomic  # atomics need the identity, partials don't
+            assert ("ws.floats(" in cpp(r).init) != expect_atomic  # partials live in the workspace
             assert "coda::finish<" in cpp(r).finish
 
 
@@ -127,7 +128,7 @@ def test_reduction_identities_atomics_and_strides(make_plan):
     """Atomic mode: each output is filled with its kind's identity, combined with its kind's atomic, and
     addressed per row ([M], axis n) or per column ([N], axis m)."""
     red = {n.kind: n for n in make_plan(extremes).nodes if isinstance(n, Reduction)}
-    assert "fill_(-INFINITY)" in cpp(red["max"]).init and "fill_(INFINITY)" in cpp(red["min"]).init
+    assert ", -INFINITY, call, op_name);" in cpp(red["max"]).fill and ", INFINITY, call, op_name);" in cpp(red["min"]).fill
     assert "cutlass::atomic_maximum" in cpp(red["max"]).type and "coda::atomic_minimum" in cpp(red["min"]).type
     assert "{cute::_1{}, cute::_0{}, int64_t(M)}" in cpp(red["sum"]).args
     assert "{cute::_0{}, cute::_1{}, int64_t(N)}" in cpp(red["min"]).args

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import dataclasses
 import fcntl
 import os
@@ -28,7 +29,7 @@ from .tools import Toolchain, compile_command, link_command, ninja_binary, toolc
 class BuildUnit:
     key: str     # specialization key (cache.specialization_key); the entry is under its build key
     source: str  # full .cu text
-    op_name: str = ""  # the TORCH_LIBRARY op the .so registers; informational here
+    op_name: str = ""  # the kernel's name in its messages (coda_dsl::<op_name>); informational here
 
     @property
     def label(self) -> str:
@@ -189,7 +190,7 @@ def _build(units: list[BuildUnit], tc: Toolchain, compile_only: bool, jobs: int 
         jobs = jobs or _default_jobs(len(units))
         n = len(units)
         what = f"{n} kernel specialization{'s' if n > 1 else ''}"
-        est = 45 if _cpus() >= 8 else 75
+        est = 30 if _cpus() >= 8 else 45  # kernels without torch headers (bench/results/build_phases.md)
         log(f"coda_dsl: {'compile-checking' if compile_only else 'building'} {what} with nvcc "
             f"(≈{est} s each on {_cpus()} cores, -j {jobs}) ...")
         t0 = time.monotonic()
@@ -247,12 +248,19 @@ def build_units(units: list[BuildUnit], *, compile_only: bool = False, jobs: int
 
 
 _loaded: dict[str, Path] = {}
+_handles: dict[str, ctypes.CDLL] = {}
 _load_lock = threading.Lock()
 
 
+def _dlopen(path: Path) -> ctypes.CDLL:
+    """Open a kernel library (its symbols stay local to it). A PyDLL: calls into it hold the GIL, as a
+    launch is short, and the caller's message buffer is then never shared between threads."""
+    return ctypes.PyDLL(str(path))
+
+
 def load_library(unit: BuildUnit, log=print) -> Path:
-    """Memory -> disk cache (its content hash checked once per process) -> build; then load the .so into
-    torch once per process. A .so that fails to load is rebuilt once."""
+    """Memory -> disk cache (its content hash checked once per process) -> build; then open the .so
+    once per process (library() hands it out). A .so that fails to load is rebuilt once."""
     so = _loaded.get(unit.key)
     if so is not None:
         return so
@@ -260,19 +268,25 @@ def load_library(unit: BuildUnit, log=print) -> Path:
     so = check_output(bkey)[0] or build_units([unit], log=log)[0]
     with _load_lock:
         if unit.key not in _loaded:
-            import torch
             try:
-                torch.ops.load_library(str(so))
+                handle = _dlopen(so)
             except OSError as e:
                 log(f"coda_dsl: warning: cannot load {so} ({e}): rebuilding it")
                 with key_locks([bkey]):
                     invalidate(bkey)
                 so = build_units([unit], log=log)[0]
                 try:
-                    torch.ops.load_library(str(so))
+                    handle = _dlopen(so)
                 except OSError as e2:
                     raise KernelLoadError(f"cannot load the kernel library {so}, even rebuilt: {e2}\n"
-                                          "  fix: run `coda-dsl doctor` (a torch or CUDA install that differs "
+                                          "  fix: run `coda-dsl doctor` (a CUDA install that differs "
                                           "from the one it was built with?)") from None
+            _handles[unit.key] = handle
             _loaded[unit.key] = so
     return _loaded[unit.key]
+
+
+def library(unit: BuildUnit, log=print) -> ctypes.CDLL:
+    """The opened kernel library of `unit` (load_library() first: built or found, opened once)."""
+    load_library(unit, log)
+    return _handles[unit.key]

@@ -31,7 +31,7 @@ from ..errors import CodaError
 from .paths import csrc_dir, templates_dir
 from .tools import ARCH, toolchain
 
-CODEGEN_VERSION = "1"  # bump when build flags change in a way the key can't see
+CODEGEN_VERSION = "2"  # 2: kernels link no torch library  # bump when build flags change in a way the key can't see
 KEY_RE = re.compile(r"^[0-9a-f]{24}$")
 META = "meta.json"
 WAIT_NOTICE_S = 3.0  # a process waiting on another's build lock says so after this long

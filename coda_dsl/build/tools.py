@@ -142,15 +142,6 @@ def ninja_binary() -> str:
     return found
 
 
-def _torch_dirs() -> tuple[list[str], str]:
-    """(include dirs, lib dir) of torch. Derived from the package itself rather than
-    torch.utils.cpp_extension, whose CUDA_HOME guess can be wrong (e.g. /usr/local)."""
-    import torch
-    root = Path(torch.__file__).resolve().parent
-    return [str(root / "include"), str(root / "include" / "torch" / "csrc" / "api" / "include")], \
-        str(root / "lib")
-
-
 def _libcuda_args(cuda_home: str) -> list[str]:
     """libcuda for kernels that call the driver API (atomic EVT reductions fill their workspace with
     cuMemsetD32Async). Toolkit stubs when present, else the driver's own library, else nothing:
@@ -166,26 +157,22 @@ def _libcuda_args(cuda_home: str) -> list[str]:
 
 
 def compile_command(tc: Toolchain) -> list[str]:
-    """nvcc `.cu -> .o` command without the input/output arguments.
-    C++20, not 17: torch >= 2.14 headers #error below C++20, and nvcc 13 in C++17 mode rejects
-    ATen's List_inl.h on older torch too (torch's own cpp_extension switched to C++20).
-    CUTLASS 4.2 Hopper GEMMs build the same in C++20 (checked on the EVT probe)."""
-    import torch
-    torch_inc, _ = _torch_dirs()
-    includes = [*tc.cutlass_include, tc.csrc_include, *torch_inc, str(Path(tc.cuda_home) / "include")]
+    """nvcc `.cu -> .o` command without the input/output arguments. A kernel's translation unit
+    includes CUTLASS and csrc/ only, no torch header (its interface is plain data: abi.h).
+    C++20, as torch's own cpp_extension uses; CUTLASS 4.2 Hopper GEMMs build the same in C++20
+    (checked on the EVT probe)."""
+    includes = [*tc.cutlass_include, tc.csrc_include, str(Path(tc.cuda_home) / "include")]
     return [tc.nvcc, "-std=c++20", "-O3", "-DNDEBUG", "-gencode=arch=compute_90a,code=sm_90a",
             "--expt-relaxed-constexpr", "-ftemplate-backtrace-limit=0",
             "-Xcudafe", "--diag_suppress=esa_on_defaulted_function_ignored",
             "-Xcudafe", "--diag_suppress=2908",  # C++20 deprecates CUTLASS's implicit `this` captures
             "-Xcompiler", "-fPIC",
-            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
             *(f"-I{d}" for d in includes)]
 
 
 def link_command(tc: Toolchain) -> tuple[list[str], list[str]]:
-    """(linker, flags after `-shared <obj> -o <so>`)."""
-    _, torch_lib = _torch_dirs()
+    """(linker, flags after `-shared <obj> -o <so>`): the CUDA runtime (the one torch has loaded, by
+    its soname) and the driver API, nothing of torch."""
     cuda_lib = str(Path(tc.cuda_home) / "lib64")
-    flags = [f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-lc10_cuda", "-ltorch", "-ltorch_cpu",
-             "-ltorch_cuda", f"-L{cuda_lib}", "-lcudart", *_libcuda_args(tc.cuda_home)]
+    flags = [f"-L{cuda_lib}", "-lcudart", *_libcuda_args(tc.cuda_home)]
     return shlex.split(os.environ.get("CXX", "c++")), flags

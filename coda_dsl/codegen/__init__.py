@@ -25,7 +25,7 @@ def _environment() -> jinja2.Environment:
 
 
 def op_name(key: str) -> str:
-    """The torch op a specialization registers: torch.ops.coda_dsl.<op_name>."""
+    """A specialization's name: its C++ namespace and, as coda_dsl::<op_name>, its messages."""
     return f"k{key[:20]}"
 
 

@@ -1,5 +1,6 @@
 """The C++ of each visitor node of a plan (passes/plan.py holds them as data): its type, its
-Arguments initializer, and the host code before and after the launch. One function per node kind,
+Arguments initializer, and the host code before and after the launch (on coda::Tensor views of the
+caller's tensors: csrc/coda_dsl/abi.h). One function per node kind,
 found by the node's class."""
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ class CppNode:
     comment: str
     type: str  # the C++ type of the node
     args: str  # its Arguments initializer
-    init: str  # host code before the launch ("" for none)
+    init: str  # host code before the launch, a size query too: workspace buffers ("" for none)
+    fill: str  # device work before the GEMM: outputs set to a start value ("" for none)
     finish: str  # host code after the launch ("" for none)
 
 
@@ -83,19 +85,22 @@ def _reduction_args(r: p.Reduction) -> str:
     axis = "n" if r.axis is None and r.deterministic else r.axis
     stride, batch = {"n": ("cute::_1{}, cute::_0{}", "M"), "m": ("cute::_0{}, cute::_1{}", "N"),
                      None: ("cute::_0{}, cute::_0{}", "1")}[axis]
-    ptr = f"{_partials(r)}.data_ptr<float>()" if r.deterministic else f"outputs[{r.output_index}].data_ptr<float>()"
+    ptr = _partials(r) if r.deterministic else f"outputs[{r.output_index}].data_ptr<float>()"
     return f"{{{ptr}, {identity(r)}, {{{stride}, int64_t({batch})}}}}"
 
 
-def _reduction_init(r: p.Reduction) -> str:
-    """Before the launch: atomics accumulate into the output, so fill it with the identity;
-    deterministic mode gets a buffer for the per-tile partials instead."""
+def _reduction_init(r: p.Reduction) -> tuple[str, str]:
+    """(init, fill) before the launch: atomics accumulate into the output, so fill it with the identity;
+    deterministic mode gets a workspace buffer for the per-tile partials instead."""
     if not r.deterministic:
-        return f"outputs[{r.output_index}].fill_({identity(r)});"
+        return "", _fill(r.output_index, identity(r))
     q = _partials(r)
     return (f"auto {q}_shape = coda::partials<TileShape>(M, N, {'false' if r.axis == 'm' else 'true'});\n"
-            f"  at::Tensor {q} = at::empty({{int64_t(L) * {q}_shape.tiles * {q}_shape.rows_padded}}, "
-            "a.options().dtype(at::kFloat));")
+            f"  float* {q} = ws.floats(int64_t(L) * {q}_shape.tiles * {q}_shape.rows_padded);"), ""
+
+
+def _fill(output_index: int, value: str) -> str:
+    return f"coda::fill(outputs[{output_index}], {value}, call, op_name);"
 
 
 def _reduction_finish(r: p.Reduction) -> str:
@@ -106,51 +111,52 @@ def _reduction_finish(r: p.Reduction) -> str:
     if r.deterministic:
         q = _partials(r)
         shape = f"{q}_shape.rows, {q}_shape.rows_padded, {q}_shape.tiles, L, {str(r.axis is None).lower()}"
-        src = f"{q}.data_ptr<float>()"
+        src = q
     else:  # in place on the atomically reduced output
         rows = {"n": "M", "m": "N", None: "1"}[r.axis]
         shape, src = f"{rows}, {rows}, 1, L, false", out
     return (f"coda::finish<{_FINISH_COMBINE[r.kind]}, {_finish_fn(r)}>({src}, {out}, {shape}, {identity(r)}, "
-            "scalars, op_name);")
+            "scalars, call, op_name);")
 
 
-def _logsumexp(r: p.LogSumExp) -> tuple[str, str, str, str]:
+def _logsumexp(r: p.LogSumExp) -> tuple[str, str, str, str, str]:
     """cd.logsumexp: always per-tile partials (max, sum of exp), combined by the finishing kernel."""
     q = _partials(r)
     init = (f"auto {q}_shape = coda::partials<TileShape>(M, N, true);\n"
-            f"  at::Tensor {q} = at::empty({{2 * {q}_shape.size(L)}}, a.options().dtype(at::kFloat));")
-    finish = (f"coda::finish_logsumexp<{_finish_fn(r)}>({q}.data_ptr<float>(), "
-              f"outputs[{r.output_index}].data_ptr<float>(), {q}_shape, L, scalars, op_name);")
-    return "coda::RowLogSumExp<TileShape>", f"{{{q}.data_ptr<float>()}}", init, finish
+            f"  float* {q} = ws.floats(2 * {q}_shape.size(L));")
+    finish = (f"coda::finish_logsumexp<{_finish_fn(r)}>({q}, outputs[{r.output_index}].data_ptr<float>(), "
+              f"{q}_shape, L, scalars, call, op_name);")
+    return "coda::RowLogSumExp<TileShape>", f"{{{q}}}", init, "", finish
 
 
-def _take(r: p.Take) -> tuple[str, str, str, str]:
+def _take(r: p.Take) -> tuple[str, str, str, str, str]:
     """cd.take: the output is zeroed first (rows whose index is outside [0, N) keep the 0)."""
     args = f"coda::take_args<{r.name}>(inputs[{r.index_input}], outputs[{r.output_index}])"
-    return "coda::RowTake", args, f"outputs[{r.output_index}].zero_();", _reduction_finish(r)
+    return "coda::RowTake", args, "", _fill(r.output_index, "0.f"), _reduction_finish(r)
 
 
-def _spell(n: p.EvtNode) -> tuple[str, str, str, str]:
-    """(type, args, init, finish) of a visitor node."""
+def _spell(n: p.EvtNode) -> tuple[str, str, str, str, str]:
+    """(type, args, init, fill, finish) of a visitor node."""
     kind = type(n)
     if kind in _BROADCAST:
         fmt, helper = _BROADCAST[kind]
-        return fmt.format(e=cpp_element(n.dtype), part=getattr(n, "part", None)), f"coda::{helper}<{n.name}>(inputs[{n.input_index}])", "", ""
+        return (fmt.format(e=cpp_element(n.dtype), part=getattr(n, "part", None)),
+                f"coda::{helper}<{n.name}>(inputs[{n.input_index}])", "", "", "")
     if kind in _STORE:
         fmt, helper = _STORE[kind]
-        return fmt.format(e=cpp_element(n.dtype)), f"coda::{helper}<{n.name}>(outputs[{n.output_index}])", "", ""
+        return fmt.format(e=cpp_element(n.dtype)), f"coda::{helper}<{n.name}>(outputs[{n.output_index}])", "", "", ""
     if kind is p.AccFetch:
-        return "fusion::Sm90AccFetch", "{}", "", ""
+        return "fusion::Sm90AccFetch", "{}", "", "", ""
     if kind is p.SrcFetch:
-        return "fusion::Sm90SrcFetch<ElementD>", "{}", "", ""
+        return "fusion::Sm90SrcFetch<ElementD>", "{}", "", "", ""
     if kind is p.Compute:
-        return f"fusion::Sm90Compute<{n.functor.name}, float, float, {ROUND}>", "scalars", "", ""
+        return f"fusion::Sm90Compute<{n.functor.name}, float, float, {ROUND}>", "scalars", "", "", ""
     if kind is p.LogSumExp:
         return _logsumexp(n)
     if kind is p.Take:
         return _take(n)
     if kind is p.Reduction:
-        return _reduction_type(n), _reduction_args(n), _reduction_init(n), _reduction_finish(n)
+        return _reduction_type(n), _reduction_args(n), *_reduction_init(n), _reduction_finish(n)
     raise TypeError(f"no C++ for visitor node {kind.__name__}")
 
 

@@ -18,6 +18,7 @@ from ..passes import accumulate_into_d, specialize
 from ..passes.widths import load_widths
 from ..passes.plan import Config, Signature
 from . import checks, reference, tune as tuning
+from .kernel import Kernel
 from .torch_op import register_eager, traced_gemm
 
 BACKENDS = ("auto", "cutlass", "reference")
@@ -253,8 +254,7 @@ class CompiledOp:
     def load(self) -> "CompiledOp":
         """Build (or find in the cache) and load the kernel library."""
         if self._op is None:
-            build.load_library(self.unit)
-            self._op = getattr(torch.ops.coda_dsl, self.op_name).default
+            self._op = Kernel(build.library(self.unit))
         return self
 
     def check_widths(self, call: Call) -> None:
@@ -337,7 +337,7 @@ class CompiledOp:
         self.check_out(call, _fold_batch_out(out, call))
 
     def __repr__(self) -> str:
-        return f"<CompiledOp {self.epilogue.name} key={self.key} op=torch.ops.coda_dsl.{self.op_name}>"
+        return f"<CompiledOp {self.epilogue.name} key={self.key} op=coda_dsl::{self.op_name}>"
 
 
 _SHAPES = {"mn": lambda lead, m, n: (*lead, m, n), "mh": lambda lead, m, n: (*lead, m, n // 2),

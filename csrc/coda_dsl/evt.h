@@ -1,16 +1,11 @@
 // Helpers the generated kernels include: node aliases CUTLASS spells awkwardly, Arguments built
-// from torch tensors, and the launch path (no per-call device queries, workspace from torch's allocator).
+// from the caller's tensors (abi.h), and the launch path (no per-call device queries; the workspace
+// comes from the caller, who allocates it with torch's caching allocator).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
-
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <c10/util/Exception.h>
 
 #include "cutlass/cutlass.h"
 #include "cute/tensor.hpp"
@@ -20,6 +15,7 @@
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 
+#include "coda_dsl/abi.h"
 #include "coda_dsl/functional.h"
 
 namespace coda {
@@ -50,7 +46,7 @@ template <class EpiDesc, class Element>
 using AuxStoreFor = typename AuxStoreFor_<EpiDesc, Element>::type;
 
 // Batch stride of a 2-D / 3-D operand; unbatched, the span of the matrix (TMA wants a sane one).
-inline int64_t batch_stride(at::Tensor const& t) {
+inline int64_t batch_stride(TensorRef const& t) {
   if (t.dim() == 3) return t.stride(0);
   return std::max(t.size(0) * t.stride(0), t.size(1) * t.stride(1));
 }
@@ -60,40 +56,40 @@ template <class Ptr>
 using pointee_t = std::remove_cv_t<std::remove_pointer_t<Ptr>>;
 
 template <class Node>
-typename Node::Arguments aux_load_args(at::Tensor const& t) {
+typename Node::Arguments aux_load_args(TensorRef const& t) {
   using E = pointee_t<decltype(typename Node::Arguments{}.ptr_aux)>;
   return {reinterpret_cast<E const*>(t.data_ptr()), E(0), {t.stride(-2), cute::_1{}, batch_stride(t)}};
 }
 
 template <class Node>
-typename Node::Arguments aux_store_args(at::Tensor const& t) {
+typename Node::Arguments aux_store_args(TensorRef const& t) {
   using E = pointee_t<decltype(typename Node::Arguments{}.ptr_aux)>;
   return {reinterpret_cast<E*>(t.data_ptr()), {t.stride(-2), cute::_1{}, batch_stride(t)}};
 }
 
 // Vectors: [N] / [M] shared by every batch, or [L, N] / [L, M] one per batch.
 template <class Node>
-typename Node::Arguments vec_n_args(at::Tensor const& t) {
+typename Node::Arguments vec_n_args(TensorRef const& t) {
   using E = pointee_t<decltype(typename Node::Arguments{}.ptr_row)>;
   return {reinterpret_cast<E const*>(t.data_ptr()), E(0), {cute::_0{}, cute::_1{}, t.dim() == 2 ? t.stride(0) : 0}};
 }
 
 template <class Node>
-typename Node::Arguments vec_m_args(at::Tensor const& t) {
+typename Node::Arguments vec_m_args(TensorRef const& t) {
   using E = pointee_t<decltype(typename Node::Arguments{}.ptr_col)>;
   return {reinterpret_cast<E const*>(t.data_ptr()), E(0), {cute::_1{}, cute::_0{}, t.dim() == 2 ? t.stride(0) : 0}};
 }
 
 // [M, N/2] operands and outputs of pairwise epilogues (coda::PairLoad / PairStore in pairs.h).
 template <class Node>
-typename Node::Arguments pair_args(at::Tensor const& t) {
+typename Node::Arguments pair_args(TensorRef const& t) {
   using Ptr = decltype(typename Node::Arguments{}.ptr);
   return {reinterpret_cast<Ptr>(t.data_ptr()), t.stride(-2), batch_stride(t)};
 }
 
 // cd.take (coda::RowTake in rows.h): the int64 column index and the fp32 output, [M] or [L, M].
 template <class Node>
-typename Node::Arguments take_args(at::Tensor const& index, at::Tensor const& out) {
+typename Node::Arguments take_args(TensorRef const& index, TensorRef const& out) {
   return {index.data_ptr<int64_t>(), out.data_ptr<float>(), index.dim() == 2 ? index.stride(0) : 0,
           out.dim() == 2 ? out.stride(0) : 0};
 }
@@ -111,51 +107,46 @@ Stride make_stride(int64_t s0, int64_t s1, int64_t s2) {
   return s;
 }
 
-// The launch path of a GEMM: argument check, workspace from torch's caching allocator (safe under
-// CUDA graph capture), shared-memory attribute set once per device, launch on the current stream.
-template <class Gemm, bool ZeroWorkspace = false>
-void launch(typename Gemm::Arguments& args, at::Tensor const& like, char const* op_name) {
+// Before a GEMM's launch, in a size query too: shared-memory attribute and SM count set once per
+// device, the problem checked (CUTLASS's can_implement, with a clear message), the workspace size.
+template <class Gemm>
+size_t prepare(typename Gemm::Arguments& args, Call const& call, char const* op_name) {
   using Kernel = typename Gemm::GemmKernel;
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(like.get_device()).stream();
-
   static int sm_count[64] = {};
-  int device = like.get_device();
-  TORCH_CHECK(device >= 0 && device < 64, op_name, ": unsupported device index ", device);
+  int device = call.device;
+  if (device < 0 || device >= 64) fail(op_name, ": unsupported device index ", std::to_string(device));
   if (sm_count[device] == 0) {
     sm_count[device] = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device);
     int smem = Kernel::SharedStorageSize;
-    if (smem >= (48 << 10)) {
-      cudaError_t e = cudaFuncSetAttribute(cutlass::device_kernel<Kernel>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      TORCH_CHECK(e == cudaSuccess, op_name, ": cudaFuncSetAttribute failed: ", cudaGetErrorString(e));
+    if (smem >= (48 << 10)) {  // on the current device: the caller's DeviceGuard made it `device`
+      check_cuda(cudaFuncSetAttribute(cutlass::device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      smem), op_name, "cudaFuncSetAttribute");
     }
   }
   args.hw_info = cutlass::KernelHardwareInfo{device, sm_count[device]};
 
   cutlass::Status status = Gemm::can_implement(args);
-  TORCH_CHECK(status == cutlass::Status::kSuccess, op_name, ": CUTLASS cannot run this problem (",
-              cutlassGetStatusString(status), "); check operand alignment (16 bytes) and shapes");
+  if (status != cutlass::Status::kSuccess)
+    fail(op_name, ": CUTLASS cannot run this problem (", cutlassGetStatusString(status),
+         "); check operand alignment (16 bytes) and shapes");
+  return Gemm::get_workspace_size(args);
+}
 
-  size_t ws_size = Gemm::get_workspace_size(args);
-  at::Tensor workspace;
-  void* ws = nullptr;
-  if (ws_size > 0) {
-    workspace = at::empty({int64_t(ws_size)}, like.options().dtype(at::kByte));
-    ws = workspace.data_ptr();
-  }
+// The launch of a prepared GEMM on the caller's stream, with its workspace (`ws_size` bytes at `ws`).
+template <class Gemm, bool ZeroWorkspace = false>
+void launch(typename Gemm::Arguments& args, void* ws, size_t ws_size, Call const& call, char const* op_name) {
+  using Kernel = typename Gemm::GemmKernel;
   if constexpr (ZeroWorkspace) {
     // Stream-K's tile flags must start at zero. Zeroing the whole workspace (flags and partials) with the
     // runtime API, rather than Kernel::initialize_workspace, keeps the epilogue's own workspace set-up
     // (driver-API fills for reductions, which coda does itself) out of the binary.
-    if (ws_size > 0) {
-      cudaError_t e = cudaMemsetAsync(ws, 0, ws_size, stream);
-      TORCH_CHECK(e == cudaSuccess, op_name, ": workspace memset failed: ", cudaGetErrorString(e));
-    }
+    if (ws_size > 0) check_cuda(cudaMemsetAsync(ws, 0, ws_size, call.stream), op_name, "workspace memset");
   }
   auto params = Kernel::to_underlying_arguments(args, ws);
-  status = Gemm::run(params, stream);
-  TORCH_CHECK(status == cutlass::Status::kSuccess, op_name, ": kernel launch failed (",
-              cutlassGetStatusString(status), "): ", cudaGetErrorString(cudaGetLastError()));
+  cutlass::Status status = Gemm::run(params, call.stream);
+  if (status != cutlass::Status::kSuccess)
+    fail(op_name, ": kernel launch failed (", cutlassGetStatusString(status), "): ",
+         cudaGetErrorString(cudaGetLastError()));
 }
 
 }  // namespace coda

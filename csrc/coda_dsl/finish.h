@@ -4,11 +4,9 @@
 
 #include <cstdint>
 
-#include <c10/cuda/CUDAStream.h>
-#include <c10/util/Exception.h>
-
 #include "cutlass/cutlass.h"
 #include "cute/tensor.hpp"
+#include "coda_dsl/abi.h"
 #include "coda_dsl/functional.h"
 
 namespace coda {
@@ -56,8 +54,8 @@ __global__ void finish_total(float const* partial, float* out, int rows, int64_t
 
 template <class Combine, class Fn, class Args>
 void finish(float const* partial, float* out, int rows, int64_t rows_padded, int tiles, int L, bool total,
-            float identity, Args const& args, char const* op_name) {
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+            float identity, Args const& args, Call const& call, char const* op_name) {
+  cudaStream_t stream = call.stream;
   if (L == 0 || (!total && rows == 0)) return;
   if (total) {
     finish_total<Combine, Fn, Args><<<L, 256, 0, stream>>>(partial, out, rows, rows_padded, tiles, identity, args);
@@ -66,8 +64,25 @@ void finish(float const* partial, float* out, int rows, int64_t rows_padded, int
     finish_rows<Combine, Fn, Args><<<int((n + 255) / 256), 256, 0, stream>>>(partial, out, rows, rows_padded, tiles,
                                                                              L, identity, args);
   }
-  cudaError_t e = cudaGetLastError();
-  TORCH_CHECK(e == cudaSuccess, op_name, ": finishing kernel failed: ", cudaGetErrorString(e));
+  check_cuda(cudaGetLastError(), op_name, "finishing kernel");
+}
+
+// Every element of an fp32 output of up to two dimensions (strides of the caller's tensor) set to
+// `value`, before the GEMM: the identity atomic reductions start from, the 0 of cd.take's rows.
+__global__ void fill_rows(float* out, int64_t rows, int64_t cols, int64_t row_stride, int64_t col_stride,
+                          float value) {
+  int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < rows * cols) out[(i / cols) * row_stride + (i % cols) * col_stride] = value;
+}
+
+inline void fill(TensorRef const& out, float value, Call const& call, char const* op_name) {
+  int64_t rows = out.dim() == 2 ? out.size(0) : 1, cols = out.dim() >= 1 ? out.size(-1) : 1;
+  int64_t n = rows * cols;
+  if (n == 0) return;
+  fill_rows<<<int((n + 255) / 256), 256, 0, call.stream>>>(out.data_ptr<float>(), rows, cols,
+                                                           out.dim() == 2 ? out.stride(0) : 0,
+                                                           out.dim() >= 1 ? out.stride(-1) : 0, value);
+  check_cuda(cudaGetLastError(), op_name, "fill kernel");
 }
 
 // Layout of per-tile partials (CUTLASS's FinalReduction=false, and RowLogSumExp's): [L, tiles,
@@ -103,13 +118,13 @@ __global__ void finish_logsumexp_rows(float const* partial, float* out, Partials
 }
 
 template <class Fn, class Args>
-void finish_logsumexp(float const* partial, float* out, Partials p, int L, Args const& args, char const* op_name) {
+void finish_logsumexp(float const* partial, float* out, Partials p, int L, Args const& args, Call const& call,
+                      char const* op_name) {
   int64_t n = int64_t(p.rows) * L;
   if (n == 0) return;
-  finish_logsumexp_rows<Fn, Args><<<int((n + 255) / 256), 256, 0, c10::cuda::getCurrentCUDAStream().stream()>>>(
+  finish_logsumexp_rows<Fn, Args><<<int((n + 255) / 256), 256, 0, call.stream>>>(
       partial, out, p, L, args);
-  cudaError_t e = cudaGetLastError();
-  TORCH_CHECK(e == cudaSuccess, op_name, ": finishing kernel failed: ", cudaGetErrorString(e));
+  check_cuda(cudaGetLastError(), op_name, "finishing kernel");
 }
 
 }  // namespace coda

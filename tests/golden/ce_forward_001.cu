@@ -2,10 +2,8 @@
 // Epilogue `ce_forward_logits` (cross_entropy.py:51)
 // GEMM: A [(L,) M, K] bf16 row-major, B [N, K] bf16 K-contiguous (nn.Linear weight), fp32 accumulation
 // Config: tile 128x256x64, cluster 2x1, cooperative, swizzle 8
-// Specialization key: 0a92b0ec3f094f6c99a9a754
-#include <optional>
-#include <torch/library.h>
-
+// Specialization key: 6286e89f83357235f95435e5
+// No torch header: the torch side (checks, outputs, stream, workspace) is coda_dsl/runtime/kernel.py.
 #include "coda_dsl/evt.h"
 #include "coda_dsl/finish.h"
 #include "coda_dsl/pairs.h"
@@ -13,7 +11,7 @@
 
 // A namespace unique to this specialization (not an anonymous one: nvcc's host stubs for the
 // finishing kernels cannot name anonymous-namespace types).
-namespace k0a92b0ec3f094f6c99a9_ns {
+namespace k6286e89f83357235f954_ns {
 
 using namespace cute;
 namespace fusion = cutlass::epilogue::fusion;
@@ -67,25 +65,28 @@ using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder
 using GemmKernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop, CollectiveEpilogue>;
 using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 
+// One call, or its size query (call.query: the workspace bytes it needs; nothing is launched).
 // a: [M, K] or [L, M, K]; b: [N, K] or [L, N, K] (any strides the layout allows); d: like the output.
 // inputs / outputs: the operands and auxiliary outputs in the order the plan binds them.
-void run(at::Tensor const& a, at::Tensor const& b, std::optional<at::Tensor> const& d, at::TensorList inputs,
-         at::ArrayRef<double> scalar_values, at::TensorList outputs) {
-  char const* op_name = "coda_dsl::k0a92b0ec3f094f6c99a9 (epilogue ce_forward_logits)";
-  c10::cuda::CUDAGuard device_guard(a.device());  // for the GEMM and every helper kernel and fill below
-  TORCH_CHECK(inputs.size() == 1 && outputs.size() == 2 &&
-              scalar_values.size() == 0 && d.has_value() == true,
-              op_name, ": wrong operand count");
+int64_t run(coda::Call const& call) {
+  char const* op_name = "coda_dsl::k6286e89f83357235f954 (epilogue ce_forward_logits)";
+  constexpr int n_inputs = 1, n_outputs = 2, first_input = 3;
+  if (call.n_tensors != first_input + n_inputs + n_outputs || call.n_scalars != 0)
+    coda::fail(op_name, ": wrong operand count");
+  coda::DeviceGuard device_guard(call.device);  // for the GEMM and every helper kernel and fill below
+  coda::TensorRef a(call.tensors), b(call.tensors + 1);
+  coda::TensorRef d(call.tensors + 2);
+  coda::TensorRefs inputs(call.tensors + first_input, n_inputs), outputs(call.tensors + first_input + n_inputs, n_outputs);
   int L = a.dim() == 3 ? int(a.size(0)) : 1;
   int M = int(a.size(-2)), K = int(a.size(-1)), N = int(b.size(-2));
 
   Scalars scalars{  };
+  coda::Workspace ws(call);  // the kernel's own buffers first, then CUTLASS's
   auto partial_0_shape = coda::partials<TileShape>(M, N, true);
-  at::Tensor partial_0 = at::empty({2 * partial_0_shape.size(L)}, a.options().dtype(at::kFloat));  // Reduce_lse
-  outputs[1].zero_();  // Take_z_target
+  float* partial_0 = ws.floats(2 * partial_0_shape.size(L));  // Reduce_lse
   typename EVT::Arguments evt_args{
       {},  // Acc
-      {partial_0.data_ptr<float>()},  // Reduce_lse
+      {partial_0},  // Reduce_lse
       coda::take_args<Take_z_target>(inputs[0], outputs[1])  // Take_z_target
   };
 
@@ -95,8 +96,8 @@ void run(at::Tensor const& a, at::Tensor const& b, std::optional<at::Tensor> con
   using StrideD = typename GemmKernel::StrideD;
   auto dA = coda::make_stride<StrideA>(a.stride(-2), a.stride(-1), coda::batch_stride(a));
   auto dB = coda::make_stride<StrideB>(b.stride(-2), b.stride(-1), coda::batch_stride(b));
-  auto dD = coda::make_stride<StrideD>(d->stride(-2), d->stride(-1), coda::batch_stride(*d));
-  auto* ptr_D = reinterpret_cast<ElementD*>(d->data_ptr());
+  auto dD = coda::make_stride<StrideD>(d.stride(-2), d.stride(-1), coda::batch_stride(d));
+  auto* ptr_D = reinterpret_cast<ElementD*>(d.data_ptr());
 
   typename Gemm::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGemm,
@@ -105,13 +106,22 @@ void run(at::Tensor const& a, at::Tensor const& b, std::optional<at::Tensor> con
       {evt_args, nullptr, dD, ptr_D, dD}};
   args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::Heuristic;
   args.scheduler.max_swizzle_size = 8;
-  coda::launch<Gemm>(args, a, op_name);
-  coda::finish_logsumexp<coda::Identity<float>>(partial_0.data_ptr<float>(), outputs[0].data_ptr<float>(), partial_0_shape, L, scalars, op_name);  // Reduce_lse
+  size_t gemm_ws_size = coda::prepare<Gemm>(args, call, op_name);
+  void* gemm_ws = ws.take(int64_t(gemm_ws_size));
+  if (call.query) return ws.used();
+  coda::fill(outputs[1], 0.f, call, op_name);  // Take_z_target
+  coda::launch<Gemm>(args, gemm_ws, gemm_ws_size, call, op_name);
+  coda::finish_logsumexp<coda::Identity<float>>(partial_0, outputs[0].data_ptr<float>(), partial_0_shape, L, scalars, call, op_name);  // Reduce_lse
+  return ws.used();
 }
 
-}  // namespace k0a92b0ec3f094f6c99a9_ns
+}  // namespace k6286e89f83357235f954_ns
 
-TORCH_LIBRARY_FRAGMENT(coda_dsl, m) {
-  m.def("k0a92b0ec3f094f6c99a9(Tensor a, Tensor b, Tensor(a!)? d, Tensor[] inputs, float[] scalars, Tensor(b!)[] outputs) -> ()");
+// The library's two entry points (csrc/coda_dsl/abi.h describes them).
+extern "C" int coda_workspace_size(coda::CallArgs const* args, int64_t* size, char* message, int64_t message_size) {
+  return coda::guarded(message, message_size, [&] { *size = k6286e89f83357235f954_ns::run(coda::Call(args, true)); });
 }
-TORCH_LIBRARY_IMPL(coda_dsl, CUDA, m) { m.impl("k0a92b0ec3f094f6c99a9", &k0a92b0ec3f094f6c99a9_ns::run); }
+
+extern "C" int coda_launch(coda::CallArgs const* args, char* message, int64_t message_size) {
+  return coda::guarded(message, message_size, [&] { k6286e89f83357235f954_ns::run(coda::Call(args, false)); });
+}

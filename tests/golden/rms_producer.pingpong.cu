@@ -2,10 +2,8 @@
 // Epilogue `rms_producer` (rmsnorm.py:19)
 // GEMM: A [(L,) M, K] bf16 row-major, B [N, K] bf16 K-contiguous (nn.Linear weight), fp32 accumulation
 // Config: tile 128x128x64, cluster 1x1, pingpong, swizzle 8
-// Specialization key: aff361190bc522139536d8b1
-#include <optional>
-#include <torch/library.h>
-
+// Specialization key: 034eaee0fcf884140554170e
+// No torch header: the torch side (checks, outputs, stream, workspace) is coda_dsl/runtime/kernel.py.
 #include "coda_dsl/evt.h"
 #include "coda_dsl/finish.h"
 #include "coda_dsl/pairs.h"
@@ -13,7 +11,7 @@
 
 // A namespace unique to this specialization (not an anonymous one: nvcc's host stubs for the
 // finishing kernels cannot name anonymous-namespace types).
-namespace kaff361190bc522139536_ns {
+namespace k034eaee0fcf884140554_ns {
 
 using namespace cute;
 namespace fusion = cutlass::epilogue::fusion;
@@ -188,20 +186,23 @@ using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder
 using GemmKernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop, CollectiveEpilogue>;
 using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 
+// One call, or its size query (call.query: the workspace bytes it needs; nothing is launched).
 // a: [M, K] or [L, M, K]; b: [N, K] or [L, N, K] (any strides the layout allows); d: like the output.
 // inputs / outputs: the operands and auxiliary outputs in the order the plan binds them.
-void run(at::Tensor const& a, at::Tensor const& b, std::optional<at::Tensor> const& d, at::TensorList inputs,
-         at::ArrayRef<double> scalar_values, at::TensorList outputs) {
-  char const* op_name = "coda_dsl::kaff361190bc522139536 (epilogue rms_producer)";
-  c10::cuda::CUDAGuard device_guard(a.device());  // for the GEMM and every helper kernel and fill below
-  TORCH_CHECK(inputs.size() == 2 && outputs.size() == 2 &&
-              scalar_values.size() == 2 && d.has_value() == true,
-              op_name, ": wrong operand count");
+int64_t run(coda::Call const& call) {
+  char const* op_name = "coda_dsl::k034eaee0fcf884140554 (epilogue rms_producer)";
+  constexpr int n_inputs = 2, n_outputs = 2, first_input = 3;
+  if (call.n_tensors != first_input + n_inputs + n_outputs || call.n_scalars != 2)
+    coda::fail(op_name, ": wrong operand count");
+  coda::DeviceGuard device_guard(call.device);  // for the GEMM and every helper kernel and fill below
+  coda::TensorRef a(call.tensors), b(call.tensors + 1);
+  coda::TensorRef d(call.tensors + 2);
+  coda::TensorRefs inputs(call.tensors + first_input, n_inputs), outputs(call.tensors + first_input + n_inputs, n_outputs);
   int L = a.dim() == 3 ? int(a.size(0)) : 1;
   int M = int(a.size(-2)), K = int(a.size(-1)), N = int(b.size(-2));
 
-  Scalars scalars{ float(scalar_values[0]), float(scalar_values[1]) };
-  outputs[1].fill_(0.f);  // Reduce_rstd
+  Scalars scalars{ float(call.scalars[0]), float(call.scalars[1]) };
+  coda::Workspace ws(call);  // the kernel's own buffers first, then CUTLASS's
   typename EVT::Arguments evt_args{
       {},  // Acc
       coda::aux_load_args<Load_residual>(inputs[0]),  // Load_residual
@@ -220,8 +221,8 @@ void run(at::Tensor const& a, at::Tensor const& b, std::optional<at::Tensor> con
   using StrideD = typename GemmKernel::StrideD;
   auto dA = coda::make_stride<StrideA>(a.stride(-2), a.stride(-1), coda::batch_stride(a));
   auto dB = coda::make_stride<StrideB>(b.stride(-2), b.stride(-1), coda::batch_stride(b));
-  auto dD = coda::make_stride<StrideD>(d->stride(-2), d->stride(-1), coda::batch_stride(*d));
-  auto* ptr_D = reinterpret_cast<ElementD*>(d->data_ptr());
+  auto dD = coda::make_stride<StrideD>(d.stride(-2), d.stride(-1), coda::batch_stride(d));
+  auto* ptr_D = reinterpret_cast<ElementD*>(d.data_ptr());
 
   typename Gemm::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGemm,
@@ -230,13 +231,22 @@ void run(at::Tensor const& a, at::Tensor const& b, std::optional<at::Tensor> con
       {evt_args, nullptr, dD, ptr_D, dD}};
   args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::Heuristic;
   args.scheduler.max_swizzle_size = 8;
-  coda::launch<Gemm>(args, a, op_name);
-  coda::finish<coda::Plus, Fn2<float>>(outputs[1].data_ptr<float>(), outputs[1].data_ptr<float>(), M, M, 1, L, false, 0.f, scalars, op_name);  // Reduce_rstd
+  size_t gemm_ws_size = coda::prepare<Gemm>(args, call, op_name);
+  void* gemm_ws = ws.take(int64_t(gemm_ws_size));
+  if (call.query) return ws.used();
+  coda::fill(outputs[1], 0.f, call, op_name);  // Reduce_rstd
+  coda::launch<Gemm>(args, gemm_ws, gemm_ws_size, call, op_name);
+  coda::finish<coda::Plus, Fn2<float>>(outputs[1].data_ptr<float>(), outputs[1].data_ptr<float>(), M, M, 1, L, false, 0.f, scalars, call, op_name);  // Reduce_rstd
+  return ws.used();
 }
 
-}  // namespace kaff361190bc522139536_ns
+}  // namespace k034eaee0fcf884140554_ns
 
-TORCH_LIBRARY_FRAGMENT(coda_dsl, m) {
-  m.def("kaff361190bc522139536(Tensor a, Tensor b, Tensor(a!)? d, Tensor[] inputs, float[] scalars, Tensor(b!)[] outputs) -> ()");
+// The library's two entry points (csrc/coda_dsl/abi.h describes them).
+extern "C" int coda_workspace_size(coda::CallArgs const* args, int64_t* size, char* message, int64_t message_size) {
+  return coda::guarded(message, message_size, [&] { *size = k034eaee0fcf884140554_ns::run(coda::Call(args, true)); });
 }
-TORCH_LIBRARY_IMPL(coda_dsl, CUDA, m) { m.impl("kaff361190bc522139536", &kaff361190bc522139536_ns::run); }
+
+extern "C" int coda_launch(coda::CallArgs const* args, char* message, int64_t message_size) {
+  return coda::guarded(message, message_size, [&] { k034eaee0fcf884140554_ns::run(coda::Call(args, false)); });
+}

@@ -2,10 +2,8 @@
 // Epilogue `swiglu` (gated.py:11)
 // GEMM: A [(L,) M, K] fp16 row-major, B [N, K] fp16 K-contiguous (nn.Linear weight), fp32 accumulation
 // Config: tile 128x256x64, cluster 2x1, cooperative, swizzle 8
-// Specialization key: 244e2d6e76ed5a23331ed8d2
-#include <optional>
-#include <torch/library.h>
-
+// Specialization key: 490cc28906abd2473c75f4b0
+// No torch header: the torch side (checks, outputs, stream, workspace) is coda_dsl/runtime/kernel.py.
 #include "coda_dsl/evt.h"
 #include "coda_dsl/finish.h"
 #include "coda_dsl/pairs.h"
@@ -13,7 +11,7 @@
 
 // A namespace unique to this specialization (not an anonymous one: nvcc's host stubs for the
 // finishing kernels cannot name anonymous-namespace types).
-namespace k244e2d6e76ed5a23331e_ns {
+namespace k490cc28906abd2473c75_ns {
 
 using namespace cute;
 namespace fusion = cutlass::epilogue::fusion;
@@ -93,19 +91,22 @@ using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder
 using GemmKernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop, CollectiveEpilogue>;
 using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 
+// One call, or its size query (call.query: the workspace bytes it needs; nothing is launched).
 // a: [M, K] or [L, M, K]; b: [N, K] or [L, N, K] (any strides the layout allows); d: like the output.
 // inputs / outputs: the operands and auxiliary outputs in the order the plan binds them.
-void run(at::Tensor const& a, at::Tensor const& b, std::optional<at::Tensor> const& d, at::TensorList inputs,
-         at::ArrayRef<double> scalar_values, at::TensorList outputs) {
-  char const* op_name = "coda_dsl::k244e2d6e76ed5a23331e (epilogue swiglu)";
-  c10::cuda::CUDAGuard device_guard(a.device());  // for the GEMM and every helper kernel and fill below
-  TORCH_CHECK(inputs.size() == 0 && outputs.size() == 1 &&
-              scalar_values.size() == 0 && d.has_value() == false,
-              op_name, ": wrong operand count");
+int64_t run(coda::Call const& call) {
+  char const* op_name = "coda_dsl::k490cc28906abd2473c75 (epilogue swiglu)";
+  constexpr int n_inputs = 0, n_outputs = 1, first_input = 2;
+  if (call.n_tensors != first_input + n_inputs + n_outputs || call.n_scalars != 0)
+    coda::fail(op_name, ": wrong operand count");
+  coda::DeviceGuard device_guard(call.device);  // for the GEMM and every helper kernel and fill below
+  coda::TensorRef a(call.tensors), b(call.tensors + 1);
+  coda::TensorRefs inputs(call.tensors + first_input, n_inputs), outputs(call.tensors + first_input + n_inputs, n_outputs);
   int L = a.dim() == 3 ? int(a.size(0)) : 1;
   int M = int(a.size(-2)), K = int(a.size(-1)), N = int(b.size(-2));
 
   Scalars scalars{  };
+  coda::Workspace ws(call);  // the kernel's own buffers first, then CUTLASS's
   typename EVT::Arguments evt_args{
       {},  // Acc
       scalars,  // Region0
@@ -128,12 +129,20 @@ void run(at::Tensor const& a, at::Tensor const& b, std::optional<at::Tensor> con
       {evt_args, nullptr, dD, ptr_D, dD}};
   args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::Heuristic;
   args.scheduler.max_swizzle_size = 8;
-  coda::launch<Gemm>(args, a, op_name);
+  size_t gemm_ws_size = coda::prepare<Gemm>(args, call, op_name);
+  void* gemm_ws = ws.take(int64_t(gemm_ws_size));
+  if (call.query) return ws.used();
+  coda::launch<Gemm>(args, gemm_ws, gemm_ws_size, call, op_name);
+  return ws.used();
 }
 
-}  // namespace k244e2d6e76ed5a23331e_ns
+}  // namespace k490cc28906abd2473c75_ns
 
-TORCH_LIBRARY_FRAGMENT(coda_dsl, m) {
-  m.def("k244e2d6e76ed5a23331e(Tensor a, Tensor b, Tensor(a!)? d, Tensor[] inputs, float[] scalars, Tensor(b!)[] outputs) -> ()");
+// The library's two entry points (csrc/coda_dsl/abi.h describes them).
+extern "C" int coda_workspace_size(coda::CallArgs const* args, int64_t* size, char* message, int64_t message_size) {
+  return coda::guarded(message, message_size, [&] { *size = k490cc28906abd2473c75_ns::run(coda::Call(args, true)); });
 }
-TORCH_LIBRARY_IMPL(coda_dsl, CUDA, m) { m.impl("k244e2d6e76ed5a23331e", &k244e2d6e76ed5a23331e_ns::run); }
+
+extern "C" int coda_launch(coda::CallArgs const* args, char* message, int64_t message_size) {
+  return coda::guarded(message, message_size, [&] { k490cc28906abd2473c75_ns::run(coda::Call(args, false)); });
+}

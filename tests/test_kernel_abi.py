@@ -1,0 +1,176 @@
+"""The call into a kernel library (runtime/kernel.py <-> csrc/coda_dsl/abi.h), on CPU: a stub library
+with the same two extern "C" functions, built with the C compiler, records what it receives; the
+tests check that every tensor, scalar, the stream, the device and the workspace arrive as the
+generated launcher reads them, and that a refusal comes back as a KernelError."""
+import ctypes
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import coda_dsl as cd
+from coda_dsl import build
+from coda_dsl.runtime import kernel as kmod
+from coda_dsl.runtime import op as runtime
+
+STUB = r"""
+#include <stdint.h>
+#include <string.h>
+typedef struct { int64_t data, dim, sizes[3], strides[3]; } TensorArg;  /* abi.h's TensorArg */
+typedef struct { int64_t n_tensors, n_scalars, device, stream, workspace, workspace_size; } CallArgs;
+
+TensorArg seen[16];
+double seen_scalars[8];
+int64_t seen_n, seen_n_scalars, seen_ws_size, queries, launches;
+int64_t seen_device, seen_stream, seen_ws;
+
+static int refuse(const CallArgs* a, char* message, int64_t size) {
+  const TensorArg* t = (const TensorArg*)(a + 1);
+  const double* s = (const double*)(t + a->n_tensors);
+  if (a->n_scalars > 0 && s[0] < 0) {  /* a negative first scalar: refuse, as CUTLASS's can_implement would */
+    strncpy(message, "coda_dsl::stub (epilogue stub): CUTLASS cannot run this problem", size - 1);
+    message[size - 1] = 0;
+    return 1;
+  }
+  return 0;
+}
+
+int coda_workspace_size(const CallArgs* a, int64_t* size, char* message, int64_t message_size) {
+  ++queries;
+  if (refuse(a, message, message_size)) return 1;
+  const TensorArg* t = (const TensorArg*)(a + 1);
+  *size = t[0].sizes[t[0].dim - 2] * 4;  /* M floats: depends on the shape only */
+  return 0;
+}
+
+int coda_launch(const CallArgs* a, char* message, int64_t message_size) {
+  ++launches;
+  if (refuse(a, message, message_size)) return 1;
+  const TensorArg* t = (const TensorArg*)(a + 1);
+  memcpy(seen, t, a->n_tensors * sizeof(TensorArg));
+  memcpy(seen_scalars, t + a->n_tensors, a->n_scalars * sizeof(double));
+  seen_n = a->n_tensors; seen_n_scalars = a->n_scalars; seen_device = a->device; seen_stream = a->stream;
+  seen_ws = a->workspace; seen_ws_size = a->workspace_size;
+  return 0;
+}
+"""
+
+
+class Seen:
+    """What the stub recorded."""
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    def int(self, name):
+        return ctypes.c_int64.in_dll(self.lib, name).value
+
+    def tensors(self):
+        arr = (ctypes.c_int64 * (8 * 16)).in_dll(self.lib, "seen")
+        return [tuple(arr[8 * i:8 * i + 8]) for i in range(self.int("seen_n"))]
+
+    def scalars(self):
+        arr = (ctypes.c_double * 8).in_dll(self.lib, "seen_scalars")
+        return list(arr[:self.int("seen_n_scalars")])
+
+
+@pytest.fixture
+def stub(tmp_path, monkeypatch):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the stub kernel library")
+    src, so = tmp_path / "stub.c", tmp_path / "stub.so"
+    src.write_text(STUB)
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", str(src), "-o", str(so)], check=True)
+    monkeypatch.setattr(kmod, "current_stream", lambda device: 0xC0DA)  # no GPU here: a recognisable value
+    lib = ctypes.PyDLL(str(so))
+    return kmod.Kernel(lib), Seen(lib)
+
+
+def expected(t: torch.Tensor) -> tuple:
+    pad = (0,) * (3 - t.dim())
+    return (t.data_ptr(), t.dim(), *t.shape, *pad, *t.stride(), *pad)
+
+
+def test_tensors_scalars_stream_and_workspace_arrive(stub):
+    k, seen = stub
+    a = torch.randn(2, 32, 16)
+    b = torch.randn(16, 8).t()  # a transposed view: shape [8, 16], strides (1, 8)
+    d = torch.empty(2, 32, 8)
+    vec, stat = torch.randn(8), torch.empty(())  # a 0-d output: a whole-tensor statistic
+    k(a, b, d, [vec], [0.5, -0.0], [stat])
+    assert seen.tensors() == [expected(t) for t in (a, b, d, vec, stat)]
+    assert seen.scalars() == [0.5, -0.0] and str(seen.scalars()[1]) == "-0.0"
+    assert seen.int("seen_stream") == 0xC0DA and seen.int("seen_device") == -1
+    assert seen.int("seen_ws_size") == 32 * 4 and seen.int("seen_ws")  # the size the query gave, allocated
+
+
+def test_without_d_and_workspace(stub):
+    k, seen = stub
+    a, b, out = torch.randn(0, 16), torch.randn(8, 16), torch.empty(0)
+    k(a, b, None, [], [], [out])  # M = 0: no workspace, so a null pointer
+    assert seen.tensors() == [expected(t) for t in (a, b, out)]
+    assert seen.int("seen_ws_size") == 0 and seen.int("seen_ws") == 0
+
+
+def test_workspace_size_asked_once_per_shape(stub):
+    k, seen = stub
+    b = torch.randn(8, 16)
+    for m in (32, 32, 64, 32):
+        k(torch.randn(m, 16), b, None, [], [], [])
+        assert seen.int("seen_ws_size") == m * 4
+    assert seen.int("queries") == 2 and seen.int("launches") == 4
+
+
+def test_refusal_is_a_kernel_error_with_the_kernels_message(stub):
+    k, seen = stub
+    a, b = torch.randn(32, 16), torch.randn(8, 16)
+    with pytest.raises(cd.KernelError, match=r"^coda_dsl::stub \(epilogue stub\): CUTLASS cannot run this problem$"):
+        k(a, b, None, [], [-1.0], [])
+    assert isinstance(cd.KernelError("x"), RuntimeError)  # what a failing torch op raised before
+
+
+def test_compiled_op_passes_operands_in_the_plans_order(stub, fake_kernels, monkeypatch):
+    """A CompiledOp down to the C call: A, B, D, the plan's operands, then its outputs; scalars by plan."""
+    k, seen = stub
+    monkeypatch.setattr(runtime.CompiledOp, "load", lambda self: setattr(self, "_op", k) or self)
+
+    @cd.epilogue
+    def ep(acc, residual: cd.Tensor, bias: cd.VecN, alpha: cd.Scalar, beta: cd.Scalar):
+        y = alpha * acc + bias + beta * residual
+        return {"D": y, "rowsum": cd.sum(y, axis="n")}
+
+    a, b = torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(16, 32, dtype=torch.bfloat16)
+    residual, bias = torch.randn(64, 16, dtype=torch.bfloat16), torch.randn(16, dtype=torch.bfloat16)
+    op = cd.compile(ep, a, b, residual=residual, bias=bias, alpha=2.0, beta=3.0)
+    out = op(a, b, residual=residual, bias=bias, alpha=2.0, beta=3.0)
+    operands = {"residual": residual, "bias": bias}
+    order = [a, b, out["D"], *[operands[i] for i in op.plan.inputs], out["rowsum"]]
+    assert seen.tensors() == [expected(t) for t in order]
+    assert seen.scalars() == [{"alpha": 2.0, "beta": 3.0}[s] for s in op.plan.scalars]
+
+
+def test_library_is_opened_once(stub, tmp_path, monkeypatch):
+    """build.library hands out the one handle load_library opened."""
+    opened = []
+    monkeypatch.setattr(build.builder, "_dlopen", lambda p: opened.append(p) or object())
+    monkeypatch.setattr(build.builder, "_loaded", {})
+    monkeypatch.setattr(build.builder, "_handles", {})
+    so = tmp_path / "stub.so"
+    monkeypatch.setattr(build.builder, "check_output", lambda key, name="kernel.so": (so, None))
+    u = build.BuildUnit(build.specialization_key("abi"), "// src\n")
+    h = build.library(u)
+    assert build.library(u) is h and opened == [so]
+
+
+def test_kernel_sources_include_no_torch_or_python_header():
+    """A kernel TU compiles CUTLASS and csrc/ only (the build-time win of issue 14): no torch, ATen, c10,
+    pybind11 or Python header in the golden sources or in any header they include."""
+    import re
+    from pathlib import Path
+    root = Path(__file__).resolve().parent
+    files = sorted((root / "golden").glob("*.cu")) + sorted(build.csrc_dir().glob("coda_dsl/*.h"))
+    assert len(files) > 40
+    banned = re.compile(r'#\s*include\s*[<"](torch|ATen|c10|pybind11|Python\.h)')
+    assert [f.name for f in files if banned.search(f.read_text())] == []
