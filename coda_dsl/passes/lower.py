@@ -10,7 +10,7 @@ Outputs other than D are taps on their value: AuxStore for tensors (PairStore at
 for a double-width cd.interleave(a, b)),
 Reduction for statistics (LogSumExp and Take for cd.logsumexp / cd.take), with their finishing
 expression, if any; the last node yields D. With accumulation, D's value reads the
-current D (`source` -> Sm90SrcFetch, CUTLASS's C operand).
+prior D (`prior_d` -> Sm90SrcFetch, CUTLASS's C operand).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from .plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, EvtNode, 
                    WideStore)
 
 _LOAD_NODE = {"tensor": AuxLoad, "vec_n": RowBroadcast, "vec_m": ColBroadcast}
-_FETCHED = ("acc", "load", "source")  # leaves read by a visitor node of their own (see _Lowering.leaf)
+_FETCHED = ("acc", "load", "prior_d")  # leaves read by a visitor node of their own (see _Lowering.leaf)
 
 
 def validate(program: ir.Program) -> dict[int, Fraction]:
@@ -95,7 +95,7 @@ class _Lowering:
         if id(n) not in self.index:
             if n.op == "acc":
                 self.index[id(n)] = self.add(AccFetch("Acc", comment="fp32 accumulator of A @ B^T"))
-            elif n.op == "source":
+            elif n.op == "prior_d":
                 self.index[id(n)] = self.add(SrcFetch("Source", comment="current D (accumulate: D += ...)"))
             elif _wide_half(n, self.width):
                 _, name = n.inputs[0].attr

@@ -629,7 +629,7 @@ def run_reference(ep: Epilogue, call: Call, out: dict | None, accumulate: bool =
     operands = {**call.tensors, **call.scalars}
     if accumulate:
         program = accumulate_into_d(program)
-        operands[reference.SOURCE_OPERAND] = out["D"]
+        operands[reference.PRIOR_D_OPERAND] = out["D"]
     res = reference.evaluate(program, call.a, call.b, operands, out_dtypes)
     if out:
         for name, t in out.items():  # all of them before the first write: a refused call writes nothing
