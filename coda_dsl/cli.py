@@ -205,7 +205,7 @@ def cmd_explain(args) -> int:
         args.config = args.config or config.key
     ep, spec = _spec_from_args(args)
     plan, sig = spec.plan, spec.plan.signature
-    print(f"# epilogue {ep.name} ({ep.source})")
+    print(f"# epilogue {ep.name} ({ep.defined_at})")
     consts = ", ".join(f"{k}={v:g}" for k, v in sig.consts)
     print(f"\n## IR{f' (consts bound: {consts})' if consts else ''}\n{format_program(spec.program)}")
     print(f"\n## EVT plan: {'Sm90EVT' if len(plan.nodes) == 2 else 'Sm90TopologicalVisitor'} over {len(plan.nodes)} nodes, children first; "

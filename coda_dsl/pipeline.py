@@ -41,4 +41,4 @@ def kernel(program: ir.Program, sig: Signature, consts: dict[str, float]) -> Ker
     """plan(), then the key and the rendered .cu."""
     program, p = plan(program, sig, consts)
     key = build.specialization_key(p.key)
-    return Kernel(program, p, key, codegen.render(p, key, program.source), codegen.op_name(key))
+    return Kernel(program, p, key, codegen.render(p, key, program.defined_at), codegen.op_name(key))

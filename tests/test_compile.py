@@ -46,7 +46,7 @@ def test_rich_kernel_compiles(toolchain, cache_root, make_plan):
     parents = Counter(c for n in plan.nodes for c in n.children)
     assert any(parents[i] >= 3 for i, n in enumerate(plan.nodes) if n.children)
     key = build.specialization_key(plan.key)
-    source = render(plan, key, rich_operands_and_ops.source)
+    source = render(plan, key, rich_operands_and_ops.defined_at)
 
     # built in the same (parallel) ninja run: the template's other branches. No D with deterministic
     # reductions and finishing kernels; in-place accumulation (C = D) with atomic reductions of every axis.
@@ -81,7 +81,7 @@ def compile_functors(toolchain, tmp_path, ep):
     from coda_dsl.passes import lower, specialize
 
     plan = lower(specialize(ep.program, {}), signature(ep))
-    src = render(plan, "0" * 24, ep.source)
+    src = render(plan, "0" * 24, ep.defined_at)
     part = src[src.index("// Runtime scalars"):src.index("// ---- Epilogue visitor nodes")]
     calls = "\n".join(f"  o[{i}] = {f.name}<float>{{}}({', '.join(['o[0]'] * f.arity)}, p);"
                       for i, f in enumerate(plan.functors))

@@ -142,14 +142,14 @@ class Program:
     name: str
     params: tuple[Param, ...]
     outputs: tuple[Output, ...]
-    source: str = ""  # "file.py:line" of the def, for messages
+    defined_at: str = ""  # "file.py:line" of the def, for messages
     locations: dict = field(default_factory=dict, compare=False)  # id(node) -> "file.py:line"
 
     def output(self, name: str) -> Output | None:
         return next((o for o in self.outputs if o.name == name), None)
 
     def where(self, node: Node) -> str:
-        return self.locations.get(id(node), self.source)
+        return self.locations.get(id(node), self.defined_at)
 
 
 def topo_order(roots) -> list[Node]:

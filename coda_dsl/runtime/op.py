@@ -41,7 +41,7 @@ class Call:
 
 
 def _where(ep: Epilogue) -> str:
-    return f"cd.gemm(epilogue '{ep.name}' from {ep.source})"
+    return f"cd.gemm(epilogue '{ep.name}' from {ep.defined_at})"
 
 
 def _normalize(ep: Epilogue, a, b, operands: dict, out: dict | None = None) -> Call:
