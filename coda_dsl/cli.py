@@ -182,10 +182,10 @@ def _backward_of(ep: Epilogue, consts: dict) -> Epilogue:
 def cmd_emit(args) -> int:
     _, spec = _spec_from_args(args)
     if args.output:
-        Path(args.output).write_text(spec.source)
+        Path(args.output).write_text(spec.cu_text)
         _err(f"wrote {args.output} (key {spec.key}, op torch.ops.coda_dsl.{spec.op_name})")
     else:
-        sys.stdout.write(spec.source)
+        sys.stdout.write(spec.cu_text)
         sys.stdout.flush()
     if args.check:
         # stdout may be the .cu itself: progress goes to stderr
@@ -278,7 +278,7 @@ def cmd_cache(args) -> int:
     print(f"cache {root}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, "
           f"{_size(sum(e['size'] for e in entries))}")
     if entries:
-        rows = [(e, *_kernel_header(e["source"])) for e in sorted(entries, key=lambda e: -e["mtime"])]
+        rows = [(e, *_kernel_header(e["cu_path"])) for e in sorted(entries, key=lambda e: -e["mtime"])]
         width = max(len("epilogue"), *(len(name) for _, name, _ in rows))
         print(f"  {'key':<24}  {'epilogue':<{width}}  {'size':>9}  {'age':>4}  .so  config")
         now = time.time()
@@ -288,12 +288,12 @@ def cmd_cache(args) -> int:
     return 0
 
 
-def _kernel_header(source: str | None) -> tuple[str, str]:
+def _kernel_header(cu_path: str | None) -> tuple[str, str]:
     """(epilogue name, config) from the header comment that templates/kernel.cu.j2 writes into every
     generated kernel.cu; "?" for what an entry lacks."""
     name = config = "?"
     try:
-        with open(source or "", encoding="utf-8", errors="replace") as f:
+        with open(cu_path or "", encoding="utf-8", errors="replace") as f:
             head = [next(f, "") for _ in range(8)]
     except OSError:
         return name, config

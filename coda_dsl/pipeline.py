@@ -25,7 +25,7 @@ class Kernel:
     program: ir.Program  # specialized: constants bound and folded
     plan: Plan
     key: str  # the specialization key: names the op and, with the toolchain, the cache entry
-    source: str  # the .cu
+    cu_text: str  # the rendered .cu
     op_name: str  # what it registers: torch.ops.coda_dsl.<op_name>
 
 

@@ -48,7 +48,7 @@ def evt_edges(src):
         assert "Sm90TopologicalVisitor" not in src
         return [(), (0,)], [tree.group(2), tree.group(1)]
     m = re.search(r"Sm90TopologicalVisitor<\s*float,\s*cute::tuple<(.*?)>,\s*\n\s*(.*?)>;", src, re.S)
-    assert m, "no Sm90TopologicalVisitor in the source"
+    assert m, "no Sm90TopologicalVisitor in the .cu"
     seqs = re.findall(r"cute::seq<([^>]*)>", m.group(1))
     edges = [tuple(int(x) for x in s.split(",") if x.strip()) for s in seqs]
     names = [x.strip() for x in m.group(2).split(",")]
@@ -80,7 +80,7 @@ def test_visitor_nodes_and_edges(make_plan, which):
 def test_build_and_registration_text(make_plan, which):
     ep, consts = EPILOGUES[which]
     plan, src = emit(make_plan, ep, consts)
-    assert "-gencode" not in src  # flags belong to the build, not the source
+    assert "-gencode" not in src  # flags belong to the build, not the .cu
     assert "TORCH_LIBRARY_FRAGMENT(coda_dsl, m)" in src
     assert f'm.def("{op_name(KEY)}(Tensor a, Tensor b' in src
     assert f'm.impl("{op_name(KEY)}", &{op_name(KEY)}_ns::run)' in src

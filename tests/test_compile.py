@@ -46,7 +46,7 @@ def test_rich_kernel_compiles(toolchain, cache_root, make_plan):
     parents = Counter(c for n in plan.nodes for c in n.children)
     assert any(parents[i] >= 3 for i, n in enumerate(plan.nodes) if n.children)
     key = build.specialization_key(plan.key)
-    source = render(plan, key, rich_operands_and_ops.defined_at)
+    cu_text = render(plan, key, rich_operands_and_ops.defined_at)
 
     # built in the same (parallel) ninja run: the template's other branches. No D with deterministic
     # reductions and finishing kernels; in-place accumulation (C = D) with atomic reductions of every axis.
@@ -60,7 +60,7 @@ def test_rich_kernel_compiles(toolchain, cache_root, make_plan):
               make_plan(_forward_epilogue(True, 30.0), operand_dtypes={"target": "i64"}),
               make_plan(double_width, operand_dtypes={"rs": "fp32"})]
     assert others[0].d_dtype is None and others[1].reads_d and others[2].d_dtype is None
-    units = [build.BuildUnit(key, source, op_name(key))]
+    units = [build.BuildUnit(key, cu_text, op_name(key))]
     for p in others:
         k = build.specialization_key(p.key)
         units.append(build.BuildUnit(k, render(p, k, ""), op_name(k)))
@@ -69,14 +69,14 @@ def test_rich_kernel_compiles(toolchain, cache_root, make_plan):
     obj = objs[0]
     assert obj.parent.parent == cache_root and obj.name == "kernel.o"
     assert all(o.is_file() and o.stat().st_size > 0 for o in objs)
-    assert (obj.parent / "kernel.cu").read_text() == source
+    assert (obj.parent / "kernel.cu").read_text() == cu_text
 
 
 # ---------------------------------------------------------------------------------------------
 # Float literals in generated functors must compile in __host__ __device__ code
 # ---------------------------------------------------------------------------------------------
 def compile_functors(toolchain, tmp_path, ep):
-    """Compile the functors of `ep`'s rendered source (with the real flags), called from a kernel."""
+    """Compile the functors of `ep`'s rendered .cu (with the real flags), called from a kernel."""
     from coda_dsl.build.tools import compile_command
     from coda_dsl.passes import lower, specialize
 

@@ -227,8 +227,8 @@ class CompiledOp:
 
     def __init__(self, epilogue: Epilogue, kernel: pipeline.Kernel):
         self.epilogue = epilogue
-        self.program, self.plan, self.key, self.source, self.op_name = (
-            kernel.program, kernel.plan, kernel.key, kernel.source, kernel.op_name)
+        self.program, self.plan, self.key, self.cu_text, self.op_name = (
+            kernel.program, kernel.plan, kernel.key, kernel.cu_text, kernel.op_name)
         plan = self.plan
         self._op = None
         self._where = _where(epilogue)
@@ -248,7 +248,7 @@ class CompiledOp:
 
     @property
     def unit(self) -> build.BuildUnit:
-        return build.BuildUnit(self.key, self.source, self.op_name)
+        return build.BuildUnit(self.key, self.cu_text, self.op_name)
 
     def load(self) -> "CompiledOp":
         """Build (or find in the cache) and load the kernel library."""
