@@ -235,7 +235,7 @@ def cmd_explain(args) -> int:
         print(f"  build key {build.build_key(spec.key)}  (its cache entry with this toolchain)")
     except ToolchainError as e:
         print(f"  build key: unknown, no toolchain here ({e})")
-    print(f"  canonical: {plan.key}")
+    print(f"  canonical: {plan.canonical}")
     return 0
 
 

@@ -40,5 +40,5 @@ def plan(program: ir.Program, sig: Signature, consts: dict[str, float]) -> tuple
 def kernel(program: ir.Program, sig: Signature, consts: dict[str, float]) -> Kernel:
     """plan(), then the key and the rendered .cu."""
     program, p = plan(program, sig, consts)
-    key = build.specialization_key(p.key)
+    key = build.specialization_key(p.canonical)
     return Kernel(program, p, key, codegen.render(p, key, program.defined_at), codegen.op_name(key))

@@ -47,7 +47,7 @@ def test_finishing_expression_rejects_tile_values():
 
 def test_deterministic_lowering_uses_partials_and_a_finishing_kernel(make_plan):
     atomic, det = make_plan(stats), make_plan(stats, deterministic=True)
-    assert atomic.key != det.key
+    assert atomic.canonical != det.canonical
     for plan, expect_atomic in ((atomic, True), (det, False)):
         reds = [n for n in plan.nodes if isinstance(n, Reduction)]
         assert len(reds) == 2 and all(r.finish is not None for r in reds)
@@ -99,7 +99,7 @@ def test_accumulate_lowers_to_a_source_fetch(make_plan):
     plan = make_plan(plain, accumulate=True)
     assert plan.reads_d and any(isinstance(n, SrcFetch) for n in plan.nodes)
     assert "Sm90SrcFetch<ElementD>" in render(plan, "0" * 24)
-    assert make_plan(plain).key != plan.key
+    assert make_plan(plain).canonical != plan.canonical
 
 
 @pytest.mark.parametrize("eps", [1e-6, 1.0])  # 1.0: eps inside the mean, not scaled with it
@@ -156,7 +156,7 @@ def test_consts_inside_then_are_folded(make_plan):
         return {"D": acc, "s": cd.sum(acc, axis="n").then(lambda s: s * (c * 2.0))}
 
     [r] = [n for n in make_plan(scaled_sum, consts={"c": 1.5}).nodes if isinstance(n, Reduction)]
-    assert "3.0f" in r.finish.key()
+    assert "3.0f" in r.finish.canonical()
     a, b = _ab()
     s = cd.gemm(a, b, scaled_sum, c=1.5, backend="reference")["s"]
     assert _rel(s, 3.0 * (a.double() @ b.double().t()).sum(-1)) < 1e-5

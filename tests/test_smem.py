@@ -37,7 +37,7 @@ def test_the_repro_gets_a_narrower_epilogue_tile(make_plan):
     compiled with nvcc; the 128x32 one failed the Stages >= 2 assertion)."""
     plan = make_plan(two_fp32_tensors, operand_dtypes=FP32)
     assert plan.signature.config == Config(epilogue_tile=(128, 16))
-    assert "_e128x16" in plan.key
+    assert "_e128x16" in plan.canonical
     assert smem.usage(plan, Config()).stages == 1 and smem.usage(plan).stages == 2
 
 

@@ -585,7 +585,7 @@ def _choose_config(spec, call: Call, tune: bool, key: tuple) -> Config:
     key = (key, tuning.bucket(*call.mnkl), default)
     choice = _configs.get(key)
     if choice is None or (tune and not choice[1]):
-        config = tuning.recorded(call.a.device, spec(tuning.DEFAULT).plan.key, tuning.DEFAULT, call.mnkl)
+        config = tuning.recorded(call.a.device, spec(tuning.DEFAULT).plan.canonical, tuning.DEFAULT, call.mnkl)
         if config is None and tune:
             config = tuning.tune(spec, lambda op: op.launch(call, None), call.a.device, call.mnkl)
         choice = _configs[key] = (config or default, config is not None)
