@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 # The --help texts spell out two values that live in torch-importing modules (test_cli checks them)
 DTYPE_NAMES = ("bf16", "fp16", "fp32")  # ir.ops.DTYPES
-DEFAULT_CONFIG = "128x256x64_c2x1_cooperative"  # Config().key
+DEFAULT_CONFIG = "128x256x64_c2x1_cooperative"  # Config().text
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -202,7 +202,7 @@ def cmd_explain(args) -> int:
     if args.shape:  # the configuration cd.gemm would pick, untuned, for this shape (unless --config)
         from .runtime.tune import default
         config, why = default(*args.shape)
-        args.config = args.config or config.key
+        args.config = args.config or config.text
     ep, spec = _spec_from_args(args)
     plan, sig = spec.plan, spec.plan.signature
     print(f"# epilogue {ep.name} ({ep.defined_at})")
@@ -226,10 +226,10 @@ def cmd_explain(args) -> int:
     outs = ([f"D ({plan.d_dtype}, [M, N])"] if plan.d_dtype else []) + [
         f"{n} ({d}, {shapes[k]})" for n, d, k in plan.outputs]
     print(f"  outputs: {', '.join(outs)}")
-    print(f"\n## specialization\n  A/B {sig.ab_dtype}, B layout {sig.b_layout}, config {sig.config.key}")
+    print(f"\n## specialization\n  A/B {sig.ab_dtype}, B layout {sig.b_layout}, config {sig.config.text}")
     if why:
         print(f"  config for M x N x K = {' x '.join(map(str, args.shape))}: " +
-              (f"{args.config} (--config)" if args.config != default(*args.shape)[0].key else why))
+              (f"{args.config} (--config)" if args.config != default(*args.shape)[0].text else why))
     print(f"  key {spec.key}  (op torch.ops.coda_dsl.{spec.op_name})")
     try:  # the cache entry also depends on the toolchain; explaining needs none
         print(f"  build key {build.build_key(spec.key)}  (its cache entry with this toolchain)")

@@ -240,7 +240,7 @@ def test_every_command_and_option_has_help():
 
 def test_help_literals_match_their_sources():
     from coda_dsl.ir.ops import DTYPES
-    assert cli.DTYPE_NAMES == tuple(DTYPES) and cli.DEFAULT_CONFIG == cd.Config().key
+    assert cli.DTYPE_NAMES == tuple(DTYPES) and cli.DEFAULT_CONFIG == cd.Config().text
 
 
 def test_help_and_import_do_not_import_torch():

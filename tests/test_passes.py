@@ -340,7 +340,7 @@ def test_reductions_lower_to_their_cutlass_node(make_plan, kind, axis):
 
 def test_config_roundtrip_and_validation():
     cfg = Config(tile=(256, 128, 64), cluster=(1, 2), schedule="cooperative")
-    assert Config.parse(cfg.key) == cfg
+    assert Config.parse(cfg.text) == cfg
     with pytest.raises(ValueError, match="pingpong"):
         Config(tile=(64, 128, 64))
     with pytest.raises(ValueError, match="at most 4"):
@@ -353,7 +353,7 @@ def test_config_roundtrip_and_validation():
                                   "128x192x64_c2x1_pingpong_e64x64_rn_s2_streamk", "256x128x64_c1x2_cooperative_streamk"])
 def test_config_scheduler_options_round_trip(text):
     cfg = Config.parse(text)
-    assert cfg.key == text and Config.parse(cfg.key) == cfg
+    assert cfg.text == text and Config.parse(cfg.text) == cfg
 
 
 @pytest.mark.parametrize("bad", [dict(raster="x"), dict(swizzle=3), dict(scheduler="dynamic")])
@@ -364,9 +364,9 @@ def test_config_scheduler_options_validated(bad):
         Config.parse("128x256x64_c2x1_cooperative_s3")
 
 
-def test_config_key_covers_the_epilogue_tile():
+def test_config_text_covers_the_epilogue_tile():
     tiled = Config(epilogue_tile=(128, 64))
-    assert Config.parse(tiled.key) == tiled and tiled.key != Config().key
+    assert Config.parse(tiled.text) == tiled and tiled.text != Config().text
 
 
 @cd.epilogue

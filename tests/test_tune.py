@@ -12,8 +12,8 @@ from coda_dsl.runtime import tune as tuning
 
 
 def test_record_key_ignores_config_and_buckets_shapes():
-    canonical = f"bf16|nk|{tuning.DEFAULT.key}|bf16|0|AccFetch()"
-    other = canonical.replace(tuning.DEFAULT.key, Config((256, 128, 64)).key)
+    canonical = f"bf16|nk|{tuning.DEFAULT.text}|bf16|0|AccFetch()"
+    other = canonical.replace(tuning.DEFAULT.text, Config((256, 128, 64)).text)
     k = tuning.record_key(canonical, tuning.DEFAULT, 4000, 4096, 4096, 1)
     assert k == tuning.record_key(other, Config((256, 128, 64)), 4096, 4096, 4096, 1)  # same bucket
     assert k != tuning.record_key(canonical, tuning.DEFAULT, 8192, 4096, 4096, 1)
@@ -21,7 +21,7 @@ def test_record_key_ignores_config_and_buckets_shapes():
 
 def test_records_persist_and_are_found(cache_root, monkeypatch):
     monkeypatch.setattr(tuning, "device_key", lambda device: "FakeGPU|sm90")
-    canonical = f"k|{tuning.DEFAULT.key}|x"
+    canonical = f"k|{tuning.DEFAULT.text}|x"
     dev = torch.device("cpu")
     assert tuning.recorded(dev, canonical, tuning.DEFAULT, (100, 200, 300, 1)) is None
     best = Config((256, 128, 64), (2, 1), "cooperative")

@@ -53,7 +53,7 @@ class Config:
             raise ValueError(f"scheduler must be 'persistent' or 'streamk', not {self.scheduler!r}")
 
     @property
-    def key(self) -> str:
+    def text(self) -> str:
         """The string form, e.g. 128x256x64_c2x1_cooperative_e128x64_rm_s4_streamk (defaults left out)."""
         parts = [f"{'x'.join(map(str, self.tile))}_c{self.cluster[0]}x{self.cluster[1]}_{self.schedule}"]
         if self.epilogue_tile:
@@ -68,7 +68,7 @@ class Config:
 
     @staticmethod
     def parse(text: str) -> "Config":
-        """'128x256x64_c2x1_cooperative[_e128x64][_rm|_rn][_s1|_s2|_s4][_streamk]' -> Config (the inverse of .key)."""
+        """'128x256x64_c2x1_cooperative[_e128x64][_rm|_rn][_s1|_s2|_s4][_streamk]' -> Config (the inverse of .text)."""
         try:
             tile, cluster, schedule, *rest = text.split("_")
             ints = lambda s: tuple(int(x) for x in s.split("x"))  # noqa: E731
@@ -338,6 +338,6 @@ class Plan:
     def canonical(self) -> str:
         """Canonical text of everything that shapes the generated code (never user-facing names)."""
         s = self.signature
-        return "|".join([s.ab_dtype, s.b_layout, s.config.key, str(self.d_dtype), str(len(self.scalars)),
+        return "|".join([s.ab_dtype, s.b_layout, s.config.text, str(self.d_dtype), str(len(self.scalars)),
                          str(self.reads_d),
                          *(n.canonical() for n in self.nodes)])

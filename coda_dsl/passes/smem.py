@@ -133,8 +133,8 @@ def fit(plan: Plan) -> Plan:
     costly = ", ".join(f"{what} {b / 1024:.0f} KiB" for what, b in first.parts[:3])
     ok = next((c for c in _SMALLER if usage(plan, c).fits and (c.epilogue_tile is None or _shrinkable(plan))), None)
     raise SharedMemoryError(
-        f"epilogue '{plan.name}' does not fit in shared memory at config {cfg.key}: its epilogue needs about "
+        f"epilogue '{plan.name}' does not fit in shared memory at config {cfg.text}: its epilogue needs about "
         f"{first.epilogue / 1024:.0f} KiB (most: {costly}), leaving room for {max(first.stages, 0)} mainloop "
         f"stage(s) of {first.stage_bytes / 1024:.0f} KiB where CUTLASS needs {MIN_STAGES} (227 KiB in all)\n"
         "  fix: pass the largest operands in bf16/fp16 instead of fp32, or use fewer full-size operands and "
-        "outputs per kernel" + (f", or config='{ok.key}'" if ok else ""))
+        "outputs per kernel" + (f", or config='{ok.text}'" if ok else ""))

@@ -391,7 +391,7 @@ def _config(ep: Epilogue, config) -> Config | None:
     try:
         return Config.parse(config)
     except ValueError as e:
-        raise checks.fail(_where(ep), str(e), f"pass e.g. config='{Config().key}'") from None
+        raise checks.fail(_where(ep), str(e), f"pass e.g. config='{Config().text}'") from None
 
 
 def _fold_batch(ep: Epilogue, call: Call) -> Call:
@@ -496,7 +496,7 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
     can run, else reference with a warning). out: preallocated outputs by name. deterministic:
     reductions bit-identical run to run (per-tile partials combined in a fixed order) instead of
     fp32 atomics. accumulate: D += epilogue value, in place in out["D"] (fp32 or the epilogue's
-    D dtype), with no extra pass over memory. config: tile/cluster/schedule (Config or its key);
+    D dtype), with no extra pass over memory. config: tile/cluster/schedule (Config or its text);
     by default a configuration tuned earlier on this device for this kind of shape, else a good
     default; tune=True (or set_tuning(True)) measures the candidates now and records the winner.
     """

@@ -87,12 +87,12 @@ def _store(device: str, key: str, config: Config, times: dict[str, float]) -> No
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         records = _load()
-        records.setdefault(device, {})[key] = {"config": config.key, "us": times, "when": time.time()}
+        records.setdefault(device, {})[key] = {"config": config.text, "us": times, "when": time.time()}
         build.atomic_write(path, json.dumps(records, indent=1, sort_keys=True))
 
 
 def record_key(canonical: str, config: Config, m: int, n: int, k: int, l: int) -> str:
-    base = canonical.replace(config.key, "*")  # the specialization without its configuration
+    base = canonical.replace(config.text, "*")  # the specialization without its configuration
     return f"{hashlib.sha256(base.encode()).hexdigest()[:20]}@{bucket(m, n, k, l)}"
 
 
@@ -111,7 +111,7 @@ def tune(make_op, launch, device: torch.device, mnkl, log=None) -> Config:
     ops = {}  # rendering the candidates only when they are timed
     for c in CANDIDATES:
         try:
-            ops[c.key] = make_op(c)
+            ops[c.text] = make_op(c)
         except SharedMemoryError:  # this epilogue's buffers do not fit at that config: not a candidate
             pass
     log(f"coda_dsl: tuning {first.epilogue.name} at M,N,K,L={mnkl}: {len(ops)} configurations")
