@@ -8,7 +8,7 @@ from coda_dsl.codegen import evt
 from coda_dsl.ir import graph as ir
 from coda_dsl.library import rope_tables
 from coda_dsl.passes import Config, specialize
-from coda_dsl.passes.plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, Reduction, Ref, RowBroadcast,
+from coda_dsl.passes.plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, Reduce, Ref, RowBroadcast,
                                   Step)
 
 
@@ -330,7 +330,7 @@ def test_reductions_lower_to_their_cutlass_node(make_plan, kind, axis):
         h = acc + bias
         return {"D": h, "r": getattr(cd, kind)(h * h, axis=axis)}
 
-    [r] = [n for n in make_plan(cd.epilogue(fn)).nodes if isinstance(n, Reduction)]
+    [r] = [n for n in make_plan(cd.epilogue(fn)).nodes if isinstance(n, Reduce)]
     assert (r.kind, r.axis) == (kind, axis)
     node = {"n": "fusion::Sm90ColReduction<", "m": "fusion::Sm90RowReduction<", None: "fusion::Sm90ScalarReduction<"}
     reduce_op = {"sum": "cutlass::plus", "max": "cutlass::maximum", "min": "cutlass::minimum", "amax": "coda::amax_reduce"}

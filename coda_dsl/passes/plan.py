@@ -273,7 +273,7 @@ class WideStore(_Store):
 
 
 @dataclass
-class Reduction(EvtNode):
+class Reduce(EvtNode):
     """A statistic of its input over an output axis, in fp32.
 
     axis "n" (per row, [M]) is CUTLASS's ColReduction, "m" (per column, [N]) its RowReduction:
@@ -295,7 +295,7 @@ class Reduction(EvtNode):
 
 
 @dataclass
-class LogSumExp(Reduction):
+class LogSumExp(Reduce):
     """cd.logsumexp over n: per row and N tile an online (max, sum of exp) pair, combined exactly by
     the finishing kernel. Always per-tile partials, never atomics: deterministic in either mode."""
 
@@ -304,7 +304,7 @@ class LogSumExp(Reduction):
 
 
 @dataclass
-class Take(Reduction):
+class Take(Reduce):
     """cd.take over n: the value at column index[m] of each row, stored by the one thread holding it
     (no atomics); `inputs[index_input]` is the int64 index. Rows whose index is outside [0, N) keep the
     0 the output is filled with before the launch."""

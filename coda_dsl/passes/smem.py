@@ -16,7 +16,7 @@ import math
 
 from ..errors import SharedMemoryError
 from ..ir.ops import DTYPES
-from .plan import AuxLoad, AuxStore, Config, PairStore, Plan, Reduction, RowBroadcast, WideStore
+from .plan import AuxLoad, AuxStore, Config, PairStore, Plan, Reduce, RowBroadcast, WideStore
 
 CAPACITY = 232448  # bytes of shared memory an sm90 block may use (cutlass detail::sm90_smem_capacity_bytes)
 MIN_STAGES = 2  # "Specialization requires Stages set to value 2 or more."
@@ -107,7 +107,7 @@ def usage(plan: Plan, config: Config | None = None) -> Usage:
 def _shrinkable(plan: Plan) -> bool:
     """CUTLASS's row/column reductions use the D buffer as scratch and need a large enough epilogue
     tile: never shrink one (a scalar reduction with atomics uses none)."""
-    return not any(type(n) is Reduction and (n.axis is not None or n.deterministic) for n in plan.nodes)
+    return not any(type(n) is Reduce and (n.axis is not None or n.deterministic) for n in plan.nodes)
 
 
 # Configs suggested when nothing fits: smaller CTA tiles leave more room to the epilogue.
