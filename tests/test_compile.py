@@ -15,7 +15,7 @@ from coda_dsl import build
 from coda_dsl.codegen import op_name, render
 from coda_dsl.passes.plan import AuxLoad, AuxStore, ColBroadcast, RowBroadcast
 from build_helpers import real_toolchain_or_skip
-from epilogues import double_width, rich_operands_and_ops, signature
+from epilogues import double_width, rich_operands_and_ops, signature_for
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def compile_functors(toolchain, tmp_path, ep):
     from coda_dsl.build.tools import compile_command
     from coda_dsl.passes import lower, specialize
 
-    plan = lower(specialize(ep.program, {}), signature(ep))
+    plan = lower(specialize(ep.program, {}), signature_for(ep))
     src = render(plan, "0" * 24, ep.defined_at)
     part = src[src.index("// Runtime scalars"):src.index("// ---- Epilogue visitor nodes")]
     calls = "\n".join(f"  o[{i}] = {f.name}<float>{{}}({', '.join(['o[0]'] * f.arity)}, p);"
