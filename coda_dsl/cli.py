@@ -107,7 +107,7 @@ def _pairs(items: list[str] | None, flag: str) -> dict[str, str]:
     return out
 
 
-def specialize_from_options(ep: Epilogue, ab_dtype: str = "bf16", b_layout: str = "nk",
+def specialization_from_options(ep: Epilogue, ab_dtype: str = "bf16", b_layout: str = "nk",
                    operand_dtypes: dict[str, str] | None = None, consts: dict[str, str | float] | None = None,
                    config: Config | str | None = None) -> CompiledOp:
     """Signature -> plan -> key -> .cu, from options alone (no tensors, no GPU). Every tensor/vector
@@ -160,7 +160,7 @@ def _spec_from_args(args) -> tuple[Epilogue, CompiledOp]:
     if getattr(args, "backward", False):  # the derived backward: an epilogue of its own, consts bound
         ep, consts = _backward_of(ep, consts), {}
     dtypes = _pairs(args.operand_dtype, "--operand-dtype")
-    return ep, specialize_from_options(ep, args.dtype, args.b_layout, dtypes, consts, args.config)
+    return ep, specialization_from_options(ep, args.dtype, args.b_layout, dtypes, consts, args.config)
 
 
 def _backward_of(ep: Epilogue, consts: dict) -> Epilogue:

@@ -344,7 +344,7 @@ def _cli_child_build(key, cu_text):
 
 def test_cli_build_that_only_waited_does_not_say_built(fake, capsys):
     fake.delay = 1.5
-    spec = cli.specialize_from_options(cli.load_epilogue("coda_dsl.examples:bias_gelu"))
+    spec = cli.specialization_from_options(cli.load_epilogue("coda_dsl.examples:bias_gelu"))
     ctx = multiprocessing.get_context("fork")
     other = ctx.Process(target=_cli_child_build, args=(spec.key, spec.cu_text))
     other.start()
@@ -385,10 +385,10 @@ def test_same_plan_other_toolchain_same_op_other_entry(monkeypatch):
     seen = []
     for tc in (FAKE_TC, dataclasses.replace(FAKE_TC, nvcc_version="13.1.0")):
         monkeypatch.setattr(cache, "toolchain", lambda tc=tc: tc)
-        spec = cli.specialize_from_options(ep)
+        spec = cli.specialization_from_options(ep)
         seen.append((spec.op_name, spec.cu_text, b.build_key(spec.key)))
     assert seen[0][:2] == seen[1][:2] and seen[0][2] != seen[1][2]
-    other = cli.specialize_from_options(ep, ab_dtype="fp16")
+    other = cli.specialization_from_options(ep, ab_dtype="fp16")
     assert other.op_name != seen[0][0] and b.build_key(other.key) != seen[1][2]
 
 

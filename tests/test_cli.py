@@ -211,7 +211,7 @@ def test_cache_list_clear(capsys, tmp_path):
 
 
 def test_cache_list_names_epilogue_and_config(capsys, tmp_path):
-    spec = cli.specialize_from_options(residual_rms, config="128x192x64_c2x1_pingpong")
+    spec = cli.specialization_from_options(residual_rms, config="128x192x64_c2x1_pingpong")
     staged = tmp_path / "kernel.cu"
     staged.write_text(spec.cu_text)
     cache.commit_entry(spec.key, {"kernel.cu": staged}, {"op_name": spec.op_name})

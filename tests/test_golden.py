@@ -1,9 +1,9 @@
 """Golden files: the generated .cu of every example and library epilogue, byte for byte.
 
-Each case renders one specialization through the path `coda-dsl emit` uses (cli.specialize_from_options /
-CompiledOp.create: specialize, lower, key, render; no toolchain) and compares it with
-tests/golden/<case>.cu. A refactor of the IR, the passes or codegen must leave them unchanged; a
-change to the generated code must show up here as a diff to review.
+Each case renders one specialization through the path `coda-dsl emit` uses
+(cli.specialization_from_options / CompiledOp.create: specialize, lower, key, render; no toolchain)
+and compares it with tests/golden/<case>.cu. A refactor of the IR, the passes or codegen must leave
+them unchanged; a change to the generated code must show up here as a diff to review.
 
 Regenerate only on purpose (after an intended change to the generated code), then review the diff:
 
@@ -71,7 +71,7 @@ def render(name: str, variant: str | None) -> str:
     ep, consts = EPILOGUES[name]
     if variant in (None, "fp16", "kn", "pingpong"):  # exactly what `coda-dsl emit` does
         kw = VARIANTS.get(variant, {})
-        return cli.specialize_from_options(ep, kw.get("ab", "bf16"), kw.get("b_layout", "nk"), consts=consts,
+        return cli.specialization_from_options(ep, kw.get("ab", "bf16"), kw.get("b_layout", "nk"), consts=consts,
                                            config=kw.get("config")).cu_text
     # emit has no flags for these: the same CompiledOp.create, with the signature cd.gemm would build
     dtypes = {p.name: "bf16" for p in ep.params if p.kind in ("tensor", "vec_m", "vec_n")}

@@ -473,6 +473,8 @@ def call_key(ep: Epilogue, call: Call, operand_dtypes: dict[str, str], out: dict
 def specialization(ep: Epilogue, call: Call, operand_dtypes: dict[str, str], out: dict | None,
                    config: Config | None, deterministic: bool = False, accumulate: bool = False,
                    key: tuple | None = None) -> CompiledOp:
+    """The CompiledOp of a checked call's specialization, made once per call key and config (from
+    options instead of tensors: cli.specialization_from_options)."""
     cache_key = (key or call_key(ep, call, operand_dtypes, out, deterministic, accumulate), config)
     op = _ops.get(cache_key)
     if op is None:
