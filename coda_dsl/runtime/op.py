@@ -6,6 +6,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 
@@ -167,7 +168,7 @@ def _check_tensors(ep: Epilogue, call: Call, cutlass: bool) -> dict[str, str]:
                               "skip the call when M or N is 0, or reduce with cd.sum (0 over an empty axis)")
     batch = l if call.a.dim() == 3 else None  # a 2-D call has no batch: [1, M, N] would give [1, M, N] outputs
     for name, t in call.tensors.items():
-        wn = n * widths[name] // 2 if name in widths else n  # pairwise epilogues read N/2-wide operands
+        wn = int(n * widths[name]) if name in widths else n  # pairwise epilogues read N/2-wide operands
         shape = {"tensor": (m, wn), "vec_n": (wn,), "vec_m": (m,)}[kinds[name]]
         checks.tensor(where, f"operand '{name}'", t, shape, dev, _MEANING[kinds[name]], batch)
         dtypes[name] = checks.dtype_of(t, where, f"operand '{name}'", index=name in facts.indices)
@@ -196,7 +197,7 @@ class _Facts:
     """What every call of an epilogue needs to know about it, derived once (not on the call path)."""
 
     kinds: dict[str, str]  # operand name -> kind
-    widths: dict[str, int]  # load operands not N wide -> their width in half-N units (1: N/2)
+    widths: dict[str, Fraction]  # load operands not N wide -> their width over N (passes/widths.py)
     pairwise: bool  # any op on column pairs: N must be even
     indices: frozenset[str]  # operands cd.take reads as int64 column indices
     cross_batch: tuple[str, ...]  # outputs reduced over m or everything: they cannot fold a batch into M
@@ -212,7 +213,7 @@ def _facts(ep: Epilogue) -> _Facts:
         nodes = list(ir.walk(ep.program))
         facts = _facts_of[ep] = _Facts(
             kinds={p.name: p.kind for p in ep.params},
-            widths={k: int(w * 2) for k, w in load_widths(ep.program).items() if w != 1},
+            widths={k: w for k, w in load_widths(ep.program).items() if w != 1},
             pairwise=any(n.kind == "structural" for n in nodes),
             indices=frozenset(n.inputs[1].attr[1] for n in nodes if n.op == "reduce" and REDUCTIONS[n.attr[0]].indexed),
             cross_batch=tuple(o.name for o in ep.program.outputs
