@@ -492,7 +492,7 @@ def parser() -> argparse.ArgumentParser:
         return p
 
     p = command("emit", cmd_emit, "print the generated .cu of an epilogue",
-                "Print the CUDA C++ source (.cu) generated for one specialization of an epilogue: the file "
+                "Print the CUDA C++ (.cu) generated for one specialization of an epilogue: the file "
                 "that a build compiles. Needs no GPU and, without --check, no compiler.")
     _target_options(p)
     p.add_argument("-o", "--output", metavar="FILE", help="write the .cu here instead of stdout")
