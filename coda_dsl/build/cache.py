@@ -152,7 +152,7 @@ def _fallback_dir(default: Path, why: OSError) -> Path:
 @functools.cache
 def _generator_digest() -> str:
     """The template, the hand-written headers every kernel includes and codegen's own spelling of the
-    plan (codegen/*.py; plan keys hold plans as data): editing them changes every key."""
+    plan (codegen/*.py; the canonical text holds plans as data): editing them changes every key."""
     h = hashlib.sha256()
     codegen = Path(__file__).resolve().parent.parent / "codegen"
     for f in sorted([*templates_dir().glob("*.j2"), *csrc_dir().rglob("*.h"), *codegen.glob("*.py")]):
