@@ -39,7 +39,7 @@ def specs(n: int) -> list[tuple[str, str, str | None]]:
 def units(triples):
     """The build units of (epilogue, dtype, config) triples, rendered as `coda-dsl emit` would."""
     from coda_dsl import cli
-    return [cli.specialize_from_options(cli.load_epilogue(ep), dt, config=cfg).unit for ep, dt, cfg in triples]
+    return [cli.specialization_from_options(cli.load_epilogue(ep), dt, config=cfg).unit for ep, dt, cfg in triples]
 
 
 def _timed_build(us, jobs: int | None) -> float:
@@ -57,7 +57,7 @@ from coda_dsl import build, cli
 t1 = time.perf_counter()
 for spec in sys.argv[1:]:
     ep, dt, cfg = spec.split(",")
-    op = cli.specialize_from_options(cli.load_epilogue(ep), dt, config=cfg or None)
+    op = cli.specialization_from_options(cli.load_epilogue(ep), dt, config=cfg or None)
     build.library(op.unit, log=lambda *_: None)
 t2 = time.perf_counter()
 print(t1 - t0, t2 - t1)

@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     with results_only_on_stdout():
         a, w = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16), torch.randn(256, 256, device="cuda",
                                                                                        dtype=torch.bfloat16)
-        ops = {(c.name, cfg.key): cd.compile(c.epilogue, a, w, config=cfg, **c.operands(256, 256))
+        ops = {(c.name, cfg.text): cd.compile(c.epilogue, a, w, config=cfg, **c.operands(256, 256))
                for c in cases for cfg in configs}
         try:
             runtime.prebuild(list(ops.values()))
@@ -76,22 +76,22 @@ def main(argv=None) -> int:
             ref = ref[0] if isinstance(ref, tuple) else ref
             variants = {"cuBLAS": lambda a, w, o: a @ w.t()}
             for cfg in configs:
-                op = ops[c.name, cfg.key]
+                op = ops[c.name, cfg.text]
                 if valid_output(build_key(op.unit.key)) is None:
-                    failed.append(f"{c.name} {cfg.key}: did not build")
+                    failed.append(f"{c.name} {cfg.text}: did not build")
                     continue
                 try:
                     err = rel_err(op(a, w, **o)["D"], ref)
                 except Exception as e:  # noqa: BLE001
-                    failed.append(f"{c.name} {cfg.key} {fmt(shape)}: {type(e).__name__}: {e}")
+                    failed.append(f"{c.name} {cfg.text} {fmt(shape)}: {type(e).__name__}: {e}")
                     continue
                 if not err < 2e-2:
-                    failed.append(f"{c.name} {cfg.key} {fmt(shape)}: rel. error {err:.3g}")
+                    failed.append(f"{c.name} {cfg.text} {fmt(shape)}: rel. error {err:.3g}")
                     continue
-                variants[cfg.key] = (lambda op: lambda a, w, o: op(a, w, **o))(op)
+                variants[cfg.text] = (lambda op: lambda a, w, o: op(a, w, **o))(op)
             t = round_robin(variants, sets, args.iters)
             rows += [Row(c.name, fmt(shape), v, t[v], 2 * m * n * k / t[v] / 1e6, t[v] / t["cuBLAS"]) for v in t]
-            header = header or [cfg.key for cfg in configs]
+            header = header or [cfg.text for cfg in configs]
             lines.append([fmt(shape), f"{t['cuBLAS']:.0f}", *(f"{t[k] / t['cuBLAS']:.3f}" if k in t else "–"
                                                                for k in header)])
             progress(f"{c.name} {fmt(shape)}: " + ", ".join(f"{v} {x:.1f}" for v, x in t.items()))

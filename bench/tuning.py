@@ -32,9 +32,9 @@ def main(argv=None) -> int:
     cd.gemm(a, w, tune=True)
     torch.cuda.synchronize()
     first_call = time.perf_counter() - t0
-    chosen = tuning.recorded(a.device, cd.compile(cd.identity, a, w).plan.key, tuning.DEFAULT, (m, n, k, 1))
+    chosen = tuning.recorded(a.device, cd.compile(cd.identity, a, w).plan.canonical, tuning.DEFAULT, (m, n, k, 1))
     print(f"first call with tune=True: {first_call:.2f} s (builds and timing included); chosen: "
-          f"{chosen.key if chosen else None}; device: {tuning.device_key(a.device)}")
+          f"{chosen.text if chosen else None}; device: {tuning.device_key(a.device)}")
     if args.reuse and first_call > 5.0:
         print("ERROR: the second process should reuse the record without building or timing", file=sys.stderr)
         return 1

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 # The --help texts spell out two values that live in torch-importing modules (test_cli checks them)
 DTYPE_NAMES = ("bf16", "fp16", "fp32")  # ir.ops.DTYPES
-DEFAULT_CONFIG = "128x256x64_c2x1_cooperative"  # Config().key
+DEFAULT_CONFIG = "128x256x64_c2x1_cooperative"  # Config().text
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -107,7 +107,7 @@ def _pairs(items: list[str] | None, flag: str) -> dict[str, str]:
     return out
 
 
-def specialize_from_options(ep: Epilogue, ab_dtype: str = "bf16", b_layout: str = "nk",
+def specialization_from_options(ep: Epilogue, ab_dtype: str = "bf16", b_layout: str = "nk",
                    operand_dtypes: dict[str, str] | None = None, consts: dict[str, str | float] | None = None,
                    config: Config | str | None = None) -> CompiledOp:
     """Signature -> plan -> key -> .cu, from options alone (no tensors, no GPU). Every tensor/vector
@@ -160,7 +160,7 @@ def _spec_from_args(args) -> tuple[Epilogue, CompiledOp]:
     if getattr(args, "backward", False):  # the derived backward: an epilogue of its own, consts bound
         ep, consts = _backward_of(ep, consts), {}
     dtypes = _pairs(args.operand_dtype, "--operand-dtype")
-    return ep, specialize_from_options(ep, args.dtype, args.b_layout, dtypes, consts, args.config)
+    return ep, specialization_from_options(ep, args.dtype, args.b_layout, dtypes, consts, args.config)
 
 
 def _backward_of(ep: Epilogue, consts: dict) -> Epilogue:
@@ -182,10 +182,10 @@ def _backward_of(ep: Epilogue, consts: dict) -> Epilogue:
 def cmd_emit(args) -> int:
     _, spec = _spec_from_args(args)
     if args.output:
-        Path(args.output).write_text(spec.source)
+        Path(args.output).write_text(spec.cu_text)
         _err(f"wrote {args.output} (key {spec.key}, op coda_dsl::{spec.op_name})")
     else:
-        sys.stdout.write(spec.source)
+        sys.stdout.write(spec.cu_text)
         sys.stdout.flush()
     if args.check:
         # stdout may be the .cu itself: progress goes to stderr
@@ -202,10 +202,10 @@ def cmd_explain(args) -> int:
     if args.shape:  # the configuration cd.gemm would pick, untuned, for this shape (unless --config)
         from .runtime.tune import default
         config, why = default(*args.shape)
-        args.config = args.config or config.key
+        args.config = args.config or config.text
     ep, spec = _spec_from_args(args)
     plan, sig = spec.plan, spec.plan.signature
-    print(f"# epilogue {ep.name} ({ep.source})")
+    print(f"# epilogue {ep.name} ({ep.defined_at})")
     consts = ", ".join(f"{k}={v:g}" for k, v in sig.consts)
     print(f"\n## IR{f' (consts bound: {consts})' if consts else ''}\n{format_program(spec.program)}")
     print(f"\n## EVT plan: {'Sm90EVT' if len(plan.nodes) == 2 else 'Sm90TopologicalVisitor'} over {len(plan.nodes)} nodes, children first; "
@@ -226,16 +226,16 @@ def cmd_explain(args) -> int:
     outs = ([f"D ({plan.d_dtype}, [M, N])"] if plan.d_dtype else []) + [
         f"{n} ({d}, {shapes[k]})" for n, d, k in plan.outputs]
     print(f"  outputs: {', '.join(outs)}")
-    print(f"\n## specialization\n  A/B {sig.ab_dtype}, B layout {sig.b_layout}, config {sig.config.key}")
+    print(f"\n## specialization\n  A/B {sig.ab_dtype}, B layout {sig.b_layout}, config {sig.config.text}")
     if why:
         print(f"  config for M x N x K = {' x '.join(map(str, args.shape))}: " +
-              (f"{args.config} (--config)" if args.config != default(*args.shape)[0].key else why))
+              (f"{args.config} (--config)" if args.config != default(*args.shape)[0].text else why))
     print(f"  key {spec.key}  (op coda_dsl::{spec.op_name})")
     try:  # the cache entry also depends on the toolchain; explaining needs none
         print(f"  build key {build.build_key(spec.key)}  (its cache entry with this toolchain)")
     except ToolchainError as e:
         print(f"  build key: unknown, no toolchain here ({e})")
-    print(f"  canonical: {plan.key}")
+    print(f"  canonical: {plan.canonical}")
     return 0
 
 
@@ -278,7 +278,7 @@ def cmd_cache(args) -> int:
     print(f"cache {root}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, "
           f"{_size(sum(e['size'] for e in entries))}")
     if entries:
-        rows = [(e, *_kernel_header(e["source"])) for e in sorted(entries, key=lambda e: -e["mtime"])]
+        rows = [(e, *_kernel_header(e["cu_path"])) for e in sorted(entries, key=lambda e: -e["mtime"])]
         width = max(len("epilogue"), *(len(name) for _, name, _ in rows))
         print(f"  {'key':<24}  {'epilogue':<{width}}  {'size':>9}  {'age':>4}  .so  config")
         now = time.time()
@@ -288,12 +288,12 @@ def cmd_cache(args) -> int:
     return 0
 
 
-def _kernel_header(source: str | None) -> tuple[str, str]:
+def _kernel_header(cu_path: str | None) -> tuple[str, str]:
     """(epilogue name, config) from the header comment that templates/kernel.cu.j2 writes into every
     generated kernel.cu; "?" for what an entry lacks."""
     name = config = "?"
     try:
-        with open(source or "", encoding="utf-8", errors="replace") as f:
+        with open(cu_path or "", encoding="utf-8", errors="replace") as f:
             head = [next(f, "") for _ in range(8)]
     except OSError:
         return name, config
@@ -492,7 +492,7 @@ def parser() -> argparse.ArgumentParser:
         return p
 
     p = command("emit", cmd_emit, "print the generated .cu of an epilogue",
-                "Print the CUDA C++ source (.cu) generated for one specialization of an epilogue: the file "
+                "Print the CUDA C++ (.cu) generated for one specialization of an epilogue: the file "
                 "that a build compiles. Needs no GPU and, without --check, no compiler.")
     _target_options(p)
     p.add_argument("-o", "--output", metavar="FILE", help="write the .cu here instead of stdout")

@@ -6,7 +6,7 @@ class CodaError(Exception):
 
 
 class EpilogueError(CodaError, TypeError):
-    """A mistake in an epilogue's source: raised while tracing or checking it, names the user's line."""
+    """A mistake in an epilogue's Python code: raised while tracing or checking it, names the user's line."""
 
 
 class OperandError(CodaError, ValueError):

@@ -25,7 +25,7 @@ class Kernel:
     program: ir.Program  # specialized: constants bound and folded
     plan: Plan
     key: str  # the specialization key: names the op and, with the toolchain, the cache entry
-    source: str  # the .cu
+    cu_text: str  # the rendered .cu
     op_name: str  # its name in C++ and in its messages: coda_dsl::<op_name>
 
 
@@ -40,5 +40,5 @@ def plan(program: ir.Program, sig: Signature, consts: dict[str, float]) -> tuple
 def kernel(program: ir.Program, sig: Signature, consts: dict[str, float]) -> Kernel:
     """plan(), then the key and the rendered .cu."""
     program, p = plan(program, sig, consts)
-    key = build.specialization_key(p.key)
-    return Kernel(program, p, key, codegen.render(p, key, program.source), codegen.op_name(key))
+    key = build.specialization_key(p.canonical)
+    return Kernel(program, p, key, codegen.render(p, key, program.defined_at), codegen.op_name(key))

@@ -2,7 +2,7 @@
 metric, a temporary kernel cache, the fake toolchain and builds, fake kernels for the cutlass call path,
 a fresh runtime, and a helper that lowers an epilogue into an EVT plan without a GPU.
 
-What tests import by name lives in plain modules: tests/epilogues.py (the test epilogues, `signature`,
+What tests import by name lives in plain modules: tests/epilogues.py (the test epilogues, `signature_for`,
 `rel_err`) and tests/build_helpers.py (FAKE_TC, real_toolchain_or_skip, build-unit helpers)."""
 import random
 import time
@@ -17,7 +17,7 @@ from build_helpers import FAKE_TC
 from coda_dsl.build import builder, cache
 from coda_dsl import pipeline
 from coda_dsl import runtime
-from epilogues import rel_err, signature
+from epilogues import rel_err, signature_for
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def rel():
 def make_plan():
     """make_plan(ep, consts={}, **signature options) -> the lowered Plan."""
     def make(ep, consts=None, **kw):
-        return pipeline.plan(ep.program, signature(ep, consts=consts, **kw), consts or {})[1]
+        return pipeline.plan(ep.program, signature_for(ep, consts=consts, **kw), consts or {})[1]
     return make
 
 

@@ -1,5 +1,5 @@
 """The catalogue of test epilogues used by more than one test file, and the helpers that check them:
-`signature` (the Signature cd.gemm builds, for lowering without a GPU) and `rel_err`.
+`signature_for` (the Signature cd.gemm builds, for lowering without a GPU) and `rel_err`.
 
 A plain module, imported by name (`from epilogues import bias_gelu`); tests/conftest.py holds only
 fixtures and hooks. An epilogue used by one file stays in that file.
@@ -68,8 +68,8 @@ def double_width(acc, pre: cd.Tensor, rs: cd.VecM):
 
 
 # ---- helpers ------------------------------------------------------------------------------------
-def signature(ep, ab="bf16", b_layout="nk", operand_dtype="bf16", operand_dtypes=None, output_dtypes=None,
-              consts=None, config=None, deterministic=False, accumulate=False) -> Signature:
+def signature_for(ep, ab="bf16", b_layout="nk", operand_dtype="bf16", operand_dtypes=None, output_dtypes=None,
+                  consts=None, config=None, deterministic=False, accumulate=False) -> Signature:
     """The Signature cd.gemm would build for `ep` (runtime.op.signature, the product's one): every load
     operand `operand_dtype` unless given in `operand_dtypes`; outputs as a call gets them, except those
     in `output_dtypes` (forced, even over a traced dtype, to reach codegen cases a call cannot)."""

@@ -34,7 +34,7 @@ def test_key_stable_and_sensitive(fake, monkeypatch):
     import dataclasses
     newer = dataclasses.replace(FAKE_TC, nvcc_version="13.1.0")
     monkeypatch.setattr(cache, "toolchain", lambda: newer)
-    # a new toolchain: the same op (name, source), a new cache entry
+    # a new toolchain: the same op (name, .cu), a new cache entry
     assert k == b.specialization_key("ir: D = acc * 2; bf16; tile 128x256") and b.build_key(k) != bk
     monkeypatch.setattr(cache, "toolchain", lambda: FAKE_TC)
     monkeypatch.setattr(cache, "CODEGEN_VERSION", "999")
@@ -65,15 +65,15 @@ def test_key_covers_every_version_and_nested_headers(fake, monkeypatch, tmp_path
     header.parent.mkdir(parents=True)
     header.write_text("// one")
     monkeypatch.setattr(cache, "csrc_dir", lambda: tmp_path / "csrc")
-    cache._sources_digest.cache_clear()
+    cache._generator_digest.cache_clear()
     try:
         before = b.specialization_key("p")
         header.write_text("// two")
-        cache._sources_digest.cache_clear()
+        cache._generator_digest.cache_clear()
         assert b.specialization_key("p") != before
         assert b.build_key(b.specialization_key("p")) != b.build_key(before)
     finally:
-        cache._sources_digest.cache_clear()  # recomputed from the real csrc/ once the patch is undone
+        cache._generator_digest.cache_clear()  # recomputed from the real csrc/ once the patch is undone
 
 
 def test_cutlass_checkouts_are_keyed_by_location(tmp_path, monkeypatch):
@@ -154,7 +154,7 @@ def test_build_then_cached(fake):
     assert so == b.cache_dir() / bk(u) / "kernel.so" and so.exists()
     assert len(lines) == 2 and "building 1 kernel specialization" in lines[0]
     assert json.loads((so.parent / "meta.json").read_text())["key"] == bk(u)
-    assert (so.parent / "kernel.cu").read_text() == u.source
+    assert (so.parent / "kernel.cu").read_text() == u.cu_text
     lines.clear()
     assert b.build_units([u], log=lines.append) == [so]
     assert len(fake.calls()) == 1 and lines == []  # warm: silent, no ninja
@@ -210,7 +210,7 @@ def test_cache_entries_and_clear(fake):
     entries = b.cache_entries()
     assert {e["key"] for e in entries} == {bk(u) for u in us}
     e = entries[0]
-    assert e["has_so"] and e["size"] > 0 and e["mtime"] > 0 and Path(e["source"]).exists()
+    assert e["has_so"] and e["size"] > 0 and e["mtime"] > 0 and Path(e["cu_path"]).exists()
     assert b.clear_cache() == cache.Cleared(removed=2)
     assert b.cache_entries() == [] and not list(b.cache_dir().glob("*.lock"))
 
@@ -262,9 +262,9 @@ def test_threads_build_same_key_once(fake):
     assert not errors and len(set(results)) == 1 and len(fake.calls()) == 1
 
 
-def _proc_build(key, source, q):
+def _proc_build(key, cu_text, q):
     try:
-        q.put(str(b.build_units([b.BuildUnit(key, source)], log=quiet)[0]))
+        q.put(str(b.build_units([b.BuildUnit(key, cu_text)], log=quiet)[0]))
     except Exception as e:  # pragma: no cover
         q.put(repr(e))
 
@@ -274,7 +274,7 @@ def test_processes_build_same_key_once(fake):
     u = unit()
     ctx = multiprocessing.get_context("fork")  # children inherit the mocked build
     q = ctx.Queue()
-    ps = [ctx.Process(target=_proc_build, args=(u.key, u.source, q)) for _ in range(3)]
+    ps = [ctx.Process(target=_proc_build, args=(u.key, u.cu_text, q)) for _ in range(3)]
     for p in ps:
         p.start()
     out = [q.get(timeout=60) for _ in ps]
@@ -324,7 +324,7 @@ def test_toolchain_error_without_nvcc(cache_root, monkeypatch, tmp_path):
 @needs_nvcc
 def test_build_error_format_real_nvcc(cache_root):
     u = b.BuildUnit(key=b.specialization_key("syntax error"),
-                    source="__global__ void k(float* x) {\n  x[0] = 1.0f\n}\n")
+                    cu_text="__global__ void k(float* x) {\n  x[0] = 1.0f\n}\n")
     with pytest.raises(b.BuildError) as ei:
         b.build_units([u], compile_only=True, log=quiet)
     e = ei.value
@@ -332,7 +332,7 @@ def test_build_error_format_real_nvcc(cache_root):
     assert str(e).splitlines() == [f"nvcc failed to compile {failed / 'kernel.cu'}",
                                    f"  first error: {e.first_error}", f"  full log: {failed / 'build.log'}"]
     assert "error" in e.first_error and e.first_error.startswith(f"{failed / 'kernel.cu'}(")
-    assert Path(e.source_path).read_text() == u.source and Path(e.log_path).exists()
+    assert Path(e.cu_path).read_text() == u.cu_text and Path(e.log_path).exists()
     assert not (b.cache_dir() / bk(u) / "meta.json").exists()
 
 
@@ -349,7 +349,7 @@ extern "C" int coda_tiny_launch(float* x, void* stream, char* message, int64_t m
 
 @needs_nvcc
 def test_real_compile_only_build(cache_root):
-    u = b.BuildUnit(key=b.specialization_key("tiny tu"), source=TINY_TU)
+    u = b.BuildUnit(key=b.specialization_key("tiny tu"), cu_text=TINY_TU)
     [o] = b.build_units([u], compile_only=True, log=quiet)
     assert o.exists() and o.stat().st_size > 0
     log = (o.parent / "build.log").read_text()

@@ -337,15 +337,15 @@ def test_clear_during_a_build_keeps_it_and_says_so(fake, capsys):
     assert f"kept {bk(us[0])} (pid 4242): it is being built now" in out
 
 
-def _cli_child_build(key, source):
-    b.build_units([b.BuildUnit(key, source)], log=quiet)
+def _cli_child_build(key, cu_text):
+    b.build_units([b.BuildUnit(key, cu_text)], log=quiet)
 
 
 def test_cli_build_that_only_waited_does_not_say_built(fake, capsys):
     fake.delay = 1.5
-    spec = cli.specialize_from_options(cli.load_epilogue("coda_dsl.examples:bias_gelu"))
+    spec = cli.specialization_from_options(cli.load_epilogue("coda_dsl.examples:bias_gelu"))
     ctx = multiprocessing.get_context("fork")
-    other = ctx.Process(target=_cli_child_build, args=(spec.key, spec.source))
+    other = ctx.Process(target=_cli_child_build, args=(spec.key, spec.cu_text))
     other.start()
     deadline = time.monotonic() + 30
     while not fake.calls():  # the other process holds the lock and builds
@@ -384,10 +384,10 @@ def test_same_plan_other_toolchain_same_op_other_entry(monkeypatch):
     seen = []
     for tc in (FAKE_TC, dataclasses.replace(FAKE_TC, nvcc_version="13.1.0")):
         monkeypatch.setattr(cache, "toolchain", lambda tc=tc: tc)
-        spec = cli.specialize_from_options(ep)
-        seen.append((spec.op_name, spec.source, b.build_key(spec.key)))
+        spec = cli.specialization_from_options(ep)
+        seen.append((spec.op_name, spec.cu_text, b.build_key(spec.key)))
     assert seen[0][:2] == seen[1][:2] and seen[0][2] != seen[1][2]
-    other = cli.specialize_from_options(ep, ab_dtype="fp16")
+    other = cli.specialization_from_options(ep, ab_dtype="fp16")
     assert other.op_name != seen[0][0] and b.build_key(other.key) != seen[1][2]
 
 

@@ -211,9 +211,9 @@ def test_cache_list_clear(capsys, tmp_path):
 
 
 def test_cache_list_names_epilogue_and_config(capsys, tmp_path):
-    spec = cli.specialize_from_options(residual_rms, config="128x192x64_c2x1_pingpong")
+    spec = cli.specialization_from_options(residual_rms, config="128x192x64_c2x1_pingpong")
     staged = tmp_path / "kernel.cu"
-    staged.write_text(spec.source)
+    staged.write_text(spec.cu_text)
     cache.commit_entry(spec.key, {"kernel.cu": staged}, {"op_name": spec.op_name})
     staged.write_bytes(b"\0" * 16)
     cache.commit_entry("00000000000000000000beef", {"kernel.so": staged}, {})  # no kernel.cu: "?"
@@ -240,7 +240,7 @@ def test_every_command_and_option_has_help():
 
 def test_help_literals_match_their_sources():
     from coda_dsl.ir.ops import DTYPES
-    assert cli.DTYPE_NAMES == tuple(DTYPES) and cli.DEFAULT_CONFIG == cd.Config().key
+    assert cli.DTYPE_NAMES == tuple(DTYPES) and cli.DEFAULT_CONFIG == cd.Config().text
 
 
 def test_help_and_import_do_not_import_torch():

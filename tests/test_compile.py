@@ -16,7 +16,7 @@ from coda_dsl import build
 from coda_dsl.codegen import op_name, render
 from coda_dsl.passes.plan import AuxLoad, AuxStore, ColBroadcast, RowBroadcast
 from build_helpers import real_toolchain_or_skip
-from epilogues import double_width, rich_operands_and_ops, signature
+from epilogues import double_width, rich_operands_and_ops, signature_for
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +46,8 @@ def test_rich_kernel_compiles(toolchain, cache_root, make_plan):
     assert sorted(d for _, d, _ in plan.outputs) == ["fp16", "fp32"] and plan.scalars == ["alpha", "beta"]
     parents = Counter(c for n in plan.nodes for c in n.children)
     assert any(parents[i] >= 3 for i, n in enumerate(plan.nodes) if n.children)
-    key = build.specialization_key(plan.key)
-    source = render(plan, key, rich_operands_and_ops.source)
+    key = build.specialization_key(plan.canonical)
+    cu_text = render(plan, key, rich_operands_and_ops.defined_at)
 
     # built in the same (parallel) ninja run: the template's other branches. No D with deterministic
     # reductions and finishing kernels; in-place accumulation (C = D) with atomic reductions of every axis.
@@ -61,16 +61,16 @@ def test_rich_kernel_compiles(toolchain, cache_root, make_plan):
               make_plan(_forward_epilogue(True, 30.0), operand_dtypes={"target": "i64"}),
               make_plan(double_width, operand_dtypes={"rs": "fp32"})]
     assert others[0].d_dtype is None and others[1].reads_d and others[2].d_dtype is None
-    units = [build.BuildUnit(key, source, op_name(key))]
+    units = [build.BuildUnit(key, cu_text, op_name(key))]
     for p in others:
-        k = build.specialization_key(p.key)
+        k = build.specialization_key(p.canonical)
         units.append(build.BuildUnit(k, render(p, k, ""), op_name(k)))
 
     libs = build.build_units(units)  # compiled and linked: the .so exports the launcher's two functions
     so = libs[0]
     assert so.parent.parent == cache_root and so.name == "kernel.so"
     assert all(o.is_file() and o.stat().st_size > 0 for o in libs)
-    assert (so.parent / "kernel.cu").read_text() == source
+    assert (so.parent / "kernel.cu").read_text() == cu_text
     # Loaded and called through runtime/kernel.py (no GPU needed): a call the kernel refuses comes
     # back as a KernelError naming the op, from its own operand check.
     from coda_dsl.runtime.kernel import Kernel
@@ -85,12 +85,12 @@ def test_rich_kernel_compiles(toolchain, cache_root, make_plan):
 # Float literals in generated functors must compile in __host__ __device__ code
 # ---------------------------------------------------------------------------------------------
 def compile_functors(toolchain, tmp_path, ep):
-    """Compile the functors of `ep`'s rendered source (with the real flags), called from a kernel."""
+    """Compile the functors of `ep`'s rendered .cu (with the real flags), called from a kernel."""
     from coda_dsl.build.tools import compile_command
     from coda_dsl.passes import lower, specialize
 
-    plan = lower(specialize(ep.program, {}), signature(ep))
-    src = render(plan, "0" * 24, ep.source)
+    plan = lower(specialize(ep.program, {}), signature_for(ep))
+    src = render(plan, "0" * 24, ep.defined_at)
     part = src[src.index("// Runtime scalars"):src.index("// ---- Epilogue visitor nodes")]
     calls = "\n".join(f"  o[{i}] = {f.name}<float>{{}}({', '.join(['o[0]'] * f.arity)}, p);"
                       for i, f in enumerate(plan.functors))

@@ -1,15 +1,15 @@
 """Golden files: the generated .cu of every example and library epilogue, byte for byte.
 
-Each case renders one specialization through the path `coda-dsl emit` uses (cli.specialize_from_options /
-CompiledOp.create: specialize, lower, key, render; no toolchain) and compares it with
-tests/golden/<case>.cu. A refactor of the IR, the passes or codegen must leave them unchanged; a
-change to the generated code must show up here as a diff to review.
+Each case renders one specialization through the path `coda-dsl emit` uses
+(cli.specialization_from_options / CompiledOp.create: specialize, lower, key, render; no toolchain)
+and compares it with tests/golden/<case>.cu. A refactor of the IR, the passes or codegen must leave
+them unchanged; a change to the generated code must show up here as a diff to review.
 
 Regenerate only on purpose (after an intended change to the generated code), then review the diff:
 
     CODA_REGEN_GOLDEN=1 PYTHONPATH=$PWD python -m pytest tests/test_golden.py
 
-The key (and so the op name in the source) hashes the template and csrc headers too; the test pins
+The key (and so the op name in the .cu) hashes the template and csrc headers too; the test pins
 that digest, so that the files show the code and the plan, not the bytes of those sources.
 """
 from __future__ import annotations
@@ -71,17 +71,17 @@ def render(name: str, variant: str | None) -> str:
     ep, consts = EPILOGUES[name]
     if variant in (None, "fp16", "kn", "pingpong"):  # exactly what `coda-dsl emit` does
         kw = VARIANTS.get(variant, {})
-        return cli.specialize_from_options(ep, kw.get("ab", "bf16"), kw.get("b_layout", "nk"), consts=consts,
-                                           config=kw.get("config")).source
+        return cli.specialization_from_options(ep, kw.get("ab", "bf16"), kw.get("b_layout", "nk"), consts=consts,
+                                           config=kw.get("config")).cu_text
     # emit has no flags for these: the same CompiledOp.create, with the signature cd.gemm would build
     dtypes = {p.name: "bf16" for p in ep.params if p.kind in ("tensor", "vec_m", "vec_n")}
     sig = signature(ep, "bf16", "nk", dtypes, consts, **VARIANTS[variant])
-    return CompiledOp.create(ep, sig, consts).source
+    return CompiledOp.create(ep, sig, consts).cu_text
 
 
 @pytest.mark.parametrize("name, variant", CASES, ids=[f"{n}-{v}" if v else n for n, v in CASES])
 def test_generated_source_is_unchanged(name, variant, monkeypatch):
-    monkeypatch.setattr(cache, "_sources_digest", lambda: "golden")
+    monkeypatch.setattr(cache, "_generator_digest", lambda: "golden")
     path = GOLDEN / f"{name}{'.' + variant if variant else ''}.cu"
     got = render(name, variant)
     if REGEN:

@@ -174,10 +174,10 @@ VARIANTS = [
     ((scaled_bias, torch.bfloat16, "nk"), dict(accumulate=True, out_dtype=torch.bfloat16)),
     # the row nodes under another thread layout: one warp group per 64-row tile
     ((lse_and_take, torch.bfloat16, "nk"), dict(config=cd.Config((64, 256, 64), (1, 1), "pingpong"))),
-    ((double_width, torch.bfloat16, "nk"), dict(config=runtime.tuning.PINGPONG.key)),
+    ((double_width, torch.bfloat16, "nk"), dict(config=runtime.tuning.PINGPONG.text)),
 ]
 # tile-scheduler options and other tiles: each with reductions + a full-size load, and with pair stores
-SCHEDULER_CONFIGS = [runtime.tuning.PINGPONG.key, runtime.tuning.PINGPONG_192.key,
+SCHEDULER_CONFIGS = [runtime.tuning.PINGPONG.text, runtime.tuning.PINGPONG_192.text,
                      "128x256x64_c2x1_cooperative_rm_s4_streamk", "256x128x64_c1x2_cooperative_rn_s2"]
 VARIANTS += [((ep, torch.bfloat16, "nk"), dict(config=c)) for c in SCHEDULER_CONFIGS for ep in (row_stats, swiglu)]
 # the cross-entropy library's kernels, with their A/B dtype: forward variants (smoothing, softcap),
@@ -278,7 +278,7 @@ def test_batched(kernels, ep):
 def test_double_width_other_config_and_unaligned_rows(kernels):
     """[M, 2N] operands and outputs under pingpong tiles; with N = 1001 the output's rows (2002 bf16) are not
     whole 16-byte groups, so the interleaved output goes straight from registers (no TMA)."""
-    for m, n, k, opts in ((777, 4104, 1000, dict(config=runtime.tuning.PINGPONG.key)), (300, 1001, 64, {})):
+    for m, n, k, opts in ((777, 4104, 1000, dict(config=runtime.tuning.PINGPONG.text)), (300, 1001, 64, {})):
         a, b = _ab(m, n, k, torch.bfloat16, "nk")
         _check(double_width, a, b, _operands(double_width, m, n, torch.bfloat16), **opts)
 

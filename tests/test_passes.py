@@ -8,7 +8,7 @@ from coda_dsl.codegen import evt
 from coda_dsl.ir import graph as ir
 from coda_dsl.library import rope_tables
 from coda_dsl.passes import Config, specialize
-from coda_dsl.passes.plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, Reduction, Ref, RowBroadcast,
+from coda_dsl.passes.plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, Reduce, Ref, RowBroadcast,
                                   Step)
 
 
@@ -61,7 +61,7 @@ def test_folded_const_is_a_single_multiply_in_the_plan(make_plan):
     plan = make_plan(scaled, consts={"c": 3.0})
     (_, comp), = computes(plan)
     assert comp.functor.steps == [Step("mul", None, (Ref("input", 0), Ref("const", 6.0)))]
-    assert "3.0" not in plan.key and "6.0f" in plan.key
+    assert "3.0" not in plan.canonical and "6.0f" in plan.canonical
 
 
 def test_fold_uses_fp32_and_cast_semantics():
@@ -227,7 +227,7 @@ def test_output_dtypes(make_plan):
 
 
 # ---------------------------------------------------------------------------------------------
-# plan.key
+# plan.canonical
 # ---------------------------------------------------------------------------------------------
 @cd.epilogue
 def keyed(acc, res: cd.Tensor, bias: cd.VecN, rstd: cd.VecM, c: cd.Const):
@@ -247,10 +247,10 @@ def keyed_swapped_params(acc, c: cd.Const, rstd: cd.VecM, bias: cd.VecN, res: cd
     return {"D": h + res * c, "aux": cd.cast(cd.gelu(h), cd.float32)}
 
 
-def test_key_independent_of_user_names(make_plan):
-    base = make_plan(keyed, consts={"c": 0.5}).key
-    assert make_plan(keyed_renamed, consts={"k": 0.5}).key == base
-    assert make_plan(keyed_swapped_params, consts={"c": 0.5}).key == base
+def test_canonical_text_independent_of_user_names(make_plan):
+    base = make_plan(keyed, consts={"c": 0.5}).canonical
+    assert make_plan(keyed_renamed, consts={"k": 0.5}).canonical == base
+    assert make_plan(keyed_swapped_params, consts={"c": 0.5}).canonical == base
     for forbidden in ("keyed", "res", "bias", "rstd", "aux", "test_passes"):
         assert forbidden not in base
 
@@ -271,17 +271,17 @@ def test_key_independent_of_user_names(make_plan):
     dict(output_dtypes={"D": "fp32"}),
     dict(output_dtypes={"aux": "bf16"}),
 ])
-def test_key_sensitive_to_what_changes_the_code(make_plan, change):
-    base = make_plan(keyed, consts={"c": 0.5}).key
+def test_canonical_text_sensitive_to_what_changes_the_code(make_plan, change):
+    base = make_plan(keyed, consts={"c": 0.5}).canonical
     kw = {"consts": {"c": 0.5}, **change}
-    assert make_plan(keyed, **kw).key != base
+    assert make_plan(keyed, **kw).canonical != base
 
 
-def test_key_sensitive_to_the_program(make_plan):
-    a = make_plan(cd.epilogue(lambda acc: cd.gelu(acc))).key
-    b = make_plan(cd.epilogue(lambda acc: cd.gelu(acc, approximate="tanh"))).key
-    c = make_plan(cd.epilogue(lambda acc: acc + 1)).key
-    d = make_plan(cd.epilogue(lambda acc: 1 + acc)).key
+def test_canonical_text_sensitive_to_the_program(make_plan):
+    a = make_plan(cd.epilogue(lambda acc: cd.gelu(acc))).canonical
+    b = make_plan(cd.epilogue(lambda acc: cd.gelu(acc, approximate="tanh"))).canonical
+    c = make_plan(cd.epilogue(lambda acc: acc + 1)).canonical
+    d = make_plan(cd.epilogue(lambda acc: 1 + acc)).canonical
     assert len({a, b, c, d}) == 4
 
 
@@ -300,14 +300,14 @@ def two_scalars_renamed(acc, a: cd.Scalar, b: cd.Scalar):
     return acc * a + b
 
 
-def test_scalar_binding_order_is_in_the_key(make_plan):
+def test_scalar_binding_order_is_in_the_canonical_text(make_plan):
     p1, p2 = make_plan(two_scalars), make_plan(two_scalars_swapped)
     assert p1.scalars != p2.scalars
-    assert p1.key != p2.key
+    assert p1.canonical != p2.canonical
 
 
-def test_scalar_rename_keeps_the_key(make_plan):
-    assert make_plan(two_scalars).key == make_plan(two_scalars_renamed).key
+def test_scalar_rename_keeps_the_canonical_text(make_plan):
+    assert make_plan(two_scalars).canonical == make_plan(two_scalars_renamed).canonical
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,7 +330,7 @@ def test_reductions_lower_to_their_cutlass_node(make_plan, kind, axis):
         h = acc + bias
         return {"D": h, "r": getattr(cd, kind)(h * h, axis=axis)}
 
-    [r] = [n for n in make_plan(cd.epilogue(fn)).nodes if isinstance(n, Reduction)]
+    [r] = [n for n in make_plan(cd.epilogue(fn)).nodes if isinstance(n, Reduce)]
     assert (r.kind, r.axis) == (kind, axis)
     node = {"n": "fusion::Sm90ColReduction<", "m": "fusion::Sm90RowReduction<", None: "fusion::Sm90ScalarReduction<"}
     reduce_op = {"sum": "cutlass::plus", "max": "cutlass::maximum", "min": "cutlass::minimum", "amax": "coda::amax_reduce"}
@@ -340,7 +340,7 @@ def test_reductions_lower_to_their_cutlass_node(make_plan, kind, axis):
 
 def test_config_roundtrip_and_validation():
     cfg = Config(tile=(256, 128, 64), cluster=(1, 2), schedule="cooperative")
-    assert Config.parse(cfg.key) == cfg
+    assert Config.parse(cfg.text) == cfg
     with pytest.raises(ValueError, match="pingpong"):
         Config(tile=(64, 128, 64))
     with pytest.raises(ValueError, match="at most 4"):
@@ -353,7 +353,7 @@ def test_config_roundtrip_and_validation():
                                   "128x192x64_c2x1_pingpong_e64x64_rn_s2_streamk", "256x128x64_c1x2_cooperative_streamk"])
 def test_config_scheduler_options_round_trip(text):
     cfg = Config.parse(text)
-    assert cfg.key == text and Config.parse(cfg.key) == cfg
+    assert cfg.text == text and Config.parse(cfg.text) == cfg
 
 
 @pytest.mark.parametrize("bad", [dict(raster="x"), dict(swizzle=3), dict(scheduler="dynamic")])
@@ -364,9 +364,9 @@ def test_config_scheduler_options_validated(bad):
         Config.parse("128x256x64_c2x1_cooperative_s3")
 
 
-def test_config_key_covers_the_epilogue_tile():
+def test_config_text_covers_the_epilogue_tile():
     tiled = Config(epilogue_tile=(128, 64))
-    assert Config.parse(tiled.key) == tiled and tiled.key != Config().key
+    assert Config.parse(tiled.text) == tiled and tiled.text != Config().text
 
 
 @cd.epilogue
@@ -420,9 +420,9 @@ def _take_two_indices(acc, t1: cd.VecM, t2: cd.VecM):
     ((_take_one_index, dict(operand_dtype="i64")), (_take_two_indices, dict(operand_dtype="i64"))),
     ((rope_tables, {}), (rope_tables, dict(operand_dtype="fp16"))),  # half-width tables of another dtype
 ], ids=["edges", "reduction axis", "odd slot", "take index", "pair load dtype"])
-def test_different_kernels_have_different_keys(make_plan, first, second):
+def test_different_kernels_have_different_canonical_texts(make_plan, first, second):
     """Two programs that compute different things must never share a cache entry."""
-    assert make_plan(first[0], **first[1]).key != make_plan(second[0], **second[1]).key
+    assert make_plan(first[0], **first[1]).canonical != make_plan(second[0], **second[1]).canonical
 
 
 def test_every_op_definition_is_complete():

@@ -11,7 +11,7 @@ from coda_dsl.codegen import render
 from coda_dsl.codegen.evt import node as cpp
 from coda_dsl.library import rms_consumer, rmsnorm_linear
 from coda_dsl.passes import accumulate_into_d, specialize
-from coda_dsl.passes.plan import Reduction, SrcFetch
+from coda_dsl.passes.plan import Reduce, SrcFetch
 from epilogues import rel_err as _rel
 
 
@@ -47,9 +47,9 @@ def test_finishing_expression_rejects_tile_values():
 
 def test_deterministic_lowering_uses_partials_and_a_finishing_kernel(make_plan):
     atomic, det = make_plan(stats), make_plan(stats, deterministic=True)
-    assert atomic.key != det.key
+    assert atomic.canonical != det.canonical
     for plan, expect_atomic in ((atomic, True), (det, False)):
-        reds = [n for n in plan.nodes if isinstance(n, Reduction)]
+        reds = [n for n in plan.nodes if isinstance(n, Reduce)]
         assert len(reds) == 2 and all(r.finish is not None for r in reds)
         for r in reds:
             assert ("atomic" in cpp(r).type) == expect_atomic
@@ -100,7 +100,7 @@ def test_accumulate_lowers_to_a_source_fetch(make_plan):
     plan = make_plan(plain, accumulate=True)
     assert plan.reads_d and any(isinstance(n, SrcFetch) for n in plan.nodes)
     assert "Sm90SrcFetch<ElementD>" in render(plan, "0" * 24)
-    assert make_plan(plain).key != plan.key
+    assert make_plan(plain).canonical != plan.canonical
 
 
 @pytest.mark.parametrize("eps", [1e-6, 1.0])  # 1.0: eps inside the mean, not scaled with it
@@ -127,7 +127,7 @@ def extremes(acc):
 def test_reduction_identities_atomics_and_strides(make_plan):
     """Atomic mode: each output is filled with its kind's identity, combined with its kind's atomic, and
     addressed per row ([M], axis n) or per column ([N], axis m)."""
-    red = {n.kind: n for n in make_plan(extremes).nodes if isinstance(n, Reduction)}
+    red = {n.kind: n for n in make_plan(extremes).nodes if isinstance(n, Reduce)}
     assert ", -INFINITY, call, op_name);" in cpp(red["max"]).fill and ", INFINITY, call, op_name);" in cpp(red["min"]).fill
     assert "cutlass::atomic_maximum" in cpp(red["max"]).type and "coda::atomic_minimum" in cpp(red["min"]).type
     assert "{cute::_1{}, cute::_0{}, int64_t(M)}" in cpp(red["sum"]).args
@@ -156,8 +156,8 @@ def test_consts_inside_then_are_folded(make_plan):
     def scaled_sum(acc, c: cd.Const):
         return {"D": acc, "s": cd.sum(acc, axis="n").then(lambda s: s * (c * 2.0))}
 
-    [r] = [n for n in make_plan(scaled_sum, consts={"c": 1.5}).nodes if isinstance(n, Reduction)]
-    assert "3.0f" in r.finish.key()
+    [r] = [n for n in make_plan(scaled_sum, consts={"c": 1.5}).nodes if isinstance(n, Reduce)]
+    assert "3.0f" in r.finish.canonical()
     a, b = _ab()
     s = cd.gemm(a, b, scaled_sum, c=1.5, backend="reference")["s"]
     assert _rel(s, 3.0 * (a.double() @ b.double().t()).sum(-1)) < 1e-5

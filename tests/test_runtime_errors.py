@@ -35,7 +35,7 @@ def error_of(exc_type, *args, backend="reference", **kw):
 
 
 def names_epilogue(msg, ep=ep_all):
-    return f"epilogue '{ep.name}'" in msg and ep.source in msg
+    return f"epilogue '{ep.name}'" in msg and ep.defined_at in msg
 
 
 def test_valid_call_passes():

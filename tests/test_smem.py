@@ -10,7 +10,7 @@ from coda_dsl import SharedMemoryError, examples
 from coda_dsl.library import cross_entropy, gated, rmsnorm, rope
 from coda_dsl.passes import Config, accumulate_into_d, smem, specialize
 from coda_dsl.runtime import tune as tuning
-from epilogues import signature
+from epilogues import signature_for
 
 lowering = importlib.import_module("coda_dsl.passes.lower")  # the module (the package exports its function)
 
@@ -37,7 +37,7 @@ def test_the_repro_gets_a_narrower_epilogue_tile(make_plan):
     compiled with nvcc; the 128x32 one failed the Stages >= 2 assertion)."""
     plan = make_plan(two_fp32_tensors, operand_dtypes=FP32)
     assert plan.signature.config == Config(epilogue_tile=(128, 16))
-    assert "_e128x16" in plan.key
+    assert "_e128x16" in plan.canonical
     assert smem.usage(plan, Config()).stages == 1 and smem.usage(plan).stages == 2
 
 
@@ -89,7 +89,7 @@ MEASURED = [
 @pytest.mark.parametrize("ep, options, epilogue_bytes, stages", MEASURED)
 def test_the_model_is_conservative_against_cutlass(ep, options, epilogue_bytes, stages):
     program = specialize(ep.program, {})
-    sig = signature(ep, **options)
+    sig = signature_for(ep, **options)
     program = accumulate_into_d(program) if sig.accumulate else program
     plan = lowering._Lowering(program, sig, lowering.validate(program)).run()  # before fit() adjusts it
     usage = smem.usage(plan)

@@ -12,23 +12,23 @@ from coda_dsl.runtime import tune as tuning
 
 
 def test_record_key_ignores_config_and_buckets_shapes():
-    plan_key = f"bf16|nk|{tuning.DEFAULT.key}|bf16|0|AccFetch()"
-    other = plan_key.replace(tuning.DEFAULT.key, Config((256, 128, 64)).key)
-    k = tuning.record_key(plan_key, tuning.DEFAULT, 4000, 4096, 4096, 1)
+    canonical = f"bf16|nk|{tuning.DEFAULT.text}|bf16|0|AccFetch()"
+    other = canonical.replace(tuning.DEFAULT.text, Config((256, 128, 64)).text)
+    k = tuning.record_key(canonical, tuning.DEFAULT, 4000, 4096, 4096, 1)
     assert k == tuning.record_key(other, Config((256, 128, 64)), 4096, 4096, 4096, 1)  # same bucket
-    assert k != tuning.record_key(plan_key, tuning.DEFAULT, 8192, 4096, 4096, 1)
+    assert k != tuning.record_key(canonical, tuning.DEFAULT, 8192, 4096, 4096, 1)
 
 
 def test_records_persist_and_are_found(cache_root, monkeypatch):
     monkeypatch.setattr(tuning, "device_key", lambda device: "FakeGPU|sm90")
-    plan_key = f"k|{tuning.DEFAULT.key}|x"
+    canonical = f"k|{tuning.DEFAULT.text}|x"
     dev = torch.device("cpu")
-    assert tuning.recorded(dev, plan_key, tuning.DEFAULT, (100, 200, 300, 1)) is None
+    assert tuning.recorded(dev, canonical, tuning.DEFAULT, (100, 200, 300, 1)) is None
     best = Config((256, 128, 64), (2, 1), "cooperative")
-    tuning._store("FakeGPU|sm90", tuning.record_key(plan_key, tuning.DEFAULT, 100, 200, 300, 1), best, {"a": 1.0})
-    assert tuning.recorded(dev, plan_key, tuning.DEFAULT, (120, 250, 300, 1)) == best
+    tuning._store("FakeGPU|sm90", tuning.record_key(canonical, tuning.DEFAULT, 100, 200, 300, 1), best, {"a": 1.0})
+    assert tuning.recorded(dev, canonical, tuning.DEFAULT, (120, 250, 300, 1)) == best
     (cache_root / "tuned.json").write_text("{not json")  # a corrupt record file means: tune again
-    assert tuning.recorded(dev, plan_key, tuning.DEFAULT, (120, 250, 300, 1)) is None
+    assert tuning.recorded(dev, canonical, tuning.DEFAULT, (120, 250, 300, 1)) is None
 
 
 def test_tune_uses_a_record_without_building(cache_root, monkeypatch):
@@ -39,7 +39,7 @@ def test_tune_uses_a_record_without_building(cache_root, monkeypatch):
     dtypes = _check_tensors(cd.identity, call, cutlass=True)
     spec = lambda cfg: specialization(cd.identity, call, dtypes, None, cfg)  # noqa: E731
     best = Config((128, 128, 64), (2, 1), "pingpong")
-    tuning._store("FakeGPU|sm90", tuning.record_key(spec(tuning.DEFAULT).plan.key, tuning.DEFAULT, 64, 48, 32, 1),
+    tuning._store("FakeGPU|sm90", tuning.record_key(spec(tuning.DEFAULT).plan.canonical, tuning.DEFAULT, 64, 48, 32, 1),
                   best, {})
     built = []
     monkeypatch.setattr(tuning.build, "build_units", lambda units, **kw: built.append(units))
@@ -51,11 +51,11 @@ def test_records_of_other_keys_and_devices_are_kept(cache_root, monkeypatch):
     dev = torch.device("cpu")
     configs = {("GPU-A", "k1"): Config((256, 128, 64)), ("GPU-A", "k2"): Config((128, 128, 64)),
                ("GPU-B", "k1"): Config((64, 256, 64), (1, 1), "pingpong")}
-    for (device, plan_key), config in configs.items():
-        tuning._store(device, tuning.record_key(plan_key, tuning.DEFAULT, 100, 200, 300, 1), config, {})
-    for (device, plan_key), config in configs.items():
+    for (device, canonical), config in configs.items():
+        tuning._store(device, tuning.record_key(canonical, tuning.DEFAULT, 100, 200, 300, 1), config, {})
+    for (device, canonical), config in configs.items():
         monkeypatch.setattr(tuning, "device_key", lambda d, device=device: device)
-        assert tuning.recorded(dev, plan_key, tuning.DEFAULT, (100, 200, 300, 1)) == config
+        assert tuning.recorded(dev, canonical, tuning.DEFAULT, (100, 200, 300, 1)) == config
 
 
 def test_record_key_separates_batch_counts():

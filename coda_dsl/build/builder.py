@@ -28,13 +28,13 @@ from .tools import Toolchain, compile_command, link_command, ninja_binary, toolc
 @dataclass
 class BuildUnit:
     key: str     # specialization key (cache.specialization_key); the entry is under its build key
-    source: str  # full .cu text
+    cu_text: str  # the full .cu
     op_name: str = ""  # the kernel's name in its messages (coda_dsl::<op_name>); informational here
 
     @property
     def label(self) -> str:
-        """What the unit is, for messages: its epilogue, as the generated source's header names it."""
-        m = re.search(r"^// Epilogue `([^`]+)`", self.source, re.M)
+        """What the unit is, for messages: its epilogue, as the .cu's header names it."""
+        m = re.search(r"^// Epilogue `([^`]+)`", self.cu_text, re.M)
         return m.group(1) if m else self.op_name or self.key
 
 
@@ -43,15 +43,15 @@ class KernelLoadError(CodaError, RuntimeError):
 
 
 class BuildError(CodaError):
-    """A kernel failed to build. Its source and log are kept under cache_dir()/failed/<key>/."""
+    """A kernel failed to build. Its kernel.cu and log are kept under cache_dir()/failed/<key>/."""
 
-    def __init__(self, source_path, log_path, first_error, action="nvcc failed to compile"):
-        self.source_path, self.log_path, self.first_error, self.action = \
-            str(source_path), str(log_path), first_error, action
-        super().__init__(f"{action} {source_path}\n  first error: {first_error}\n  full log: {log_path}")
+    def __init__(self, cu_path, log_path, first_error, action="nvcc failed to compile"):
+        self.cu_path, self.log_path, self.first_error, self.action = \
+            str(cu_path), str(log_path), first_error, action
+        super().__init__(f"{action} {cu_path}\n  first error: {first_error}\n  full log: {log_path}")
 
     def __reduce__(self):  # picklable across processes despite the custom __init__
-        return type(self), (self.source_path, self.log_path, self.first_error, self.action)
+        return type(self), (self.cu_path, self.log_path, self.first_error, self.action)
 
 
 def _cpus() -> int:
@@ -153,7 +153,7 @@ def _first_error(*texts: str) -> str:
 
 
 def _fail(unit: BuildUnit, udir: Path, ninja_out: str, compile_only: bool) -> BuildError:
-    """Keep the failing source and log under failed/<key>/ (paths in the log rewritten to point there)."""
+    """Keep the failing kernel.cu and log under failed/<key>/ (paths in the log rewritten to point there)."""
     dest = cache_dir() / "failed" / unit.key
     shutil.rmtree(dest, ignore_errors=True)
     make_dir(make_dir(cache_dir() / "failed") / unit.key)
@@ -185,7 +185,7 @@ def _build(units: list[BuildUnit], tc: Toolchain, compile_only: bool, jobs: int 
         with cache_io():
             for u in units:
                 (staging / u.key).mkdir()
-                (staging / u.key / "kernel.cu").write_text(u.source)
+                (staging / u.key / "kernel.cu").write_text(u.cu_text)
             (staging / "build.ninja").write_text(_ninja_file(tc, keys, compile_only))
         jobs = jobs or _default_jobs(len(units))
         n = len(units)
@@ -218,7 +218,7 @@ def _build(units: list[BuildUnit], tc: Toolchain, compile_only: bool, jobs: int 
         log(f"coda_dsl: done in {dt:.1f} s: {n - len(failed)} built, {len(failed)} failed"
             if failed else f"coda_dsl: built {what} in {dt:.1f} s")
         for e in failed[1:]:
-            log(f"coda_dsl: also failed: {e.source_path} (log: {e.log_path})")
+            log(f"coda_dsl: also failed: {e.cu_path} (log: {e.log_path})")
         if failed:
             raise failed[0]
     finally:

@@ -1,11 +1,11 @@
 """The on-disk kernel cache: keys, entry validity, atomic writes, per-key file locks, I/O errors.
 
 Layout: <cache_dir>/<build key>/{kernel.cu, kernel.o, kernel.so, build.log, meta.json}, <build key>.lock
-beside it, .staging/ for builds in progress, failed/<build key>/ for the source and log of the last
+beside it, .staging/ for builds in progress, failed/<build key>/ for the kernel.cu and log of the last
 failed build. meta.json is written last and records each output's size and SHA-256, so a half-written,
 truncated or damaged entry is detected (and rebuilt) instead of loaded.
 
-Two keys: the specialization key (plan + codegen; it names the torch op and is in the source) and the
+Two keys: the specialization key (plan + codegen; it names the torch op and is in the .cu) and the
 build key (specialization key + toolchain versions; it names the cache entry). Emitting a kernel needs
 no toolchain; only building does.
 """
@@ -150,9 +150,9 @@ def _fallback_dir(default: Path, why: OSError) -> Path:
 
 
 @functools.cache
-def _sources_digest() -> str:
+def _generator_digest() -> str:
     """The template, the hand-written headers every kernel includes and codegen's own spelling of the
-    plan (codegen/*.py; plan keys hold plans as data): editing them changes every key."""
+    plan (codegen/*.py; the canonical text holds plans as data): editing them changes every key."""
     h = hashlib.sha256()
     codegen = Path(__file__).resolve().parent.parent / "codegen"
     for f in sorted([*templates_dir().glob("*.j2"), *csrc_dir().rglob("*.h"), *codegen.glob("*.py")]):
@@ -166,8 +166,8 @@ def _hash(parts: list[str]) -> str:
 
 
 def specialization_key(canonical: str) -> str:
-    """The key of a plan: it names the torch op and appears in the source. No toolchain needed."""
-    return _hash([canonical, f"arch={ARCH}", f"codegen={CODEGEN_VERSION}", f"sources={_sources_digest()}"])
+    """The key of a plan: it names the torch op and appears in the .cu. No toolchain needed."""
+    return _hash([canonical, f"arch={ARCH}", f"codegen={CODEGEN_VERSION}", f"sources={_generator_digest()}"])
 
 
 def build_key(key: str) -> str:
@@ -395,7 +395,7 @@ def cache_entries() -> list[dict]:
             out.append({"key": key, "size": sum(p.stat().st_size for p in files),
                         "mtime": max((p.stat().st_mtime for p in files), default=d.stat().st_mtime),
                         "has_so": valid_output(key) is not None,
-                        "source": str(src) if src.exists() else None, "op_name": meta.get("op_name")})
+                        "cu_path": str(src) if src.exists() else None, "op_name": meta.get("op_name")})
     return out
 
 

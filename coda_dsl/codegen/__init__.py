@@ -29,7 +29,7 @@ def op_name(key: str) -> str:
     return f"k{key[:20]}"
 
 
-def render(plan: Plan, key: str, source: str = "") -> str:
+def render(plan: Plan, key: str, defined_at: str = "") -> str:
     sig = plan.signature
     return _environment().get_template("kernel.cu.j2").render(
         plan=plan,
@@ -37,7 +37,7 @@ def render(plan: Plan, key: str, source: str = "") -> str:
         functors=[cpp.functor(f) for f in plan.functors],
         key=key,
         op_name=op_name(key),
-        source=source,
+        defined_at=defined_at,
         cfg=sig.config,
         ab_dtype=sig.ab_dtype,
         element_ab=cpp_element(sig.ab_dtype),

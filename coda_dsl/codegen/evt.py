@@ -55,21 +55,21 @@ _STORE = {  # output taps: node class -> (C++ type over {e}; args helper)
 }
 
 
-def identity(r: p.Reduction) -> str:
+def identity(r: p.Reduce) -> str:
     """The reduction's identity as a C++ literal (what atomic outputs are filled with)."""
     return _REDUCE_FNS[r.kind][4] if r.kind in _REDUCE_FNS else "0.f"
 
 
-def _partials(r: p.Reduction) -> str:
+def _partials(r: p.Reduce) -> str:
     return f"partial_{r.output_index}"
 
 
-def _finish_fn(r: p.Reduction) -> str:
+def _finish_fn(r: p.Reduce) -> str:
     """The functor the finishing kernel applies to each complete statistic."""
     return f"{r.finish.name}<float>" if r.finish else "coda::Identity<float>"
 
 
-def _reduction_type(r: p.Reduction) -> str:
+def _reduction_type(r: p.Reduce) -> str:
     reg, shuffle, atomic, combine, _ = _REDUCE_FNS[r.kind]
     if r.axis is None and not r.deterministic:
         return (f"fusion::Sm90ScalarReduction<{reg}, {atomic}, float, float, {ROUND}, "
@@ -81,7 +81,7 @@ def _reduction_type(r: p.Reduction) -> str:
             f"float, float, {ROUND}, cute::Stride<{stride}, int64_t>{tail}>")
 
 
-def _reduction_args(r: p.Reduction) -> str:
+def _reduction_args(r: p.Reduce) -> str:
     axis = "n" if r.axis is None and r.deterministic else r.axis
     stride, batch = {"n": ("cute::_1{}, cute::_0{}", "M"), "m": ("cute::_0{}, cute::_1{}", "N"),
                      None: ("cute::_0{}, cute::_0{}", "1")}[axis]
@@ -89,7 +89,7 @@ def _reduction_args(r: p.Reduction) -> str:
     return f"{{{ptr}, {identity(r)}, {{{stride}, int64_t({batch})}}}}"
 
 
-def _reduction_init(r: p.Reduction) -> tuple[str, str]:
+def _reduction_init(r: p.Reduce) -> tuple[str, str]:
     """(init, fill) before the launch: atomics accumulate into the output, so fill it with the identity;
     deterministic mode gets a workspace buffer for the per-tile partials instead."""
     if not r.deterministic:
@@ -103,7 +103,7 @@ def _fill(output_index: int, value: str) -> str:
     return f"coda::fill(outputs[{output_index}], {value}, call, op_name);"
 
 
-def _reduction_finish(r: p.Reduction) -> str:
+def _reduction_finish(r: p.Reduce) -> str:
     """After the launch: combine partials and/or apply the finishing expression (else nothing)."""
     if not r.deterministic and r.finish is None:
         return ""
@@ -155,7 +155,7 @@ def _spell(n: p.EvtNode) -> tuple[str, str, str, str, str]:
         return _logsumexp(n)
     if kind is p.Take:
         return _take(n)
-    if kind is p.Reduction:
+    if kind is p.Reduce:
         return _reduction_type(n), _reduction_args(n), *_reduction_init(n), _reduction_finish(n)
     raise TypeError(f"no C++ for visitor node {kind.__name__}")
 

@@ -23,8 +23,8 @@ class Epilogue:
     def __init__(self, fn: Callable, name: str | None = None):
         self.fn = fn
         name = name or fn.__name__
-        source, params = signature_params(fn, RESERVED)
-        self._adopt(trace(fn, params, name, source))
+        defined_at, params = signature_params(fn, RESERVED)
+        self._adopt(trace(fn, params, name, defined_at))
         self.__doc__ = fn.__doc__
 
     @classmethod
@@ -37,7 +37,7 @@ class Epilogue:
 
     def _adopt(self, program: ir.Program) -> None:
         self.program = program
-        self.name, self.source, self.params = program.name, program.source, program.params
+        self.name, self.defined_at, self.params = program.name, program.defined_at, program.params
         self.output_names = tuple(o.name for o in program.outputs)
         self.uid = f"{self.name}#{next(self._count)}"  # names this epilogue inside torch.compile graphs
         Epilogue._by_uid[self.uid] = self
@@ -51,7 +51,7 @@ class Epilogue:
                         f"{', '.join(p.name + '=...' for p in self.params)})")
 
     def __repr__(self) -> str:
-        return f"<coda_dsl epilogue {self.name} ({self.source})>"
+        return f"<coda_dsl epilogue {self.name} ({self.defined_at})>"
 
 
 def epilogue(fn: Callable | None = None, *, name: str | None = None):

@@ -239,7 +239,7 @@ def apply(op: str, *args: Any) -> Value:
 # ---------------------------------------------------------------------------------------------
 # Tracing a function
 # ---------------------------------------------------------------------------------------------
-def trace(fn: Callable, params: tuple[ir.Param, ...], name: str, source: str) -> ir.Program:
+def trace(fn: Callable, params: tuple[ir.Param, ...], name: str, defined_at: str) -> ir.Program:
     tracer = _Tracer(name)
     prev, _Tracer.current = _Tracer.current, tracer
     try:
@@ -252,27 +252,27 @@ def trace(fn: Callable, params: tuple[ir.Param, ...], name: str, source: str) ->
             else:
                 args.append(Value(ir.const_param(p.name)))
         result = fn(*args)
-        outputs = _outputs(result, name, source)
+        outputs = _outputs(result, name, defined_at)
     finally:
         _Tracer.current = prev
-    return ir.Program(name, params, outputs, source, tracer.locations)
+    return ir.Program(name, params, outputs, defined_at, tracer.locations)
 
 
-def _outputs(result: Any, name: str, source: str) -> tuple[ir.Output, ...]:
+def _outputs(result: Any, name: str, defined_at: str) -> tuple[ir.Output, ...]:
     if isinstance(result, Value):
         result = {"D": result}
     if not isinstance(result, dict) or not result:
         raise EpilogueError(
-            f"epilogue '{name}' ({source}) must return a traced value (stored as D) or a non-empty dict "
+            f"epilogue '{name}' ({defined_at}) must return a traced value (stored as D) or a non-empty dict "
             f"{{'D': ..., 'other': ...}}, got {type(result).__name__}"
         )
     outs = []
     for key, v in result.items():
         if not isinstance(key, str) or not key.isidentifier():
-            raise EpilogueError(f"epilogue '{name}' ({source}): output name {key!r} must be a Python identifier")
+            raise EpilogueError(f"epilogue '{name}' ({defined_at}): output name {key!r} must be a Python identifier")
         if not isinstance(v, Value):
             raise EpilogueError(
-                f"epilogue '{name}' ({source}): output '{key}' is a {type(v).__name__}, not a traced value; "
+                f"epilogue '{name}' ({defined_at}): output '{key}' is a {type(v).__name__}, not a traced value; "
                 "an output must depend on the operands (e.g. acc * 0 + c)"
             )
         node = v.node
@@ -314,11 +314,11 @@ def reduce(kind: str, x: Any, axis, index: Any = None) -> Reduction:
 
 
 def signature_params(fn: Callable, reserved: set[str]) -> tuple[str, tuple[ir.Param, ...]]:
-    """Read operand kinds from the annotations; returns (source location, params after acc)."""
+    """Read operand kinds from the annotations; returns ("file.py:line" of the def, params after acc)."""
     from . import types  # the annotation classes
 
     code = fn.__code__
-    source = f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}"
+    defined_at = f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}"
     sig = inspect.signature(fn)
     try:
         ann = inspect.get_annotations(fn, eval_str=True)
@@ -326,24 +326,25 @@ def signature_params(fn: Callable, reserved: set[str]) -> tuple[str, tuple[ir.Pa
         ann = dict(getattr(fn, "__annotations__", {}))
     names = list(sig.parameters)
     if not names:
-        raise EpilogueError(f"epilogue '{fn.__name__}' ({source}) needs at least the accumulator parameter: "
+        raise EpilogueError(f"epilogue '{fn.__name__}' ({defined_at}) needs at least the accumulator parameter: "
                             f"def {fn.__name__}(acc, ...)")
     params = []
     for pname in names[1:]:
         p = sig.parameters[pname]
         if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-            raise EpilogueError(f"epilogue '{fn.__name__}' ({source}): *args/**kwargs are not supported ('{pname}')")
+            raise EpilogueError(f"epilogue '{fn.__name__}' ({defined_at}): *args/**kwargs are not supported "
+                                f"('{pname}')")
         kind = types.kind_of(ann.get(pname, inspect.Parameter.empty))
         if kind is None:
             got = ann.get(pname, None)
             raise EpilogueError(
-                f"epilogue '{fn.__name__}' ({source}): parameter '{pname}' "
+                f"epilogue '{fn.__name__}' ({defined_at}): parameter '{pname}' "
                 + ("has no annotation" if got is None else f"has annotation {got!r}, which is not an operand kind")
                 + f"\n  fix: annotate it, e.g. `{pname}: cd.Tensor` ([M, N]), cd.VecN (one value per column n), "
                 "cd.VecM (one per row m), cd.Scalar (runtime number) or cd.Const (compile-time number)"
             )
         if pname in reserved:
-            raise EpilogueError(f"epilogue '{fn.__name__}' ({source}): parameter name '{pname}' is reserved by "
+            raise EpilogueError(f"epilogue '{fn.__name__}' ({defined_at}): parameter name '{pname}' is reserved by "
                                 f"cd.gemm ({', '.join(sorted(reserved))}); rename it")
         params.append(ir.Param(pname, kind))
-    return source, tuple(params)
+    return defined_at, tuple(params)

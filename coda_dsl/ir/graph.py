@@ -3,7 +3,7 @@
 Nodes are hash-consed (structurally equal nodes are the same object), so a subexpression
 written twice is one node: common-subexpression elimination falls out of construction.
 
-Leaves:   acc, load(kind, name), source (D's current contents, for D += ...), scalar(name),
+Leaves:   acc, load(kind, name), prior_d (D's contents before the kernel, for D += ...), scalar(name),
           const(value), const_param(name), reduced (the statistic inside a finishing expression)
 Compute:  an op name of ir/ops.py with its inputs; cast(dtype) rounds through a storable dtype
 Pairwise: pair(x, 0 | 1) the even / odd columns of x; interleave(a, b) their inverse
@@ -66,9 +66,9 @@ def load(kind: str, name: str) -> Node:
     return Node("load", (), (kind, name))
 
 
-def source() -> Node:
-    """The current contents of D, for in-place accumulation (D += ...)."""
-    return Node("source")
+def prior_d() -> Node:
+    """The contents of D before the kernel writes it, for in-place accumulation (D += ...)."""
+    return Node("prior_d")
 
 
 def scalar(name: str) -> Node:
@@ -142,14 +142,14 @@ class Program:
     name: str
     params: tuple[Param, ...]
     outputs: tuple[Output, ...]
-    source: str = ""  # "file.py:line" of the def, for messages
+    defined_at: str = ""  # "file.py:line" of the def, for messages
     locations: dict = field(default_factory=dict, compare=False)  # id(node) -> "file.py:line"
 
     def output(self, name: str) -> Output | None:
         return next((o for o in self.outputs if o.name == name), None)
 
     def where(self, node: Node) -> str:
-        return self.locations.get(id(node), self.source)
+        return self.locations.get(id(node), self.defined_at)
 
 
 def topo_order(roots) -> list[Node]:
@@ -183,7 +183,7 @@ def walk(program: Program) -> Iterator[Node]:
 
 def _leaf_name(n: Node) -> str:
     """How format_program spells a leaf: by its operand name, its value, or its kind."""
-    if n.op in ("acc", "source", "reduced"):
+    if n.op in ("acc", "prior_d", "reduced"):
         return n.op
     if n.op == "const":
         return repr(n.attr)

@@ -201,7 +201,7 @@ NODE_OPS: dict[str, OpDef] = {
                         grad=lambda d, _attr, x, y, g: (d.pair(g, 0), d.pair(g, 1))),
     "reduce": OpDef("reduce", 1, "reduction"),
     "finish": OpDef("finish", 1, "reduction"),
-    **{leaf: OpDef(leaf, 0, "leaf") for leaf in ("acc", "load", "source", "scalar", "const", "const_param",
+    **{leaf: OpDef(leaf, 0, "leaf") for leaf in ("acc", "load", "prior_d", "scalar", "const", "const_param",
                                                    "reduced")},
 }
 

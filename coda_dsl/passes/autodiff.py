@@ -60,7 +60,7 @@ def _add(a: ir.Node | None, b: ir.Node) -> ir.Node:
 
 def derive(program: ir.Program) -> Backward:
     """The backward of a specialized forward program (cd.Const values bound)."""
-    where = f"epilogue '{program.name}' ({program.source})"
+    where = f"epilogue '{program.name}' ({program.defined_at})"
     kinds = {p.name: p.kind for p in program.params}
     for name in kinds:
         if name.startswith((GRAD, SAVED)) or name == "acc":
@@ -113,5 +113,5 @@ def derive(program: ir.Program) -> Backward:
         outputs.append(ir.Output(p.name, g if p.kind == "tensor" else ir.reduce("sum", _SUM_AXIS[p.kind], g), None))
     uses = {n.op for n in ir.topo_order([o.node for o in outputs])}
     backward = ir.Program(f"{program.name}_backward", tuple(p for p in program.params if p.kind != "const")
-                          + tuple(params), tuple(outputs), program.source, program.locations)
+                          + tuple(params), tuple(outputs), program.defined_at, program.locations)
     return Backward(backward, tuple(grads), tuple(saved), "acc" in uses)

@@ -8,9 +8,9 @@ RowBroadcast, VecM -> ColBroadcast, the halves cd.pairs(x) of a double-width (2N
 scalars ride in the functors' Arguments; constants are literals.
 Outputs other than D are taps on their value: AuxStore for tensors (PairStore at half width, WideStore
 for a double-width cd.interleave(a, b)),
-Reduction for statistics (LogSumExp and Take for cd.logsumexp / cd.take), with their finishing
+Reduce nodes for statistics (LogSumExp and Take for cd.logsumexp / cd.take), with their finishing
 expression, if any; the last node yields D. With accumulation, D's value reads the
-current D (`source` -> Sm90SrcFetch, CUTLASS's C operand).
+prior D (`prior_d` -> Sm90SrcFetch, CUTLASS's C operand).
 """
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ from ..errors import EpilogueError, UnsupportedError
 from ..ir import graph as ir
 from . import smem, widths
 from .plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, EvtNode, Functor, LogSumExp, PairLoad,
-                   PairStore, Plan, Reduction, Ref, RowBroadcast, Signature, SrcFetch, Step, Take, WideLoad,
+                   PairStore, Plan, Reduce, Ref, RowBroadcast, Signature, SrcFetch, Step, Take, WideLoad,
                    WideStore)
 
 _LOAD_NODE = {"tensor": AuxLoad, "vec_n": RowBroadcast, "vec_m": ColBroadcast}
-_FETCHED = ("acc", "load", "source")  # leaves read by a visitor node of their own (see _Lowering.leaf)
+_FETCHED = ("acc", "load", "prior_d")  # leaves read by a visitor node of their own (see _Lowering.leaf)
 
 
 def validate(program: ir.Program) -> dict[int, Fraction]:
@@ -95,7 +95,7 @@ class _Lowering:
         if id(n) not in self.index:
             if n.op == "acc":
                 self.index[id(n)] = self.add(AccFetch("Acc", comment="fp32 accumulator of A @ B^T"))
-            elif n.op == "source":
+            elif n.op == "prior_d":
                 self.index[id(n)] = self.add(SrcFetch("Source", comment="current D (accumulate: D += ...)"))
             elif _wide_half(n, self.width):
                 _, name = n.inputs[0].attr
@@ -227,7 +227,7 @@ class _Lowering:
                           f"fp32{then}", index_input=self.input(index), **common))
         else:
             mode = "deterministic" if self.sig.deterministic else "atomic"
-            self.add(Reduction(f"Reduce_{name}", (child,), comment=f"output {name}: {kind} over "
+            self.add(Reduce(f"Reduce_{name}", (child,), comment=f"output {name}: {kind} over "
                                f"{axis or 'm and n'}, fp32, {mode}{then}", deterministic=self.sig.deterministic,
                                **common))
         return {"n": "m", "m": "n", None: ""}[axis]
@@ -279,7 +279,7 @@ class _Lowering:
                 outputs.append((o.name, out_dtypes[o.name], "mn"))
         d = self.value(d_out.node) if d_out else None
         last = self.nodes[-1]
-        last_value = last.children[0] if isinstance(last, (AuxStore, Reduction)) else len(self.nodes) - 1
+        last_value = last.children[0] if isinstance(last, (AuxStore, Reduce)) else len(self.nodes) - 1
         if d is not None and (len(self.nodes) < 2 or last_value != d):  # the last node must yield D
             f = self.functor(1, [], Ref("input", 0), "D")
             self.add(Compute(f"Region{f.name[2:]}", (d,), comment=f"{f.name}: D", functor=f))

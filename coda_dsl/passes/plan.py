@@ -2,9 +2,9 @@
 
 A plan is a list of Sm90 visitor nodes in topological order (children before parents); the last
 one yields D. Each node kind is one class holding what its code depends on and what it adds to the
-cache key (`key`); codegen/evt.py spells each kind in C++ (its type, Arguments initializer and host
-code). Runtime operands are bound by position: `inputs[i]` of the op is the plan's i-th input
-operand, `outputs[j]` its j-th output.
+plan's canonical text (`canonical()`, which the specialization key hashes); codegen/evt.py spells
+each kind in C++ (its type, Arguments initializer and host code). Runtime operands are bound by
+position: `inputs[i]` of the op is the plan's i-th input operand, `outputs[j]` its j-th output.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ class Config:
             raise ValueError(f"scheduler must be 'persistent' or 'streamk', not {self.scheduler!r}")
 
     @property
-    def key(self) -> str:
+    def text(self) -> str:
         """The string form, e.g. 128x256x64_c2x1_cooperative_e128x64_rm_s4_streamk (defaults left out)."""
         parts = [f"{'x'.join(map(str, self.tile))}_c{self.cluster[0]}x{self.cluster[1]}_{self.schedule}"]
         if self.epilogue_tile:
@@ -68,7 +68,7 @@ class Config:
 
     @staticmethod
     def parse(text: str) -> "Config":
-        """'128x256x64_c2x1_cooperative[_e128x64][_rm|_rn][_s1|_s2|_s4][_streamk]' -> Config (the inverse of .key)."""
+        """'128x256x64_c2x1_cooperative[_e128x64][_rm|_rn][_s1|_s2|_s4][_streamk]' -> Config (the inverse of .text)."""
         try:
             tile, cluster, schedule, *rest = text.split("_")
             ints = lambda s: tuple(int(x) for x in s.split("x"))  # noqa: E731
@@ -113,7 +113,7 @@ class EvtNode:
     children: tuple[int, ...] = ()
     comment: str = ""
 
-    def key(self) -> str:
+    def canonical(self) -> str:
         return f"{type(self).__name__}{self.children}"
 
 
@@ -126,7 +126,7 @@ class AccFetch(EvtNode):
 class SrcFetch(EvtNode):
     """The current contents of D, read through CUTLASS's C operand (in-place accumulation)."""
 
-    def key(self) -> str:
+    def canonical(self) -> str:
         return "Src"
 
 
@@ -142,7 +142,7 @@ class Operand(EvtNode):
 class AuxLoad(Operand):
     """A full [M, N] operand, TMA-loaded into shared memory by the producer warp."""
 
-    def key(self) -> str:
+    def canonical(self) -> str:
         return f"AuxLoad{self.dtype}{self.children}"
 
 
@@ -150,7 +150,7 @@ class AuxLoad(Operand):
 class PairLoad(Operand):
     """An [M, N/2] operand (one value per column pair), read straight into registers."""
 
-    def key(self) -> str:
+    def canonical(self) -> str:
         return f"PairLoad{self.dtype}"
 
 
@@ -161,7 +161,7 @@ class WideLoad(Operand):
 
     part: int = 0
 
-    def key(self) -> str:
+    def canonical(self) -> str:
         return f"WideLoad{self.dtype}{self.part}"
 
 
@@ -170,7 +170,7 @@ class RowBroadcast(Operand):
     """cd.VecN: one value per column n, broadcast down the rows. CUTLASS names broadcast nodes after
     the vector's shape: a vector over n (one value per column) is a *row* broadcast."""
 
-    def key(self) -> str:
+    def canonical(self) -> str:
         return f"RowB{self.dtype}"
 
 
@@ -178,7 +178,7 @@ class RowBroadcast(Operand):
 class ColBroadcast(Operand):
     """cd.VecM: one value per row m, broadcast along the columns (a *column* broadcast)."""
 
-    def key(self) -> str:
+    def canonical(self) -> str:
         return f"ColB{self.dtype}"
 
 
@@ -218,16 +218,16 @@ class Functor:
     pairwise: bool = False
     result_odd: Ref | None = None
 
-    def key(self) -> str:
-        """The functor in the plan key, as data (its name and comment left out). How codegen spells it
-        is in every key too (build/cache.py digests codegen/), so a new spelling is a new key."""
-        steps = ";".join(f"{s.op}{'' if s.attr is None else f'[{s.attr}]'}({','.join(map(_ref_key, s.args))})"
+    def canonical(self) -> str:
+        """The functor in the plan's canonical text, as data (its name and comment left out). How codegen spells it
+        is in every specialization key too (build/cache.py digests codegen/), so a new spelling is a new key."""
+        steps = ";".join(f"{s.op}{'' if s.attr is None else f'[{s.attr}]'}({','.join(map(_ref_text, s.args))})"
                          for s in self.steps)
-        odd = f",{_ref_key(self.result_odd)}" if self.pairwise and self.result_odd is not None else ""
-        return f"[{steps};return {_ref_key(self.result)}{odd}]"
+        odd = f",{_ref_text(self.result_odd)}" if self.pairwise and self.result_odd is not None else ""
+        return f"[{steps};return {_ref_text(self.result)}{odd}]"
 
 
-def _ref_key(r: Ref) -> str:
+def _ref_text(r: Ref) -> str:
     if r.kind == "input":
         return f"x{r.index}" + ("" if r.slot is None else f".{r.slot}")
     if r.kind == "const":  # the fp32 value, -0.0 and nan included
@@ -241,8 +241,8 @@ class Compute(EvtNode):
 
     functor: Functor = field(default_factory=lambda: Functor("", 0, [], Ref("input", 0)))
 
-    def key(self) -> str:
-        return f"Compute{self.children}{self.functor.key()}"
+    def canonical(self) -> str:
+        return f"Compute{self.children}{self.functor.canonical()}"
 
 
 @dataclass
@@ -252,7 +252,7 @@ class _Store(EvtNode):
     dtype: str = "bf16"
     output_index: int = 0
 
-    def key(self) -> str:
+    def canonical(self) -> str:
         return f"{type(self).__name__}{self.dtype}{self.children}"
 
 
@@ -273,7 +273,7 @@ class WideStore(_Store):
 
 
 @dataclass
-class Reduction(EvtNode):
+class Reduce(EvtNode):
     """A statistic of its input over an output axis, in fp32.
 
     axis "n" (per row, [M]) is CUTLASS's ColReduction, "m" (per column, [N]) its RowReduction:
@@ -289,30 +289,30 @@ class Reduction(EvtNode):
     deterministic: bool = False
     finish: Functor | None = None
 
-    def key(self) -> str:
-        body = self.finish.key() if self.finish else ""
+    def canonical(self) -> str:
+        body = self.finish.canonical() if self.finish else ""
         return f"Reduce{self.kind}{self.axis}{'det' if self.deterministic else ''}{self.children}{body}"
 
 
 @dataclass
-class LogSumExp(Reduction):
+class LogSumExp(Reduce):
     """cd.logsumexp over n: per row and N tile an online (max, sum of exp) pair, combined exactly by
     the finishing kernel. Always per-tile partials, never atomics: deterministic in either mode."""
 
-    def key(self) -> str:
-        return "LogSumExp" + super().key()
+    def canonical(self) -> str:
+        return "LogSumExp" + super().canonical()
 
 
 @dataclass
-class Take(Reduction):
+class Take(Reduce):
     """cd.take over n: the value at column index[m] of each row, stored by the one thread holding it
     (no atomics); `inputs[index_input]` is the int64 index. Rows whose index is outside [0, N) keep the
     0 the output is filled with before the launch."""
 
     index_input: int = 0
 
-    def key(self) -> str:
-        return f"Take{self.index_input}" + super().key()
+    def canonical(self) -> str:
+        return f"Take{self.index_input}" + super().canonical()
 
 
 @dataclass
@@ -335,9 +335,9 @@ class Plan:
         return any(isinstance(n, SrcFetch) for n in self.nodes)
 
     @property
-    def key(self) -> str:
+    def canonical(self) -> str:
         """Canonical text of everything that shapes the generated code (never user-facing names)."""
         s = self.signature
-        return "|".join([s.ab_dtype, s.b_layout, s.config.key, str(self.d_dtype), str(len(self.scalars)),
+        return "|".join([s.ab_dtype, s.b_layout, s.config.text, str(self.d_dtype), str(len(self.scalars)),
                          str(self.reads_d),
-                         *(n.key() for n in self.nodes)])
+                         *(n.canonical() for n in self.nodes)])

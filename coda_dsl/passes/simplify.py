@@ -42,15 +42,15 @@ def specialize(program: ir.Program, consts: dict[str, float]) -> ir.Program:
     outputs = tuple(ir.Output(o.name, _fold(o.node, memo, consts, program), o.dtype) for o in program.outputs)
     locations = {id(memo[k]): v for k, v in program.locations.items() if k in memo}
     locations.update(program.locations)
-    return ir.Program(program.name, program.params, outputs, program.source, locations)
+    return ir.Program(program.name, program.params, outputs, program.defined_at, locations)
 
 
 def accumulate_into_d(program: ir.Program) -> ir.Program:
-    """D += value: the stored D becomes its current contents plus what the epilogue computes."""
+    """D += value: the stored D becomes its prior contents plus what the epilogue computes."""
     d = program.output("D")
     if d is None:
-        raise EpilogueError(f"epilogue '{program.name}' ({program.source}) has no D output to accumulate into")
+        raise EpilogueError(f"epilogue '{program.name}' ({program.defined_at}) has no D output to accumulate into")
     value = d.node.inputs[0] if d.node.op == "cast" else d.node  # the sum is rounded once, when stored
-    outputs = tuple(ir.Output("D", ir.compute("add", ir.source(), value), o.dtype) if o.name == "D" else o
+    outputs = tuple(ir.Output("D", ir.compute("add", ir.prior_d(), value), o.dtype) if o.name == "D" else o
                     for o in program.outputs)
-    return ir.Program(program.name, program.params, outputs, program.source, program.locations)
+    return ir.Program(program.name, program.params, outputs, program.defined_at, program.locations)

@@ -16,7 +16,7 @@ import math
 
 from ..errors import SharedMemoryError
 from ..ir.ops import DTYPES
-from .plan import AuxLoad, AuxStore, Config, PairStore, Plan, Reduction, RowBroadcast, WideStore
+from .plan import AuxLoad, AuxStore, Config, PairStore, Plan, Reduce, RowBroadcast, WideStore
 
 CAPACITY = 232448  # bytes of shared memory an sm90 block may use (cutlass detail::sm90_smem_capacity_bytes)
 MIN_STAGES = 2  # "Specialization requires Stages set to value 2 or more."
@@ -107,7 +107,7 @@ def usage(plan: Plan, config: Config | None = None) -> Usage:
 def _shrinkable(plan: Plan) -> bool:
     """CUTLASS's row/column reductions use the D buffer as scratch and need a large enough epilogue
     tile: never shrink one (a scalar reduction with atomics uses none)."""
-    return not any(type(n) is Reduction and (n.axis is not None or n.deterministic) for n in plan.nodes)
+    return not any(type(n) is Reduce and (n.axis is not None or n.deterministic) for n in plan.nodes)
 
 
 # Configs suggested when nothing fits: smaller CTA tiles leave more room to the epilogue.
@@ -133,8 +133,8 @@ def fit(plan: Plan) -> Plan:
     costly = ", ".join(f"{what} {b / 1024:.0f} KiB" for what, b in first.parts[:3])
     ok = next((c for c in _SMALLER if usage(plan, c).fits and (c.epilogue_tile is None or _shrinkable(plan))), None)
     raise SharedMemoryError(
-        f"epilogue '{plan.name}' does not fit in shared memory at config {cfg.key}: its epilogue needs about "
+        f"epilogue '{plan.name}' does not fit in shared memory at config {cfg.text}: its epilogue needs about "
         f"{first.epilogue / 1024:.0f} KiB (most: {costly}), leaving room for {max(first.stages, 0)} mainloop "
         f"stage(s) of {first.stage_bytes / 1024:.0f} KiB where CUTLASS needs {MIN_STAGES} (227 KiB in all)\n"
         "  fix: pass the largest operands in bf16/fp16 instead of fp32, or use fewer full-size operands and "
-        "outputs per kernel" + (f", or config='{ok.key}'" if ok else ""))
+        "outputs per kernel" + (f", or config='{ok.text}'" if ok else ""))

@@ -53,7 +53,7 @@ def _derive(ep: Epilogue, consts: dict) -> _Derived:
                                    "its saved accumulator takes: rename that output")
             p = ep.program
             outputs = (*p.outputs, ir.Output(SAVED_ACC, ir.acc(), None))
-            forward = Epilogue.of_program(ir.Program(p.name, p.params, outputs, p.source, p.locations))
+            forward = Epilogue.of_program(ir.Program(p.name, p.params, outputs, p.defined_at, p.locations))
         per_ep[key] = _Derived(forward, back)
     return per_ep[key]
 

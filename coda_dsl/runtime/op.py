@@ -6,6 +6,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 
@@ -42,7 +43,7 @@ class Call:
 
 
 def _where(ep: Epilogue) -> str:
-    return f"cd.gemm(epilogue '{ep.name}' from {ep.source})"
+    return f"cd.gemm(epilogue '{ep.name}' from {ep.defined_at})"
 
 
 def _normalize(ep: Epilogue, a, b, operands: dict, out: dict | None = None) -> Call:
@@ -168,7 +169,7 @@ def _check_tensors(ep: Epilogue, call: Call, cutlass: bool) -> dict[str, str]:
                               "skip the call when M or N is 0, or reduce with cd.sum (0 over an empty axis)")
     batch = l if call.a.dim() == 3 else None  # a 2-D call has no batch: [1, M, N] would give [1, M, N] outputs
     for name, t in call.tensors.items():
-        wn = n * widths[name] // 2 if name in widths else n  # pairwise epilogues read N/2-wide operands
+        wn = int(n * widths[name]) if name in widths else n  # pairwise epilogues read N/2-wide operands
         shape = {"tensor": (m, wn), "vec_n": (wn,), "vec_m": (m,)}[kinds[name]]
         checks.tensor(where, f"operand '{name}'", t, shape, dev, _MEANING[kinds[name]], batch)
         dtypes[name] = checks.dtype_of(t, where, f"operand '{name}'", index=name in facts.indices)
@@ -197,7 +198,7 @@ class _Facts:
     """What every call of an epilogue needs to know about it, derived once (not on the call path)."""
 
     kinds: dict[str, str]  # operand name -> kind
-    widths: dict[str, int]  # load operands not N wide -> their width in half-N units (1: N/2)
+    widths: dict[str, Fraction]  # load operands not N wide -> their width over N (passes/widths.py)
     pairwise: bool  # any op on column pairs: N must be even
     indices: frozenset[str]  # operands cd.take reads as int64 column indices
     cross_batch: tuple[str, ...]  # outputs reduced over m or everything: they cannot fold a batch into M
@@ -213,7 +214,7 @@ def _facts(ep: Epilogue) -> _Facts:
         nodes = list(ir.walk(ep.program))
         facts = _facts_of[ep] = _Facts(
             kinds={p.name: p.kind for p in ep.params},
-            widths={k: int(w * 2) for k, w in load_widths(ep.program).items() if w != 1},
+            widths={k: w for k, w in load_widths(ep.program).items() if w != 1},
             pairwise=any(n.kind == "structural" for n in nodes),
             indices=frozenset(n.inputs[1].attr[1] for n in nodes if n.op == "reduce" and REDUCTIONS[n.attr[0]].indexed),
             cross_batch=tuple(o.name for o in ep.program.outputs
@@ -228,8 +229,8 @@ class CompiledOp:
 
     def __init__(self, epilogue: Epilogue, kernel: pipeline.Kernel):
         self.epilogue = epilogue
-        self.program, self.plan, self.key, self.source, self.op_name = (
-            kernel.program, kernel.plan, kernel.key, kernel.source, kernel.op_name)
+        self.program, self.plan, self.key, self.cu_text, self.op_name = (
+            kernel.program, kernel.plan, kernel.key, kernel.cu_text, kernel.op_name)
         plan = self.plan
         self._op = None
         self._where = _where(epilogue)
@@ -249,7 +250,7 @@ class CompiledOp:
 
     @property
     def unit(self) -> build.BuildUnit:
-        return build.BuildUnit(self.key, self.source, self.op_name)
+        return build.BuildUnit(self.key, self.cu_text, self.op_name)
 
     def load(self) -> "CompiledOp":
         """Build (or find in the cache) and load the kernel library."""
@@ -391,7 +392,7 @@ def _config(ep: Epilogue, config) -> Config | None:
     try:
         return Config.parse(config)
     except ValueError as e:
-        raise checks.fail(_where(ep), str(e), f"pass e.g. config='{Config().key}'") from None
+        raise checks.fail(_where(ep), str(e), f"pass e.g. config='{Config().text}'") from None
 
 
 def _fold_batch(ep: Epilogue, call: Call) -> Call:
@@ -473,6 +474,8 @@ def call_key(ep: Epilogue, call: Call, operand_dtypes: dict[str, str], out: dict
 def specialization(ep: Epilogue, call: Call, operand_dtypes: dict[str, str], out: dict | None,
                    config: Config | None, deterministic: bool = False, accumulate: bool = False,
                    key: tuple | None = None) -> CompiledOp:
+    """The CompiledOp of a checked call's specialization, made once per call key and config (from
+    options instead of tensors: cli.specialization_from_options)."""
     cache_key = (key or call_key(ep, call, operand_dtypes, out, deterministic, accumulate), config)
     op = _ops.get(cache_key)
     if op is None:
@@ -496,7 +499,7 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
     can run, else reference with a warning). out: preallocated outputs by name. deterministic:
     reductions bit-identical run to run (per-tile partials combined in a fixed order) instead of
     fp32 atomics. accumulate: D += epilogue value, in place in out["D"] (fp32 or the epilogue's
-    D dtype), with no extra pass over memory. config: tile/cluster/schedule (Config or its key);
+    D dtype), with no extra pass over memory. config: tile/cluster/schedule (Config or its text);
     by default a configuration tuned earlier on this device for this kind of shape, else a good
     default; tune=True (or set_tuning(True)) measures the candidates now and records the winner.
     """
@@ -585,7 +588,7 @@ def _choose_config(spec, call: Call, tune: bool, key: tuple) -> Config:
     key = (key, tuning.bucket(*call.mnkl), default)
     choice = _configs.get(key)
     if choice is None or (tune and not choice[1]):
-        config = tuning.recorded(call.a.device, spec(tuning.DEFAULT).plan.key, tuning.DEFAULT, call.mnkl)
+        config = tuning.recorded(call.a.device, spec(tuning.DEFAULT).plan.canonical, tuning.DEFAULT, call.mnkl)
         if config is None and tune:
             config = tuning.tune(spec, lambda op: op.launch(call, None), call.a.device, call.mnkl)
         choice = _configs[key] = (config or default, config is not None)
@@ -629,7 +632,7 @@ def run_reference(ep: Epilogue, call: Call, out: dict | None, accumulate: bool =
     operands = {**call.tensors, **call.scalars}
     if accumulate:
         program = accumulate_into_d(program)
-        operands[reference.SOURCE_OPERAND] = out["D"]
+        operands[reference.PRIOR_D_OPERAND] = out["D"]
     res = reference.evaluate(program, call.a, call.b, operands, out_dtypes)
     if out:
         for name, t in out.items():  # all of them before the first write: a refused call writes nothing

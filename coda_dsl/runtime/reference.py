@@ -11,7 +11,7 @@ from ..ir import graph as ir
 from ..ir.ops import DTYPES, REDUCTIONS
 from ..passes.widths import WIDTH_SCALE, infer as infer_widths
 
-SOURCE_OPERAND = "<D>"  # the operands key `source` (D's current contents) is read from (never an identifier)
+PRIOR_D_OPERAND = "<D>"  # the operands key the leaf `prior_d` (D before the kernel) is read from (never an identifier)
 
 def accumulator(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """fp32 A @ B^T (b is [N, K] or [L, N, K]), computed in full fp32 (no TF32)."""
@@ -28,8 +28,8 @@ def _leaf(node: ir.Node, operands: dict, acc: torch.Tensor) -> torch.Tensor:
         return acc
     if node.op == "const":
         return torch.tensor(node.attr, dtype=acc.dtype, device=acc.device)
-    if node.op == "source":
-        return _real(operands[SOURCE_OPERAND].to(acc.device), acc)
+    if node.op == "prior_d":
+        return _real(operands[PRIOR_D_OPERAND].to(acc.device), acc)
     if node.op == "scalar":
         v = operands[node.attr]
         if isinstance(v, torch.Tensor):

@@ -53,7 +53,7 @@ def traced_gemm(ep: Epilogue, a, b, out, backend, config, deterministic, operand
     """What cd.gemm does while Dynamo traces it: one call of the custom op."""
     tensors = [operands[p.name] for p in ep.params if p.kind in ir.LOAD_KINDS]
     numbers = [float(operands[p.name]) for p in ep.params if p.kind not in ir.LOAD_KINDS]
-    cfg = config if isinstance(config, str) else (config.key if config is not None else "")
+    cfg = config if isinstance(config, str) else (config.text if config is not None else "")
     outs = dict(zip(ep.output_names, torch.ops.coda_dsl.gemm(ep.uid, a, b, tensors, numbers, backend, cfg,
                                                                    deterministic)))
     for name, t in (out or {}).items():

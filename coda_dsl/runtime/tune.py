@@ -87,17 +87,17 @@ def _store(device: str, key: str, config: Config, times: dict[str, float]) -> No
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         records = _load()
-        records.setdefault(device, {})[key] = {"config": config.key, "us": times, "when": time.time()}
+        records.setdefault(device, {})[key] = {"config": config.text, "us": times, "when": time.time()}
         build.atomic_write(path, json.dumps(records, indent=1, sort_keys=True))
 
 
-def record_key(plan_key: str, config: Config, m: int, n: int, k: int, l: int) -> str:
-    base = plan_key.replace(config.key, "*")  # the specialization without its configuration
+def record_key(canonical: str, config: Config, m: int, n: int, k: int, l: int) -> str:
+    base = canonical.replace(config.text, "*")  # the specialization without its configuration
     return f"{hashlib.sha256(base.encode()).hexdigest()[:20]}@{bucket(m, n, k, l)}"
 
 
-def recorded(device: torch.device, plan_key: str, config: Config, mnkl) -> Config | None:
-    entry = _load().get(device_key(device), {}).get(record_key(plan_key, config, *mnkl))
+def recorded(device: torch.device, canonical: str, config: Config, mnkl) -> Config | None:
+    entry = _load().get(device_key(device), {}).get(record_key(canonical, config, *mnkl))
     return Config.parse(entry["config"]) if entry else None
 
 
@@ -105,13 +105,13 @@ def tune(make_op, launch, device: torch.device, mnkl, log=None) -> Config:
     """make_op(config) -> CompiledOp; launch(op) runs it once on the call's operands."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     first = make_op(DEFAULT)
-    hit = recorded(device, first.plan.key, DEFAULT, mnkl)
+    hit = recorded(device, first.plan.canonical, DEFAULT, mnkl)
     if hit is not None:  # another process tuned this bucket meanwhile
         return hit
     ops = {}  # rendering the candidates only when they are timed
     for c in CANDIDATES:
         try:
-            ops[c.key] = make_op(c)
+            ops[c.text] = make_op(c)
         except SharedMemoryError:  # this epilogue's buffers do not fit at that config: not a candidate
             pass
     log(f"coda_dsl: tuning {first.epilogue.name} at M,N,K,L={mnkl}: {len(ops)} configurations")
@@ -122,7 +122,7 @@ def tune(make_op, launch, device: torch.device, mnkl, log=None) -> Config:
         log(f"  {key:32s} {times[key]:9.1f} us")
     best = min(times, key=times.get)
     log(f"coda_dsl: best {best}; recorded in {_records_path()}")
-    _store(device_key(device), record_key(first.plan.key, DEFAULT, *mnkl), Config.parse(best), times)
+    _store(device_key(device), record_key(first.plan.canonical, DEFAULT, *mnkl), Config.parse(best), times)
     return Config.parse(best)
 
 
