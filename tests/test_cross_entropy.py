@@ -203,9 +203,9 @@ def test_compiled_gradient_step_matches_eager():
 
 def test_default_chunk_rows():
     """The [rows, V] buffer within BUFFER_BYTES, rows a multiple of 128, as few chunks as that allows,
-    balanced; at Llama-3's vocabulary and M = 8192 tokens, 6 chunks of 1408 rows (344 MiB)."""
+    balanced; at Llama-3's vocabulary and M = 8192 tokens, 2 chunks of 4096 rows (1 GiB)."""
     from coda_dsl.library.cross_entropy import BUFFER_BYTES, default_chunk_rows
-    assert default_chunk_rows(8192, 128256) == 1408 and default_chunk_rows(0, 1000) == 128
+    assert default_chunk_rows(8192, 128256) == 4096 and default_chunk_rows(0, 1000) == 128
     for m, v in [(8192, 128256), (16384, 128256), (8192, 32000), (8192, 256000), (37, 301), (1, 10**7)]:
         rows = default_chunk_rows(m, v)
         chunks = -(-m // rows)

@@ -59,6 +59,7 @@ def _rank_main(rank, fn, port, backend, device_type, timeout):
         from torch.distributed.device_mesh import init_device_mesh
         torch.set_num_threads(1)  # 2 ranks on a 2-core CI machine
         fn(rank, init_device_mesh(device_type, (WORLD,)))
+        dist.barrier()  # neither rank tears gloo down while the other still talks to it (an abort at exit)
     finally:
         dist.destroy_process_group()
 

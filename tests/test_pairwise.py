@@ -205,3 +205,18 @@ def test_interleave_of_two_different_constants_is_a_clear_error(ep, consts):
     with pytest.raises(cd.EpilogueError, match=r"test_pairwise.py:\d+\): cd.interleave\(1.0, 2.0\) "
                                                r"interleaves two different constants(.|\n)*fix:"):
         cd.gemm(_w(M, D), _w(2 * FF, D), ep, backend="reference", **consts)
+
+
+def test_odd_n_is_fine_without_half_width_values():
+    """cd.pairs of a [M, 2N] operand and an interleaved [M, 2N] output need no column pairs of the
+    accumulator: N may be odd (only N/2-wide values need an even N)."""
+    @cd.epilogue
+    def wide_only(acc, pre: cd.Tensor):
+        g, u = cd.pairs(pre)
+        return cd.interleave(acc * g, acc - u)
+    a, b, pre = _w(M, D), _w(7, D), torch.randn(M, 14)
+    got = cd.gemm(a, b, wide_only, pre=pre, backend="reference")["D"]
+    acc = a.float() @ b.float().t()
+    assert got.shape == (M, 14) and _rel(got[:, 0::2], acc * pre[:, 0::2]) < 1e-2
+    with pytest.raises(cd.OperandError, match="even N"):
+        cd.gemm(a, b, swiglu_keep_preactivation, backend="reference")

@@ -16,7 +16,7 @@ from ..errors import OperandError, UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import DTYPES, REDUCTIONS
 from ..passes import accumulate_into_d, specialize
-from ..passes.widths import load_widths
+from ..passes.widths import infer as infer_widths, load_widths
 from ..passes.plan import Config, Signature
 from . import checks, reference, tune as tuning
 from .kernel import Kernel
@@ -159,7 +159,7 @@ def _check_tensors(ep: Epilogue, call: Call, cutlass: bool) -> dict[str, str]:
     dtypes = {}
     facts = _facts(ep)
     kinds, widths = facts.kinds, facts.widths
-    if facts.pairwise and n % 2:
+    if facts.halves and n % 2:
         raise checks.fail(where, f"N = {n} is odd, but the epilogue works on column pairs (cd.pairs)",
                           "pairwise ops need an even N (for SwiGLU: interleaved gate/up rows, 2F of them)")
     for name, kind, axis in facts.extrema:  # like torch.amax: no value of an empty set
@@ -199,7 +199,7 @@ class _Facts:
 
     kinds: dict[str, str]  # operand name -> kind
     widths: dict[str, Fraction]  # load operands not N wide -> their width over N (passes/widths.py)
-    pairwise: bool  # any op on column pairs: N must be even
+    halves: bool  # some value is N/2 wide (column pairs of the accumulator): N must be even
     indices: frozenset[str]  # operands cd.take reads as int64 column indices
     cross_batch: tuple[str, ...]  # outputs reduced over m or everything: they cannot fold a batch into M
     extrema: tuple[tuple[str, str, str | None], ...]  # (output, kind, axis) of max/min/amax: undefined if empty
@@ -215,7 +215,7 @@ def _facts(ep: Epilogue) -> _Facts:
         facts = _facts_of[ep] = _Facts(
             kinds={p.name: p.kind for p in ep.params},
             widths={k: w for k, w in load_widths(ep.program).items() if w != 1},
-            pairwise=any(n.kind == "structural" for n in nodes),
+            halves=any(w < 1 for w in infer_widths(ep.program).values()),
             indices=frozenset(n.inputs[1].attr[1] for n in nodes if n.op == "reduce" and REDUCTIONS[n.attr[0]].indexed),
             cross_batch=tuple(o.name for o in ep.program.outputs
                               if (r := ir.reduction_of(o.node)) is not None and r.attr[1] != "n"),
