@@ -143,6 +143,7 @@ def fake_gpu(monkeypatch, tmp_path):
     for mod in (epilogues, cross_entropy, linear_backward):
         monkeypatch.setattr(mod, "time_us", time_us)
     monkeypatch.setattr(linear_backward, "no_gpu", lambda: False)
+    monkeypatch.setattr(linear_backward, "prebuild", lambda todo: None)
     monkeypatch.setattr(linear_backward, "rotation", lambda make, nbytes: [make(), make()])
     monkeypatch.setattr(linear_backward, "_r", lambda *s, grad=True: torch.randn(*s).bfloat16().requires_grad_(grad))
     monkeypatch.setattr(epilogues, "rotation", lambda make, nbytes: [make(), make()])
