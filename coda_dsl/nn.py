@@ -199,6 +199,17 @@ class _Mlp(torch.autograd.Function):
         return dhg, drstd, dw_gu, dw_down, dacc if need[4] else None, None, None
 
 
+def flat_inputs(x: torch.Tensor, position_ids, input_rstd, eps: float):
+    """[B, S, D] hidden states -> (x as [B*S, D], fp32 positions [B*S] (default 0..S-1 per row), the
+    input norm's rstd [B*S]: input_rstd flattened, or computed here)."""
+    b, s, d = x.shape
+    if position_ids is None:
+        position_ids = torch.arange(s, device=x.device)[None]
+    xf = x.reshape(b * s, d)
+    rstd = input_rms(xf, eps) if input_rstd is None else input_rstd.reshape(-1)
+    return xf, position_ids.expand(b, s).reshape(-1).float(), rstd
+
+
 def input_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """rstd = rsqrt(mean(x^2) + eps) per row, in fp32: what `residual_rms` emits for the next layer."""
     return torch.rsqrt(x.float().pow(2).mean(-1) + eps)
@@ -369,12 +380,8 @@ class LlamaDecoderLayer(nn.Module):
             raise UnsupportedError("coda_dsl.nn.LlamaDecoderLayer: no KV cache (training layer); pass cache=None")
         x = hidden_states
         b, s, d = x.shape
-        if position_ids is None:
-            position_ids = torch.arange(s, device=x.device)[None]
-        pos = position_ids.expand(b, s).reshape(-1).float()
         eps = self.input_layernorm.variance_epsilon
-        xf = x.reshape(b * s, d)
-        rstd = input_rms(xf, eps) if input_rstd is None else input_rstd.reshape(-1)
+        xf, pos, rstd = flat_inputs(x, position_ids, input_rstd, eps)
         # gamma1 on the activation side: the previous layer's epilogue does not know this layer's gamma
         xg = xf * self.input_layernorm.weight
         attn = self.self_attn(xg, rstd, pos, b, self.backend)

@@ -38,7 +38,7 @@ from .errors import UnsupportedError
 from .library import interleave_gate_up, neox_to_interleaved_rows
 from .library.cross_entropy import (_check_args, ce_backward, combine_vocab_shards, default_chunk_rows,
                                     vocab_shard_stats)
-from .nn import LlamaDecoderLayer, input_rms, rms_rope, rms_swiglu
+from .nn import LlamaDecoderLayer, flat_inputs, input_rms, rms_rope, rms_swiglu
 
 
 # ---------------------------------------------------------------- FSDP2
@@ -137,12 +137,8 @@ class TPLlamaDecoderLayer(LlamaDecoderLayer):
         attn, mlp = self.self_attn, self.mlp
         x = hidden_states
         b, s, d = x.shape
-        if position_ids is None:
-            position_ids = torch.arange(s, device=x.device)[None]
-        pos = position_ids.expand(b, s).reshape(-1).float()
         eps = self.input_layernorm.variance_epsilon
-        xf = x.reshape(b * s, d)
-        rstd = input_rms(xf, eps) if input_rstd is None else input_rstd.reshape(-1)
+        xf, pos, rstd = flat_inputs(x, position_ids, input_rstd, eps)
         xg, rstd = _CopyToTP.apply(group, xf * _local(self.input_layernorm.weight), rstd)
         # column-parallel QKV: this rank's whole heads, rstd + RoPE fused in the epilogue
         hd, nh, nkv = attn.head_dim, self._tp_heads, self._tp_kv_heads
