@@ -179,7 +179,7 @@ def test_training_matches_hf_on_cpu(tmp_path, monkeypatch, capsys):
     argv = ["--device", "cpu", "--backend", "reference", "--steps", "6", "--batch", "2", "--seq", "16", "--layers", "2",
             "--lr", "3e-3"]
     assert tl.main(argv) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "| HF eager |" in out and "| coda_dsl |" in out and "torch.compile" not in out  # no compile on the CPU
     data = json.loads((tmp_path / "train_llama.json").read_text())
     assert data["meta"]["command"] == "python -m bench.train_llama " + " ".join(argv)
@@ -190,7 +190,12 @@ def test_training_matches_hf_on_cpu(tmp_path, monkeypatch, capsys):
     assert max(abs(a - b) for a, b in zip(hf["losses"], coda["losses"])) < 1e-3
     assert data["meta"]["max_abs_diff_vs_hf_eager"]["coda_dsl"] < 1e-3
     assert coda["tokens_per_s"] > 0
-    assert (tmp_path / "train_llama.png").read_bytes()[:8] == PNG
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:  # a fresh venv (CI): the script says so and writes no PNG
+        assert not (tmp_path / "train_llama.png").exists() and "matplotlib is not installed" in err
+    else:
+        assert (tmp_path / "train_llama.png").read_bytes()[:8] == PNG
 
 
 def test_coda_model_copies_the_weights():
