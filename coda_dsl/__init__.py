@@ -47,7 +47,7 @@ _LAZY = {
                 "min", "minimum", "pairs", "relu", "rsqrt", "sigmoid", "silu", "sin", "sqrt", "sum", "take",
                 "tanh", "where"),
     "passes.plan": ("Config",),
-    "runtime": ("CompiledOp", "compile", "gemm", "linear", "prebuild", "set_tuning"),
+    "runtime": ("CompiledOp", "backward_epilogue", "compile", "gemm", "linear", "prebuild", "set_tuning"),
     "library": ("linear_cross_entropy",),
 }
 _DTYPES = ("bfloat16", "float16", "float32")  # torch's, under the names cd.cast accepts

@@ -271,3 +271,38 @@ def test_fused_backward_step_equals_the_eager_one():
         assert eager.keys() == fused.keys() and eager["acc"].dtype == torch.bfloat16
         for k in eager:
             assert rel_err(fused[k], eager[k]) < 1e-2, k
+
+
+def test_backward_epilogue_fuses_into_the_producer_gemm():
+    """cd.backward_epilogue: the derived backward on the GEMM that produces the incoming gradient (acc = dY),
+    the forward's accumulator as `saved_acc`. SwiGLU's is the hand-written swiglu_backward's D and lowers to
+    the double-width nodes; bias + GELU's also gives the bias gradient (a sum over m)."""
+    from coda_dsl.library import swiglu, swiglu_backward
+    from coda_dsl.passes import lower, specialize
+    from coda_dsl.passes.plan import Signature, WideLoad, WideStore
+    m, f, d = 29, 20, 24
+    w_next, dout = torch.randn(d, f), torch.randn(m, d)
+    pre = (3 * torch.randn(m, 2 * f)).requires_grad_()
+    bw = cd.backward_epilogue(swiglu)
+    got = cd.gemm(dout, w_next.t(), bw, saved_acc=pre.detach(), backend="reference")["D"]
+    hand = cd.gemm(dout, w_next.t(), swiglu_backward, pre=pre.detach(), backend="reference")["D"]
+    assert rel_err(got, hand) < 1e-5
+    y = torch.nn.functional.silu(pre[:, 0::2]) * pre[:, 1::2]
+    (y @ w_next.t()).backward(dout)
+    assert rel_err(got, pre.grad) < 1e-5
+    plan = lower(specialize(bw.program, {}), Signature("bf16", "nk", (("saved_acc", "bf16"),), (("D", "bf16"),)))
+    kinds = [type(n) for n in plan.nodes]
+    assert kinds.count(WideLoad) == 2 and kinds.count(WideStore) == 1 and not any(f.pairwise for f in plan.functors)
+
+    @cd.epilogue
+    def bias_gelu(acc, bias: cd.VecN):
+        return cd.gelu(acc + bias, approximate="tanh")
+    n = 16
+    acc, bias = torch.randn(m, n, requires_grad=True), torch.randn(n, requires_grad=True)
+    w_next = torch.randn(d, n)
+    torch.nn.functional.gelu(acc + bias, approximate="tanh").matmul(w_next.t()).backward(dout)
+    got = cd.gemm(dout, w_next.t(), cd.backward_epilogue(bias_gelu), saved_acc=acc.detach(), bias=bias.detach(),
+                  backend="reference")
+    assert rel_err(got["D"], acc.grad) < 1e-5 and rel_err(got["bias"], bias.grad) < 1e-5
+    with pytest.raises(UnsupportedError, match="nothing to fuse"):
+        cd.backward_epilogue(bias_gelu, output="nope")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+import coda_dsl as cd
 from coda_dsl import cli, examples
 from coda_dsl.build import cache
 from coda_dsl.library import cross_entropy as ce
@@ -39,6 +40,7 @@ EPILOGUES = {
     "reglu": (gated.reglu, {}),
     "swiglu_keep_preactivation": (gated.swiglu_keep_preactivation, {}),
     "swiglu_backward": (gated.swiglu_backward, {}),
+    "swiglu_backward_derived": (cd.backward_epilogue(gated.swiglu), {}),
     "rope_tables": (rope.rope_tables, {}),
     "rope_positions": (rope.rope_positions, {}),
     "rms_producer": (rmsnorm.rms_producer, {}),

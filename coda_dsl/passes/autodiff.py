@@ -115,3 +115,45 @@ def derive(program: ir.Program) -> Backward:
     backward = ir.Program(f"{program.name}_backward", tuple(p for p in program.params if p.kind != "const")
                           + tuple(params), tuple(outputs), program.defined_at, program.locations)
     return Backward(backward, tuple(grads), tuple(saved), "acc" in uses)
+
+
+SAVED_ACC = SAVED + "acc"  # the forward's accumulator, an operand of the fused backward
+
+
+def into_producer(back: Backward, output: str = "D") -> ir.Program:
+    """The derived backward as the epilogue of the GEMM that computes the incoming gradient of `output`
+    (e.g. dY = dOut @ W_next in the layer above): that GEMM's accumulator is the gradient, the forward's
+    accumulator becomes the cd.Tensor operand `saved_acc`, and dL/dacc is its D. So the derivative costs
+    no pass of its own. Elementwise math on interleaved values is pushed inside the interleave
+    (op(interleave(a, b), interleave(c, d)) = interleave(op(a, c), op(b, d))), so a pairwise forward's
+    backward ends in one 2N-wide cd.interleave, the form the kernels store."""
+    program = back.program
+    where = f"epilogue '{program.name}' ({program.defined_at})"
+    if output not in back.grads or program.output("acc") is None:
+        raise UnsupportedError(f"{where}: nothing to fuse: the forward has no output '{output}' with a "
+                               "gradient, or no accumulator gradient")
+    grad = ir.load("tensor", GRAD + output)
+    swap = {id(ir.acc()): ir.load("tensor", SAVED_ACC), id(grad): ir.acc()}
+    memo: dict[int, ir.Node] = {}
+
+    def rebuild(n: ir.Node) -> ir.Node:
+        if id(n) in swap:
+            return swap[id(n)]
+        if id(n) not in memo:
+            inputs = tuple(rebuild(i) for i in n.inputs)
+            memo[id(n)] = _pushed_into_interleave(n, inputs) or ir.Node(n.op, inputs, n.attr)
+        return memo[id(n)]
+
+    outputs = tuple(ir.Output("D" if o.name == "acc" else o.name, rebuild(o.node), o.dtype)
+                    for o in program.outputs)
+    params = tuple(ir.Param(SAVED_ACC, "tensor") if p.name == GRAD + output else p for p in program.params)
+    return ir.Program(f"{program.name}_fused", params, outputs, program.defined_at, {})
+
+
+def _pushed_into_interleave(n: ir.Node, inputs: tuple[ir.Node, ...]) -> ir.Node | None:
+    """interleave(op(evens), op(odds)) for an elementwise op whose inputs are interleaves or constants."""
+    if n.kind != "elementwise" or not any(i.op == "interleave" for i in inputs) or \
+            not all(i.op in ("interleave", "const") for i in inputs):
+        return None
+    part = lambda i, k: i.inputs[k] if i.op == "interleave" else i  # noqa: E731
+    return ir.interleave(*(ir.Node(n.op, tuple(part(i, k) for i in inputs), n.attr) for k in (0, 1)))

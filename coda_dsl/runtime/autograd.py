@@ -18,7 +18,7 @@ from ..errors import OperandError
 from ..ir import graph as ir
 from ..ir.ops import dtype_name
 from ..passes import specialize
-from ..passes.autodiff import GRAD, SAVED, Backward, derive
+from ..passes.autodiff import GRAD, SAVED, Backward, derive, into_producer
 from . import fused, reference
 from .op import gemm
 
@@ -114,3 +114,12 @@ def linear(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, /
     options = {"backend": backend, "config": config}
     outs = _Linear.apply(ep, names, numbers, options, A, B, *(operands[k] for k in names))
     return dict(zip(ep.output_names, outs))
+
+
+def backward_epilogue(epilogue: Epilogue, output: str = "D", **consts) -> Epilogue:
+    """The derived backward of `epilogue` as the epilogue of the GEMM that produces the gradient of its
+    `output` (the backward's dY = dOut @ W of the layer above): call it on that GEMM with the forward's
+    accumulator as `saved_acc` (and the forward's other operands, and the other outputs' gradients as
+    `grad_<name>`); its D is the gradient of the forward's accumulator, whose GEMMs (dacc @ W, dacc^T x)
+    follow. cd.Const values go in `consts`. For SwiGLU this is the hand-written swiglu_backward's D."""
+    return Epilogue.of_program(into_producer(_derive(epilogue, consts).back, output))
