@@ -230,7 +230,7 @@ def _linear(n_in: int, n_out: int, dtype, device) -> nn.Linear:
     return nn.Linear(n_in, n_out, bias=False, dtype=dtype, device=device)
 
 
-def _inv_freq(config) -> torch.Tensor:
+def rope_inv_freq(config) -> torch.Tensor:
     """[head_dim / 2] inverse frequencies, as HF's LlamaRotaryEmbedding computes them."""
     # transformers 5 keeps rope_theta and the rope type in rope_parameters; 4.x in rope_theta and rope_scaling
     rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
@@ -247,6 +247,26 @@ def _inv_freq(config) -> torch.Tensor:
     return inv_freq.float()
 
 
+def qkv_inv_freq(inv_freq: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+    """Per column pair of the fused QKV output ([heads + 2 kv_heads] x head_dim): q and k heads rotate by
+    the [head_dim / 2] inverse frequencies, V's pairs get 0 (they pass through)."""
+    return torch.cat((inv_freq.repeat(heads + kv_heads), torch.zeros(kv_heads * inv_freq.numel())))
+
+
+def qkv_weight(wq, wk, wv, q_rows, k_rows) -> torch.Tensor:
+    """[Nq + 2 Nkv, D]: q and k rows permuted per head (neox_to_interleaved_rows) for the interleaved RoPE
+    epilogue; differentiable, so gradients land in the three weights."""
+    return torch.cat((wq[q_rows], wk[k_rows], wv))
+
+
+def causal_attention(qkv: torch.Tensor, batch: int, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """[M, (heads + 2 kv_heads) head_dim] rotated q, k and v -> causal SDPA (GQA) output [M, heads head_dim]."""
+    split = lambda t: t.unflatten(0, (batch, -1)).unflatten(-1, (-1, head_dim)).transpose(1, 2)  # noqa: E731
+    q, k, v = (split(t) for t in qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1))
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=head_dim ** -0.5, enable_gqa=heads != kv_heads)
+    return o.transpose(1, 2).flatten(-2).flatten(0, 1)
+
+
 class LlamaAttention(nn.Module):
     """q/k/v/o projections (HF names). The QKV GEMM's epilogue applies the input norm's rstd and RoPE."""
 
@@ -259,9 +279,7 @@ class LlamaAttention(nn.Module):
         self.k_proj = _linear(d, self.num_kv_heads * hd, dtype, device)
         self.v_proj = _linear(d, self.num_kv_heads * hd, dtype, device)
         self.o_proj = _linear(self.num_heads * hd, d, dtype, device)
-        inv = _inv_freq(config)
-        # per column pair of the fused QKV output: q and k heads rotate, V's pairs get 0
-        qkv_inv = torch.cat((inv.repeat(self.num_heads + self.num_kv_heads), torch.zeros(self.num_kv_heads * hd // 2)))
+        qkv_inv = qkv_inv_freq(rope_inv_freq(config), self.num_heads, self.num_kv_heads)
         self._qkv_inv_freq_fp32 = qkv_inv
         self.register_buffer("qkv_inv_freq", qkv_inv.to(device), persistent=False)
         self.register_buffer("q_rows", neox_to_interleaved_rows(self.num_heads, hd).to(device), persistent=False)
@@ -273,19 +291,11 @@ class LlamaAttention(nn.Module):
         self.qkv_inv_freq = self._qkv_inv_freq_fp32.to(self.qkv_inv_freq.device)
         return self
 
-    def qkv_weight(self) -> torch.Tensor:
-        """[Nq + 2 Nkv, D]: q and k rows permuted per head for the interleaved RoPE epilogue."""
-        return torch.cat((self.q_proj.weight[self.q_rows], self.k_proj.weight[self.k_rows], self.v_proj.weight))
-
     def forward(self, xg, rstd, pos, batch: int, backend: str):
         """xg = x * gamma1 [M, D], rstd [M] -> attention output before o_proj, [M, Nq]."""
-        qkv = _RmsRopeLinear.apply(xg, rstd, self.qkv_weight(), pos, self.qkv_inv_freq, backend)
-        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        heads = lambda t: t.unflatten(0, (batch, -1)).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # noqa: E731
-        q, k, v = (heads(t) for t in qkv.split((nq, nkv, nkv), dim=-1))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.head_dim ** -0.5,
-                                           enable_gqa=self.num_heads != self.num_kv_heads)
-        return o.transpose(1, 2).flatten(-2).flatten(0, 1)
+        w = qkv_weight(self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.q_rows, self.k_rows)
+        qkv = _RmsRopeLinear.apply(xg, rstd, w, pos, self.qkv_inv_freq, backend)
+        return causal_attention(qkv, batch, self.num_heads, self.num_kv_heads, self.head_dim)
 
 
 class LlamaMLP(nn.Module):

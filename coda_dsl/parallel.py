@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -38,7 +37,8 @@ from .errors import UnsupportedError
 from .library import interleave_gate_up, neox_to_interleaved_rows
 from .library.cross_entropy import (_check_args, ce_backward, combine_vocab_shards, default_chunk_rows,
                                     vocab_shard_stats)
-from .nn import LlamaDecoderLayer, flat_inputs, input_rms, rms_rope, rms_swiglu
+from .nn import (LlamaDecoderLayer, causal_attention, flat_inputs, input_rms, qkv_inv_freq, qkv_weight,
+                 rms_rope, rms_swiglu, rope_inv_freq)
 
 
 # ---------------------------------------------------------------- FSDP2
@@ -142,14 +142,11 @@ class TPLlamaDecoderLayer(LlamaDecoderLayer):
         xg, rstd = _CopyToTP.apply(group, xf * _local(self.input_layernorm.weight), rstd)
         # column-parallel QKV: this rank's whole heads, rstd + RoPE fused in the epilogue
         hd, nh, nkv = attn.head_dim, self._tp_heads, self._tp_kv_heads
-        wq, wk, wv = (_local(p.weight) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
-        w_qkv = torch.cat((wq[neox_to_interleaved_rows(nh, hd)], wk[neox_to_interleaved_rows(nkv, hd)], wv))
+        w_qkv = qkv_weight(*(_local(p.weight) for p in (attn.q_proj, attn.k_proj, attn.v_proj)),
+                           neox_to_interleaved_rows(nh, hd), neox_to_interleaved_rows(nkv, hd))
         inv_freq = self._tp_inv_freq.to(x.device)
         qkv = cd.linear(xg, w_qkv, rms_rope, rstd=rstd, pos=pos, inv_freq=inv_freq, backend=backend)["D"]
-        heads = lambda t: t.unflatten(0, (b, s)).unflatten(-1, (-1, hd)).transpose(1, 2)  # noqa: E731
-        q, k, v = (heads(t) for t in qkv.split((nh * hd, nkv * hd, nkv * hd), dim=-1))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=hd ** -0.5, enable_gqa=nh != nkv)
-        o = o.transpose(1, 2).flatten(-2).flatten(0, 1)
+        o = causal_attention(qkv, b, nh, nkv, hd)
         # row-parallel o_proj: reduce, then the residual add and the post-attention norm's statistics, from
         # the fp32 sum as the fused epilogue (rms_producer) takes them
         h32 = self._row_parallel(o, attn.o_proj.weight, group) + xf.float()
@@ -196,9 +193,7 @@ def tensor_parallel(layer: LlamaDecoderLayer, mesh: DeviceMesh) -> TPLlamaDecode
     layer.tp_mesh = mesh
     layer._tp_heads, layer._tp_kv_heads = attn.num_heads // world, attn.num_kv_heads // world
     # this rank's QKV column pairs: its q and k heads rotate, its V pairs get 0 (as LlamaAttention's buffer)
-    inv = attn._qkv_inv_freq_fp32[: attn.head_dim // 2]
-    layer._tp_inv_freq = torch.cat((inv.repeat(layer._tp_heads + layer._tp_kv_heads),
-                                    torch.zeros(layer._tp_kv_heads * attn.head_dim // 2)))
+    layer._tp_inv_freq = qkv_inv_freq(rope_inv_freq(cfg), layer._tp_heads, layer._tp_kv_heads)
     return layer
 
 
