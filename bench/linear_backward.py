@@ -105,14 +105,14 @@ def prebuild(todo: list[tuple[str, tuple]]) -> None:
     """cd.linear's forward kernels (the epilogue plus its saved accumulator), with the configs cd.gemm
     picks at each shape, in one parallel ninja run instead of one by one at their first calls."""
     from coda_dsl.runtime import op as runtime
-    from coda_dsl.runtime.autograd import _derive
+    from coda_dsl.runtime.autograd import forward_epilogue
     from coda_dsl.runtime.tune import default
     ops = []
     for name, (m, n, k) in todo:
         case = CASES[name]
         x = _r(64, 64, grad=False)  # a small problem: only dtypes and layouts matter
         operands = {key: v.detach() for key, v in case.operands(64, 64).items()}
-        ops.append(cd.compile(_derive(case.epilogue, {}).forward, x, x, config=default(m, n, k)[0], **operands))
+        ops.append(cd.compile(forward_epilogue(case.epilogue), x, x, config=default(m, n, k)[0], **operands))
     runtime.prebuild(ops)
 
 

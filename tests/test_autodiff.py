@@ -306,3 +306,5 @@ def test_backward_epilogue_fuses_into_the_producer_gemm():
     assert rel_err(got["D"], acc.grad) < 1e-5 and rel_err(got["bias"], bias.grad) < 1e-5
     with pytest.raises(UnsupportedError, match="nothing to fuse"):
         cd.backward_epilogue(bias_gelu, output="nope")
+    from coda_dsl.runtime.autograd import forward_epilogue  # what cd.linear's forward kernel runs
+    assert forward_epilogue(bias_gelu).output_names == ("D", "acc")

@@ -22,7 +22,7 @@ from ..passes.autodiff import GRAD, SAVED, Backward, derive, into_producer
 from . import fused, reference
 from .op import gemm
 
-SAVED_ACC = "acc"  # the forward's extra output: its accumulator (derive() refuses operands of that name)
+ACC_OUTPUT = "acc"  # the forward's extra output: its accumulator (derive() refuses operands of that name)
 
 class _Derived:
     """An epilogue's forward with its accumulator as an output (when the derivative reads it), and the
@@ -48,11 +48,11 @@ def _derive(ep: Epilogue, consts: dict) -> _Derived:
         back = derive(specialize(ep.program, consts))
         forward = ep
         if back.uses_acc:
-            if ep.program.output(SAVED_ACC):
-                raise OperandError(f"cd.linear: epilogue '{ep.name}' has an output named '{SAVED_ACC}', the name "
+            if ep.program.output(ACC_OUTPUT):
+                raise OperandError(f"cd.linear: epilogue '{ep.name}' has an output named '{ACC_OUTPUT}', the name "
                                    "its saved accumulator takes: rename that output")
             p = ep.program
-            outputs = (*p.outputs, ir.Output(SAVED_ACC, ir.acc(), None))
+            outputs = (*p.outputs, ir.Output(ACC_OUTPUT, ir.acc(), None))
             forward = Epilogue.of_program(ir.Program(p.name, p.params, outputs, p.defined_at, p.locations))
         per_ep[key] = _Derived(forward, back)
     return per_ep[key]
@@ -66,7 +66,7 @@ class _Linear(torch.autograd.Function):
         derived = _derive(ep, consts)
         back = derived.back
         outs = gemm(x, w, derived.forward, **options, **operands)
-        acc = outs.pop(SAVED_ACC, None)
+        acc = outs.pop(ACC_OUTPUT, None)
         ctx.derived, ctx.names, ctx.numbers = derived, names, numbers
         ctx.save_for_backward(x, w, acc, *tensors, *(outs[o] for o in back.saved))
         return tuple(outs[o] for o in ep.output_names)  # linear() names them in this order
@@ -114,6 +114,12 @@ def linear(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, /
     options = {"backend": backend, "config": config}
     outs = _Linear.apply(ep, names, numbers, options, A, B, *(operands[k] for k in names))
     return dict(zip(ep.output_names, outs))
+
+
+def forward_epilogue(epilogue: Epilogue, **consts) -> Epilogue:
+    """The epilogue cd.linear's forward kernel runs: `epilogue`, with its accumulator as one more output
+    when the derivative reads it (e.g. to build that kernel ahead of the first call)."""
+    return _derive(epilogue, consts).forward
 
 
 def backward_epilogue(epilogue: Epilogue, output: str = "D", **consts) -> Epilogue:
