@@ -67,6 +67,13 @@ def double_width(acc, pre: cd.Tensor, rs: cd.VecM):
     return {"D": cd.interleave(dg, acc * u), "s": cd.sum(dg * u, axis="n"), "h": g - u}
 
 
+@cd.epilogue
+def wide_only(acc, pre: cd.Tensor):
+    """Only double-width values (no N/2-wide one): N may be odd."""
+    g, u = cd.pairs(pre)
+    return cd.interleave(acc * g, acc - u)
+
+
 # ---- helpers ------------------------------------------------------------------------------------
 def signature_for(ep, ab="bf16", b_layout="nk", operand_dtype="bf16", operand_dtypes=None, output_dtypes=None,
                   consts=None, config=None, deterministic=False, accumulate=False) -> Signature:

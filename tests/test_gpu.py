@@ -21,7 +21,7 @@ from coda_dsl.library.cross_entropy import (BUFFER_BYTES, _backward_softcap_epil
                                            ce_backward, combine_vocab_shards, default_chunk_rows,
                                            logits_buffer_dtype, vocab_shard_stats)
 from coda_dsl.runtime import op as runtime
-from epilogues import bias_gelu, double_width, pairs_with_full_width_operands, residual_rms
+from epilogues import bias_gelu, double_width, pairs_with_full_width_operands, residual_rms, wide_only
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU; none visible to torch")
@@ -273,12 +273,6 @@ def test_batched(kernels, ep):
     m, n, k, l = 200, 264, 96, 3
     a, b = _ab(m, n, k, torch.bfloat16, "nk", batch=l)  # [L, M, K] x [L, N, K]
     _check(ep, a, b, _operands(ep, m, n, torch.bfloat16, batch=l), batch=l)
-
-
-@cd.epilogue
-def wide_only(acc, pre: cd.Tensor):
-    g, u = cd.pairs(pre)
-    return cd.interleave(acc * g, acc - u)
 
 
 def test_double_width_other_config_and_unaligned_rows(kernels):

@@ -210,10 +210,7 @@ def test_interleave_of_two_different_constants_is_a_clear_error(ep, consts):
 def test_odd_n_is_fine_without_half_width_values():
     """cd.pairs of a [M, 2N] operand and an interleaved [M, 2N] output need no column pairs of the
     accumulator: N may be odd (only N/2-wide values need an even N)."""
-    @cd.epilogue
-    def wide_only(acc, pre: cd.Tensor):
-        g, u = cd.pairs(pre)
-        return cd.interleave(acc * g, acc - u)
+    from epilogues import wide_only
     a, b, pre = _w(M, D), _w(7, D), torch.randn(M, 14)
     got = cd.gemm(a, b, wide_only, pre=pre, backend="reference")["D"]
     acc = a.float() @ b.float().t()
