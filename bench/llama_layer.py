@@ -3,6 +3,7 @@ against Hugging Face's LlamaDecoderLayer (eager and torch.compile, the same weig
 that fusion can reach, in one process, round-robin, CUDA events, median.
 
     python -m bench.llama_layer [--config 8b] [--tokens 8192,16384] [--seq 2048] [--iters 20] [--json PATH]
+                                [--profile N]
 
 Variants (tokens = batch x seq; batch = tokens / seq):
 - coda_dsl: LlamaDecoderLayer.from_hf(hf_layer, backend="cutlass");
@@ -13,6 +14,8 @@ Variants (tokens = batch x seq; batch = tokens / seq):
 - floor: the layer's GEMMs as bare cuBLAS (torch.mm on random bf16 operands of the same shapes and
   layouts: forward x @ W^T for QKV, O, gate/up, down; backward dY @ W and dY^T @ x for each) plus SDPA
   forward (and backward), each part timed alone and summed.
+--profile N: after the timing, one fwd+bwd of each variant under torch.profiler, its N costliest GPU
+kernels (total time, calls) on stderr: where each variant's time goes.
 "fwd" runs under torch.no_grad (inference forward); "fwd+bwd" is torch.autograd.grad of the output
 with respect to the input and every parameter (no accumulation into .grad). Peak MiB: for one
 fwd+bwd, max_memory_allocated minus what was allocated before the call (parameters, inputs): the
@@ -134,6 +137,19 @@ def peak_mib(fn: Callable) -> float:
     return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
+def profile_kernels(fn: Callable, top: int) -> str:
+    """One fn() under torch.profiler: its `top` costliest GPU kernels, a line each, and the GPU total."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
+    kernels.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in kernels) / 1e3
+    lines = [f"{e.device_time_total / 1e3:8.3f} ms {e.count:4d}x  {e.key[:150]}" for e in kernels[:top]]
+    return "\n".join([*lines, f"{total:8.3f} ms total GPU time"])
+
+
 def synchronize(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -192,7 +208,7 @@ class LayerRow:
 
 
 def run_tokens(config, tokens: int, seq: int, iters: int, device="cuda", backend="cutlass",
-               compile_fn=None) -> tuple[list[LayerRow], dict[str, float], list[str]]:
+               compile_fn=None, profile: int = 0) -> tuple[list[LayerRow], dict[str, float], list[str]]:
     """One token count: (variant rows with the floor first, floor part -> ms, failures)."""
     batch = tokens // seq
     calls = variant_calls(config, batch, seq, device, backend, compile_fn)
@@ -238,6 +254,10 @@ def run_tokens(config, tokens: int, seq: int, iters: int, device="cuda", backend
         if (name, "fwd") in timed:
             rows.append(LayerRow(tokens, name, ms[f"{name} fwd"], ms[f"{name} fwd+bwd"],
                                  peak_mib(timed[(name, "fwd+bwd")]), extra.get(name, {})))
+    for name in calls if profile else ():
+        if (name, "fwd+bwd") in timed:
+            progress(f"llama_layer {tokens} tokens: {name} fwd+bwd, GPU kernels by total time:\n"
+                     + profile_kernels(timed[(name, "fwd+bwd")], profile))
     return rows, part_ms, failed
 
 
@@ -304,6 +324,8 @@ def parse(argv=None):
     p.add_argument("--seq", type=int, default=2048, help="sequence length; batch = tokens / seq")
     p.add_argument("--iters", type=int, default=20, help="timed rounds")
     p.add_argument("--json", metavar="PATH", help="also write the results' JSON here")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="print each variant's N costliest GPU kernels of one fwd+bwd (stderr)")
     args = p.parse_args(argv)
     bad = [t for t in args.tokens if t % args.seq]
     if args.seq <= 0 or bad:
@@ -318,7 +340,7 @@ def main(argv=None, device="cuda", backend="cutlass", compile_fn=None) -> int:
     config = llama_config(args.config)
     rows, failed = [], []
     for tokens in args.tokens:
-        r, _, f = run_tokens(config, tokens, args.seq, args.iters, device, backend, compile_fn)
+        r, _, f = run_tokens(config, tokens, args.seq, args.iters, device, backend, compile_fn, args.profile)
         rows, failed = rows + r, failed + f
         if device == "cuda":
             torch.cuda.empty_cache()

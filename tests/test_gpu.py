@@ -23,6 +23,8 @@ from coda_dsl.library.cross_entropy import (BUFFER_BYTES, _backward_softcap_epil
 from coda_dsl.runtime import op as runtime
 from epilogues import bias_gelu, double_width, pairs_with_full_width_operands, residual_rms, wide_only
 
+swiglu_derived_backward = cd.backward_epilogue(swiglu)  # derived: equals swiglu_backward (test_autodiff)
+
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU; none visible to torch")
 
@@ -140,6 +142,7 @@ def _operands(ep, m, n, dtype, batch=None):
         pairs_with_full_width_operands: lambda: dict(bias=_rand(n, dtype=dtype), rs=_rand(*lead, m, dtype=dtype),
                                                      s=0.7),
         swiglu_backward: lambda: dict(pre=3 * _rand(*lead, m, 2 * n, dtype=dtype)),
+        swiglu_derived_backward: lambda: dict(saved_acc=3 * _rand(*lead, m, 2 * n, dtype=dtype)),
         double_width: lambda: dict(pre=_rand(*lead, m, 2 * n, dtype=dtype), rs=_rand(*lead, m, dtype=torch.float32)),
     }
     return make[ep]()
@@ -164,7 +167,7 @@ CASES = [
 ]
 CASES += [(ep, torch.bfloat16, "nk") for ep in (swiglu, swiglu_keep_preactivation, rope_tables, rope_positions,
                                                  lse_and_take, pairs_with_full_width_operands, sin_cos,
-                                                 swiglu_backward, double_width)]
+                                                 swiglu_backward, swiglu_derived_backward, double_width)]
 # further specializations: (case, compile options)
 VARIANTS = [
     ((row_stats, torch.bfloat16, "nk"), dict(deterministic=True)),
