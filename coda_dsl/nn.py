@@ -43,7 +43,7 @@ from torch import nn
 
 import coda_dsl as cd
 from .errors import UnsupportedError
-from .library import interleave_gate_up, neox_to_interleaved_rows, rms_producer
+from .library import interleave_gate_up, rms_producer
 from .library.rope import rotate
 from .runtime.fused import on_cuda
 
@@ -108,47 +108,79 @@ def _rstd_grad(dh, drstd, h, rstd, inv_n: float):
 
 
 @on_cuda
-def rms_rope_backward(dy, y, rstd, pos, inv_freq):
-    """y = rope(rstd * acc) -> (d acc, d rstd). The rotation is orthogonal, so
-    d rstd = sum_n dy * y / rstd."""
-    angle = pos[:, None] * inv_freq[None, :]
-    cos, sin = angle.cos(), angle.sin()
-    d = dy.float().unflatten(-1, (-1, 2))
-    d0, d1 = d[..., 0], d[..., 1]
-    g = torch.stack((d0 * cos + d1 * sin, d1 * cos - d0 * sin), dim=-1).flatten(-2)  # rotate back
-    return rstd[:, None] * g, (dy.float() * y.float()).sum(-1) / rstd
+def rms_rope_backward(dy, y, rstd, pos, head_freq, rotated: int):
+    """y = rope(rstd * acc) -> (d acc in dy's dtype, d rstd). The first `rotated` columns are heads of
+    2 len(head_freq) columns whose pairs rotate by pos * head_freq (cos/sin per row and frequency, not per
+    column); the others pass through. The rotation is orthogonal, so d rstd = sum_n dy * y / rstd."""
+    angle = pos[:, None] * head_freq[None, :]
+    cos, sin = angle.cos()[:, None], angle.sin()[:, None]  # [M, 1, d/2]: shared by the heads
+    d = dy.float()
+    pairs = d[:, :rotated].unflatten(-1, (-1, head_freq.numel(), 2))
+    d0, d1 = pairs[..., 0], pairs[..., 1]
+    back = torch.stack((d0 * cos + d1 * sin, d1 * cos - d0 * sin), dim=-1).flatten(1)  # rotate back
+    dacc = torch.cat((back, d[:, rotated:]), dim=1) * rstd[:, None]
+    return dacc.to(dy.dtype), (d * y.float()).sum(-1) / rstd
 
 
 @on_cuda
 def rms_producer_backward(dh, dhg, drstd, h, rstd, gamma, inv_n: float, want_gamma: bool):
-    """h = acc + residual, outputs (h, h * gamma, rstd(h)) -> (d acc = d residual, d gamma)."""
+    """h = acc + residual, outputs (h, h * gamma, rstd(h)) -> (d acc = d residual in h's dtype, d gamma)."""
     dgamma = (dhg.float() * h.float()).sum(0) if want_gamma and dhg is not None else None
     if dhg is not None:
         dh = dhg.float() * gamma.float() + (dh.float() if dh is not None else 0.0)
-    return _rstd_grad(dh, drstd, h, rstd, inv_n), dgamma
+    return _rstd_grad(dh, drstd, h, rstd, inv_n).to(h.dtype), dgamma
 
 
 @on_cuda
 def residual_rms_backward(dout, drstd, out, rstd, inv_n: float):
-    """out = acc + residual, outputs (out, rstd(out)) -> d acc (= d residual)."""
-    return _rstd_grad(dout, drstd, out, rstd, inv_n)
+    """out = acc + residual, outputs (out, rstd(out)) -> d acc (= d residual), in out's dtype."""
+    return _rstd_grad(dout, drstd, out, rstd, inv_n).to(out.dtype)
 
 
 # ---------------------------------------------------------------- one autograd.Function per fused GEMM
 
 class _RmsRopeLinear(torch.autograd.Function):
+    """rms_rope's GEMM; inv_freq per column pair for the kernel, and for the backward the same as
+    head_freq [d/2] per head over the first `rotated` columns."""
+
     @staticmethod
-    def forward(ctx, xg, rstd, w, pos, inv_freq, backend):
+    def forward(ctx, xg, rstd, w, pos, inv_freq, head_freq, rotated, backend):
         y = cd.gemm(xg, w, rms_rope, rstd=rstd, pos=pos, inv_freq=inv_freq, backend=backend)["D"]
-        ctx.save_for_backward(xg, rstd, w, pos, inv_freq, y)
+        ctx.save_for_backward(xg, rstd, w, pos, head_freq, y)
+        ctx.rotated = rotated
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        xg, rstd, w, pos, inv_freq, y = ctx.saved_tensors
-        dacc, drstd = rms_rope_backward(dy, y, rstd, pos, inv_freq)
+        xg, rstd, w, pos, head_freq, y = ctx.saved_tensors
+        dacc, drstd = rms_rope_backward(dy, y, rstd, pos, head_freq, ctx.rotated)
         dxg, dw = _linear_grads(ctx, dacc, xg, w, 0, 2)
-        return dxg, drstd if ctx.needs_input_grad[1] else None, dw, None, None, None
+        return dxg, drstd if ctx.needs_input_grad[1] else None, dw, None, None, None, None, None
+
+
+class _ColumnScale(torch.autograd.Function):
+    """x * gamma, gamma [D] per column (the input norm's gain), fused forward and backward on CUDA."""
+
+    @staticmethod
+    def forward(ctx, x, gamma):
+        ctx.save_for_backward(x, gamma)
+        return _scale(x, gamma)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, gamma = ctx.saved_tensors
+        return _scale_backward(dy, x, gamma, ctx.needs_input_grad[1])
+
+
+@on_cuda
+def _scale(x, gamma):
+    return x * gamma
+
+
+@on_cuda
+def _scale_backward(dy, x, gamma, want_gamma: bool):
+    dgamma = (dy.float() * x.float()).sum(0).to(gamma.dtype) if want_gamma else None
+    return dy * gamma, dgamma
 
 
 class _RmsProducerLinear(torch.autograd.Function):
@@ -253,10 +285,12 @@ def qkv_inv_freq(inv_freq: torch.Tensor, heads: int, kv_heads: int) -> torch.Ten
     return torch.cat((inv_freq.repeat(heads + kv_heads), torch.zeros(kv_heads * inv_freq.numel())))
 
 
-def qkv_weight(wq, wk, wv, q_rows, k_rows) -> torch.Tensor:
-    """[Nq + 2 Nkv, D]: q and k rows permuted per head (neox_to_interleaved_rows) for the interleaved RoPE
-    epilogue; differentiable, so gradients land in the three weights."""
-    return torch.cat((wq[q_rows], wk[k_rows], wv))
+def qkv_weight(wq, wk, wv, head_dim: int) -> torch.Tensor:
+    """[Nq + 2 Nkv, D]: q and k rows permuted per head for the interleaved RoPE epilogue (the order of
+    neox_to_interleaved_rows: rows i and i + head_dim / 2 become adjacent), one copy by strided views;
+    differentiable, so gradients land in the three weights (as strided views, no scatter)."""
+    per_pair = lambda w: w.unflatten(0, (-1, 2, head_dim // 2)).transpose(1, 2)  # noqa: E731  [heads, d/2, 2, D]
+    return torch.cat((per_pair(wq), per_pair(wk), wv.unflatten(0, (-1, head_dim // 2, 2)))).flatten(0, 2)
 
 
 def causal_attention(qkv: torch.Tensor, batch: int, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
@@ -279,22 +313,23 @@ class LlamaAttention(nn.Module):
         self.k_proj = _linear(d, self.num_kv_heads * hd, dtype, device)
         self.v_proj = _linear(d, self.num_kv_heads * hd, dtype, device)
         self.o_proj = _linear(self.num_heads * hd, d, dtype, device)
-        qkv_inv = qkv_inv_freq(rope_inv_freq(config), self.num_heads, self.num_kv_heads)
-        self._qkv_inv_freq_fp32 = qkv_inv
-        self.register_buffer("qkv_inv_freq", qkv_inv.to(device), persistent=False)
-        self.register_buffer("q_rows", neox_to_interleaved_rows(self.num_heads, hd).to(device), persistent=False)
-        self.register_buffer("k_rows", neox_to_interleaved_rows(self.num_kv_heads, hd).to(device), persistent=False)
+        self._fp32 = {"head_inv_freq": rope_inv_freq(config)}
+        self._fp32["qkv_inv_freq"] = qkv_inv_freq(self._fp32["head_inv_freq"], self.num_heads, self.num_kv_heads)
+        for name, t in self._fp32.items():
+            self.register_buffer(name, t.to(device), persistent=False)
 
     def _apply(self, fn, recurse=True):
         # module.to(torch.bfloat16) casts float buffers too; RoPE angles need the fp32 frequencies
         super()._apply(fn, recurse)
-        self.qkv_inv_freq = self._qkv_inv_freq_fp32.to(self.qkv_inv_freq.device)
+        for name, t in self._fp32.items():
+            setattr(self, name, t.to(getattr(self, name).device))
         return self
 
     def forward(self, xg, rstd, pos, batch: int, backend: str):
         """xg = x * gamma1 [M, D], rstd [M] -> attention output before o_proj, [M, Nq]."""
-        w = qkv_weight(self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.q_rows, self.k_rows)
-        qkv = _RmsRopeLinear.apply(xg, rstd, w, pos, self.qkv_inv_freq, backend)
+        w = qkv_weight(self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.head_dim)
+        rotated = (self.num_heads + self.num_kv_heads) * self.head_dim
+        qkv = _RmsRopeLinear.apply(xg, rstd, w, pos, self.qkv_inv_freq, self.head_inv_freq, rotated, backend)
         return causal_attention(qkv, batch, self.num_heads, self.num_kv_heads, self.head_dim)
 
 
@@ -393,7 +428,7 @@ class LlamaDecoderLayer(nn.Module):
         eps = self.input_layernorm.variance_epsilon
         xf, pos, rstd = flat_inputs(x, position_ids, input_rstd, eps)
         # gamma1 on the activation side: the previous layer's epilogue does not know this layer's gamma
-        xg = xf * self.input_layernorm.weight
+        xg = _ColumnScale.apply(xf, self.input_layernorm.weight)
         attn = self.self_attn(xg, rstd, pos, b, self.backend)
         h, hg, rstd2 = _RmsProducerLinear.apply(attn, self.self_attn.o_proj.weight, xf,
                                                 self.post_attention_layernorm.weight,

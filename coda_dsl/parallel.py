@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import coda_dsl as cd
 from .errors import UnsupportedError
-from .library import interleave_gate_up, neox_to_interleaved_rows
+from .library import interleave_gate_up
 from .library.cross_entropy import (_check_args, ce_backward, combine_vocab_shards, default_chunk_rows,
                                     vocab_shard_stats)
 from .nn import (LlamaDecoderLayer, causal_attention, flat_inputs, input_rms, qkv_inv_freq, qkv_weight,
@@ -142,8 +142,7 @@ class TPLlamaDecoderLayer(LlamaDecoderLayer):
         xg, rstd = _CopyToTP.apply(group, xf * _local(self.input_layernorm.weight), rstd)
         # column-parallel QKV: this rank's whole heads, rstd + RoPE fused in the epilogue
         hd, nh, nkv = attn.head_dim, self._tp_heads, self._tp_kv_heads
-        w_qkv = qkv_weight(*(_local(p.weight) for p in (attn.q_proj, attn.k_proj, attn.v_proj)),
-                           neox_to_interleaved_rows(nh, hd), neox_to_interleaved_rows(nkv, hd))
+        w_qkv = qkv_weight(*(_local(p.weight) for p in (attn.q_proj, attn.k_proj, attn.v_proj)), hd)
         inv_freq = self._tp_inv_freq.to(x.device)
         qkv = cd.linear(xg, w_qkv, rms_rope, rstd=rstd, pos=pos, inv_freq=inv_freq, backend=backend)["D"]
         o = causal_attention(qkv, b, nh, nkv, hd)
