@@ -107,16 +107,22 @@ def _rstd_grad(dh, drstd, h, rstd, inv_n: float):
     return dh
 
 
-@on_cuda
 def rms_rope_backward(dy, y, rstd, pos, head_freq, rotated: int):
     """y = rope(rstd * acc) -> (d acc in dy's dtype, d rstd). The first `rotated` columns are heads of
-    2 len(head_freq) columns whose pairs rotate by pos * head_freq (cos/sin per row and frequency, not per
-    column); the others pass through. The rotation is orthogonal, so d rstd = sum_n dy * y / rstd."""
+    2 len(head_freq) columns whose pairs rotate by pos * head_freq; the others pass through. cos/sin
+    are taken once per row and frequency, here, eagerly ([M, d/2]: compiled, they would be recomputed
+    for every column of every head), then _rope_backward rotates back."""
     angle = pos[:, None] * head_freq[None, :]
-    cos, sin = angle.cos()[:, None], angle.sin()[:, None]  # [M, 1, d/2]: shared by the heads
+    return _rope_backward(dy, y, rstd, angle.cos(), angle.sin(), rotated)
+
+
+@on_cuda
+def _rope_backward(dy, y, rstd, cos, sin, rotated: int):
+    """The rotation is orthogonal, so d rstd = sum_n dy * y / rstd."""
     d = dy.float()
-    pairs = d[:, :rotated].unflatten(-1, (-1, head_freq.numel(), 2))
+    pairs = d[:, :rotated].unflatten(-1, (-1, cos.shape[-1], 2))
     d0, d1 = pairs[..., 0], pairs[..., 1]
+    cos, sin = cos[:, None], sin[:, None]  # the same for every head
     back = torch.stack((d0 * cos + d1 * sin, d1 * cos - d0 * sin), dim=-1).flatten(1)  # rotate back
     dacc = torch.cat((back, d[:, rotated:]), dim=1) * rstd[:, None]
     return dacc.to(dy.dtype), (d * y.float()).sum(-1) / rstd
