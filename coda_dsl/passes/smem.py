@@ -107,11 +107,6 @@ def usage(plan: Plan, config: Config | None = None) -> Usage:
     return Usage(cfg, total, tuple(sorted(parts, key=lambda p: -p[1])), stage)
 
 
-def _words(n) -> bool:
-    """Does node n stage 32-bit elements in shared memory?"""
-    return isinstance(n, (WideLoad, WideStore)) or (isinstance(n, (AuxLoad, AuxStore)) and _bytes(n.dtype) == 4)
-
-
 def _shrinkable(plan: Plan) -> bool:
     """CUTLASS's deterministic row/column reductions use the D buffer as scratch and need a large enough
     epilogue tile: never shrink one (atomic reductions go from registers to global memory)."""
@@ -132,14 +127,11 @@ def fit(plan: Plan) -> Plan:
     if first.stages >= PREFERRED_STAGES:
         return plan
     cfg = plan.signature.config
-    narrower = []
+    configs = [cfg]
     if cfg.epilogue_tile is None and _shrinkable(plan):
         em, en = epilogue_tile(cfg)
-        narrower = [dataclasses.replace(cfg, epilogue_tile=(em, w)) for w in range(en - 16, 15, -16) if cfg.tile[1] % w == 0]
-    # 32-bit values staged at a narrower tile gave wrong results on the H200 (WideLoad/WideStore at 128x16):
-    # such a plan is narrowed only when nothing else fits, never for speed
-    narrow_for_speed = [] if any(_words(n) for n in plan.nodes) else narrower
-    for want, configs in ((PREFERRED_STAGES, [cfg, *narrow_for_speed]), (MIN_STAGES, [cfg, *narrower])):
+        configs += [dataclasses.replace(cfg, epilogue_tile=(em, w)) for w in range(en - 16, 15, -16) if cfg.tile[1] % w == 0]
+    for want in (PREFERRED_STAGES, MIN_STAGES):
         c = next((c for c in configs if usage(plan, c).stages >= want), None)
         if c is not None:
             return plan if c is cfg else dataclasses.replace(plan, signature=dataclasses.replace(plan.signature, config=c))
