@@ -30,8 +30,17 @@ def _inputs(program, half=False):
     return torch.randn(M, N, dtype=torch.float64), values
 
 
-def _check(program, half=False, acc=None, values=None, consts=None):
-    """The derived gradients equal torch.autograd's of sum_i <y_i, dy_i> through the forward program."""
+def _statistics(program, back, acc, values, ys) -> dict:
+    """saved_<name> for the backward: the output itself, or for a .then output the statistic before .then."""
+    before = ir.Program(program.name, program.params, tuple(
+        ir.Output(k, ir.reduction_of(program.output(k).node), None) for k in back.unfinished))
+    raw = evaluate_on(before, acc, values, {}) if back.unfinished else {}
+    return {SAVED + k: (raw[k] if k in raw else ys[k]).detach() for k in back.saved}
+
+
+def _check(program, half=False, acc=None, values=None, consts=None, no_grad=()):
+    """The derived gradients equal torch.autograd's of sum_i <y_i, dy_i> through the forward program
+    (operands in `no_grad` get no gradient output)."""
     program = specialize(program, consts or {})
     acc0, values0 = _inputs(program, half)
     acc = (acc0 if acc is None else acc).requires_grad_()
@@ -43,9 +52,12 @@ def _check(program, half=False, acc=None, values=None, consts=None):
     expected = torch.autograd.grad(loss, leaves, allow_unused=True) if loss.requires_grad else [None] * len(leaves)
     back = derive(program)
     operands = {**{k: v.detach() for k, v in values.items()}, **{GRAD + k: dys[k] for k in back.grads},
-                **{SAVED + k: ys[k].detach() for k in back.saved}}
+                **_statistics(program, back, acc.detach(), {k: v.detach() for k, v in values.items()}, ys)}
     got = evaluate_on(back.program, acc.detach(), operands, {})
     for name, want in zip(["acc", *values], expected):
+        if name in no_grad:
+            assert name not in got, f"{name}: a gradient output"
+            continue
         if want is None or not want.abs().sum():
             assert name not in got or not got[name].abs().sum(), f"{name}: gradient where there is none"
             continue
@@ -117,9 +129,44 @@ def test_casts_pass_gradients_straight_through():
     torch.testing.assert_close(got, 2 * dys[GRAD + "D"] + acc.exp() * dys[GRAD + "h"])
 
 
+def test_finished_statistics_pass_back_through_then():
+    """y = f(s) for a statistic s (.then): dy * f'(s) goes back through s's rule, with s saved (the forward
+    outputs it, before f); scalars that only f reads get no gradient output, constant-only f none at all."""
+    @cd.epilogue
+    def f(acc, residual: cd.Tensor, inv_n: cd.Scalar, eps: cd.Scalar, alpha: cd.Scalar):
+        h = acc * alpha + residual
+        return {"D": h, "rstd": cd.sum(h * h, axis="n").then(lambda s: cd.rsqrt(s * inv_n + eps)),
+                "lse2": cd.logsumexp(h, axis="n").then(lambda s: s * s),
+                "cols": cd.sum(h, axis="m").then(lambda s: cd.exp(s * 0.1)),
+                "flat": cd.sum(h, axis=None).then(lambda s: 3.0)}
+    program = specialize(f.program, {})
+    acc, values = _inputs(program)
+    values.update(inv_n=torch.tensor(1.0 / N, dtype=torch.float64), eps=torch.tensor(1e-3, dtype=torch.float64))
+    back = _check(f.program, acc=acc, values=values, no_grad=("inv_n", "eps"))
+    assert back.saved == back.unfinished == ("rstd", "lse2", "cols")
+    assert "alpha" in {o.name for o in back.program.outputs}  # read by the body, not by a finishing step
+
+
+def test_the_forward_kernel_outputs_statistics_before_then(make_plan):
+    """cd.linear's forward kernel for a .then output: the statistic and its finished value, two reductions of
+    one value (lowered for the cutlass backend)."""
+    from coda_dsl.passes.plan import Reduce
+    from coda_dsl.runtime.autograd import forward_epilogue
+
+    @cd.epilogue
+    def residual_rms(acc, residual: cd.Tensor, inv_n: cd.Scalar, eps: cd.Scalar):
+        h = acc + residual
+        return {"D": h, "rstd": cd.sum(h * h, axis="n").then(lambda s: cd.rsqrt(s * inv_n + eps))}
+    forward = forward_epilogue(residual_rms)
+    assert forward.output_names == ("D", "rstd", "acc", SAVED + "rstd")  # the derivative reads h = acc + residual
+    reduces = [n for n in make_plan(forward).nodes if isinstance(n, Reduce)]
+    assert len(reduces) == 2 and reduces[0].children == reduces[1].children
+    assert sorted(r.finish is None for r in reduces) == [False, True]
+
+
 @pytest.mark.parametrize("make, what", [
     (lambda acc: {"m": cd.max(acc, axis="n")}, "cd.max"),
-    (lambda acc: {"s": cd.sum(acc * acc, axis="n").then(lambda s: cd.rsqrt(s + 1.0))}, "with .then"),
+    (lambda acc: {"s": cd.amax(acc * acc, axis="n").then(lambda s: cd.rsqrt(s + 1.0))}, "cd.amax"),
 ])
 def test_statistics_without_a_rule_are_refused(make, what):
     with pytest.raises(UnsupportedError, match=what):
@@ -157,13 +204,19 @@ def _random_program(rng: random.Random, i: int) -> ir.Program:
         pool.append(x)
     outputs = [ir.Output("D", pool[-1], None)]
     if rng.random() < 0.5:
-        outputs.append(ir.Output("rows", ir.reduce("sum", rng.choice(["n", "m", None]), rng.choice(pool[2:])), None))
+        stat = ir.reduce("sum", rng.choice(["n", "m", None]), rng.choice(pool[2:]))
+        if rng.random() < 0.5:  # a finishing step over the statistic
+            s = ir.reduced()
+            stat = ir.finish(stat, rng.choice([ir.compute("tanh", s), ir.compute("exp", ir.compute("mul", s, ir.const(0.1))),
+                                               ir.compute("add", ir.compute("mul", s, s), s)]))
+        outputs.append(ir.Output("rows", stat, None))
     params = (ir.Param("t", "tensor"), ir.Param("b", "vec_n"), ir.Param("r", "vec_m"), ir.Param("s", "scalar"))
     return ir.Program(f"random{i}", params, tuple(outputs))
 
 
 def test_random_programs():
-    """200 random differentiable epilogues: derived gradients equal torch.autograd's (fp64)."""
+    """200 random differentiable epilogues (statistics, some finished by .then): derived gradients equal
+    torch.autograd's (fp64)."""
     rng = random.Random(torch.initial_seed())
     for i in range(200):
         _check(_random_program(rng, i))
@@ -181,11 +234,13 @@ def _reference_grads(ep, x, w, operands, dys, consts=None):
     return torch.autograd.grad(loss, leaves, allow_unused=True)
 
 
-@pytest.mark.parametrize("reduction_output", [False, True])
+@pytest.mark.parametrize("reduction_output", [None, "lse", "rstd"])
 def test_linear_matches_autograd_of_the_reference(reduction_output):
     @cd.epilogue
     def f(acc, bias: cd.VecN, scale: cd.VecM, res: cd.Tensor, alpha: cd.Scalar):
         h = cd.gelu(acc * scale + bias, approximate="tanh") * alpha + res
+        if reduction_output == "rstd":  # a finished statistic: the forward also outputs the sum before .then
+            return {"D": h, "rstd": cd.sum(h * h, axis="n").then(lambda s: cd.rsqrt(s * alpha + 1e-3))}
         return {"D": h, "lse": cd.logsumexp(h, axis="n")} if reduction_output else h
     m, n, k = 37, 24, 16
     x, w = torch.randn(m, k, requires_grad=True), torch.randn(n, k, requires_grad=True)

@@ -11,6 +11,9 @@ derivative needs (`saved_<output>`), computes the gradients of acc and of every 
 
 cd.Const operands, comparisons and int64 indices get none. Each op's rule lives in its definition
 (ir/ops.py: OpDef.grad, ReduceDef.grad); this pass only walks the graph backwards and sums adjoints.
+A statistic finished by .then(f) passes back dy * f'(s), with s the statistic before f (`saved_<output>`,
+which the forward kernel then also outputs); scalars read by f get no gradient (a per-row quantity
+that an epilogue cannot sum into one number).
 """
 from __future__ import annotations
 
@@ -50,12 +53,40 @@ class Backward:
 
     program: ir.Program
     grads: tuple[str, ...]  # forward outputs whose incoming gradient is a parameter (grad_<name>)
-    saved: tuple[str, ...]  # forward outputs the derivative reads (saved_<name>): statistics
+    saved: tuple[str, ...]  # statistics the derivative reads (saved_<name>: before .then, if any)
+    unfinished: tuple[str, ...]  # those of `saved` under a .then: the forward must output them as saved_<name>
     uses_acc: bool  # reads the forward's accumulator (else only the operands and gradients)
 
 
 def _add(a: ir.Node | None, b: ir.Node) -> ir.Node:
     return b if a is None else ir.compute("add", a, b)
+
+
+def _backprop(order: list[ir.Node], adjoint: dict[int, ir.Node], program: ir.Program) -> None:
+    """Adjoints of `order`'s nodes (topological) from those given, by each op's rule, in place."""
+    for node in reversed(order):
+        g = adjoint.get(id(node))
+        if g is None or node.is_leaf or node.kind == "reduction":
+            continue
+        definition = node.definition
+        if definition.grad is None:
+            raise UnsupportedError(f"{program.where(node)}: '{node.op}' has no derivative yet")
+        for x, gx in zip(node.inputs, definition.grad(_d, node.attr, node.inputs, node, g)):
+            if gx is not None:
+                adjoint[id(x)] = _add(adjoint.get(id(x)), gx)
+
+
+def _rebuilder(swap: dict[int, ir.Node], make=lambda n, inputs: ir.Node(n.op, inputs, n.attr)):
+    """node -> node with the nodes in `swap` (by id) replaced, the rest rebuilt by make(n, new inputs)."""
+    memo: dict[int, ir.Node] = {}
+
+    def rebuild(n: ir.Node) -> ir.Node:
+        if id(n) in swap:
+            return swap[id(n)]
+        if id(n) not in memo:
+            memo[id(n)] = make(n, tuple(rebuild(i) for i in n.inputs))
+        return memo[id(n)]
+    return rebuild
 
 
 def derive(program: ir.Program) -> Backward:
@@ -67,7 +98,7 @@ def derive(program: ir.Program) -> Backward:
             raise UnsupportedError(f"{where}: operand '{name}' clashes with the backward's names "
                                    f"('acc', '{GRAD}*', '{SAVED}*'): rename it to differentiate the epilogue")
     adjoint: dict[int, ir.Node] = {}
-    params, grads, saved = [], [], []
+    params, grads, saved, unfinished, finishing_scalars = [], [], [], [], set()
     for o in program.outputs:
         r = ir.reduction_of(o.node)
         if r is None:
@@ -77,30 +108,31 @@ def derive(program: ir.Program) -> Backward:
             continue
         kind, axis = r.attr
         rule = REDUCTIONS[kind].grad
-        if rule is None or o.node.op == "finish":
-            what = f"cd.{kind}" + (" with .then(...)" if o.node.op == "finish" else "")
-            raise UnsupportedError(f"{where}: output '{o.name}' is a {what}, which has no derivative yet")
+        if rule is None:
+            raise UnsupportedError(f"{where}: output '{o.name}' is a cd.{kind}, which has no derivative yet")
         vec = _VEC_OF_AXIS[axis]
-        dy = ir.scalar(GRAD + o.name) if vec == "scalar" else ir.load(vec, GRAD + o.name)
-        y = ir.scalar(SAVED + o.name) if vec == "scalar" else ir.load(vec, SAVED + o.name)
+        leaf = (lambda name: ir.scalar(name)) if vec == "scalar" else (lambda name: ir.load(vec, name))
+        dy, s = leaf(GRAD + o.name), leaf(SAVED + o.name)  # s: the statistic (before .then)
         grads.append(o.name)
         params.append(ir.Param(GRAD + o.name, vec))
-        if kind == "logsumexp":  # its rule reads the statistic
+        if o.node.op == "finish":  # dy * f'(s): f's own graph, backwards, over s
+            f = o.node.attr
+            order = ir.topo_order([f])
+            local = {id(f): dy}
+            _backprop(order, local, program)
+            finishing_scalars |= {n.attr for n in order if n.op == "scalar"}
+            dy = local.get(id(ir.reduced()))
+            if dy is None:  # f ignores the statistic
+                continue
+            dy = _rebuilder({id(ir.reduced()): s})(dy)
+        if kind == "logsumexp" or o.node.op == "finish":  # the derivative reads the statistic
             saved.append(o.name)
             params.append(ir.Param(SAVED + o.name, vec))
+            if o.node.op == "finish":
+                unfinished.append(o.name)
         x = r.inputs[0]
-        adjoint[id(x)] = _add(adjoint.get(id(x)), rule(_d, x, y, dy))
-    order = ir.topo_order([o.node for o in program.outputs])
-    for node in reversed(order):
-        g = adjoint.get(id(node))
-        if g is None or node.is_leaf or node.kind == "reduction":
-            continue
-        definition = node.definition
-        if definition.grad is None:
-            raise UnsupportedError(f"{program.where(node)}: '{node.op}' has no derivative yet")
-        for x, gx in zip(node.inputs, definition.grad(_d, node.attr, node.inputs, node, g)):
-            if gx is not None:
-                adjoint[id(x)] = _add(adjoint.get(id(x)), gx)
+        adjoint[id(x)] = _add(adjoint.get(id(x)), rule(_d, x, s, dy))
+    _backprop(ir.topo_order([o.node for o in program.outputs]), adjoint, program)
     outputs = []
     acc_grad = adjoint.get(id(ir.acc()))
     if acc_grad is not None:
@@ -108,13 +140,13 @@ def derive(program: ir.Program) -> Backward:
     for p in program.params:
         leaf = ir.scalar(p.name) if p.kind == "scalar" else ir.load(p.kind, p.name) if p.kind != "const" else None
         g = adjoint.get(id(leaf)) if leaf is not None else None
-        if g is None:
+        if g is None or p.name in finishing_scalars:
             continue
         outputs.append(ir.Output(p.name, g if p.kind == "tensor" else ir.reduce("sum", _SUM_AXIS[p.kind], g), None))
     uses = {n.op for n in ir.topo_order([o.node for o in outputs])}
     backward = ir.Program(f"{program.name}_backward", tuple(p for p in program.params if p.kind != "const")
                           + tuple(params), tuple(outputs), program.defined_at, program.locations)
-    return Backward(backward, tuple(grads), tuple(saved), "acc" in uses)
+    return Backward(backward, tuple(grads), tuple(saved), tuple(unfinished), "acc" in uses)
 
 
 SAVED_ACC = SAVED + "acc"  # the forward's accumulator, an operand of the fused backward
@@ -133,16 +165,8 @@ def into_producer(back: Backward, output: str = "D") -> ir.Program:
         raise UnsupportedError(f"{where}: nothing to fuse: the forward has no output '{output}' with a "
                                "gradient, or no accumulator gradient")
     grad = ir.load("tensor", GRAD + output)
-    swap = {id(ir.acc()): ir.load("tensor", SAVED_ACC), id(grad): ir.acc()}
-    memo: dict[int, ir.Node] = {}
-
-    def rebuild(n: ir.Node) -> ir.Node:
-        if id(n) in swap:
-            return swap[id(n)]
-        if id(n) not in memo:
-            inputs = tuple(rebuild(i) for i in n.inputs)
-            memo[id(n)] = _pushed_into_interleave(n, inputs) or ir.Node(n.op, inputs, n.attr)
-        return memo[id(n)]
+    rebuild = _rebuilder({id(ir.acc()): ir.load("tensor", SAVED_ACC), id(grad): ir.acc()},
+                         lambda n, inputs: _pushed_into_interleave(n, inputs) or ir.Node(n.op, inputs, n.attr))
 
     outputs = tuple(ir.Output("D" if o.name == "acc" else o.name, rebuild(o.node), o.dtype)
                     for o in program.outputs)

@@ -2,7 +2,8 @@
 (passes/autodiff.py), then the two GEMMs of a linear layer.
 
 Forward: the fused GEMM, with the accumulator as one more output when the derivative reads it (in
-A's dtype: the pre-activation that training frameworks save). Backward: the derived epilogue on the
+A's dtype: the pre-activation that training frameworks save), and, for a statistic finished by .then
+whose derivative reads it, the statistic before .then (output saved_<name>). Backward: the derived epilogue on the
 saved accumulator gives dacc and the operands' gradients (its reference semantics as torch ops; on
 CUDA through torch.compile, which fuses them into a kernel or two instead of a pass per op), then
 grad_x = dacc @ W and grad_W = dacc^T x.
@@ -46,14 +47,15 @@ def _derive(ep: Epilogue, consts: dict) -> _Derived:
     per_ep = _derived.setdefault(ep, {})
     if key not in per_ep:
         back = derive(specialize(ep.program, consts))
-        forward = ep
-        if back.uses_acc:
-            if ep.program.output(ACC_OUTPUT):
-                raise OperandError(f"cd.linear: epilogue '{ep.name}' has an output named '{ACC_OUTPUT}', the name "
-                                   "its saved accumulator takes: rename that output")
-            p = ep.program
-            outputs = (*p.outputs, ir.Output(ACC_OUTPUT, ir.acc(), None))
-            forward = Epilogue.of_program(ir.Program(p.name, p.params, outputs, p.defined_at, p.locations))
+        p, forward = ep.program, ep
+        if back.uses_acc and p.output(ACC_OUTPUT):
+            raise OperandError(f"cd.linear: epilogue '{ep.name}' has an output named '{ACC_OUTPUT}', the name "
+                               "its saved accumulator takes: rename that output")
+        extra = ((ir.Output(ACC_OUTPUT, ir.acc(), None),) if back.uses_acc else ()) + tuple(
+            ir.Output(SAVED + o, ir.reduction_of(p.output(o).node), None) for o in back.unfinished)
+        if extra:
+            forward = Epilogue.of_program(ir.Program(p.name, p.params, (*p.outputs, *extra), p.defined_at,
+                                                     p.locations))
         per_ep[key] = _Derived(forward, back)
     return per_ep[key]
 
@@ -67,8 +69,9 @@ class _Linear(torch.autograd.Function):
         back = derived.back
         outs = gemm(x, w, derived.forward, **options, **operands)
         acc = outs.pop(ACC_OUTPUT, None)
+        statistics = [outs.pop(SAVED + o) if o in back.unfinished else outs[o] for o in back.saved]
         ctx.derived, ctx.names, ctx.numbers = derived, names, numbers
-        ctx.save_for_backward(x, w, acc, *tensors, *(outs[o] for o in back.saved))
+        ctx.save_for_backward(x, w, acc, *tensors, *statistics)
         return tuple(outs[o] for o in ep.output_names)  # linear() names them in this order
 
     @staticmethod
@@ -101,8 +104,8 @@ def linear(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, /
     A is [M, K] (flatten a batch into rows), B is [N, K] (an nn.Linear weight). Gradients flow to A, B and
     every cd.Tensor / cd.VecN / cd.VecM operand passed as a tensor; cd.Scalar and cd.Const values are
     numbers and get none. The epilogue's backward is derived automatically (coda_dsl.passes.autodiff):
-    statistics it cannot differentiate yet (cd.max/min/amax/take, .then finishing steps) raise
-    UnsupportedError. Returns the outputs like cd.gemm.
+    statistics it cannot differentiate yet (cd.max/min/amax/take) raise UnsupportedError. Returns the
+    outputs like cd.gemm.
     """
     ep = epilogue or identity
     if not isinstance(ep, Epilogue):
