@@ -163,6 +163,17 @@ def test_the_forward_kernel_outputs_statistics_before_then(make_plan):
     assert len(reduces) == 2 and reduces[0].children == reduces[1].children
     assert sorted(r.finish is None for r in reduces) == [False, True]
 
+    # fused into the GEMM that produces D's gradient (dOut = src @ w_next^T), the statistic an operand
+    m, n, eps = 7, 8, 1e-3
+    src, w_next, res, drstd = torch.randn(m, 3), torch.randn(n, 3), torch.randn(m, n), torch.randn(m)
+    acc = torch.randn(m, n, requires_grad=True)
+    h = acc + res
+    s = (h * h).sum(-1)
+    ((h * (src @ w_next.t())).sum() + (torch.rsqrt(s / n + eps) * drstd).sum()).backward()
+    got = cd.gemm(src, w_next, cd.backward_epilogue(residual_rms), backend="reference", saved_acc=acc.detach(),
+                  residual=res, grad_rstd=drstd, saved_rstd=s.detach(), inv_n=1 / n, eps=eps)
+    assert rel_err(got["D"], acc.grad) < 1e-6
+
 
 @pytest.mark.parametrize("make, what", [
     (lambda acc: {"m": cd.max(acc, axis="n")}, "cd.max"),
