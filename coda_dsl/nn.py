@@ -146,19 +146,20 @@ def residual_rms_backward(dout, drstd, out, rstd, inv_n: float):
 # ---------------------------------------------------------------- one autograd.Function per fused GEMM
 
 class _RmsRopeLinear(torch.autograd.Function):
-    """rms_rope's GEMM; inv_freq per column pair for the kernel, and for the backward the same as
-    head_freq [d/2] per head over the first `rotated` columns."""
+    """rms_rope's GEMM; inv_freq per column pair (qkv_inv_freq: the first `rotated` columns are heads of
+    head_dim columns, each with the same head_dim / 2 frequencies)."""
 
     @staticmethod
-    def forward(ctx, xg, rstd, w, pos, inv_freq, head_freq, rotated, backend):
+    def forward(ctx, xg, rstd, w, pos, inv_freq, head_dim, rotated, backend):
         y = cd.gemm(xg, w, rms_rope, rstd=rstd, pos=pos, inv_freq=inv_freq, backend=backend)["D"]
-        ctx.save_for_backward(xg, rstd, w, pos, head_freq, y)
-        ctx.rotated = rotated
+        ctx.save_for_backward(xg, rstd, w, pos, inv_freq, y)
+        ctx.head_dim, ctx.rotated = head_dim, rotated
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        xg, rstd, w, pos, head_freq, y = ctx.saved_tensors
+        xg, rstd, w, pos, inv_freq, y = ctx.saved_tensors
+        head_freq = inv_freq[: ctx.head_dim // 2]  # the first head's, the same for every rotated head
         dacc, drstd = rms_rope_backward(dy, y, rstd, pos, head_freq, ctx.rotated)
         dxg, dw = _linear_grads(ctx, dacc, xg, w, 0, 2)
         return dxg, drstd if ctx.needs_input_grad[1] else None, dw, None, None, None, None, None
@@ -248,6 +249,11 @@ def flat_inputs(x: torch.Tensor, position_ids, input_rstd, eps: float):
     return xf, position_ids.expand(b, s).reshape(-1).float(), rstd
 
 
+def input_gain(x: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+    """x * gamma, the input norm's gain on the activation side (one fused pass each way on CUDA)."""
+    return _ColumnScale.apply(x, gamma)
+
+
 def input_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """rstd = rsqrt(mean(x^2) + eps) per row, in fp32: what `residual_rms` emits for the next layer."""
     return torch.rsqrt(x.float().pow(2).mean(-1) + eps)
@@ -319,23 +325,21 @@ class LlamaAttention(nn.Module):
         self.k_proj = _linear(d, self.num_kv_heads * hd, dtype, device)
         self.v_proj = _linear(d, self.num_kv_heads * hd, dtype, device)
         self.o_proj = _linear(self.num_heads * hd, d, dtype, device)
-        self._fp32 = {"head_inv_freq": rope_inv_freq(config)}
-        self._fp32["qkv_inv_freq"] = qkv_inv_freq(self._fp32["head_inv_freq"], self.num_heads, self.num_kv_heads)
-        for name, t in self._fp32.items():
-            self.register_buffer(name, t.to(device), persistent=False)
+        qkv_inv = qkv_inv_freq(rope_inv_freq(config), self.num_heads, self.num_kv_heads)
+        self._qkv_inv_freq_fp32 = qkv_inv
+        self.register_buffer("qkv_inv_freq", qkv_inv.to(device), persistent=False)
 
     def _apply(self, fn, recurse=True):
         # module.to(torch.bfloat16) casts float buffers too; RoPE angles need the fp32 frequencies
         super()._apply(fn, recurse)
-        for name, t in self._fp32.items():
-            setattr(self, name, t.to(getattr(self, name).device))
+        self.qkv_inv_freq = self._qkv_inv_freq_fp32.to(self.qkv_inv_freq.device)
         return self
 
     def forward(self, xg, rstd, pos, batch: int, backend: str):
         """xg = x * gamma1 [M, D], rstd [M] -> attention output before o_proj, [M, Nq]."""
         w = qkv_weight(self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.head_dim)
         rotated = (self.num_heads + self.num_kv_heads) * self.head_dim
-        qkv = _RmsRopeLinear.apply(xg, rstd, w, pos, self.qkv_inv_freq, self.head_inv_freq, rotated, backend)
+        qkv = _RmsRopeLinear.apply(xg, rstd, w, pos, self.qkv_inv_freq, self.head_dim, rotated, backend)
         return causal_attention(qkv, batch, self.num_heads, self.num_kv_heads, self.head_dim)
 
 
@@ -434,7 +438,7 @@ class LlamaDecoderLayer(nn.Module):
         eps = self.input_layernorm.variance_epsilon
         xf, pos, rstd = flat_inputs(x, position_ids, input_rstd, eps)
         # gamma1 on the activation side: the previous layer's epilogue does not know this layer's gamma
-        xg = _ColumnScale.apply(xf, self.input_layernorm.weight)
+        xg = input_gain(xf, self.input_layernorm.weight)
         attn = self.self_attn(xg, rstd, pos, b, self.backend)
         h, hg, rstd2 = _RmsProducerLinear.apply(attn, self.self_attn.o_proj.weight, xf,
                                                 self.post_attention_layernorm.weight,
