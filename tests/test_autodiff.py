@@ -345,7 +345,7 @@ def test_backward_epilogue_fuses_into_the_producer_gemm():
     the double-width nodes; bias + GELU's also gives the bias gradient (a sum over m)."""
     from coda_dsl.library import swiglu, swiglu_backward
     from coda_dsl.passes import lower, specialize
-    from coda_dsl.passes.plan import Signature, WideLoad, WideStore
+    from coda_dsl.passes.plan import Pack, Signature, Unpack, WideLoad, WideStore
     m, f, d = 29, 20, 24
     w_next, dout = torch.randn(d, f), torch.randn(m, d)
     pre = (3 * torch.randn(m, 2 * f)).requires_grad_()
@@ -358,7 +358,8 @@ def test_backward_epilogue_fuses_into_the_producer_gemm():
     assert rel_err(got, pre.grad) < 1e-5
     plan = lower(specialize(bw.program, {}), Signature("bf16", "nk", (("saved_acc", "bf16"),), (("D", "bf16"),)))
     kinds = [type(n) for n in plan.nodes]
-    assert kinds.count(WideLoad) == 2 and kinds.count(WideStore) == 1 and not any(f.pairwise for f in plan.functors)
+    assert [kinds.count(k) for k in (WideLoad, Unpack, Pack, WideStore)] == [1, 2, 1, 1]
+    assert not any(f.pairwise for f in plan.functors)
 
     @cd.epilogue
     def bias_gelu(acc, bias: cd.VecN):

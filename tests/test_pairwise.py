@@ -153,22 +153,32 @@ def test_pairwise_lowering():
 
 
 def test_double_width_lowering():
-    """A backward's shapes: cd.pairs of a [M, 2N] operand -> two WideLoads (columns 2n, 2n + 1), a
-    cd.interleave output -> one WideStore of its two N-wide halves, [M, 2N]; no pairwise functor."""
+    """A backward's shapes: cd.pairs of a [M, 2N] operand -> one WideLoad of 32-bit words and an Unpack per
+    half (columns 2n, 2n + 1), a cd.interleave output -> a Pack of its two N-wide halves into words and
+    a WideStore of them, [M, 2N]; no pairwise functor. fp32 [M, 2N] tensors are refused (no 16-bit halves)."""
     from coda_dsl.codegen import render
     from coda_dsl.passes import lower, specialize
-    from coda_dsl.passes.plan import Signature, WideLoad, WideStore
+    from coda_dsl.passes.plan import Pack, Signature, Unpack, WideLoad, WideStore
 
     plan = lower(specialize(swiglu_backward.program, {}),
                  Signature("bf16", "nk", (("pre", "bf16"),), (("D", "bf16"), ("y", "bf16"))))
     assert plan.d_dtype is None and ("D", "bf16", "mw") in plan.outputs and ("y", "bf16", "mn") in plan.outputs
-    loads = [n for n in plan.nodes if isinstance(n, WideLoad)]
-    assert sorted(n.part for n in loads) == [0, 1] and plan.inputs == ["pre"]
+    (load,) = [i for i, n in enumerate(plan.nodes) if isinstance(n, WideLoad)]
+    halves = [n for n in plan.nodes if isinstance(n, Unpack)]
+    assert sorted(n.part for n in halves) == [0, 1] and all(n.children == (load,) for n in halves)
+    assert plan.inputs == ["pre"]
     (store,) = [n for n in plan.nodes if isinstance(n, WideStore)]
-    assert len(store.children) == 2 and not any(f.pairwise for f in plan.functors)
+    (pack,) = store.children
+    assert isinstance(plan.nodes[pack], Pack) and len(plan.nodes[pack].children) == 2
+    assert not any(f.pairwise for f in plan.functors)
     src = render(plan, "0" * 24)
-    assert "coda::WideLoad<cutlass::bfloat16_t, 0>" in src and "coda::WideLoad<cutlass::bfloat16_t, 1>" in src
-    assert "coda::WideStore<EpilogueDescriptor, cutlass::bfloat16_t>" in src
+    for spelled in ("coda::WideLoad<EpilogueDescriptor>", "coda::Unpack<cutlass::bfloat16_t, 0>",
+                    "coda::Unpack<cutlass::bfloat16_t, 1>", "coda::Pack<cutlass::bfloat16_t>",
+                    "coda::WideStore<EpilogueDescriptor>"):
+        assert spelled in src
+    with pytest.raises(cd.UnsupportedError, match="32-bit words of two 16-bit values"):
+        lower(specialize(swiglu_backward.program, {}),
+              Signature("bf16", "nk", (("pre", "fp32"),), (("D", "bf16"), ("y", "bf16"))))
 
 
 @cd.epilogue

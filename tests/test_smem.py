@@ -62,16 +62,18 @@ def test_nothing_fits_at_the_configs_tile(make_plan):
     assert make_plan(four_fp32_tensors).signature.config.epilogue_tile == (128, 16)
 
 
-def test_reductions_keep_their_epilogue_tile(make_plan):
-    """CUTLASS's row and column reductions use the D buffer as scratch sized by the epilogue tile: a plan
-    with one is refused rather than given a narrower tile."""
+def test_deterministic_reductions_keep_their_epilogue_tile(make_plan):
+    """CUTLASS's deterministic row and column reductions use the D buffer as scratch sized by the epilogue
+    tile: a plan with one is refused rather than given a narrower tile. Atomic ones (registers to global
+    memory) may narrow it."""
     @cd.epilogue
     def with_column_sum(acc, r1: cd.Tensor, r2: cd.Tensor):
         h = acc + r1 * r2
         return {"D": h, "a1": h * 2.0, "a2": h + r1, "s": cd.sum(h, axis="m")}
 
     with pytest.raises(SharedMemoryError, match="with_column_sum"):
-        make_plan(with_column_sum, operand_dtypes=FP32)
+        make_plan(with_column_sum, operand_dtypes=FP32, deterministic=True)
+    assert make_plan(with_column_sum, operand_dtypes=FP32).signature.config.epilogue_tile == (128, 16)
 
 
 # sizeof(CollectiveEpilogue::SharedStorage) and mainloop stages, read from nvcc (CUTLASS 4.2, the
@@ -106,11 +108,17 @@ EXAMPLES = [(examples.residual_rms, {}), (examples.bias_gelu, {}), (examples.lea
 
 @pytest.mark.parametrize("ep, consts", EXAMPLES, ids=lambda x: getattr(x, "name", ""))
 @pytest.mark.parametrize("operand_dtype", ["bf16", "fp32"])
-def test_examples_fit_at_the_default_config_unchanged(make_plan, ep, consts, operand_dtype):
+def test_examples_fit_at_the_default_config(make_plan, ep, consts, operand_dtype):
+    """Unchanged, or (where CUTLASS's epilogue tile leaves the mainloop 2 stages) with a narrower epilogue
+    tile that leaves it PREFERRED_STAGES."""
     dtypes = {p.name: "i64" for p in ep.params if p.name == "target"}
     for accumulate in (False, True) if ep.program.outputs[0].name == "D" else (False,):
         plan = make_plan(ep, consts=consts, operand_dtype=operand_dtype, operand_dtypes=dtypes, accumulate=accumulate)
-        assert plan.signature.config == tuning.DEFAULT and smem.usage(plan).fits and smem.fit(plan) is plan
+        cfg, default = plan.signature.config, smem.usage(plan, tuning.DEFAULT)
+        assert smem.fit(plan) is plan and default.fits
+        if cfg != tuning.DEFAULT:
+            assert cfg.tile == tuning.DEFAULT.tile and cfg.epilogue_tile[1] < smem.epilogue_tile(tuning.DEFAULT)[1]
+            assert default.stages < smem.PREFERRED_STAGES <= smem.usage(plan).stages
 
 
 def test_tuning_skips_candidates_that_cannot_fit(cache_root, monkeypatch):

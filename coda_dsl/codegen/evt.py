@@ -38,7 +38,7 @@ _REDUCE_FNS = {
     "amax": ("coda::amax_reduce", "cutlass::maximum", "cutlass::atomic_maximum", "cutlass::maximum", "0.f"),
 }
 _FINISH_COMBINE = {"sum": "coda::Plus", "max": "coda::Max", "min": "coda::Min", "amax": "coda::Max", "take": "coda::Plus"}
-# operand leaves: node class -> (C++ type over {e}, the element type, and {part}; args helper)
+# operand leaves: node class -> (C++ type over {e}, the element type; args helper)
 _BROADCAST = {
     p.RowBroadcast: ("fusion::Sm90RowBroadcast<0, TileShape, {e}, float, cute::Stride<cute::_0, cute::_1, int64_t>>",
                      "vec_n_args"),
@@ -46,12 +46,12 @@ _BROADCAST = {
                      "vec_m_args"),
     p.AuxLoad: ("coda::AuxLoadFor<EpilogueDescriptor, {e}>", "aux_load_args"),
     p.PairLoad: ("coda::PairLoad<{e}>", "pair_args"),
-    p.WideLoad: ("coda::WideLoad<{e}, {part}>", "pair_args"),
+    p.WideLoad: ("coda::WideLoad<EpilogueDescriptor>", "wide_args"),
 }
 _STORE = {  # output taps: node class -> (C++ type over {e}; args helper)
     p.AuxStore: ("coda::AuxStoreFor<EpilogueDescriptor, {e}>", "aux_store_args"),
     p.PairStore: ("coda::PairStore<EpilogueDescriptor, {e}>", "pair_args"),
-    p.WideStore: ("coda::WideStore<EpilogueDescriptor, {e}>", "pair_args"),
+    p.WideStore: ("coda::WideStore<EpilogueDescriptor>", "wide_args"),
 }
 
 
@@ -140,8 +140,7 @@ def _spell(n: p.EvtNode) -> tuple[str, str, str, str, str]:
     kind = type(n)
     if kind in _BROADCAST:
         fmt, helper = _BROADCAST[kind]
-        return (fmt.format(e=cpp_element(n.dtype), part=getattr(n, "part", None)),
-                f"coda::{helper}<{n.name}>(inputs[{n.input_index}])", "", "", "")
+        return fmt.format(e=cpp_element(n.dtype)), f"coda::{helper}<{n.name}>(inputs[{n.input_index}])", "", "", ""
     if kind in _STORE:
         fmt, helper = _STORE[kind]
         return fmt.format(e=cpp_element(n.dtype)), f"coda::{helper}<{n.name}>(outputs[{n.output_index}])", "", "", ""
@@ -149,6 +148,10 @@ def _spell(n: p.EvtNode) -> tuple[str, str, str, str, str]:
         return "fusion::Sm90AccFetch", "{}", "", "", ""
     if kind is p.SrcFetch:
         return "fusion::Sm90SrcFetch<ElementD>", "{}", "", "", ""
+    if kind is p.Unpack:
+        return f"coda::Unpack<{cpp_element(n.dtype)}, {n.part}>", "{}", "", "", ""
+    if kind is p.Pack:
+        return f"coda::Pack<{cpp_element(n.dtype)}>", "{}", "", "", ""
     if kind is p.Compute:
         return f"fusion::Sm90Compute<{n.functor.name}, float, float, {ROUND}>", "scalars", "", "", ""
     if kind is p.LogSumExp:

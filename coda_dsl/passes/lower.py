@@ -4,10 +4,10 @@ Partition: every elementwise node that is an output, or that feeds two or more u
 visitor node (`Compute` with a generated functor); the expression tree below it, down to leaves and
 other such nodes, is fused into that functor. So a shared subexpression is computed once, and each
 fused region is one functor. Leaves: acc -> Sm90AccFetch, cd.Tensor -> AuxLoad (TMA), VecN ->
-RowBroadcast, VecM -> ColBroadcast, the halves cd.pairs(x) of a double-width (2N) cd.Tensor -> WideLoad;
-scalars ride in the functors' Arguments; constants are literals.
+RowBroadcast, VecM -> ColBroadcast, the halves cd.pairs(x) of a double-width (2N) cd.Tensor -> Unpack
+of its WideLoad; scalars ride in the functors' Arguments; constants are literals.
 Outputs other than D are taps on their value: AuxStore for tensors (PairStore at half width, WideStore
-for a double-width cd.interleave(a, b)),
+of a Pack for a double-width cd.interleave(a, b)),
 Reduce nodes for statistics (LogSumExp and Take for cd.logsumexp / cd.take), with their finishing
 expression, if any; the last node yields D. With accumulation, D's value reads the
 prior D (`prior_d` -> Sm90SrcFetch, CUTLASS's C operand).
@@ -19,9 +19,10 @@ from fractions import Fraction
 
 from ..errors import EpilogueError, UnsupportedError
 from ..ir import graph as ir
+from ..ir.ops import DTYPES
 from . import smem, widths
-from .plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, EvtNode, Functor, LogSumExp, PairLoad,
-                   PairStore, Plan, Reduce, Ref, RowBroadcast, Signature, SrcFetch, Step, Take, WideLoad,
+from .plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, EvtNode, Functor, LogSumExp, Pack, PairLoad,
+                   PairStore, Plan, Reduce, Ref, RowBroadcast, Signature, SrcFetch, Step, Take, Unpack, WideLoad,
                    WideStore)
 
 _LOAD_NODE = {"tensor": AuxLoad, "vec_n": RowBroadcast, "vec_m": ColBroadcast}
@@ -53,7 +54,7 @@ def validate(program: ir.Program) -> dict[int, Fraction]:
 
 
 def _double_width_ok(node: ir.Node, w: dict[int, Fraction], users: list[ir.Node], outputs: set[int]) -> bool:
-    """The two shapes of a 2N-wide value the kernel has nodes for (WideLoad, WideStore)."""
+    """The two shapes of a 2N-wide value the kernel has nodes for (WideLoad, WideStore), in 16-bit words."""
     if w[id(node)] != 2:
         return False
     if node.op == "load":
@@ -62,7 +63,7 @@ def _double_width_ok(node: ir.Node, w: dict[int, Fraction], users: list[ir.Node]
 
 
 def _wide_half(n: ir.Node, w: dict[int, Fraction]) -> bool:
-    """cd.pairs(x)[i] of a 2N-wide operand x: an N-wide leaf, read by a WideLoad of its own."""
+    """cd.pairs(x)[i] of a 2N-wide operand x: an N-wide leaf, half i of x's WideLoad (an Unpack)."""
     return n.op == "pair" and w.get(id(n.inputs[0]), 1) == 2
 
 
@@ -90,6 +91,13 @@ class _Lowering:
             self.inputs.append(name)
         return self.inputs.index(name)
 
+    def sixteen_bit(self, name: str, dtype: str, what: str) -> None:
+        """A [M, 2N] tensor moves as 32-bit words of two values: it must be bf16 or fp16."""
+        if DTYPES[dtype][0].itemsize != 2:
+            raise UnsupportedError(f"epilogue '{self.program.name}': {what} '{name}' is [M, 2N] {dtype}; the cutlass "
+                                   "backend moves [M, 2N] tensors as 32-bit words of two 16-bit values\n  fix: pass "
+                                   "it in bfloat16 or float16, or use backend='reference'")
+
     def leaf(self, n: ir.Node) -> int:
         """The visitor node of an acc or load leaf, created on first use."""
         if id(n) not in self.index:
@@ -98,11 +106,17 @@ class _Lowering:
             elif n.op == "prior_d":
                 self.index[id(n)] = self.add(SrcFetch("Source", comment="current D (accumulate: D += ...)"))
             elif _wide_half(n, self.width):
-                _, name = n.inputs[0].attr
-                self.index[id(n)] = self.add(WideLoad(f"Load_{name}_{n.attr}", dtype=self.dtypes[name],
-                                                      input_index=self.input(name), part=n.attr,
-                                                      comment=f"{name}: cd.Tensor [M, 2N], columns 2n + {n.attr}, "
-                                                              f"{self.dtypes[name]}"))
+                x = n.inputs[0]
+                _, name = x.attr
+                self.sixteen_bit(name, self.dtypes[name], "operand")
+                if id(x) not in self.index:
+                    self.index[id(x)] = self.add(WideLoad(f"Load_{name}", dtype=self.dtypes[name],
+                                                          input_index=self.input(name),
+                                                          comment=f"{name}: cd.Tensor [M, 2N], {self.dtypes[name]}, "
+                                                                  "as [M, N] 32-bit words"))
+                self.index[id(n)] = self.add(Unpack(f"Unpack_{name}_{n.attr}", (self.index[id(x)],),
+                                                    comment=f"{name}'s columns 2n + {n.attr}",
+                                                    dtype=self.dtypes[name], part=n.attr))
             else:
                 kind, name = n.attr
                 cls = _LOAD_NODE[kind]
@@ -159,7 +173,7 @@ class _Lowering:
 
     def _pairwise(self, root: ir.Node) -> bool:
         """Does this region touch column pairs (pair/interleave, or any half-width value)? Its leaves
-        (a WideLoad's half of a 2N operand among them) are N wide."""
+        (a half of a 2N operand among them) are N wide."""
         seen, todo = set(), [root]
         while todo:
             n = todo.pop()
@@ -268,9 +282,13 @@ class _Lowering:
                                    comment=f"output {o.name}: {out_dtypes[o.name]}, [M, N/2]"))
                 outputs.append((o.name, out_dtypes[o.name], "mh"))
             elif self.width.get(id(o.node), 1) == 2:  # cd.interleave(a, b): [M, 2N]
+                dtype = out_dtypes[o.name]
+                self.sixteen_bit(o.name, dtype, "output")
                 halves = tuple(self.value(x) for x in o.node.inputs)
-                self.add(WideStore(f"Store_{o.name}", halves, dtype=out_dtypes[o.name], output_index=j,
-                                   comment=f"output {o.name}: {out_dtypes[o.name]}, [M, 2N], interleaved"))
+                packed = self.add(Pack(f"Pack_{o.name}", halves, comment=f"{o.name}'s halves in {dtype} words",
+                                       dtype=dtype))
+                self.add(WideStore(f"Store_{o.name}", (packed,), dtype=dtype, output_index=j,
+                                   comment=f"output {o.name}: {dtype}, [M, 2N], interleaved"))
                 outputs.append((o.name, out_dtypes[o.name], "mw"))
             else:
                 child = self.value(o.node)

@@ -156,13 +156,34 @@ class PairLoad(Operand):
 
 @dataclass
 class WideLoad(Operand):
-    """One of the two interleaved halves of a [M, 2N] operand (`part` 0: columns 2n, 1: columns 2n + 1),
-    an [M, N] value read straight into registers: what cd.pairs of a double-width operand gives."""
+    """A [M, 2N] operand of 16-bit values, TMA-loaded like AuxLoad as [M, N] 32-bit words: word n holds
+    columns 2n and 2n + 1 (the halves Unpack takes apart)."""
 
+    def canonical(self) -> str:
+        return f"WideLoad{self.dtype}"
+
+
+@dataclass
+class Unpack(EvtNode):
+    """Half `part` (0: columns 2n, 1: columns 2n + 1) of its WideLoad child's words, an [M, N] value in
+    fp32: what cd.pairs of a double-width operand gives."""
+
+    dtype: str = "bf16"
     part: int = 0
 
     def canonical(self) -> str:
-        return f"WideLoad{self.dtype}{self.part}"
+        return f"Unpack{self.dtype}{self.part}{self.children}"
+
+
+@dataclass
+class Pack(EvtNode):
+    """Its two [M, N] children rounded to `dtype` and packed into 32-bit words (child i -> columns
+    2n + i): the value of an interleaved output, which a WideStore writes."""
+
+    dtype: str = "bf16"
+
+    def canonical(self) -> str:
+        return f"Pack{self.dtype}{self.children}"
 
 
 @dataclass
@@ -268,8 +289,8 @@ class PairStore(_Store):
 
 @dataclass
 class WideStore(_Store):
-    """A double-width output ([M, 2N]) interleaving its two children (cd.interleave(a, b) of [M, N]
-    values), staged in shared memory and TMA-stored."""
+    """A double-width output ([M, 2N], cd.interleave(a, b) of [M, N] values): its Pack child's words,
+    staged in shared memory and TMA-stored like AuxStore."""
 
 
 @dataclass

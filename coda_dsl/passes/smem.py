@@ -16,10 +16,11 @@ import math
 
 from ..errors import SharedMemoryError
 from ..ir.ops import DTYPES
-from .plan import AuxLoad, AuxStore, Config, PairStore, Plan, Reduce, RowBroadcast, WideStore
+from .plan import AuxLoad, AuxStore, Config, PairStore, Plan, Reduce, RowBroadcast, WideLoad, WideStore
 
 CAPACITY = 232448  # bytes of shared memory an sm90 block may use (cutlass detail::sm90_smem_capacity_bytes)
 MIN_STAGES = 2  # "Specialization requires Stages set to value 2 or more."
+PREFERRED_STAGES = 3  # fewer leave the mainloop's loads exposed: a narrower epilogue tile is cheaper
 _ALIGN = 1024  # the largest alignment CUTLASS gives a shared-memory buffer (128-byte swizzle)
 _SLACK = 16  # an empty fusion SharedStorage: one byte, padded
 
@@ -82,11 +83,13 @@ def usage(plan: Plan, config: Config | None = None) -> Usage:
     for n in plan.nodes:
         if isinstance(n, AuxLoad):
             what, elements = f"operand '{names[n.input_index]}' (cd.Tensor, {n.dtype})", stages_c * sub
+        elif isinstance(n, WideLoad):  # double width: two values per column
+            what, elements = f"operand '{names[n.input_index]}' (cd.Tensor, {n.dtype}, 2N wide)", stages_c * sub * 2
         elif isinstance(n, AuxStore):
             what, elements = f"output '{plan.outputs[n.output_index][0]}' ({n.dtype})", stages_d * sub
         elif isinstance(n, PairStore):  # half-width: one value per column pair
             what, elements = f"output '{plan.outputs[n.output_index][0]}' ({n.dtype}, N/2 wide)", stages_d * sub // 2
-        elif isinstance(n, WideStore):  # double width: two values per column
+        elif isinstance(n, WideStore):
             what, elements = f"output '{plan.outputs[n.output_index][0]}' ({n.dtype}, 2N wide)", stages_d * sub * 2
         elif isinstance(n, RowBroadcast):  # one CTA tile's row of the vector
             what, elements = f"operand '{names[n.input_index]}' (cd.VecN, {n.dtype})", tn
@@ -105,9 +108,9 @@ def usage(plan: Plan, config: Config | None = None) -> Usage:
 
 
 def _shrinkable(plan: Plan) -> bool:
-    """CUTLASS's row/column reductions use the D buffer as scratch and need a large enough epilogue
-    tile: never shrink one (a scalar reduction with atomics uses none)."""
-    return not any(type(n) is Reduce and (n.axis is not None or n.deterministic) for n in plan.nodes)
+    """CUTLASS's deterministic row/column reductions use the D buffer as scratch and need a large enough
+    epilogue tile: never shrink one (atomic reductions go from registers to global memory)."""
+    return not any(type(n) is Reduce and n.deterministic for n in plan.nodes)
 
 
 # Configs suggested when nothing fits: smaller CTA tiles leave more room to the epilogue.
@@ -116,20 +119,22 @@ _SMALLER = [Config((128, 128, 64), (1, 1), "cooperative"), Config((128, 128, 64)
 
 
 def fit(plan: Plan) -> Plan:
-    """`plan` if its kernel fits in shared memory. If not, and its epilogue tile is CUTLASS's choice,
-    the plan with the widest smaller epilogue tile that fits (each epilogue step then stages fewer
-    columns). Else SharedMemoryError, naming what costs the most and a config that fits."""
+    """`plan` if its kernel leaves PREFERRED_STAGES mainloop stages. If not, and its epilogue tile is
+    CUTLASS's choice, the plan with the widest narrower epilogue tile that does (each epilogue step then
+    stages fewer columns); else the widest that fits at all (MIN_STAGES). Else SharedMemoryError, naming
+    what costs the most and a config that fits."""
     first = usage(plan)
-    if first.fits:
+    if first.stages >= PREFERRED_STAGES:
         return plan
     cfg = plan.signature.config
+    configs = [cfg]
     if cfg.epilogue_tile is None and _shrinkable(plan):
         em, en = epilogue_tile(cfg)
-        for narrower in range(en - 16, 15, -16):
-            if cfg.tile[1] % narrower == 0:
-                smaller = dataclasses.replace(cfg, epilogue_tile=(em, narrower))
-                if usage(plan, smaller).fits:
-                    return dataclasses.replace(plan, signature=dataclasses.replace(plan.signature, config=smaller))
+        configs += [dataclasses.replace(cfg, epilogue_tile=(em, w)) for w in range(en - 16, 15, -16) if cfg.tile[1] % w == 0]
+    for want in (PREFERRED_STAGES, MIN_STAGES):
+        c = next((c for c in configs if usage(plan, c).stages >= want), None)
+        if c is not None:
+            return plan if c is cfg else dataclasses.replace(plan, signature=dataclasses.replace(plan.signature, config=c))
     costly = ", ".join(f"{what} {b / 1024:.0f} KiB" for what, b in first.parts[:3])
     ok = next((c for c in _SMALLER if usage(plan, c).fits and (c.epilogue_tile is None or _shrinkable(plan))), None)
     raise SharedMemoryError(

@@ -17,7 +17,7 @@ from ..ir import graph as ir
 from ..ir.ops import DTYPES, REDUCTIONS
 from ..passes import accumulate_into_d, specialize
 from ..passes.widths import infer as infer_widths, load_widths
-from ..passes.plan import Config, Signature
+from ..passes.plan import Config, Signature, WideLoad
 from . import checks, reference, tune as tuning
 from .kernel import Kernel
 from .torch_op import register_eager, traced_gemm
@@ -242,6 +242,7 @@ class CompiledOp:
         self._kinds = _facts(epilogue).kinds
         self._checked: dict[tuple, bool] = {}  # call layouts that passed the checks
         self._widened = frozenset(plan.widened)
+        self._wide = frozenset(plan.inputs[n.input_index] for n in plan.nodes if isinstance(n, WideLoad))
 
     @classmethod
     def create(cls, epilogue: Epilogue, sig: Signature, consts: dict[str, float]) -> "CompiledOp":
@@ -291,21 +292,25 @@ class CompiledOp:
         lead = (l,) if call.a.dim() == 3 else ()
         if out and len(out) > 1:
             _check_distinct(self._where, out)
-        outs = {}
+        outs, written, staged = {}, {}, []  # written: what the kernel writes (a staging copy where TMA cannot)
         for name, dt, kind in self._outputs:
             t = out.get(name) if out else None
             if t is None:
                 t = torch.empty(_SHAPES[kind](lead, m, n), dtype=dt, device=call.a.device)
             else:
                 _check_alias(self._where, name, t, call)
-            outs[name] = t
+            outs[name] = written[name] = t
+            if kind == "mw" and not _tma_rows(t):
+                written[name] = _padded_like(t)
+                staged.append((t, written[name]))
         if self._op is None:
             self.load()
         plan = self.plan
-        inputs = [call.tensors[i].repeat_interleave(2, dim=-1) if i in self._widened else call.tensors[i]
-                  for i in plan.inputs]  # an N/2-wide VecN is read as N columns, each value twice
-        self._op(call.a, call.b, outs.get("D") if plan.d_dtype else None, inputs,
-                 [call.scalars[s] for s in plan.scalars], [outs[o[0]] for o in plan.outputs])
+        inputs = [_input(call.tensors[i], i in self._widened, i in self._wide) for i in plan.inputs]
+        self._op(call.a, call.b, written.get("D") if plan.d_dtype else None, inputs,
+                 [call.scalars[s] for s in plan.scalars], [written[o[0]] for o in plan.outputs])
+        for t, buffer in staged:
+            t.copy_(buffer)
         return outs
 
     def run(self, A, B, operands: dict, out: dict | None) -> dict[str, torch.Tensor]:
@@ -339,6 +344,27 @@ class CompiledOp:
 
     def __repr__(self) -> str:
         return f"<CompiledOp {self.epilogue.name} key={self.key} op=coda_dsl::{self.op_name}>"
+
+
+def _tma_rows(t: torch.Tensor) -> bool:
+    """Can TMA address t's rows (16-byte aligned base and strides)?"""
+    return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+
+
+def _padded_like(t: torch.Tensor) -> torch.Tensor:
+    """Uninitialized, t's shape and dtype, rows padded to whole 16-byte groups (a view without the padding)."""
+    per16, cols = 16 // t.element_size(), t.shape[-1]
+    return torch.empty(*t.shape[:-1], -(-cols // per16) * per16, dtype=t.dtype, device=t.device)[..., :cols]
+
+
+def _input(t: torch.Tensor, widened: bool, wide: bool) -> torch.Tensor:
+    """An operand as the kernel reads it: an N/2-wide VecN as N columns (each value twice); a [M, 2N] tensor
+    (moved by TMA as 32-bit words) copied to 16-byte aligned rows where its own are not."""
+    if widened:
+        return t.repeat_interleave(2, dim=-1)
+    if wide and not _tma_rows(t):
+        return _padded_like(t).copy_(t)
+    return t
 
 
 _SHAPES = {"mn": lambda lead, m, n: (*lead, m, n), "mh": lambda lead, m, n: (*lead, m, n // 2),

@@ -45,6 +45,12 @@ struct AuxStoreFor_ {
 template <class EpiDesc, class Element>
 using AuxStoreFor = typename AuxStoreFor_<EpiDesc, Element>::type;
 
+// A [M, 2N] operand / output of 16-bit values, moved as [M, N] 32-bit words (pairs.h: Unpack, Pack).
+template <class EpiDesc>
+using WideLoad = AuxLoadFor<EpiDesc, uint32_t>;
+template <class EpiDesc>
+using WideStore = AuxStoreFor<EpiDesc, uint32_t>;
+
 // Batch stride of a 2-D / 3-D operand; unbatched, the span of the matrix (TMA wants a sane one).
 inline int64_t batch_stride(TensorRef const& t) {
   if (t.dim() == 3) return t.stride(0);
@@ -65,6 +71,17 @@ template <class Node>
 typename Node::Arguments aux_store_args(TensorRef const& t) {
   using E = pointee_t<decltype(typename Node::Arguments{}.ptr_aux)>;
   return {reinterpret_cast<E*>(t.data_ptr()), {t.stride(-2), cute::_1{}, batch_stride(t)}};
+}
+
+// WideLoad / WideStore: the 16-bit tensor's strides in words (the runtime passes 16-byte aligned rows).
+template <class Node>
+typename Node::Arguments wide_args(TensorRef const& t) {
+  using E = pointee_t<decltype(typename Node::Arguments{}.ptr_aux)>;
+  RowMajorStride words{t.stride(-2) / 2, cute::_1{}, batch_stride(t) / 2};
+  if constexpr (std::is_const_v<std::remove_pointer_t<decltype(typename Node::Arguments{}.ptr_aux)>>)
+    return {reinterpret_cast<E const*>(t.data_ptr()), E(0), words};
+  else
+    return {reinterpret_cast<E*>(t.data_ptr()), words};
 }
 
 // Vectors: [N] / [M] shared by every batch, or [L, N] / [L, M] one per batch.

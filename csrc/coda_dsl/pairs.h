@@ -1,12 +1,13 @@
 // Visitor nodes for operands and outputs whose columns are not the tile's (pairwise epilogues):
 //   half width, [M, N/2] (cd.pairs of the accumulator): column pair (2j, 2j+1) of the tile <-> column j.
 //     Pairwise functors keep a half-width value in both slots of its pair: PairLoad fills both,
-//     PairStore writes the even one.
-//   double width, [M, 2N] (a backward's interleaved pre-activation): tile column n <-> columns 2n, 2n+1.
-//     WideLoad<Part> reads one of the two as an [M, N] value; WideStore interleaves two [M, N] values.
-// Loads read straight into registers, like CUTLASS's Sm90AuxLoad<0>, addressed through the element
-// coordinates (n / 2 and 2n + 1 are not what a TMA box of the tile addresses); stores stage through
-// shared memory and go out with TMA.
+//     PairStore writes the even one. PairLoad reads straight into registers, like CUTLASS's
+//     Sm90AuxLoad<0>, addressed through the element coordinates (n / 2 is not what a TMA box of the tile
+//     addresses); PairStore stages through shared memory and goes out with TMA.
+//   double width, [M, 2N] of 16-bit values (a backward's interleaved pre-activation): the same bytes as
+//     an [M, N] tensor of 32-bit words, word n holding columns 2n (low half) and 2n + 1 (high half). So
+//     CUTLASS's own TMA aux nodes move the words, staged like C and D (WideLoad, WideStore: evt.h), and
+//     Unpack / Pack convert between a word and its two halves.
 #pragma once
 
 #include <utility>
@@ -22,36 +23,27 @@ struct PairArguments {
   int64_t batch = 0;  // batch stride
 };
 
-// Tile column n -> the tensor's column.
-struct HalfColumns {
-  CUTLASS_HOST_DEVICE static int64_t of(int64_t n) { return n / 2; }
-};
-template <int Part>
-struct WideColumns {
-  CUTLASS_HOST_DEVICE static int64_t of(int64_t n) { return 2 * n + Part; }
-};
-
-// Where the value for coordinate c = (m, n, l) lives.
-template <class Columns, class Pointer, class Coord>
-CUTLASS_DEVICE int64_t column_offset(PairArguments<Pointer> const& a, Coord const& c) {
-  return cute::get<2>(c) * a.batch + cute::get<0>(c) * a.ld + Columns::of(cute::get<1>(c));
+// Where the value for tile coordinate c = (m, n, l) lives: column n / 2.
+template <class Pointer, class Coord>
+CUTLASS_DEVICE int64_t pair_offset(PairArguments<Pointer> const& a, Coord const& c) {
+  return cute::get<2>(c) * a.batch + cute::get<0>(c) * a.ld + cute::get<1>(c) / 2;
 }
 
-template <class Element, class Columns>
-struct ColumnLoad : DirectNode<PairArguments<Element const*>> {
+template <class Element>
+struct PairLoad : DirectNode<PairArguments<Element const*>> {
   using Base = DirectNode<PairArguments<Element const*>>;
   using Base::Base;
 
   template <class RTensor, class CTensor, class ProblemShapeMNL>
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE ConsumerStoreCallbacks(RTensor&& r, CTensor&& c, ProblemShapeMNL shape, ColumnLoad const* node)
+    CUTLASS_DEVICE ConsumerStoreCallbacks(RTensor&& r, CTensor&& c, ProblemShapeMNL shape, PairLoad const* node)
         : tC_rAux(cute::forward<RTensor>(r)), tC_cAux(cute::forward<CTensor>(c)), problem_shape_mnl(shape),
           node(node) {}
 
     RTensor tC_rAux;  // this thread's values of the current epilogue subtile
     CTensor tC_cAux;  // their (m, n, l) coordinates, per subtile
     ProblemShapeMNL problem_shape_mnl;
-    ColumnLoad const* node;
+    PairLoad const* node;
 
     CUTLASS_DEVICE void begin_loop(int epi_m, int epi_n) {
       cute::Tensor coords = tC_cAux(cute::_, cute::_, cute::_, epi_m, epi_n);
@@ -59,7 +51,7 @@ struct ColumnLoad : DirectNode<PairArguments<Element const*>> {
       CUTLASS_PRAGMA_UNROLL
       for (int k = 0; k < cute::size(tC_rAux); ++k) {
         auto c = coords(k);
-        tC_rAux(k) = cute::elem_less(c, problem_shape_mnl) ? a.ptr[column_offset<Columns>(a, c)] : Element(0);
+        tC_rAux(k) = cute::elem_less(c, problem_shape_mnl) ? a.ptr[pair_offset(a, c)] : Element(0);
       }
     }
 
@@ -80,30 +72,21 @@ struct ColumnLoad : DirectNode<PairArguments<Element const*>> {
   }
 };
 
-template <class Element>
-using PairLoad = ColumnLoad<Element, HalfColumns>;
-template <class Element, int Part>
-using WideLoad = ColumnLoad<Element, WideColumns<Part>>;
-
-// Outputs of other widths, staged in a [EpiM, OutN] shared-memory tile per stage that one warp stores
-// with TMA when the collective stores D (same stages, fences and barriers as CUTLASS's Sm90AuxStore);
-// TMA clips the ragged edges. Inputs == 1: half width (each thread writes the even slot of its pairs);
-// Inputs == 2: double width, the two children interleaved (column n of child i -> column 2n + i).
-// Where the tensor's rows are not 16-byte aligned (TMA's rule), the values go straight from registers
-// to global memory instead, predicated per value.
-template <class EpiDesc, class Element, int Inputs>
-struct ColumnStore : ConsumerOnlyNode {
-  static_assert(Inputs == 1 || Inputs == 2);
+// A half-width output, staged in a [EpiM, EpiN / 2] shared-memory tile per stage (each thread writes
+// the even slot of its pairs) that one warp stores with TMA when the collective stores D (same stages,
+// fences and barriers as CUTLASS's Sm90AuxStore); TMA clips the ragged edges. Where the tensor's rows
+// are not 16-byte aligned (TMA's rule), the values go straight from registers to global memory
+// instead, predicated per value.
+template <class EpiDesc, class Element>
+struct PairStore : ConsumerOnlyNode {
   using EpiTile = typename EpiDesc::EpilogueTile;
   static constexpr int Stages = cutlass::epilogue::collective::detail::AuxStoreDescriptor<
       EpiDesc, cutlass::layout::RowMajor, Element>::Stages;
   static constexpr int EpiM = cute::size<0>(EpiTile{});
   static constexpr int EpiN = cute::size<1>(EpiTile{});
-  static constexpr int OutN = Inputs == 1 ? EpiN / 2 : EpiN * 2;  // the tile's columns in the output
+  static constexpr int OutN = EpiN / 2;  // the tile's columns in the output
   template <class X>
-  CUTLASS_HOST_DEVICE static constexpr auto out_columns(X x) {  // tile or problem columns -> output columns
-    if constexpr (Inputs == 1) return x / cute::_2{}; else return x * cute::_2{};
-  }
+  CUTLASS_HOST_DEVICE static constexpr auto out_columns(X x) { return x / cute::_2{}; }  // tile or problem columns
   using SmemLayoutTma = cute::Layout<cute::Shape<cute::Int<EpiM>, cute::Int<OutN>>, cute::Stride<cute::Int<OutN>, cute::_1>>;
   using SmemLayout = cute::Layout<cute::Shape<cute::Int<EpiM>, cute::Int<OutN>, cute::Int<Stages>>,
                                   cute::Stride<cute::Int<OutN>, cute::_1, cute::Int<EpiM * OutN>>>;
@@ -136,8 +119,8 @@ struct ColumnStore : ConsumerOnlyNode {
     }
     return {args, tma, use_tma};
   }
-  CUTLASS_HOST_DEVICE ColumnStore() {}
-  CUTLASS_HOST_DEVICE ColumnStore(Params const& params, SharedStorage const& shared)
+  CUTLASS_HOST_DEVICE PairStore() {}
+  CUTLASS_HOST_DEVICE PairStore(Params const& params, SharedStorage const& shared)
       : params_ptr(&params), smem(const_cast<Element*>(shared.smem.data())) {}
   Params const* params_ptr = nullptr;
   Element* smem = nullptr;
@@ -145,53 +128,35 @@ struct ColumnStore : ConsumerOnlyNode {
   template <class RTensor, class LTensor, class CTensor, class ProblemShapeMNL, class STensor, class GTensor>
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
     CUTLASS_DEVICE ConsumerStoreCallbacks(LTensor&& local, CTensor&& c, ProblemShapeMNL shape, STensor&& s,
-                                          GTensor&& g, ColumnStore const* node)
+                                          GTensor&& g, PairStore const* node)
         : tC_lAux(cute::forward<LTensor>(local)), tC_cAux(cute::forward<CTensor>(c)), problem_shape_mnl(shape),
           bSG_sAux(cute::forward<STensor>(s)), bSG_gAux(cute::forward<GTensor>(g)), node(node) {}
 
-    RTensor tC_rAux[Inputs];  // this thread's values of the current epilogue subtile, per input
+    RTensor tC_rAux;  // this thread's values of the current epilogue subtile
     LTensor tC_lAux;  // their (m, n) within a subtile
     CTensor tC_cAux;  // their (m, n, l) in the problem, per subtile (the direct path)
     ProblemShapeMNL problem_shape_mnl;
     STensor bSG_sAux;  // (TMA, TMA_M, TMA_N, PIPE)
     GTensor bSG_gAux;  // (TMA, TMA_M, TMA_N, EPI_M, EPI_N)
-    ColumnStore const* node;
+    PairStore const* node;
 
-    template <int I, class Fragment>
-    CUTLASS_DEVICE void keep(int epi_v, Fragment const& frg) {
-      using Convert = cutlass::NumericArrayConverter<Element, typename Fragment::Element, Fragment::kElements,
+    template <typename ElementAccumulator, int FragmentSize, class Fragment>
+    CUTLASS_DEVICE Fragment visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int, int,
+                                  Fragment const& frg) {
+      using Convert = cutlass::NumericArrayConverter<Element, typename Fragment::Element, FragmentSize,
                                                      cutlass::FloatRoundStyle::round_to_nearest>;
-      cute::recast<cutlass::Array<Element, Fragment::kElements>>(cute::coalesce(tC_rAux[I]))(epi_v) = Convert{}(frg);
-    }
-
-    template <int... I, class... Fragments>
-    CUTLASS_DEVICE void keep_all(int epi_v, std::integer_sequence<int, I...>, Fragments const&... frg) {
-      (keep<I>(epi_v, frg), ...);
-    }
-
-    template <typename ElementAccumulator, int FragmentSize, class First, class... Rest>
-    CUTLASS_DEVICE First visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int, int,
-                              First const& first, Rest const&... rest) {
-      static_assert(1 + sizeof...(Rest) == Inputs, "one child per input");
-      keep_all(epi_v, std::make_integer_sequence<int, Inputs>{}, first, rest...);
-      return first;
+      cute::recast<cutlass::Array<Element, FragmentSize>>(cute::coalesce(tC_rAux))(epi_v) = Convert{}(frg);
+      return frg;
     }
 
     CUTLASS_DEVICE void postreduce(int, int, int store_iteration, bool issue_smem_store) {
       if (!node->params_ptr->use_tma || !issue_smem_store) return;
       Element* stage = node->smem + (store_iteration % Stages) * (EpiM * OutN);
       CUTLASS_PRAGMA_UNROLL
-      for (int k = 0; k < cute::size(tC_rAux[0]); ++k) {
+      for (int k = 0; k < cute::size(tC_rAux); ++k) {
         auto c = tC_lAux(k);
         int m = cute::get<0>(c), n = cute::get<1>(c);
-        if constexpr (Inputs == 1) {
-          if ((n & 1) == 0) stage[m * OutN + n / 2] = tC_rAux[0](k);
-        } else {  // both columns of the output pair in one store
-          cutlass::Array<Element, 2> both;
-          both[0] = tC_rAux[0](k);
-          both[1] = tC_rAux[1](k);
-          reinterpret_cast<cutlass::Array<Element, 2>*>(stage)[m * EpiN + n] = both;
-        }
+        if ((n & 1) == 0) stage[m * OutN + n / 2] = tC_rAux(k);
       }
     }
 
@@ -207,15 +172,9 @@ struct ColumnStore : ConsumerOnlyNode {
       cute::Tensor coords = tC_cAux(cute::_, cute::_, cute::_, epi_m, epi_n);
       Arguments const& a = node->params_ptr->args;
       CUTLASS_PRAGMA_UNROLL
-      for (int k = 0; k < cute::size(tC_rAux[0]); ++k) {
+      for (int k = 0; k < cute::size(tC_rAux); ++k) {
         auto c = coords(k);
-        if (!cute::elem_less(c, problem_shape_mnl)) continue;
-        if constexpr (Inputs == 1) {
-          if ((cute::get<1>(c) & 1) == 0) a.ptr[column_offset<HalfColumns>(a, c)] = tC_rAux[0](k);
-        } else {
-          a.ptr[column_offset<WideColumns<0>>(a, c)] = tC_rAux[0](k);
-          a.ptr[column_offset<WideColumns<1>>(a, c)] = tC_rAux[1](k);
-        }
+        if (cute::elem_less(c, problem_shape_mnl) && (cute::get<1>(c) & 1) == 0) a.ptr[pair_offset(a, c)] = tC_rAux(k);
       }
     }
   };
@@ -246,9 +205,55 @@ struct ColumnStore : ConsumerOnlyNode {
   }
 };
 
-template <class EpiDesc, class Element>
-using PairStore = ColumnStore<EpiDesc, Element, 1>;
-template <class EpiDesc, class Element>
-using WideStore = ColumnStore<EpiDesc, Element, 2>;
+// ---- double width: 32-bit words of two 16-bit halves
+
+struct NoArguments {};
+
+// Converts each fragment element with `Fn`: a node with no state, arguments or memory of its own.
+template <class Fn>
+struct Convert : DirectNode<NoArguments> {
+  using DirectNode<NoArguments>::DirectNode;
+
+  struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
+    template <class ElementAccumulator, int FragmentSize, class... Fragments>
+    CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int, int, int,
+                              Fragments const&... in) {
+      cutlass::Array<decltype(Fn{}(in[0]...)), FragmentSize> out;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < FragmentSize; ++i) out[i] = Fn{}(in[i]...);
+      return out;
+    }
+  };
+
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const&) {
+    return ConsumerStoreCallbacks{};
+  }
+};
+
+// Half `Part` of a word (0: column 2n, 1: column 2n + 1) as fp32 (for bf16 a shift).
+template <class Element, int Part>
+struct UnpackFn {
+  static_assert(cutlass::sizeof_bits<Element>::value == 16);
+  CUTLASS_DEVICE float operator()(uint32_t word) const {
+    return float(Element::bitcast(static_cast<uint16_t>(word >> (16 * Part))));
+  }
+};
+template <class Element, int Part>
+using Unpack = Convert<UnpackFn<Element, Part>>;
+
+// Two values rounded to `Element` (to nearest even), one word: the first in the low half.
+template <class Element>
+struct PackFn {
+  static_assert(cutlass::sizeof_bits<Element>::value == 16);
+  template <class A, class B>
+  CUTLASS_DEVICE uint32_t operator()(A a, B b) const {
+    cutlass::NumericConverter<Element, A> lo;
+    cutlass::NumericConverter<Element, B> hi;
+    return uint32_t(lo(a).raw()) | (uint32_t(hi(b).raw()) << 16);
+  }
+};
+template <class Element>
+using Pack = Convert<PackFn<Element>>;
 
 }  // namespace coda
