@@ -46,10 +46,12 @@ template <class EpiDesc, class Element>
 using AuxStoreFor = typename AuxStoreFor_<EpiDesc, Element>::type;
 
 // A [M, 2N] operand / output of 16-bit values, moved as [M, N] 32-bit words (pairs.h: Unpack, Pack).
+// The words travel as float bit patterns: the topological visitor converts every node's output to
+// float numerically, which keeps a float's bits and would round a uint32_t's.
 template <class EpiDesc>
-using WideLoad = AuxLoadFor<EpiDesc, uint32_t>;
+using WideLoad = AuxLoadFor<EpiDesc, float>;
 template <class EpiDesc>
-using WideStore = AuxStoreFor<EpiDesc, uint32_t>;
+using WideStore = AuxStoreFor<EpiDesc, float>;
 
 // Batch stride of a 2-D / 3-D operand; unbatched, the span of the matrix (TMA wants a sane one).
 inline int64_t batch_stride(TensorRef const& t) {

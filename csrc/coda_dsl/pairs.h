@@ -235,8 +235,8 @@ struct Convert : DirectNode<NoArguments> {
 template <class Element, int Part>
 struct UnpackFn {
   static_assert(cutlass::sizeof_bits<Element>::value == 16);
-  CUTLASS_DEVICE float operator()(uint32_t word) const {
-    return float(Element::bitcast(static_cast<uint16_t>(word >> (16 * Part))));
+  CUTLASS_DEVICE float operator()(float word) const {  // a word's bits (evt.h: WideLoad)
+    return float(Element::bitcast(static_cast<uint16_t>(__float_as_uint(word) >> (16 * Part))));
   }
 };
 template <class Element, int Part>
@@ -247,10 +247,10 @@ template <class Element>
 struct PackFn {
   static_assert(cutlass::sizeof_bits<Element>::value == 16);
   template <class A, class B>
-  CUTLASS_DEVICE uint32_t operator()(A a, B b) const {
+  CUTLASS_DEVICE float operator()(A a, B b) const {  // the word's bits, as a float (evt.h: WideStore)
     cutlass::NumericConverter<Element, A> lo;
     cutlass::NumericConverter<Element, B> hi;
-    return uint32_t(lo(a).raw()) | (uint32_t(hi(b).raw()) << 16);
+    return __uint_as_float(uint32_t(lo(a).raw()) | (uint32_t(hi(b).raw()) << 16));
   }
 };
 template <class Element>
