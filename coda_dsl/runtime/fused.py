@@ -10,7 +10,10 @@ import torch
 
 
 def on_cuda(fn: Callable) -> Callable:
-    """fn, compiled (dynamic shapes: one compile for every size) when its first tensor argument is on CUDA."""
+    """fn, compiled when its first tensor argument is on CUDA. torch.compile's default, automatic dynamic
+    shapes: sizes start static (index math by constants; a layer's token count rarely changes), and only
+    a dimension seen to change becomes symbolic on the one recompile. (dynamic=True made every size
+    symbolic: integer division by runtime values in every element's index.)"""
     compiled = None
 
     @functools.wraps(fn)
@@ -20,7 +23,7 @@ def on_cuda(fn: Callable) -> Callable:
         if first is None or not first.is_cuda or torch.compiler.is_compiling():
             return fn(*args, **kwargs)
         if compiled is None:
-            compiled = torch.compile(fn, dynamic=True)
+            compiled = torch.compile(fn)
         return compiled(*args, **kwargs)
 
     call.eager = fn  # for tests: the same function, never compiled
