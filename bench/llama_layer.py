@@ -138,7 +138,9 @@ def peak_mib(fn: Callable) -> float:
 
 
 def profile_kernels(fn: Callable, top: int) -> str:
-    """One fn() under torch.profiler: its `top` costliest GPU kernels, a line each, and the GPU total."""
+    """One fn() under torch.profiler: its `top` costliest GPU kernels, a line each, the GPU total, and
+    how long the GPU sat idle between the first kernel and the last (host-bound gaps), with the
+    kernels that waited longest."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
@@ -147,7 +149,18 @@ def profile_kernels(fn: Callable, top: int) -> str:
     kernels.sort(key=lambda e: -e.device_time_total)
     total = sum(e.device_time_total for e in kernels) / 1e3
     lines = [f"{e.device_time_total / 1e3:8.3f} ms {e.count:4d}x  {e.key[:150]}" for e in kernels[:top]]
-    return "\n".join([*lines, f"{total:8.3f} ms total GPU time"])
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    waits, reach = [], spans[0][1] if spans else 0
+    for start, end, name in spans[1:]:
+        if start > reach:
+            waits.append((start - reach, name))
+        reach = max(reach, end)
+    waits.sort(reverse=True)
+    lines.append(f"{total:8.3f} ms total GPU time; GPU idle {sum(w for w, _ in waits) / 1e3:.3f} ms "
+                 f"between the first and the last kernel, in {len(waits)} gaps; the longest before:")
+    lines += [f"{w / 1e3:8.3f} ms  {name[:150]}" for w, name in waits[:max(3, top // 2)]]
+    return "\n".join(lines)
 
 
 def synchronize(device) -> None:
