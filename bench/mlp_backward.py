@@ -9,8 +9,8 @@ Shapes are M x F x D (dY's M x N x K). Variants, all from the same dOut, W_down 
 - torch.compile: torch.mm, then torch.compile of HF's SwiGLU backward over separate gate and up
   tensors ([M, F] each, as HF's layer saves them): d gate, d up;
 - coda_dsl, per epilogue and config (default: the config cd.gemm picks):
-  - `rms_swiglu_grad` (coda_dsl.nn's, what the layer runs): d gate, d up, y again, Σ d(pre)·pre per row;
-  - `grad_keep_y`: the same without y (a layer that keeps y from the forward instead);
+  - `rms_swiglu_grad` (coda_dsl.nn's, what the layer runs): d gate, d up, Σ d(pre)·pre per row;
+  - `grad_recompute_y`: the same and y again (a layer that does not keep y from the forward);
   - `grad_interleaved`: one interleaved [M, 2F] gradient (a double-width store) and the row sum.
 Ratios are time / cuBLAS dY: lower is better.
 """
@@ -33,12 +33,13 @@ FLOOR, COMPILED = "cuBLAS dY", "torch.compile (mm + SwiGLU backward)"
 
 
 @cd.epilogue
-def grad_keep_y(acc, pre: cd.Tensor, rstd: cd.VecM):
+def grad_recompute_y(acc, pre: cd.Tensor, rstd: cd.VecM):
     g, u = cd.pairs(pre)
     sig = cd.sigmoid(g)
+    silu = g * sig
     dg = acc * u * sig * (1.0 + g * (1.0 - sig))
-    du = acc * g * sig
-    return {"dgate": rstd * dg, "dup": rstd * du, "dpre_pre": cd.sum(dg * g + du * u, axis="n")}
+    du = acc * silu
+    return {"dgate": rstd * dg, "dup": rstd * du, "y": silu * u, "dpre_pre": cd.sum(dg * g + du * u, axis="n")}
 
 
 @cd.epilogue
@@ -50,7 +51,7 @@ def grad_interleaved(acc, pre: cd.Tensor, rstd: cd.VecM):
     return {"D": cd.interleave(rstd * dg, rstd * du), "dpre_pre": cd.sum(dg * g + du * u, axis="n")}
 
 
-EPILOGUES = [rms_swiglu_grad, grad_keep_y, grad_interleaved]
+EPILOGUES = [rms_swiglu_grad, grad_recompute_y, grad_interleaved]
 CONFIGS = {"default": None, "cooperative": DEFAULT}  # None: what cd.gemm picks at the shape
 
 
