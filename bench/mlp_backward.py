@@ -12,7 +12,8 @@ Shapes are M x F x D (dY's M x N x K). Variants, all from the same dOut, W_down 
   - `rms_swiglu_grad` (coda_dsl.nn's, what the layer runs): d gate, d up, Σ d(pre)·pre per row;
   - `grad_recompute_y`: the same and y again (a layer that does not keep y from the forward);
   - `grad_interleaved`: one interleaved [M, 2F] gradient (a double-width store) and the row sum.
-Ratios are time / cuBLAS dY: lower is better.
+Ratios are time / cuBLAS dY: lower is better. Each coda_dsl variant's d gate is checked against
+eager PyTorch's (rel_err in the JSON; a warning on stderr above 3e-2).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from .harness import command as command_line
 
 SHAPES = [(8192, 14336, 4096)]  # Llama-3-8B: tokens x FFN x hidden
 FLOOR, COMPILED = "cuBLAS dY", "torch.compile (mm + SwiGLU backward)"
+BACKEND, DEVICE = "cutlass", "cuda"  # the CPU test runs the plumbing on the reference backend
 
 
 @cd.epilogue
@@ -63,9 +65,9 @@ def swiglu_backward(dy, gate, up):
 
 
 def _inputs(m: int, f: int, d: int) -> tuple:
-    r = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    r = lambda *s: torch.randn(*s, device=DEVICE, dtype=torch.bfloat16)  # noqa: E731
     pre = r(m, 2 * f)
-    return (r(m, d), r(d, f), pre, torch.rand(m, device="cuda") + 0.5,
+    return (r(m, d), r(d, f), pre, torch.rand(m, device=DEVICE) + 0.5,
             pre[:, 0::2].contiguous(), pre[:, 1::2].contiguous())
 
 
@@ -83,31 +85,42 @@ def variants(configs: list[str], shape: tuple) -> dict:
             config = _config(c, shape)
             out[f"coda_dsl {ep.name} ({c})"] = (
                 lambda dout, w, pre, rstd, gate, up, ep=ep, config=config:
-                cd.gemm(dout, w.t(), ep, pre=pre, rstd=rstd, config=config, backend="cutlass"))
+                cd.gemm(dout, w.t(), ep, pre=pre, rstd=rstd, config=config, backend=BACKEND))
     return out
 
 
 def prebuild(configs: list[str], todo: list[tuple]) -> None:
     """Every coda_dsl kernel of the run in one parallel ninja run."""
     from coda_dsl.runtime import op as runtime
-    x, f32 = torch.empty(64, 64, dtype=torch.bfloat16, device="cuda"), torch.empty(64, device="cuda")
+    x, f32 = torch.empty(64, 64, dtype=torch.bfloat16, device=DEVICE), torch.empty(64, device=DEVICE)
     ops = {(ep.name, _config(c, s)): cd.compile(ep, x, x.t(), config=_config(c, s), pre=torch.cat((x, x), -1),
                                                 rstd=f32)
            for ep in EPILOGUES for c in configs for s in todo}
     runtime.prebuild(list(ops.values()))
 
 
+def _dgate(out) -> torch.Tensor:
+    return out["D"][:, 0::2] if "D" in out else out["dgate"]
+
+
 def measure(shape: tuple, configs: list[str], iters: int) -> list[Row]:
     m, f, d = shape
     sets = rotation(lambda: _inputs(m, f, d), 2 * (m * d + d * f + 4 * m * f))
-    times = {}
+    dout, w, _, rstd, gate, up = sets[0]
+    want = swiglu_backward(dout @ w, gate, up)[0].float() * rstd[:, None]
+    times, errs = {}, {}
     for label, fn in variants(configs, shape).items():
         progress(f"mlp_backward {fmt(shape)}: {label}")
-        fn(*sets[0])  # compiles outside the timing
+        got = fn(*sets[0])  # builds / compiles outside the timing
+        if label.startswith("coda_dsl"):
+            errs[label] = ((_dgate(got).float() - want).norm() / want.norm()).item()
+            if errs[label] > 3e-2:
+                progress(f"  {label}: d gate differs from eager PyTorch's by {errs[label]:.1e}")
         times[label] = time_us(fn, sets, iters=iters, warmup=3)
     flops = 2 * m * f * d
     return [Row("mlp_backward", fmt(shape), label, us, flops / us / 1e6, us / times[FLOOR],
-                {"vs_compile": us / times[COMPILED]}) for label, us in times.items()]
+                {"vs_compile": us / times[COMPILED], **({"rel_err": errs[label]} if label in errs else {})})
+            for label, us in times.items()]
 
 
 def main(argv=None) -> int:

@@ -17,7 +17,7 @@ import coda_dsl as cd
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ lives at the repository root
 
 from bench import __main__ as bench_main  # noqa: E402
-from bench import cross_entropy, epilogues, harness, host_overhead, linear_backward  # noqa: E402
+from bench import cross_entropy, epilogues, harness, host_overhead, linear_backward, mlp_backward  # noqa: E402
 from bench.harness import FLOOR, Row  # noqa: E402
 from build_helpers import FAKE_TC  # noqa: E402
 
@@ -140,7 +140,7 @@ def fake_gpu(monkeypatch, tmp_path):
         t = time.perf_counter()
         fn(*sets[0])
         return (time.perf_counter() - t) * 1e6
-    for mod in (epilogues, cross_entropy, linear_backward):
+    for mod in (epilogues, cross_entropy, linear_backward, mlp_backward):
         monkeypatch.setattr(mod, "time_us", time_us)
     monkeypatch.setattr(linear_backward, "no_gpu", lambda: False)
     monkeypatch.setattr(linear_backward, "prebuild", lambda todo: None)
@@ -201,6 +201,22 @@ def test_linear_backward_on_fake_gpu(fake_gpu, capsys):
     assert "differ" not in err  # cd.linear's gradients agree with eager PyTorch's
     rows = json.loads((fake_gpu / "linear_backward.json").read_text())["rows"]
     assert len(rows) == 12 and all(r["vs_gemm"] > 0 for r in rows)
+
+
+def test_mlp_backward_on_fake_gpu(fake_gpu, capsys, monkeypatch):
+    for name, value in (("no_gpu", lambda: False), ("prebuild", lambda configs, todo: None),
+                        ("rotation", lambda make, nbytes: [make()]), ("BACKEND", "reference"), ("DEVICE", "cpu")):
+        monkeypatch.setattr(mlp_backward, name, value)
+    assert mlp_backward.main(["--shapes", "32x64x48", "--configs", "default,cooperative", "--iters", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert "| 32×64×48 | torch.compile (mm + SwiGLU backward) |" in out
+    assert "differs" not in err  # every epilogue's d gate agrees with eager PyTorch's
+    rows = json.loads((fake_gpu / "mlp_backward.json").read_text())["rows"]
+    assert len(rows) == 2 + 2 * len(mlp_backward.EPILOGUES)
+    assert all(r["extra"]["rel_err"] < 1e-2 for r in rows if r["variant"].startswith("coda_dsl"))
+    with pytest.raises(SystemExit):
+        mlp_backward.main(["--configs", "fastest"])
+    assert "--configs: unknown ['fastest']" in capsys.readouterr().err
 
 
 def test_failures_are_reported_and_the_rest_measured(fake_gpu, capsys, monkeypatch):
