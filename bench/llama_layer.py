@@ -6,7 +6,8 @@ that fusion can reach, in one process, round-robin, CUDA events, median.
                                 [--profile N]
 
 Variants (tokens = batch x seq; batch = tokens / seq):
-- coda_dsl: LlamaDecoderLayer.from_hf(hf_layer, backend="cutlass");
+- coda_dsl: LlamaDecoderLayer.from_hf(hf_layer, backend="cutlass"), with mlp.tie_gate_up() (the gate and
+  up weights stored interleaved, as one process or DDP may train them; not with FSDP2);
 - HF eager: transformers' LlamaDecoderLayer, attention through SDPA (attention_mask None, so causal
   flash), cos/sin built once outside the timed region by LlamaRotaryEmbedding, as HF's model does;
 - HF torch.compile: the same layer under torch.compile (default mode, dynamic=False), compiled and
@@ -197,6 +198,7 @@ def variant_calls(config, batch: int, seq: int, device, backend: str, compile_fn
         for p in hf.parameters():
             p.normal_(0, config.hidden_size ** -0.5) if p.dim() > 1 else p.uniform_(0.5, 1.5)
     ours = cdnn.LlamaDecoderLayer.from_hf(hf, backend=backend)
+    ours.mlp.tie_gate_up()  # single-process training: the gate/up GEMM reads the two weights in place
     if backend == "cutlass":  # its kernels in one parallel build, not one by one at their first calls
         ours.prebuild(batch * seq)
     x = torch.randn(batch, seq, config.hidden_size, device=device, dtype=torch.bfloat16)

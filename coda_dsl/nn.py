@@ -19,9 +19,10 @@ Design decisions:
 - **Fused weights derived per forward.** W_qkv (q/k rows permuted per head by
   `neox_to_interleaved_rows`, so the interleaved-pair RoPE epilogue gives HF's half-split rotation;
   q·k is unchanged by a common permutation) and the interleaved W_gate_up are concatenations of the
-  HF parameters made per forward, so gradients land in q_proj.weight, gate_proj.weight, ... (a copy of
-  those weights per forward: the price of training HF's parameters directly; the MLP's is freed after
-  its GEMM, its backward using the gate and up weights as they are).
+  HF parameters made per forward, so gradients land in q_proj.weight, gate_proj.weight, ... (a copy
+  per forward: the price of training HF's parameters directly). `mlp.tie_gate_up()` saves W_gate_up's
+  copy by storing gate_proj.weight and up_proj.weight as the halves of one interleaved buffer (still two
+  leaf parameters with HF's names and shapes, but strided, which FSDP2 refuses).
 - **Norm statistics across layers.** The down epilogue emits rstd of the layer's output (with this
   layer's eps: one config per stack); `forward(..., return_rstd=True)` returns it and the next layer
   takes it as `input_rstd`, so only the first layer computes its input's rstd in torch.
@@ -213,13 +214,14 @@ class _RmsProducerLinear(torch.autograd.Function):
 
 class _Mlp(torch.autograd.Function):
     """The MLP's two GEMMs: y = swiglu(rstd * (hg @ W_gate_up^T)), out = y @ W_down^T + residual (and its
-    rstd). The interleaved weight is a per-forward copy, freed after its GEMM: the backward uses the gate
-    and up weights as they are. The backward's dY = dOut @ W_down carries rms_swiglu_grad in its
+    rstd). The backward uses the gate and up weights as they are (never the interleaved one). The backward's dY = dOut @ W_down carries rms_swiglu_grad in its
     epilogue, so the SwiGLU derivative costs no pass of its own over the [M, 2F] pre-activation."""
 
     @staticmethod
-    def forward(ctx, hg, rstd, w_gate, w_up, w_down, residual, eps, backend):
-        r = cd.gemm(hg, interleave_gate_up(w_gate, w_up), rms_swiglu, rstd=rstd, backend=backend)
+    def forward(ctx, hg, rstd, w_gate, w_up, w_down, residual, eps, backend, w_gate_up=None):
+        """w_gate_up: the interleaved weight when the caller has it (gate_up_view); else a copy is made."""
+        w_gu = interleave_gate_up(w_gate, w_up) if w_gate_up is None else w_gate_up
+        r = cd.gemm(hg, w_gu, rms_swiglu, rstd=rstd, backend=backend)
         inv_n = 1.0 / w_down.shape[0]
         o = cd.gemm(r["D"], w_down, residual_rms, residual=residual, inv_n=inv_n, eps=eps, backend=backend)
         ctx.save_for_backward(hg, rstd, w_gate, w_up, w_down, r["D"], r["pre"], o["D"], o["rstd"])
@@ -241,7 +243,7 @@ class _Mlp(torch.autograd.Function):
             dw_gate = _mm(dgate.t(), hg, w_gate.dtype) if need[2] else None
             dw_up = _mm(dup.t(), hg, w_up.dtype) if need[3] else None
         dw_down = _mm(dacc.t(), y, w_down.dtype) if need[4] else None
-        return dhg, drstd, dw_gate, dw_up, dw_down, dacc if need[5] else None, None, None
+        return dhg, drstd, dw_gate, dw_up, dw_down, dacc if need[5] else None, None, None, None
 
 
 def flat_inputs(x: torch.Tensor, position_ids, input_rstd, eps: float):
@@ -249,7 +251,7 @@ def flat_inputs(x: torch.Tensor, position_ids, input_rstd, eps: float):
     input norm's rstd [B*S]: input_rstd flattened, or computed here)."""
     b, s, d = x.shape
     if position_ids is None:
-        position_ids = torch.arange(s, device=x.device)[None]
+        position_ids = torch.arange(s, device=x.device, dtype=torch.float32)[None]  # exact below 2^24
     xf = x.reshape(b * s, d)
     rstd = input_rms(xf, eps) if input_rstd is None else input_rstd.reshape(-1)
     return xf, position_ids.expand(b, s).reshape(-1).float(), rstd
@@ -260,8 +262,10 @@ def input_gain(x: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
     return _ColumnScale.apply(x, gamma)
 
 
+@on_cuda
 def input_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """rstd = rsqrt(mean(x^2) + eps) per row, in fp32: what `residual_rms` emits for the next layer."""
+    """rstd = rsqrt(mean(x^2) + eps) per row, in fp32: what `residual_rms` emits for the next layer (one
+    kernel on CUDA, not five: the layer's first step, where the GPU waits on each launch)."""
     return torch.rsqrt(x.float().pow(2).mean(-1) + eps)
 
 
@@ -351,7 +355,10 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     """gate/up/down projections (HF names): gate/up in one GEMM (rows interleaved) with rstd and SwiGLU in
-    its epilogue; down with the residual add and the next norm's rstd in its epilogue."""
+    its epilogue; down with the residual add and the next norm's rstd in its epilogue.
+
+    The gate/up GEMM reads one [2F, D] weight with the two weights' rows interleaved: a copy of both per
+    forward, unless tie_gate_up() has made them the halves of one such buffer."""
 
     def __init__(self, config, dtype=None, device=None):
         super().__init__()
@@ -361,11 +368,43 @@ class LlamaMLP(nn.Module):
         self.gate_proj = _linear(d, f, dtype, device)
         self.up_proj = _linear(d, f, dtype, device)
         self.down_proj = _linear(f, d, dtype, device)
+        self.tied = False
+
+    def tie_gate_up(self) -> LlamaMLP:
+        """Store gate_proj.weight and up_proj.weight as the halves of one interleaved [F, 2, D] buffer, so
+        the forward passes it to the GEMM as it is instead of copying both weights per call. Same
+        Parameter objects and values: an optimizer, load_state_dict and state_dict still see HF's two
+        [F, D] weights, updated in place; .to() ties them again. Each is then a strided (non-contiguous)
+        tensor, which FSDP2 refuses: for single-process and DDP training. Weights assigned anew later
+        are simply copied per forward again."""
+        g, u = self.gate_proj.weight, self.up_proj.weight
+        if gate_up_view(g, u) is None:
+            both = torch.stack((g.detach(), u.detach()), dim=1)
+            g.data, u.data = both[:, 0], both[:, 1]
+        self.tied = True
+        return self
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)  # .to() makes each strided weight contiguous on its own
+        return self.tie_gate_up() if self.tied else self
 
     def forward(self, hg, rstd, residual, eps: float, backend: str):
         """hg = h * gamma2 [M, D], rstd [M], residual h -> (h + mlp, rstd of that)."""
-        return _Mlp.apply(hg, rstd, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, residual,
-                          eps, backend)
+        g, u = self.gate_proj.weight, self.up_proj.weight
+        return _Mlp.apply(hg, rstd, g, u, self.down_proj.weight, residual, eps, backend, gate_up_view(g, u))
+
+
+def gate_up_view(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor | None:
+    """The [2F, D] interleaved gate/up weight as a view, when the two [F, D] weights are the halves of one
+    [F, 2, D] buffer (LlamaMLP.tie_gate_up); else None. None under torch.compile too, where storages and
+    offsets cannot be compared: the traced graph copies the weights, as for untied ones."""
+    if torch.compiler.is_compiling():
+        return None
+    f, d = w_gate.shape
+    tied = (w_up.shape == w_gate.shape and w_gate.stride() == w_up.stride() == (2 * d, 1)
+            and w_up.storage_offset() == w_gate.storage_offset() + d
+            and w_up.untyped_storage().data_ptr() == w_gate.untyped_storage().data_ptr())
+    return w_gate.detach().as_strided((2 * f, d), (d, 1)) if tied else None
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -182,6 +182,37 @@ def test_state_dict_round_trip():
         assert torch.equal(back.state_dict()[name], t), name
 
 
+def test_gate_up_weights_are_halves_of_one_buffer():
+    """After tie_gate_up, gate_proj.weight and up_proj.weight share one interleaved buffer (the gate/up
+    GEMM's weight, no copy per forward) and stay so through casts and optimizer steps (the same Parameter
+    objects); the untied layer (the default) gives the same results through the copy."""
+    from coda_dsl.library import interleave_gate_up
+    config = llama_config()
+    hf = random_hf_layer(config)
+    ours = cdnn.LlamaDecoderLayer.from_hf(hf, backend="reference")
+    mlp = ours.mlp
+    g, u = mlp.gate_proj.weight, mlp.up_proj.weight
+    assert cdnn.gate_up_view(g, u) is None and g.is_contiguous()  # untied by default (FSDP2 wants contiguous)
+    assert mlp.tie_gate_up() is mlp and mlp.gate_proj.weight is g
+    view = cdnn.gate_up_view(g, u)
+    assert view is not None and view.data_ptr() == g.data_ptr()
+    assert torch.equal(view, interleave_gate_up(g, u)) and torch.equal(g, hf.mlp.gate_proj.weight)
+    ours.to(torch.float16).to(torch.float32)  # a cast and back: each makes the halves contiguous apart
+    assert mlp.gate_proj.weight is g and g.dtype == torch.float32 and cdnn.gate_up_view(g, u) is not None
+
+    untied = cdnn.LlamaDecoderLayer.from_hf(hf, backend="reference").to(torch.float16).to(torch.float32)
+    assert cdnn.gate_up_view(untied.mlp.gate_proj.weight, untied.mlp.up_proj.weight) is None
+    x = torch.randn(2, 5, config.hidden_size)
+    for layer in (ours, untied):
+        opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+        layer(x).square().sum().backward()
+        opt.step()
+    assert cdnn.gate_up_view(g, u) is not None  # the step updated the parameters in place, tied
+    for (name, a), b in zip(ours.named_parameters(), untied.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)
+    torch.testing.assert_close(ours(x), untied(x), rtol=1e-5, atol=1e-5)
+
+
 def test_dtype_cast_keeps_rope_frequencies_fp32():
     """layer.to(torch.bfloat16) casts float buffers too; the RoPE frequencies must stay exact fp32."""
     config = llama_config()
