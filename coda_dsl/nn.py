@@ -216,7 +216,7 @@ class _Mlp(torch.autograd.Function):
     """The MLP's two GEMMs: y = swiglu(rstd * (hg @ W_gate_up^T)), out = y @ W_down^T + residual (and its
     rstd). The backward's dY = dOut @ W_down carries rms_swiglu_grad in its epilogue, so the SwiGLU
     derivative costs no pass of its own over the [M, 2F] pre-activation; it uses the gate and up weights
-    as they are, never the interleaved one (not kept).
+    as they are, never the interleaved one (not kept)."""
 
     @staticmethod
     def forward(ctx, hg, rstd, w_gate, w_up, w_down, residual, eps, backend, w_gate_up=None):
