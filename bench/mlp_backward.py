@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import coda_dsl as cd
+from coda_dsl.library import swiglu_grad
 from coda_dsl.nn import rms_swiglu_grad
 from coda_dsl.runtime.tune import DEFAULT, default
 
@@ -37,19 +38,14 @@ BACKEND, DEVICE = "cutlass", "cuda"  # the CPU test runs the plumbing on the ref
 @cd.epilogue
 def grad_recompute_y(acc, pre: cd.Tensor, rstd: cd.VecM):
     g, u = cd.pairs(pre)
-    sig = cd.sigmoid(g)
-    silu = g * sig
-    dg = acc * u * sig * (1.0 + g * (1.0 - sig))
-    du = acc * silu
+    dg, du, silu = swiglu_grad(acc, g, u)
     return {"dgate": rstd * dg, "dup": rstd * du, "y": silu * u, "dpre_pre": cd.sum(dg * g + du * u, axis="n")}
 
 
 @cd.epilogue
 def grad_interleaved(acc, pre: cd.Tensor, rstd: cd.VecM):
     g, u = cd.pairs(pre)
-    sig = cd.sigmoid(g)
-    dg = acc * u * sig * (1.0 + g * (1.0 - sig))
-    du = acc * g * sig
+    dg, du, _ = swiglu_grad(acc, g, u)
     return {"D": cd.interleave(rstd * dg, rstd * du), "dpre_pre": cd.sum(dg * g + du * u, axis="n")}
 
 
@@ -57,7 +53,7 @@ EPILOGUES = [rms_swiglu_grad, grad_recompute_y, grad_interleaved]
 CONFIGS = {"default": None, "cooperative": DEFAULT}  # None: what cd.gemm picks at the shape
 
 
-def swiglu_backward(dy, gate, up):
+def hf_swiglu_backward(dy, gate, up):
     """HF's act_fn(gate) * up, differentiated: (d gate, d up)."""
     g, u, d = gate.float(), up.float(), dy.float()
     sig = torch.sigmoid(g)
@@ -77,7 +73,7 @@ def _config(name: str, shape: tuple):
 
 
 def variants(configs: list[str], shape: tuple) -> dict:
-    compiled = torch.compile(swiglu_backward)
+    compiled = torch.compile(hf_swiglu_backward)
     out = {FLOOR: lambda dout, w, pre, rstd, gate, up: dout @ w,
            COMPILED: lambda dout, w, pre, rstd, gate, up: compiled(dout @ w, gate, up)}
     for ep in EPILOGUES:
@@ -107,7 +103,7 @@ def measure(shape: tuple, configs: list[str], iters: int) -> list[Row]:
     m, f, d = shape
     sets = rotation(lambda: _inputs(m, f, d), 2 * (m * d + d * f + 4 * m * f))
     dout, w, _, rstd, gate, up = sets[0]
-    want = swiglu_backward(dout @ w, gate, up)[0].float() * rstd[:, None]
+    want = hf_swiglu_backward(dout @ w, gate, up)[0].float() * rstd[:, None]
     times, errs = {}, {}
     for label, fn in variants(configs, shape).items():
         progress(f"mlp_backward {fmt(shape)}: {label}")

@@ -17,7 +17,7 @@ Design decisions:
   accumulator per row. Folding gamma into the weights (W * gamma) would cost a pass over every weight
   per forward, or a re-fold after each optimizer step; this way training updates HF's own parameters.
 - **Fused weights derived per forward.** W_qkv (q/k rows permuted per head by
-  `neox_to_interleaved_rows`, so the interleaved-pair RoPE epilogue gives HF's half-split rotation;
+  `neox_to_interleaved`, so the interleaved-pair RoPE epilogue gives HF's half-split rotation;
   q·k is unchanged by a common permutation) and the interleaved W_gate_up are concatenations of the
   HF parameters made per forward, so gradients land in q_proj.weight, gate_proj.weight, ... (a copy
   per forward: the price of training HF's parameters directly). `mlp.tie_gate_up()` saves W_gate_up's
@@ -45,8 +45,8 @@ from torch import nn
 
 import coda_dsl as cd
 from .errors import UnsupportedError
-from .library import interleave_gate_up, rms_producer
-from .library.rope import rotate
+from .library import interleave_gate_up, rms_producer, swiglu_grad
+from .library.rope import neox_to_interleaved, rotate
 from .runtime.fused import on_cuda
 
 
@@ -77,9 +77,7 @@ def rms_swiglu_grad(acc, pre: cd.Tensor, rstd: cd.VecM):
     sum_n d(pre) * pre, which is rstd's gradient times rstd. (Writing y here too, instead of keeping it
     from the forward, costs 0.15 ms at 8192 x 14336 x 4096 on the H200: bench/mlp_backward.py.)"""
     g, u = cd.pairs(pre)
-    sig = cd.sigmoid(g)
-    dg = acc * u * sig * (1.0 + g * (1.0 - sig))
-    du = acc * g * sig
+    dg, du, _ = swiglu_grad(acc, g, u)
     return {"dgate": rstd * dg, "dup": rstd * du, "dpre_pre": cd.sum(dg * g + du * u, axis="n")}
 
 
@@ -219,10 +217,8 @@ class _Mlp(torch.autograd.Function):
     as they are, never the interleaved one (not kept)."""
 
     @staticmethod
-    def forward(ctx, hg, rstd, w_gate, w_up, w_down, residual, eps, backend, w_gate_up=None):
-        """w_gate_up: the interleaved weight when the caller has it (gate_up_view); else a copy is made."""
-        w_gu = interleave_gate_up(w_gate, w_up) if w_gate_up is None else w_gate_up
-        r = cd.gemm(hg, w_gu, rms_swiglu, rstd=rstd, backend=backend)
+    def forward(ctx, hg, rstd, w_gate, w_up, w_down, residual, eps, backend):
+        r = cd.gemm(hg, gate_up_weight(w_gate, w_up), rms_swiglu, rstd=rstd, backend=backend)
         inv_n = 1.0 / w_down.shape[0]
         o = cd.gemm(r["D"], w_down, residual_rms, residual=residual, inv_n=inv_n, eps=eps, backend=backend)
         ctx.save_for_backward(hg, rstd, w_gate, w_up, w_down, r["D"], r["pre"], o["D"], o["rstd"])
@@ -244,7 +240,7 @@ class _Mlp(torch.autograd.Function):
             dw_gate = _mm(dgate.t(), hg, w_gate.dtype) if need[2] else None
             dw_up = _mm(dup.t(), hg, w_up.dtype) if need[3] else None
         dw_down = _mm(dacc.t(), y, w_down.dtype) if need[4] else None
-        return dhg, drstd, dw_gate, dw_up, dw_down, dacc if need[5] else None, None, None, None
+        return dhg, drstd, dw_gate, dw_up, dw_down, dacc if need[5] else None, None, None
 
 
 def flat_inputs(x: torch.Tensor, position_ids, input_rstd, eps: float):
@@ -309,11 +305,11 @@ def qkv_inv_freq(inv_freq: torch.Tensor, heads: int, kv_heads: int) -> torch.Ten
 
 
 def qkv_weight(wq, wk, wv, head_dim: int) -> torch.Tensor:
-    """[Nq + 2 Nkv, D]: q and k rows permuted per head for the interleaved RoPE epilogue (the order of
-    neox_to_interleaved_rows: rows i and i + head_dim / 2 become adjacent), one copy by strided views;
-    differentiable, so gradients land in the three weights (as strided views, no scatter)."""
-    per_pair = lambda w: w.unflatten(0, (-1, 2, head_dim // 2)).transpose(1, 2)  # noqa: E731  [heads, d/2, 2, D]
-    return torch.cat((per_pair(wq), per_pair(wk), wv.unflatten(0, (-1, head_dim // 2, 2)))).flatten(0, 2)
+    """[Nq + 2 Nkv, D]: q and k rows permuted per head for the interleaved RoPE epilogue
+    (neox_to_interleaved), v's as they are, in one copy; differentiable, so gradients land in the three
+    weights (as strided views, no scatter)."""
+    v = wv.unflatten(0, (-1, head_dim // 2, 2))
+    return torch.cat((neox_to_interleaved(wq, head_dim), neox_to_interleaved(wk, head_dim), v)).flatten(0, 2)
 
 
 def causal_attention(qkv: torch.Tensor, batch: int, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
@@ -379,7 +375,7 @@ class LlamaMLP(nn.Module):
         tensor, which FSDP2 refuses: for single-process and DDP training. Weights assigned anew later
         are simply copied per forward again."""
         g, u = self.gate_proj.weight, self.up_proj.weight
-        if gate_up_view(g, u) is None:
+        if not _tied(g, u):
             both = torch.stack((g.detach(), u.detach()), dim=1)
             g.data, u.data = both[:, 0], both[:, 1]
         self.tied = True
@@ -391,21 +387,24 @@ class LlamaMLP(nn.Module):
 
     def forward(self, hg, rstd, residual, eps: float, backend: str):
         """hg = h * gamma2 [M, D], rstd [M], residual h -> (h + mlp, rstd of that)."""
-        g, u = self.gate_proj.weight, self.up_proj.weight
-        return _Mlp.apply(hg, rstd, g, u, self.down_proj.weight, residual, eps, backend, gate_up_view(g, u))
+        return _Mlp.apply(hg, rstd, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, residual,
+                          eps, backend)
 
 
-def gate_up_view(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor | None:
-    """The [2F, D] interleaved gate/up weight as a view, when the two [F, D] weights are the halves of one
-    [F, 2, D] buffer (LlamaMLP.tie_gate_up); else None. None under torch.compile too, where storages and
-    offsets cannot be compared: the traced graph copies the weights, as for untied ones."""
-    if torch.compiler.is_compiling():
-        return None
-    f, d = w_gate.shape
-    tied = (w_up.shape == w_gate.shape and w_gate.stride() == w_up.stride() == (2 * d, 1)
-            and w_up.storage_offset() == w_gate.storage_offset() + d
+def _tied(w_gate: torch.Tensor, w_up: torch.Tensor) -> bool:
+    """Are the two [F, D] weights the halves of one interleaved [F, 2, D] buffer (LlamaMLP.tie_gate_up)?
+    Never under torch.compile, where storages cannot be compared."""
+    d = w_gate.shape[-1]
+    return (not torch.compiler.is_compiling() and w_up.shape == w_gate.shape
+            and w_gate.stride() == w_up.stride() == (2 * d, 1) and w_up.storage_offset() == w_gate.storage_offset() + d
             and w_up.untyped_storage().data_ptr() == w_gate.untyped_storage().data_ptr())
-    return w_gate.detach().as_strided((2 * f, d), (d, 1)) if tied else None
+
+
+def gate_up_weight(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """The [2F, D] interleaved gate/up weight: a view of tied weights, else a copy (interleave_gate_up)."""
+    if _tied(w_gate, w_up):
+        return w_gate.detach().as_strided((2 * w_gate.shape[0], w_gate.shape[1]), (w_gate.shape[1], 1))
+    return interleave_gate_up(w_gate, w_up)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -192,22 +192,22 @@ def test_gate_up_weights_are_halves_of_one_buffer():
     ours = cdnn.LlamaDecoderLayer.from_hf(hf, backend="reference")
     mlp = ours.mlp
     g, u = mlp.gate_proj.weight, mlp.up_proj.weight
-    assert cdnn.gate_up_view(g, u) is None and g.is_contiguous()  # untied by default (FSDP2 wants contiguous)
+    assert cdnn.gate_up_weight(g, u).data_ptr() != g.data_ptr() and g.is_contiguous()  # untied by default
     assert mlp.tie_gate_up() is mlp and mlp.gate_proj.weight is g
-    view = cdnn.gate_up_view(g, u)
-    assert view is not None and view.data_ptr() == g.data_ptr()
+    view = cdnn.gate_up_weight(g, u)
+    assert view.data_ptr() == g.data_ptr()  # no copy
     assert torch.equal(view, interleave_gate_up(g, u)) and torch.equal(g, hf.mlp.gate_proj.weight)
     ours.to(torch.float16).to(torch.float32)  # a cast and back: each makes the halves contiguous apart
-    assert mlp.gate_proj.weight is g and g.dtype == torch.float32 and cdnn.gate_up_view(g, u) is not None
+    assert mlp.gate_proj.weight is g and g.dtype == torch.float32 and cdnn.gate_up_weight(g, u).data_ptr() == g.data_ptr()
 
     untied = cdnn.LlamaDecoderLayer.from_hf(hf, backend="reference").to(torch.float16).to(torch.float32)
-    assert cdnn.gate_up_view(untied.mlp.gate_proj.weight, untied.mlp.up_proj.weight) is None
+    assert untied.mlp.gate_proj.weight.is_contiguous()
     x = torch.randn(2, 5, config.hidden_size)
     for layer in (ours, untied):
         opt = torch.optim.SGD(layer.parameters(), lr=0.1)
         layer(x).square().sum().backward()
         opt.step()
-    assert cdnn.gate_up_view(g, u) is not None  # the step updated the parameters in place, tied
+    assert cdnn.gate_up_weight(g, u).data_ptr() == g.data_ptr()  # the step updated them in place, tied
     for (name, a), b in zip(ours.named_parameters(), untied.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)
     torch.testing.assert_close(ours(x), untied(x), rtol=1e-5, atol=1e-5)

@@ -26,15 +26,20 @@ def swiglu_keep_preactivation(acc):
     return {"D": cd.silu(g) * u, "pre": acc}
 
 
+def swiglu_grad(dy, g, u):
+    """(d g, d u, silu(g)) of y = silu(g) * u for an incoming dy: DSL values, for backward epilogues."""
+    sig = cd.sigmoid(g)
+    silu = g * sig
+    return dy * u * sig * (1.0 + g * (1.0 - sig)), dy * silu, silu
+
+
 @cd.epilogue
 def swiglu_backward(acc, pre: cd.Tensor):
     """acc = dY (= dOut @ W_down, N/2 wide); pre = saved pre-activation (N wide, interleaved).
     D = d(pre-activation), interleaved like pre; "y" recomputes the activation for the weight gradient."""
     g, u = cd.pairs(pre)
-    sig = cd.sigmoid(g)
-    silu = g * sig
-    dg = acc * u * sig * (1.0 + g * (1.0 - sig))
-    return {"D": cd.interleave(dg, acc * silu), "y": silu * u}
+    dg, du, silu = swiglu_grad(acc, g, u)
+    return {"D": cd.interleave(dg, du), "y": silu * u}
 
 
 def interleave_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:

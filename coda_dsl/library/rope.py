@@ -3,7 +3,7 @@
 Column pairs (2j, 2j+1) rotate by an angle: (x0 cos - x1 sin, x0 sin + x1 cos), the interleaved
 (GPT-J) convention. Columns that must not rotate (V in a fused QKV) get cos 1, sin 0 (tables) or an
 inverse frequency of 0 (positions). For the half-split (Llama/NeoX) convention, permute each
-head's weight rows with `neox_to_interleaved_rows` for Q and K alike: attention scores are
+head's weight rows with `neox_to_interleaved` (or the indices `neox_to_interleaved_rows`) for Q and K alike: attention scores are
 q·k sums over a head's dimensions, which a common permutation leaves unchanged.
 """
 from __future__ import annotations
@@ -32,12 +32,16 @@ def rope_positions(acc, pos: cd.VecM, inv_freq: cd.VecN):
     return rotate(acc, cd.cos(angle), cd.sin(angle))
 
 
+def neox_to_interleaved(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """w's rows (heads of head_dim) in the order that turns half-split (i, i + d/2) rotation pairs into
+    adjacent ones, as a [heads, d/2, 2, ...] view (no copy): W_q and W_k so permuted, with rope_*, give
+    the NeoX/Llama rotation (up to the same permutation of q and k)."""
+    return w.unflatten(0, (-1, 2, head_dim // 2)).transpose(1, 2)
+
+
 def neox_to_interleaved_rows(n_heads: int, head_dim: int) -> torch.Tensor:
-    """Row order that turns half-split (i, i + d/2) rotation pairs into adjacent ones, per head:
-    W_q[perm] with rope_* gives the NeoX/Llama rotation (up to the same permutation of q and k)."""
-    half = head_dim // 2
-    within = torch.stack((torch.arange(half), torch.arange(half) + half), dim=1).reshape(-1)
-    return (torch.arange(n_heads)[:, None] * head_dim + within[None, :]).reshape(-1)
+    """The row order of neox_to_interleaved as indices: W_q[perm]."""
+    return neox_to_interleaved(torch.arange(n_heads * head_dim), head_dim).reshape(-1)
 
 
 def rope_frequencies(n_cols: int, head_dim: int, base: float = 10000.0, rotate_cols: int | None = None):

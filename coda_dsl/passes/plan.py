@@ -356,6 +356,11 @@ class Plan:
         return any(isinstance(n, SrcFetch) for n in self.nodes)
 
     @property
+    def wide(self) -> list[str]:
+        """[M, 2N] operands, which the kernel reads as 32-bit words (TMA: 16-byte aligned rows)."""
+        return [self.inputs[n.input_index] for n in self.nodes if isinstance(n, WideLoad)]
+
+    @property
     def canonical(self) -> str:
         """Canonical text of everything that shapes the generated code (never user-facing names)."""
         s = self.signature

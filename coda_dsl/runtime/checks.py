@@ -59,6 +59,11 @@ def output(where: str, name: str, t: torch.Tensor) -> None:
                    f"pass {name}.detach() (same memory), or a tensor without requires_grad")
 
 
+def tma_rows(t: torch.Tensor) -> bool:
+    """Can TMA address t's rows (16-byte aligned base and strides)? tma_layout says why not."""
+    return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+
+
 def tma_layout(where: str, name: str, t: torch.Tensor) -> None:
     """TMA needs the last dim contiguous, 16-byte aligned base and strides (bf16: multiples of 8)."""
     es = t.element_size()

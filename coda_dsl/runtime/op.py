@@ -17,7 +17,7 @@ from ..ir import graph as ir
 from ..ir.ops import DTYPES, REDUCTIONS
 from ..passes import accumulate_into_d, specialize
 from ..passes.widths import infer as infer_widths, load_widths
-from ..passes.plan import Config, Signature, WideLoad
+from ..passes.plan import Config, Signature
 from . import checks, reference, tune as tuning
 from .kernel import Kernel
 from .torch_op import register_eager, traced_gemm
@@ -242,7 +242,7 @@ class CompiledOp:
         self._kinds = _facts(epilogue).kinds
         self._checked: dict[tuple, bool] = {}  # call layouts that passed the checks
         self._widened = frozenset(plan.widened)
-        self._wide = frozenset(plan.inputs[n.input_index] for n in plan.nodes if isinstance(n, WideLoad))
+        self._wide = frozenset(plan.wide)
 
     @classmethod
     def create(cls, epilogue: Epilogue, sig: Signature, consts: dict[str, float]) -> "CompiledOp":
@@ -300,7 +300,7 @@ class CompiledOp:
             else:
                 _check_alias(self._where, name, t, call)
             outs[name] = written[name] = t
-            if kind == "mw" and not _tma_rows(t):
+            if kind == "mw" and not checks.tma_rows(t):
                 written[name] = _padded_like(t)
                 staged.append((t, written[name]))
         if self._op is None:
@@ -346,11 +346,6 @@ class CompiledOp:
         return f"<CompiledOp {self.epilogue.name} key={self.key} op=coda_dsl::{self.op_name}>"
 
 
-def _tma_rows(t: torch.Tensor) -> bool:
-    """Can TMA address t's rows (16-byte aligned base and strides)?"""
-    return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
-
-
 def _padded_like(t: torch.Tensor) -> torch.Tensor:
     """Uninitialized, t's shape and dtype, rows padded to whole 16-byte groups (a view without the padding)."""
     per16, cols = 16 // t.element_size(), t.shape[-1]
@@ -362,7 +357,7 @@ def _input(t: torch.Tensor, widened: bool, wide: bool) -> torch.Tensor:
     (moved by TMA as 32-bit words) copied to 16-byte aligned rows where its own are not."""
     if widened:
         return t.repeat_interleave(2, dim=-1)
-    if wide and not _tma_rows(t):
+    if wide and not checks.tma_rows(t):
         return _padded_like(t).copy_(t)
     return t
 
