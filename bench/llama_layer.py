@@ -17,6 +17,10 @@ Variants (tokens = batch x seq; batch = tokens / seq):
   forward (and backward), each part timed alone and summed.
 --profile N: after the timing, one fwd+bwd of each variant under torch.profiler, its N costliest GPU
 kernels (total time, calls) on stderr: where each variant's time goes.
+Each call is timed twice, in separate round-robins: as a lone call (the GPU may wait on the host's
+launches at the call's start) and queued (behind a GPU spin long enough for the host to launch the whole
+call first: the GPU's time alone, as for a layer inside a model, whose earlier work keeps the GPU busy
+while the host launches); the queued round-robin also gives each call's host time.
 "fwd" runs under torch.no_grad (inference forward); "fwd+bwd" is torch.autograd.grad of the output
 with respect to the input and every parameter (no accumulation into .grad). Peak MiB: for one
 fwd+bwd, max_memory_allocated minus what was allocated before the call (parameters, inputs): the
@@ -112,19 +116,45 @@ def is_forward(part: str) -> bool:
 
 # ---------------------------------------------------------------- timing (the CPU tests replace these two)
 
-def time_round_robin(fns: dict[str, Callable], iters: int) -> dict[str, float]:
-    """Median ms of each fn, by CUDA events, iterating round-robin over fns (clock drift hits all alike).
-    No host synchronization until every call is queued."""
-    events = {name: [] for name in fns}
+def time_round_robin(fns: dict[str, Callable], iters: int, queued: bool = False) -> dict[str, tuple[float, float]]:
+    """name -> (median ms by CUDA events, median host ms per call), iterating round-robin over fns (clock
+    drift hits all alike). Lone calls: no host synchronization until every call is queued. queued: each
+    call behind a GPU spin of SPIN_MS, the host synchronized after it (so the launch queue never fills)."""
+    events, host = {name: [] for name in fns}, {name: [] for name in fns}
+    spin = spin_cycles(SPIN_MS) if queued else 0
     for _ in range(iters):
         for name, fn in fns.items():
+            if spin:
+                torch.cuda._sleep(spin)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            t = time.perf_counter()
             fn()
+            host[name].append(1e3 * (time.perf_counter() - t))
             end.record()
             events[name].append((start, end))
+            if spin:
+                torch.cuda.synchronize()
     torch.cuda.synchronize()
-    return {name: statistics.median(s.elapsed_time(e) for s, e in ev) for name, ev in events.items()}
+    out = {name: (statistics.median(s.elapsed_time(e) for s, e in ev), statistics.median(host[name]))
+           for name, ev in events.items()}
+    slow = [name for name, (_, h) in out.items() if queued and h > 0.8 * SPIN_MS]
+    if slow:
+        progress(f"warning: host time near the {SPIN_MS} ms spin for {slow}: their queued times include launch gaps")
+    return out
+
+
+SPIN_MS = 25.0  # GPU spin before a queued call: well above any variant's host time per call
+
+
+def spin_cycles(ms: float) -> int:
+    """torch.cuda._sleep's cycle count that keeps the GPU busy about `ms` (measured, clocks vary)."""
+    start, end, probe = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), 10**7
+    start.record()
+    torch.cuda._sleep(probe)
+    end.record()
+    end.synchronize()
+    return int(probe * ms / start.elapsed_time(end))
 
 
 def peak_mib(fn: Callable) -> float:
@@ -219,6 +249,9 @@ class LayerRow:
     fwd_bwd_ms: float
     peak_mib: float | None  # one fwd+bwd; None for the floor (no layer)
     extra: dict = field(default_factory=dict)
+    queued_fwd_ms: float | None = None  # the GPU's time alone (time_round_robin(queued=True))
+    queued_fwd_bwd_ms: float | None = None
+    host_fwd_bwd_ms: float | None = None  # host time to launch one fwd+bwd; None for the floor
     bench: str = "llama_layer"
 
 
@@ -261,14 +294,18 @@ def run_tokens(config, tokens: int, seq: int, iters: int, device="cuda", backend
     progress(f"llama_layer {tokens} tokens: timing {len(timed)} variant calls and {len(parts)} floor parts, "
              f"{iters} rounds")
     fns = {**{f"{n} {s}": fn for (n, s), fn in timed.items()}, **{f"floor {p}": fn for p, fn in parts.items()}}
-    ms = time_round_robin(fns, iters)
-    part_ms = {p: ms[f"floor {p}"] for p in parts}
-    fwd_floor = sum(t for p, t in part_ms.items() if is_forward(p))
-    rows = [LayerRow(tokens, FLOOR, fwd_floor, sum(part_ms.values()), None, {"parts_ms": part_ms})]
+    ms, queued = time_round_robin(fns, iters), time_round_robin(fns, iters, queued=True)
+    part_ms = {p: ms[f"floor {p}"][0] for p in parts}
+    part_queued = {p: queued[f"floor {p}"][0] for p in parts}
+    fwd = lambda t: sum(v for p, v in t.items() if is_forward(p))  # noqa: E731
+    rows = [LayerRow(tokens, FLOOR, fwd(part_ms), sum(part_ms.values()), None,
+                     {"parts_ms": part_ms, "queued_parts_ms": part_queued}, fwd(part_queued),
+                     sum(part_queued.values()))]
     for name in calls:
         if (name, "fwd") in timed:
-            rows.append(LayerRow(tokens, name, ms[f"{name} fwd"], ms[f"{name} fwd+bwd"],
-                                 peak_mib(timed[(name, "fwd+bwd")]), extra.get(name, {})))
+            f, fb = f"{name} fwd", f"{name} fwd+bwd"
+            rows.append(LayerRow(tokens, name, ms[f][0], ms[fb][0], peak_mib(timed[(name, "fwd+bwd")]),
+                                 extra.get(name, {}), queued[f][0], queued[fb][0], queued[fb][1]))
     for name in calls if profile else ():
         if (name, "fwd+bwd") in timed:
             progress(f"llama_layer {tokens} tokens: {name} fwd+bwd, GPU kernels by total time:\n"
@@ -278,19 +315,22 @@ def run_tokens(config, tokens: int, seq: int, iters: int, device="cuda", backend
 
 # ---------------------------------------------------------------- report
 
-def table(rows: list[LayerRow]) -> str:
-    """Per token count: each variant's times, its ratio to the floor, coda_dsl's speedup over it, peak MiB."""
+def table(rows: list[LayerRow], queued: bool = False) -> str:
+    """Per token count: each variant's times (lone calls, or queued), its ratio to the floor, coda_dsl's
+    speedup over it, and peak MiB (lone) or host ms per fwd+bwd (queued)."""
+    times = (lambda r: (r.queued_fwd_ms, r.queued_fwd_bwd_ms)) if queued else (lambda r: (r.fwd_ms, r.fwd_bwd_ms))
     out = []
     for r in rows:
-        floor = next(f for f in rows if f.tokens == r.tokens and f.variant == FLOOR)
-        coda = next((c for c in rows if c.tokens == r.tokens and c.variant == CODA), None)
+        (f, fb), last = times(r), r.host_fwd_bwd_ms if queued else r.peak_mib
+        floor = times(next(x for x in rows if x.tokens == r.tokens and x.variant == FLOOR))
+        coda = next((times(c) for c in rows if c.tokens == r.tokens and c.variant == CODA), None)
         speed = ["–", "–"] if coda is None or r.variant in (CODA, FLOOR) else \
-            [f"{r.fwd_ms / coda.fwd_ms:.2f}×", f"{r.fwd_bwd_ms / coda.fwd_bwd_ms:.2f}×"]
-        out.append([r.tokens, r.variant, f"{r.fwd_ms:.2f}", f"{r.fwd_bwd_ms:.2f}", f"{r.fwd_ms / floor.fwd_ms:.3f}",
-                    f"{r.fwd_bwd_ms / floor.fwd_bwd_ms:.3f}", *speed,
-                    "–" if r.peak_mib is None else f"{r.peak_mib:.0f}"])
+            [f"{f / coda[0]:.2f}×", f"{fb / coda[1]:.2f}×"]
+        out.append([r.tokens, r.variant, f"{f:.2f}", f"{fb:.2f}", f"{f / floor[0]:.3f}", f"{fb / floor[1]:.3f}",
+                    *speed, "–" if last is None else f"{last:.2f}" if queued else f"{last:.0f}"])
     return markdown(["tokens", "variant", "fwd (ms)", "fwd+bwd (ms)", "fwd × floor", "fwd+bwd × floor",
-                     "coda_dsl speedup fwd", "coda_dsl speedup fwd+bwd", "peak fwd+bwd (MiB)"], out, numeric=7)
+                     "coda_dsl speedup fwd", "coda_dsl speedup fwd+bwd",
+                     "host ms per fwd+bwd" if queued else "peak fwd+bwd (MiB)"], out, numeric=7)
 
 
 def parts_table(config, seq: int, rows: list[LayerRow]) -> str:
@@ -309,7 +349,11 @@ def report(config_name: str, config, seq: int, rows: list[LayerRow], failed: lis
         print(f"Llama decoder layer ({config_name}: hidden {config.hidden_size}, {config.num_attention_heads} heads, "
               f"{config.num_key_value_heads} KV heads, head_dim {config.head_dim}, intermediate "
               f"{config.intermediate_size}), bf16, seq {seq}; medians; speedup = variant time / coda_dsl time:\n")
+        print("Lone calls (the GPU may wait on the host's launches at a call's start):\n")
         print(table(rows) + "\n")
+        print("Queued calls (the host launches the whole call first: the GPU's time alone, as for a layer "
+              "inside a model):\n")
+        print(table(rows, queued=True) + "\n")
         print("The floor's parts:\n")
         print(parts_table(config, seq, rows) + "\n")
     for f in failed:

@@ -109,25 +109,27 @@ def _rstd_grad(dh, drstd, h, rstd, inv_n: float):
     return dh
 
 
-def rms_rope_backward(dy, y, rstd, pos, head_freq, rotated: int):
-    """y = rope(rstd * acc) -> (d acc in dy's dtype, d rstd). The first `rotated` columns are heads of
-    2 len(head_freq) columns whose pairs rotate by pos * head_freq; the others pass through. cos/sin
-    are taken once per row and frequency, here, eagerly ([M, d/2]: compiled, they would be recomputed
-    for every column of every head), then _rope_backward rotates back."""
+def rms_rope_backward(dq, dk, dv, y, rstd, pos, head_freq):
+    """y = (q, k, v) = rope(rstd * acc) -> (d acc in y's dtype, d rstd). q and k are heads of
+    2 len(head_freq) columns whose pairs rotate by pos * head_freq; v passes through. cos/sin are taken
+    once per row and frequency, here, eagerly ([M, d/2]: compiled, they would be recomputed for every
+    column of every head), then _rope_backward rotates back."""
     angle = pos[:, None] * head_freq[None, :]
-    return _rope_backward(dy, y, rstd, angle.cos(), angle.sin(), rotated)
+    return _rope_backward(dq, dk, dv, y, rstd, angle.cos(), angle.sin())
 
 
 @on_cuda
-def _rope_backward(dy, y, rstd, cos, sin, rotated: int):
-    """The rotation is orthogonal, so d rstd = sum_n dy * y / rstd."""
-    d = dy.float()
+def _rope_backward(dq, dk, dv, y, rstd, cos, sin):
+    """The rotation is orthogonal, so d rstd = sum_n dy * y / rstd. Reads SDPA's three gradients as they
+    are (joined inside the one fused kernel, not by a copy first)."""
+    rotated = dq.shape[1] + dk.shape[1]
+    d = torch.cat((dq, dk, dv), dim=1).float()
     pairs = d[:, :rotated].unflatten(-1, (-1, cos.shape[-1], 2))
     d0, d1 = pairs[..., 0], pairs[..., 1]
     cos, sin = cos[:, None], sin[:, None]  # the same for every head
     back = torch.stack((d0 * cos + d1 * sin, d1 * cos - d0 * sin), dim=-1).flatten(1)  # rotate back
     dacc = torch.cat((back, d[:, rotated:]), dim=1) * rstd[:, None]
-    return dacc.to(dy.dtype), (d * y.float()).sum(-1) / rstd
+    return dacc.to(y.dtype), (d * y.float()).sum(-1) / rstd
 
 
 @on_cuda
@@ -148,48 +150,24 @@ def residual_rms_backward(dout, drstd, out, rstd, inv_n: float):
 # ---------------------------------------------------------------- one autograd.Function per fused GEMM
 
 class _RmsRopeLinear(torch.autograd.Function):
-    """rms_rope's GEMM; inv_freq per column pair (qkv_inv_freq: the first `rotated` columns are heads of
-    head_dim columns, each with the same head_dim / 2 frequencies)."""
+    """rms_rope's GEMM, its output split into q, k, v ([M, n] views, so their gradients come back as SDPA
+    gives them); inv_freq per column pair (qkv_inv_freq: q and k are heads of head_dim columns, each with
+    the same head_dim / 2 frequencies)."""
 
     @staticmethod
-    def forward(ctx, xg, rstd, w, pos, inv_freq, head_dim, rotated, backend):
+    def forward(ctx, xg, rstd, w, pos, inv_freq, head_dim, widths, backend):
         y = cd.gemm(xg, w, rms_rope, rstd=rstd, pos=pos, inv_freq=inv_freq, backend=backend)["D"]
         ctx.save_for_backward(xg, rstd, w, pos, inv_freq, y)
-        ctx.head_dim, ctx.rotated = head_dim, rotated
-        return y
+        ctx.head_dim = head_dim
+        return y.split(widths, dim=1)
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dq, dk, dv):
         xg, rstd, w, pos, inv_freq, y = ctx.saved_tensors
         head_freq = inv_freq[: ctx.head_dim // 2]  # the first head's, the same for every rotated head
-        dacc, drstd = rms_rope_backward(dy, y, rstd, pos, head_freq, ctx.rotated)
+        dacc, drstd = rms_rope_backward(dq, dk, dv, y, rstd, pos, head_freq)
         dxg, dw = _linear_grads(ctx, dacc, xg, w, 0, 2)
         return dxg, drstd if ctx.needs_input_grad[1] else None, dw, None, None, None, None, None
-
-
-class _ColumnScale(torch.autograd.Function):
-    """x * gamma, gamma [D] per column (the input norm's gain), fused forward and backward on CUDA."""
-
-    @staticmethod
-    def forward(ctx, x, gamma):
-        ctx.save_for_backward(x, gamma)
-        return _scale(x, gamma)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, gamma = ctx.saved_tensors
-        return _scale_backward(dy, x, gamma, ctx.needs_input_grad[1])
-
-
-@on_cuda
-def _scale(x, gamma):
-    return x * gamma
-
-
-@on_cuda
-def _scale_backward(dy, x, gamma, want_gamma: bool):
-    dgamma = (dy.float() * x.float()).sum(0).to(gamma.dtype) if want_gamma else None
-    return dy * gamma, dgamma
 
 
 class _RmsProducerLinear(torch.autograd.Function):
@@ -234,8 +212,8 @@ class _Mlp(torch.autograd.Function):
         if any(need[:4]):
             g = cd.gemm(dacc, w_down.t(), rms_swiglu_grad, pre=pre, rstd=rstd, backend=ctx.backend)
             dgate, dup = g["dgate"], g["dup"]  # d(hg @ W_gate^T), d(hg @ W_up^T): [M, F]
-            if need[0]:  # summed by addmm, as autograd sums the input gradients of two linears
-                dhg = torch.addmm(_mm(dgate, w_gate, hg.dtype), dup.to(hg.dtype), w_up.to(hg.dtype))
+            if need[0]:  # summed in place by addmm_, as autograd sums the input gradients of two linears
+                dhg = _mm(dgate, w_gate, hg.dtype).addmm_(dup.to(hg.dtype), w_up.to(hg.dtype))
             drstd = g["dpre_pre"] / rstd if need[1] else None
             dw_gate = _mm(dgate.t(), hg, w_gate.dtype) if need[2] else None
             dw_up = _mm(dup.t(), hg, w_up.dtype) if need[3] else None
@@ -243,26 +221,27 @@ class _Mlp(torch.autograd.Function):
         return dhg, drstd, dw_gate, dw_up, dw_down, dacc if need[5] else None, None, None
 
 
-def flat_inputs(x: torch.Tensor, position_ids, input_rstd, eps: float):
-    """[B, S, D] hidden states -> (x as [B*S, D], fp32 positions [B*S] (default 0..S-1 per row), the
-    input norm's rstd [B*S]: input_rstd flattened, or computed here)."""
+def flat_inputs(x: torch.Tensor, position_ids, input_rstd):
+    """[B, S, D] hidden states -> (x as [B*S, D], fp32 positions [B*S] (default 0..S-1 per row),
+    input_rstd flattened to [B*S] or None)."""
     b, s, d = x.shape
     if position_ids is None:
         position_ids = torch.arange(s, device=x.device, dtype=torch.float32)[None]  # exact below 2^24
-    xf = x.reshape(b * s, d)
-    rstd = input_rms(xf, eps) if input_rstd is None else input_rstd.reshape(-1)
-    return xf, position_ids.expand(b, s).reshape(-1).float(), rstd
+    rstd = None if input_rstd is None else input_rstd.reshape(-1)
+    return x.reshape(b * s, d), position_ids.expand(b, s).reshape(-1).float(), rstd
 
 
-def input_gain(x: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
-    """x * gamma, the input norm's gain on the activation side (one fused pass each way on CUDA)."""
-    return _ColumnScale.apply(x, gamma)
+@on_cuda
+def input_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float, rstd: torch.Tensor | None = None):
+    """The input norm on the activation side: (x * gamma, rstd), rstd computed here unless given (as the
+    previous layer's epilogue gives it). One fused pass each way on CUDA, the backward's three terms
+    (through the gain, through rstd, gamma's column sum) included."""
+    return x * gamma, input_rms(x, eps) if rstd is None else rstd
 
 
 @on_cuda
 def input_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """rstd = rsqrt(mean(x^2) + eps) per row, in fp32: what `residual_rms` emits for the next layer (one
-    kernel on CUDA, not five: the layer's first step, where the GPU waits on each launch)."""
+    """rstd = rsqrt(mean(x^2) + eps) per row, in fp32: what `residual_rms` emits for the next layer."""
     return torch.rsqrt(x.float().pow(2).mean(-1) + eps)
 
 
@@ -304,19 +283,22 @@ def qkv_inv_freq(inv_freq: torch.Tensor, heads: int, kv_heads: int) -> torch.Ten
     return torch.cat((inv_freq.repeat(heads + kv_heads), torch.zeros(kv_heads * inv_freq.numel())))
 
 
+@on_cuda
 def qkv_weight(wq, wk, wv, head_dim: int) -> torch.Tensor:
     """[Nq + 2 Nkv, D]: q and k rows permuted per head for the interleaved RoPE epilogue
     (neox_to_interleaved), v's as they are, in one copy; differentiable, so gradients land in the three
-    weights (as strided views, no scatter)."""
+    weights. On CUDA one fused copy each way (eagerly, a strided cat, and strided copies back)."""
     v = wv.unflatten(0, (-1, head_dim // 2, 2))
     return torch.cat((neox_to_interleaved(wq, head_dim), neox_to_interleaved(wk, head_dim), v)).flatten(0, 2)
 
 
-def causal_attention(qkv: torch.Tensor, batch: int, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
-    """[M, (heads + 2 kv_heads) head_dim] rotated q, k and v -> causal SDPA (GQA) output [M, heads head_dim]."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, head_dim: int) -> torch.Tensor:
+    """Rotated q [M, heads head_dim], k and v [M, kv_heads head_dim] -> causal SDPA (GQA) output
+    [M, heads head_dim]."""
     split = lambda t: t.unflatten(0, (batch, -1)).unflatten(-1, (-1, head_dim)).transpose(1, 2)  # noqa: E731
-    q, k, v = (split(t) for t in qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1))
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=head_dim ** -0.5, enable_gqa=heads != kv_heads)
+    q, k, v = split(q), split(k), split(v)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=head_dim ** -0.5,
+                                       enable_gqa=q.shape[1] != k.shape[1])
     return o.transpose(1, 2).flatten(-2).flatten(0, 1)
 
 
@@ -345,9 +327,9 @@ class LlamaAttention(nn.Module):
     def forward(self, xg, rstd, pos, batch: int, backend: str):
         """xg = x * gamma1 [M, D], rstd [M] -> attention output before o_proj, [M, Nq]."""
         w = qkv_weight(self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.head_dim)
-        rotated = (self.num_heads + self.num_kv_heads) * self.head_dim
-        qkv = _RmsRopeLinear.apply(xg, rstd, w, pos, self.qkv_inv_freq, self.head_dim, rotated, backend)
-        return causal_attention(qkv, batch, self.num_heads, self.num_kv_heads, self.head_dim)
+        widths = (self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features)
+        q, k, v = _RmsRopeLinear.apply(xg, rstd, w, pos, self.qkv_inv_freq, self.head_dim, widths, backend)
+        return causal_attention(q, k, v, batch, self.head_dim)
 
 
 class LlamaMLP(nn.Module):
@@ -481,9 +463,9 @@ class LlamaDecoderLayer(nn.Module):
         x = hidden_states
         b, s, d = x.shape
         eps = self.input_layernorm.variance_epsilon
-        xf, pos, rstd = flat_inputs(x, position_ids, input_rstd, eps)
+        xf, pos, rstd = flat_inputs(x, position_ids, input_rstd)
         # gamma1 on the activation side: the previous layer's epilogue does not know this layer's gamma
-        xg = input_gain(xf, self.input_layernorm.weight)
+        xg, rstd = input_norm(xf, self.input_layernorm.weight, eps, rstd)
         attn = self.self_attn(xg, rstd, pos, b, self.backend)
         h, hg, rstd2 = _RmsProducerLinear.apply(attn, self.self_attn.o_proj.weight, xf,
                                                 self.post_attention_layernorm.weight,

@@ -37,7 +37,7 @@ from .errors import UnsupportedError
 from .library import interleave_gate_up
 from .library.cross_entropy import (_check_args, ce_backward, combine_vocab_shards, default_chunk_rows,
                                     vocab_shard_stats)
-from .nn import (LlamaDecoderLayer, causal_attention, flat_inputs, input_gain, input_rms, qkv_inv_freq, qkv_weight,
+from .nn import (LlamaDecoderLayer, causal_attention, flat_inputs, input_norm, input_rms, qkv_inv_freq, qkv_weight,
                  rms_rope, rms_swiglu, rope_inv_freq)
 
 
@@ -138,14 +138,14 @@ class TPLlamaDecoderLayer(LlamaDecoderLayer):
         x = hidden_states
         b, s, d = x.shape
         eps = self.input_layernorm.variance_epsilon
-        xf, pos, rstd = flat_inputs(x, position_ids, input_rstd, eps)
-        xg, rstd = _CopyToTP.apply(group, input_gain(xf, _local(self.input_layernorm.weight)), rstd)
+        xf, pos, rstd = flat_inputs(x, position_ids, input_rstd)
+        xg, rstd = _CopyToTP.apply(group, *input_norm(xf, _local(self.input_layernorm.weight), eps, rstd))
         # column-parallel QKV: this rank's whole heads, rstd + RoPE fused in the epilogue
         hd, nh, nkv = attn.head_dim, self._tp_heads, self._tp_kv_heads
         w_qkv = qkv_weight(*(_local(p.weight) for p in (attn.q_proj, attn.k_proj, attn.v_proj)), hd)
         inv_freq = self._tp_inv_freq.to(x.device)
         qkv = cd.linear(xg, w_qkv, rms_rope, rstd=rstd, pos=pos, inv_freq=inv_freq, backend=backend)["D"]
-        o = causal_attention(qkv, b, nh, nkv, hd)
+        o = causal_attention(*qkv.split((nh * hd, nkv * hd, nkv * hd), dim=1), b, hd)
         # row-parallel o_proj: reduce, then the residual add and the post-attention norm's statistics, from
         # the fp32 sum as the fused epilogue (rms_producer) takes them
         h32 = self._row_parallel(o, attn.o_proj.weight, group) + xf.float()

@@ -285,8 +285,10 @@ def test_backward_steps_compile_to_the_same_values():
     m, n = 9, 16
     f32 = lambda *s: torch.randn(*s)  # noqa: E731
     rstd = torch.rand(m) + 0.5
-    cases = [(cdnn._rope_backward, (f32(m, n), f32(m, n), rstd, f32(m, 4), f32(m, 4), 8)),
-             (cdnn._scale_backward, (f32(m, n), f32(m, n), f32(n), True)),
+    cases = [(cdnn._rope_backward, (f32(m, 8), f32(m, 8), f32(m, 4), f32(m, 20), rstd, f32(m, 4), f32(m, 4))),
+             (cdnn.input_norm, (f32(m, n), f32(n), 1e-5, None)),
+             (cdnn.input_norm, (f32(m, n), f32(n), 1e-5, rstd)),
+             (cdnn.qkv_weight, (f32(8, n), f32(4, n), f32(4, n), 4)),
              (cdnn.rms_producer_backward, (None, f32(m, n), f32(m), f32(m, n), rstd, f32(n), 1.0 / n, True)),
              (cdnn.residual_rms_backward, (f32(m, n), f32(m), f32(m, n), rstd, 1.0 / n))]
     for step, args in cases:
