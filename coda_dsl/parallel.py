@@ -145,7 +145,7 @@ class TPLlamaDecoderLayer(LlamaDecoderLayer):
         w_qkv = qkv_weight(*(_local(p.weight) for p in (attn.q_proj, attn.k_proj, attn.v_proj)), hd)
         inv_freq = self._tp_inv_freq.to(x.device)
         qkv = cd.linear(xg, w_qkv, rms_rope, rstd=rstd, pos=pos, inv_freq=inv_freq, backend=backend)["D"]
-        o = causal_attention(*qkv.split((nh * hd, nkv * hd, nkv * hd), dim=1), b, hd)
+        o = causal_attention(qkv, b, nh, nkv, hd)
         # row-parallel o_proj: reduce, then the residual add and the post-attention norm's statistics, from
         # the fp32 sum as the fused epilogue (rms_producer) takes them
         h32 = self._row_parallel(o, attn.o_proj.weight, group) + xf.float()

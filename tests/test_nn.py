@@ -285,7 +285,7 @@ def test_backward_steps_compile_to_the_same_values():
     m, n = 9, 16
     f32 = lambda *s: torch.randn(*s)  # noqa: E731
     rstd = torch.rand(m) + 0.5
-    cases = [(cdnn._rope_backward, (f32(m, 8), f32(m, 8), f32(m, 4), f32(m, 20), rstd, f32(m, 4), f32(m, 4))),
+    cases = [(cdnn._rope_backward, (f32(m, n), f32(m, n), rstd, f32(m, 4), f32(m, 4), 8)),
              (cdnn.input_norm, (f32(m, n), f32(n), 1e-5, None)),
              (cdnn.input_norm, (f32(m, n), f32(n), 1e-5, rstd)),
              (cdnn.qkv_weight, (f32(8, n), f32(4, n), f32(4, n), 4)),
