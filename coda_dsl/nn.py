@@ -12,8 +12,8 @@ shapes, so `load_state_dict(hf_layer.state_dict())` works both ways). Per layer,
 Design decisions:
 
 - **Gamma on the activation side, nothing folded.** RMSNorm's gamma multiplies the GEMM's input
-  (`h * gamma2` is an output of the o-proj epilogue; `x * gamma1` is one elementwise op at the layer's
-  entrance, since the previous layer does not know this layer's gamma), and rstd scales the
+  (`h * gamma2` is an output of the o-proj epilogue; `x * gamma1` is one fused step at the layer's
+  entrance, `input_norm`, since the previous layer does not know this layer's gamma), and rstd scales the
   accumulator per row. Folding gamma into the weights (W * gamma) would cost a pass over every weight
   per forward, or a re-fold after each optimizer step; this way training updates HF's own parameters.
 - **Fused weights derived per forward.** W_qkv (q/k rows permuted per head by
