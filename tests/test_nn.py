@@ -133,6 +133,27 @@ def test_frozen_inputs_get_no_gradient_work(monkeypatch):
     assert len(calls) == 1 and not fused and ours.mlp.down_proj.weight.grad is not None
 
 
+def test_mlp_backward_frees_its_activations_once(monkeypatch):
+    """The MLP's backward frees y and the pre-activation as soon as it has used them (they dominate its
+    peak memory); a second backward through the same forward then says so instead of reading freed memory."""
+    config = llama_config()
+    ours = cdnn.LlamaDecoderLayer.from_hf(random_hf_layer(config), backend="reference")
+    saved, real_gemm = [], cdnn.cd.gemm
+
+    def gemm(a, b, ep, **k):
+        out = real_gemm(a, b, ep, **k)
+        if ep is cdnn.rms_swiglu:
+            saved.extend((out["D"], out["pre"]))
+        return out
+    monkeypatch.setattr(cdnn.cd, "gemm", gemm)
+    y = ours(torch.randn(2, 7, config.hidden_size, requires_grad=True))
+    assert all(t.untyped_storage().nbytes() > 0 for t in saved)
+    y.sum().backward(retain_graph=True)
+    assert all(t.untyped_storage().nbytes() == 0 for t in saved)
+    with pytest.raises(RuntimeError, match="LlamaMLP: backward ran twice through the same forward"):
+        y.sum().backward()
+
+
 def test_stack_trains_like_hf():
     """Two layers, 20 SGD steps on a regression target: the same losses as two HF layers. The second layer
     takes the first's rstd from its down-projection epilogue (input_rstd)."""
