@@ -3,7 +3,7 @@ against Hugging Face's LlamaDecoderLayer (eager and torch.compile, the same weig
 that fusion can reach, in one process, round-robin, CUDA events, median.
 
     python -m bench.llama_layer [--config 8b] [--tokens 8192,16384] [--seq 2048] [--iters 20] [--json PATH]
-                                [--profile N]
+                                [--profile N [--timeline]]
 
 Variants (tokens = batch x seq; batch = tokens / seq):
 - coda_dsl: LlamaDecoderLayer.from_hf(hf_layer, backend="cutlass"), with mlp.tie_gate_up() (the gate and
@@ -16,7 +16,8 @@ Variants (tokens = batch x seq; batch = tokens / seq):
   layouts: forward x @ W^T for QKV, O, gate/up, down; backward dY @ W and dY^T @ x for each) plus SDPA
   forward (and backward), each part timed alone and summed.
 --profile N: after the timing, one fwd+bwd of each variant under torch.profiler, its N costliest GPU
-kernels (total time, calls) on stderr: where each variant's time goes.
+kernels (total time, calls) on stderr: where each variant's time goes. --timeline: also every kernel of
+one queued fwd+bwd in launch order (start, duration), to compare the variants step by step.
 Each call is timed twice, in separate round-robins: as a lone call (the GPU may wait on the host's
 launches at the call's start) and queued (behind a GPU spin long enough for the host to launch the whole
 call first: the GPU's time alone, as for a layer inside a model, whose earlier work keeps the GPU busy
@@ -168,20 +169,40 @@ def peak_mib(fn: Callable) -> float:
     return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
-def profile_kernels(fn: Callable, top: int) -> str:
+def profile_kernels(fn: Callable, top: int, timeline: bool = False) -> str:
     """One fn() under torch.profiler: its `top` costliest GPU kernels, a line each, the GPU total, and
     how long the GPU sat idle between the first kernel and the last (host-bound gaps), with the
-    kernels that waited longest."""
+    kernels that waited longest. timeline: then every kernel of a second fn(), queued behind a GPU spin
+    (no host gaps), in order: its start (ms from the first) and duration."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
+    lines = _costliest(prof, top)
+    if timeline:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            torch.cuda._sleep(spin_cycles(SPIN_MS))
+            fn()
+            torch.cuda.synchronize()
+        spans = _kernel_spans(prof)[1:]  # the spin first
+        lines.append(f"every kernel of one queued call ({len(spans)}; start and duration in ms):")
+        lines += [f"{(s - spans[0][0]) / 1e3:8.3f} {(e - s) / 1e3:7.3f}  {name[:150]}" for s, e, name in spans]
+    return "\n".join(lines)
+
+
+def _kernel_spans(prof) -> list[tuple[float, float, str]]:
+    """(start, end in µs, name) of each GPU kernel, memset and copy a profile saw, in order."""
+    return sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+
+
+def _costliest(prof, top: int) -> list[str]:
+    """profile_kernels' summary lines: the costliest kernels, the GPU total and its idle gaps."""
     kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
     kernels.sort(key=lambda e: -e.device_time_total)
     total = sum(e.device_time_total for e in kernels) / 1e3
     lines = [f"{e.device_time_total / 1e3:8.3f} ms {e.count:4d}x  {e.key[:150]}" for e in kernels[:top]]
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    spans = _kernel_spans(prof)
     waits, reach = [], spans[0][1] if spans else 0
     for start, end, name in spans[1:]:
         if start > reach:
@@ -191,7 +212,7 @@ def profile_kernels(fn: Callable, top: int) -> str:
     lines.append(f"{total:8.3f} ms total GPU time; GPU idle {sum(w for w, _ in waits) / 1e3:.3f} ms "
                  f"between the first and the last kernel, in {len(waits)} gaps; the longest before:")
     lines += [f"{w / 1e3:8.3f} ms  {name[:150]}" for w, name in waits[:max(3, top // 2)]]
-    return "\n".join(lines)
+    return lines
 
 
 def synchronize(device) -> None:
@@ -255,8 +276,8 @@ class LayerRow:
     bench: str = "llama_layer"
 
 
-def run_tokens(config, tokens: int, seq: int, iters: int, device="cuda", backend="cutlass",
-               compile_fn=None, profile: int = 0) -> tuple[list[LayerRow], dict[str, float], list[str]]:
+def run_tokens(config, tokens: int, seq: int, iters: int, device="cuda", backend="cutlass", compile_fn=None,
+               profile: int = 0, timeline: bool = False) -> tuple[list[LayerRow], dict[str, float], list[str]]:
     """One token count: (variant rows with the floor first, floor part -> ms, failures)."""
     batch = tokens // seq
     calls = variant_calls(config, batch, seq, device, backend, compile_fn)
@@ -309,7 +330,7 @@ def run_tokens(config, tokens: int, seq: int, iters: int, device="cuda", backend
     for name in calls if profile else ():
         if (name, "fwd+bwd") in timed:
             progress(f"llama_layer {tokens} tokens: {name} fwd+bwd, GPU kernels by total time:\n"
-                     + profile_kernels(timed[(name, "fwd+bwd")], profile))
+                     + profile_kernels(timed[(name, "fwd+bwd")], profile, timeline))
     return rows, part_ms, failed
 
 
@@ -385,7 +406,11 @@ def parse(argv=None):
     p.add_argument("--json", metavar="PATH", help="also write the results' JSON here")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="print each variant's N costliest GPU kernels of one fwd+bwd (stderr)")
+    p.add_argument("--timeline", action="store_true",
+                   help="with --profile: also every kernel of one queued fwd+bwd, in order (stderr)")
     args = p.parse_args(argv)
+    if args.timeline and not args.profile:
+        p.error("--timeline lists the kernels of the --profile run: give --profile N too")
     bad = [t for t in args.tokens if t % args.seq]
     if args.seq <= 0 or bad:
         p.error(f"--tokens must be multiples of --seq {args.seq} (batch = tokens / seq); not: {bad}")
@@ -399,7 +424,8 @@ def main(argv=None, device="cuda", backend="cutlass", compile_fn=None) -> int:
     config = llama_config(args.config)
     rows, failed = [], []
     for tokens in args.tokens:
-        r, _, f = run_tokens(config, tokens, args.seq, args.iters, device, backend, compile_fn, args.profile)
+        r, _, f = run_tokens(config, tokens, args.seq, args.iters, device, backend, compile_fn, args.profile,
+                             args.timeline)
         rows, failed = rows + r, failed + f
         if device == "cuda":
             torch.cuda.empty_cache()

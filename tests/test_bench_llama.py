@@ -65,7 +65,9 @@ def test_layer_arguments(capsys):
     args = ll.parse([])
     assert (args.config, args.tokens, args.seq, args.iters, args.json) == ("8b", [8192, 16384], 2048, 20, None)
     assert ll.parse(["--tokens", "4096", "--seq", "1024", "--config", "1b"]).tokens == [4096]
-    for bad in (["--tokens", "3000"], ["--tokens", "8192,x"], ["--config", "70b"], ["--token", "8192"]):
+    assert ll.parse(["--profile", "5", "--timeline"]).timeline
+    for bad in (["--tokens", "3000"], ["--tokens", "8192,x"], ["--config", "70b"], ["--token", "8192"],
+                ["--timeline"]):
         with pytest.raises(SystemExit) as e:
             ll.parse(bad)
         assert e.value.code == 2, bad
