@@ -13,11 +13,12 @@ import pytest
 import torch
 
 import coda_dsl as cd
+from coda_dsl.runtime import op as runtime_op
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ lives at the repository root
 
 from bench import __main__ as bench_main  # noqa: E402
-from bench import cross_entropy, epilogues, harness, host_overhead, linear_backward, mlp_backward  # noqa: E402
+from bench import cross_entropy, epilogues, harness, host_overhead, linear_backward, mlp  # noqa: E402
 from bench.harness import FLOOR, Row  # noqa: E402
 from build_helpers import FAKE_TC  # noqa: E402
 
@@ -140,7 +141,7 @@ def fake_gpu(monkeypatch, tmp_path):
         t = time.perf_counter()
         fn(*sets[0])
         return (time.perf_counter() - t) * 1e6
-    for mod in (epilogues, cross_entropy, linear_backward, mlp_backward):
+    for mod in (epilogues, cross_entropy, linear_backward, mlp):
         monkeypatch.setattr(mod, "time_us", time_us)
     monkeypatch.setattr(linear_backward, "no_gpu", lambda: False)
     monkeypatch.setattr(linear_backward, "prebuild", lambda todo: None)
@@ -203,20 +204,38 @@ def test_linear_backward_on_fake_gpu(fake_gpu, capsys):
     assert len(rows) == 12 and all(r["vs_gemm"] > 0 for r in rows)
 
 
-def test_mlp_backward_on_fake_gpu(fake_gpu, capsys, monkeypatch):
-    for name, value in (("no_gpu", lambda: False), ("prebuild", lambda configs, todo: None),
-                        ("rotation", lambda make, nbytes: [make()]), ("BACKEND", "reference"), ("DEVICE", "cpu")):
-        monkeypatch.setattr(mlp_backward, name, value)
-    assert mlp_backward.main(["--shapes", "32x64x48", "--configs", "default,cooperative", "--iters", "2"]) == 0
+def test_mlp_on_fake_gpu(fake_gpu, capsys, monkeypatch):
+    for name, value in (("no_gpu", lambda: False), ("prebuild", lambda steps, configs, todo: None),
+                        ("rotation", lambda make, nbytes: [make(), make()]), ("BACKEND", "reference"),
+                        ("DEVICE", "cpu")):
+        monkeypatch.setattr(mlp, name, value)
+    assert mlp.main(["--shapes", "32x64x48", "--configs", "default,cooperative", "--iters", "2"]) == 0
     out, err = capsys.readouterr()
-    assert "| 32×64×48 | torch.compile (mm + SwiGLU backward) |" in out
-    assert "differs" not in err  # every epilogue's d gate agrees with eager PyTorch's
-    rows = json.loads((fake_gpu / "mlp_backward.json").read_text())["rows"]
-    assert len(rows) == 2 + 2 * len(mlp_backward.EPILOGUES)
+    assert "| gate_up | 32×64×48 | torch.compile (gate, up GEMMs + SwiGLU) |" in out
+    assert "| dY | 32×64×48 | torch.compile (mm + SwiGLU backward) |" in out
+    assert "differs" not in err  # every coda_dsl variant's first output agrees with eager PyTorch's
+    rows = json.loads((fake_gpu / "mlp.json").read_text())["rows"]
+    assert len(rows) == sum(2 + 2 * len(s.epilogues) for s in mlp.STEPS.values())
     assert all(r["extra"]["rel_err"] < 1e-2 for r in rows if r["variant"].startswith("coda_dsl"))
-    with pytest.raises(SystemExit):
-        mlp_backward.main(["--configs", "fastest"])
-    assert "--configs: unknown ['fastest']" in capsys.readouterr().err
+    assert mlp.main(["--steps", "gate_up", "--shapes", "32x64x48", "--iters", "1"]) == 0
+    assert "| dY |" not in capsys.readouterr().out
+    for flag, bad in (("--configs", "fastest"), ("--steps", "down")):
+        with pytest.raises(SystemExit):
+            mlp.main([flag, bad])
+        assert f"{flag}: unknown ['{bad}']" in capsys.readouterr().err
+
+
+def test_mlp_prebuild_builds_each_kernel_once(monkeypatch):
+    """One cd.compile per (epilogue, config) of the run, with the operands each step's epilogue takes."""
+    built = []
+    monkeypatch.setattr(mlp, "DEVICE", "cpu")
+    monkeypatch.setattr(mlp.cd, "compile",
+                        lambda ep, a, b, config, **o: built.append((ep.name, config, tuple(sorted(o)))))
+    monkeypatch.setattr(runtime_op, "prebuild", lambda ops: None)
+    mlp.prebuild(["gate_up", "dY"], ["default", "cooperative"], [(8192, 14336, 4096)])
+    assert len(built) == 2 * (1 + 3) and len(set(built)) == len(built)
+    assert all(o == ("rstd",) for name, _, o in built if name == "rms_swiglu")
+    assert all(o == ("pre", "rstd") for name, _, o in built if name != "rms_swiglu")
 
 
 def test_failures_are_reported_and_the_rest_measured(fake_gpu, capsys, monkeypatch):

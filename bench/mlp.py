@@ -1,0 +1,204 @@
+"""The Llama MLP's two fused GEMMs (issues 12 and 16), each against the bare cuBLAS GEMM of its shape and
+torch.compile's way of doing the same work:
+
+    python -m bench.mlp [--steps gate_up,dY] [--shapes 8192x14336x4096] [--iters 30] [--configs default,...]
+
+Shapes are M x F x D (tokens x FFN x hidden). Steps, every variant on the same operands:
+- gate_up (forward): coda_dsl.nn's `rms_swiglu`, H @ W_gate_up^T ([M, 2F], rows interleaved) with rstd and
+  SwiGLU in the epilogue, writing y [M, F] and the [M, 2F] pre-activation the backward reads. Floor:
+  the bare cuBLAS GEMM H @ W_gate_up^T. torch.compile: HF's way, the gate and up GEMMs (cuBLAS), then
+  torch.compile of SwiGLU over them (HF's layer keeps gate and up for its backward).
+- dY (backward): dY = dOut @ W_down ([M, F]) with the SwiGLU (and rstd) derivative in its epilogue:
+  - `rms_swiglu_grad` (coda_dsl.nn's, what the layer runs): d gate, d up, sum d(pre) * pre per row;
+  - `grad_recompute_y`: the same and y again (a layer that does not keep y from the forward);
+  - `grad_interleaved`: one interleaved [M, 2F] gradient (a double-width store) and the row sum.
+  Floor: the bare cuBLAS dY. torch.compile: torch.mm, then torch.compile of HF's SwiGLU backward over
+  separate gate and up tensors.
+--configs: `default` (the config cd.gemm picks at the shape) and runtime/tune.py's named ones. Ratios are
+time / the step's floor: lower is better. Each coda_dsl variant's first output is checked against eager
+PyTorch's (rel_err in the JSON; a warning on stderr above 3e-2).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+import coda_dsl as cd
+from coda_dsl.library import swiglu_grad
+from coda_dsl.nn import rms_swiglu, rms_swiglu_grad
+from coda_dsl.runtime.tune import DEFAULT, PINGPONG, PINGPONG_192, default
+
+from .harness import (Row, fmt, markdown, no_gpu, parser, progress, results_only_on_stdout, rotation, save, shapes,
+                      time_us)
+from .harness import command as command_line
+
+SHAPES = [(8192, 14336, 4096)]  # Llama-3-8B: tokens x FFN x hidden
+BACKEND, DEVICE = "cutlass", "cuda"  # the CPU test runs the plumbing on the reference backend
+CONFIGS = {"default": None, "cooperative": DEFAULT, "pingpong": PINGPONG, "pingpong192": PINGPONG_192}
+
+
+@cd.epilogue
+def grad_recompute_y(acc, pre: cd.Tensor, rstd: cd.VecM):
+    g, u = cd.pairs(pre)
+    dg, du, silu = swiglu_grad(acc, g, u)
+    return {"dgate": rstd * dg, "dup": rstd * du, "y": silu * u, "dpre_pre": cd.sum(dg * g + du * u, axis="n")}
+
+
+@cd.epilogue
+def grad_interleaved(acc, pre: cd.Tensor, rstd: cd.VecM):
+    g, u = cd.pairs(pre)
+    dg, du, _ = swiglu_grad(acc, g, u)
+    return {"D": cd.interleave(rstd * dg, rstd * du), "dpre_pre": cd.sum(dg * g + du * u, axis="n")}
+
+
+def hf_swiglu(gate, up):
+    """HF's act_fn(gate) * up."""
+    return F.silu(gate) * up
+
+
+def hf_swiglu_backward(dy, gate, up):
+    """HF's act_fn(gate) * up, differentiated: (d gate, d up)."""
+    g, u, d = gate.float(), up.float(), dy.float()
+    sig = torch.sigmoid(g)
+    return (d * u * sig * (1 + g * (1 - sig))).to(dy.dtype), (d * F.silu(g)).to(dy.dtype)
+
+
+@dataclass
+class Step:
+    """One fused GEMM of the MLP: its operands, the bare GEMM, torch.compile's way, coda_dsl's call of an
+    epilogue, and eager PyTorch's value of the coda_dsl variants' first output. Each callable takes the
+    operands as one dict."""
+    floor_name: str
+    compiled_name: str
+    epilogues: list
+    inputs: Callable[[int, int, int], dict]  # (M, F, D) -> named operands
+    floor: Callable[[dict], torch.Tensor]
+    compiled: Callable[[Callable], Callable]  # torch.compile -> the call
+    coda: Callable  # (epilogue, config, operands) -> outputs
+    want: Callable[[dict], torch.Tensor]
+    first: Callable[[dict], torch.Tensor]  # a coda_dsl variant's outputs -> what `want` gives
+    flops: Callable[[int, int, int], int]
+    n_k: Callable[[int, int], tuple[int, int]]  # (F, D) -> the coda_dsl GEMM's N and K
+
+
+def _r(*s) -> torch.Tensor:
+    return torch.randn(*s, device=DEVICE, dtype=torch.bfloat16)
+
+
+def _gate_up_inputs(m: int, f: int, d: int) -> dict:
+    """H, the interleaved weight (coda_dsl's), the same two weights apart (HF's), rstd."""
+    wg, wu = _r(f, d), _r(f, d)
+    return {"h": _r(m, d), "w": torch.stack((wg, wu), 1).flatten(0, 1), "wg": wg, "wu": wu,
+            "rstd": torch.rand(m, device=DEVICE) + 0.5}
+
+
+def _dy_inputs(m: int, f: int, d: int) -> dict:
+    """dOut, W_down, the interleaved pre-activation (coda_dsl's), the same as gate and up apart (HF's), rstd."""
+    pre = _r(m, 2 * f)
+    return {"dout": _r(m, d), "w": _r(d, f), "pre": pre, "gate": pre[:, 0::2].contiguous(),
+            "up": pre[:, 1::2].contiguous(), "rstd": torch.rand(m, device=DEVICE) + 0.5}
+
+
+STEPS = {
+    "gate_up": Step(
+        "cuBLAS gate/up GEMM", "torch.compile (gate, up GEMMs + SwiGLU)", [rms_swiglu], _gate_up_inputs,
+        floor=lambda o: o["h"] @ o["w"].t(),
+        compiled=lambda compile: (lambda o, fn=compile(hf_swiglu): fn(o["h"] @ o["wg"].t(), o["h"] @ o["wu"].t())),
+        coda=lambda ep, config, o: cd.gemm(o["h"], o["w"], ep, rstd=o["rstd"], config=config, backend=BACKEND),
+        want=lambda o: hf_swiglu(*(o["rstd"][:, None] * (o["h"].float() @ o["w"].float().t()))
+                                 .unflatten(-1, (-1, 2)).unbind(-1)),
+        first=lambda out: out["D"],
+        flops=lambda m, f, d: 2 * m * 2 * f * d,
+        n_k=lambda f, d: (2 * f, d)),
+    "dY": Step(
+        "cuBLAS dY", "torch.compile (mm + SwiGLU backward)", [rms_swiglu_grad, grad_recompute_y, grad_interleaved],
+        _dy_inputs,
+        floor=lambda o: o["dout"] @ o["w"],
+        compiled=lambda compile: (lambda o, fn=compile(hf_swiglu_backward): fn(o["dout"] @ o["w"], o["gate"], o["up"])),
+        coda=lambda ep, config, o: cd.gemm(o["dout"], o["w"].t(), ep, pre=o["pre"], rstd=o["rstd"], config=config,
+                                           backend=BACKEND),
+        want=lambda o: hf_swiglu_backward(o["dout"] @ o["w"], o["gate"], o["up"])[0].float() * o["rstd"][:, None],
+        first=lambda out: out["D"][:, 0::2] if "D" in out else out["dgate"],
+        flops=lambda m, f, d: 2 * m * f * d,
+        n_k=lambda f, d: (f, d)),
+}
+
+
+def _config(name: str, shape: tuple, step: str):
+    m, f, d = shape
+    return (CONFIGS[name] or default(m, *STEPS[step].n_k(f, d))[0]).text
+
+
+def variants(step: str, configs: list[str], shape: tuple) -> dict[str, Callable[[dict], object]]:
+    s = STEPS[step]
+    out = {s.floor_name: s.floor, s.compiled_name: s.compiled(torch.compile)}
+    for ep in s.epilogues:
+        for c in configs:
+            out[f"coda_dsl {ep.name} ({c})"] = lambda o, ep=ep, config=_config(c, shape, step): s.coda(ep, config, o)
+    return out
+
+
+def prebuild(steps: list[str], configs: list[str], todo: list[tuple]) -> None:
+    """Every coda_dsl kernel of the run in one parallel ninja run (small operands: only layouts matter)."""
+    from coda_dsl.runtime import op as runtime
+    x, f32 = torch.empty(64, 64, dtype=torch.bfloat16, device=DEVICE), torch.empty(64, device=DEVICE)
+    small = {"gate_up": ((x, x), dict(rstd=f32)), "dY": ((x, x.t()), dict(pre=torch.cat((x, x), -1), rstd=f32))}
+    ops = {(ep.name, cfg): cd.compile(ep, *small[step][0], config=cfg, **small[step][1])
+           for step in steps for ep in STEPS[step].epilogues for c in configs for s in todo
+           for cfg in [_config(c, s, step)]}
+    runtime.prebuild(list(ops.values()))
+
+
+def measure(step: str, shape: tuple, configs: list[str], iters: int) -> list[Row]:
+    s, (m, f, d) = STEPS[step], shape
+    one = s.inputs(m, f, d)
+    made = iter([one])  # rotation's first set: this one, already made
+    sets = rotation(lambda: next(made, None) or s.inputs(m, f, d), sum(t.nbytes for t in one.values()))
+    want = s.want(one)
+    times, errs = {}, {}
+    for label, fn in variants(step, configs, shape).items():
+        progress(f"mlp {step} {fmt(shape)}: {label}")
+        got = fn(one)  # builds / compiles outside the timing
+        if label.startswith("coda_dsl"):
+            errs[label] = ((s.first(got).float() - want).norm() / want.norm()).item()
+            if errs[label] > 3e-2:
+                progress(f"  {label}: differs from eager PyTorch's by {errs[label]:.1e}")
+        times[label] = time_us(fn, [(o,) for o in sets], iters=iters, warmup=3)
+    floor, compiled = times[s.floor_name], times[s.compiled_name]
+    return [Row(f"mlp {step}", fmt(shape), label, us, s.flops(m, f, d) / us / 1e6, us / floor,
+                {"vs_compile": us / compiled, **({"rel_err": errs[label]} if label in errs else {})})
+            for label, us in times.items()]
+
+
+def main(argv=None) -> int:
+    p = parser("python -m bench.mlp", __doc__)
+    p.add_argument("--steps", default="gate_up,dY", help=f"comma-separated, of {list(STEPS)}")
+    p.add_argument("--shapes", type=shapes, default=SHAPES, help="MxFxD,... (default %(default)s)")
+    p.add_argument("--configs", default="default", help=f"comma-separated, of {list(CONFIGS)}")
+    p.add_argument("--iters", type=int, default=30)
+    args = p.parse_args(argv)
+    steps, configs = args.steps.split(","), args.configs.split(",")
+    for flag, names, known in (("--steps", steps, STEPS), ("--configs", configs, CONFIGS)):
+        if unknown := set(names) - set(known):
+            p.error(f"{flag}: unknown {sorted(unknown)}; choose from {list(known)}")
+    if no_gpu():
+        return 1
+    rows = []
+    with results_only_on_stdout():
+        prebuild(steps, configs, args.shapes)
+        for step in steps:
+            for s in args.shapes:
+                rows += measure(step, s, configs, args.iters)
+    print(markdown(["step", "shape (M×F×D)", "variant", "time (µs)", "TFLOP/s", "× floor", "× torch.compile"],
+                   [[r.bench.split()[1], r.shape, r.variant, f"{r.us:.0f}", f"{r.tflops:.0f}", f"{r.vs_gemm:.3f}",
+                     f"{r.extra['vs_compile']:.3f}"] for r in rows], numeric=4))
+    save(rows, "mlp", command_line("python -m bench.mlp", argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
