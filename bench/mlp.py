@@ -4,14 +4,15 @@ torch.compile's way of doing the same work:
     python -m bench.mlp [--steps gate_up,dY] [--shapes 8192x14336x4096] [--iters 30] [--configs default,...]
 
 Shapes are M x F x D (tokens x FFN x hidden). Steps, every variant on the same operands:
-- gate_up (forward): coda_dsl.nn's `rms_swiglu`, H @ W_gate_up^T ([M, 2F], rows interleaved) with rstd and
-  SwiGLU in the epilogue, writing y [M, F] and the [M, 2F] pre-activation the backward reads. Floor:
+- gate_up (forward): coda_dsl.nn's `rms_swiglu_fwd`, H @ W_gate_up^T ([M, 2F], rows interleaved) with rstd
+  and SwiGLU in the epilogue, writing y [M, F] and the [M, 2F] accumulator the backward reads. Floor:
   the bare cuBLAS GEMM H @ W_gate_up^T. torch.compile: HF's way, the gate and up GEMMs (cuBLAS), then
   torch.compile of SwiGLU over them (HF's layer keeps gate and up for its backward).
-- dY (backward): dY = dOut @ W_down ([M, F]) with the SwiGLU (and rstd) derivative in its epilogue:
-  - `rms_swiglu_grad` (coda_dsl.nn's, what the layer runs): d gate, d up, sum d(pre) * pre per row;
-  - `grad_recompute_y`: the same and y again (a layer that does not keep y from the forward);
-  - `grad_interleaved`: one interleaved [M, 2F] gradient (a double-width store) and the row sum.
+- dY (backward): dY = dOut @ W_down ([M, F]) with the SwiGLU and rstd derivative in its epilogue:
+  - `rms_swiglu_grad` (coda_dsl.nn's, what the layer runs: derived from rms_swiglu by passes/autodiff.py,
+    reading the saved accumulator): d gate, d up, d rstd;
+  - `rms_swiglu_grad_by_hand`: the same written by hand, reading the saved pre-activation rstd * acc
+    (what the layer ran before the derived one).
   Floor: the bare cuBLAS dY. torch.compile: torch.mm, then torch.compile of HF's SwiGLU backward over
   separate gate and up tensors.
 --configs: `default` (the config cd.gemm picks at the shape) and runtime/tune.py's named ones. Ratios are
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 
 import coda_dsl as cd
 from coda_dsl.library import swiglu_grad
-from coda_dsl.nn import rms_swiglu, rms_swiglu_grad
+from coda_dsl.nn import rms_swiglu_fwd, rms_swiglu_grad
 from coda_dsl.runtime.tune import DEFAULT, PINGPONG, PINGPONG_192, default
 
 from .harness import (Row, fmt, markdown, no_gpu, parser, progress, results_only_on_stdout, rotation, save, shapes,
@@ -42,17 +43,11 @@ CONFIGS = {"default": None, "cooperative": DEFAULT, "pingpong": PINGPONG, "pingp
 
 
 @cd.epilogue
-def grad_recompute_y(acc, pre: cd.Tensor, rstd: cd.VecM):
-    g, u = cd.pairs(pre)
-    dg, du, silu = swiglu_grad(acc, g, u)
-    return {"dgate": rstd * dg, "dup": rstd * du, "y": silu * u, "dpre_pre": cd.sum(dg * g + du * u, axis="n")}
-
-
-@cd.epilogue
-def grad_interleaved(acc, pre: cd.Tensor, rstd: cd.VecM):
+def rms_swiglu_grad_by_hand(acc, pre: cd.Tensor, rstd: cd.VecM):
+    """rms_swiglu_grad written by hand: d gate, d up, and per row sum_n d(pre) * pre = d rstd * rstd."""
     g, u = cd.pairs(pre)
     dg, du, _ = swiglu_grad(acc, g, u)
-    return {"D": cd.interleave(rstd * dg, rstd * du), "dpre_pre": cd.sum(dg * g + du * u, axis="n")}
+    return {"dgate": rstd * dg, "dup": rstd * du, "dpre_pre": cd.sum(dg * g + du * u, axis="n")}
 
 
 def hf_swiglu(gate, up):
@@ -97,15 +92,17 @@ def _gate_up_inputs(m: int, f: int, d: int) -> dict:
 
 
 def _dy_inputs(m: int, f: int, d: int) -> dict:
-    """dOut, W_down, the interleaved pre-activation (coda_dsl's), the same as gate and up apart (HF's), rstd."""
-    pre = _r(m, 2 * f)
-    return {"dout": _r(m, d), "w": _r(d, f), "pre": pre, "gate": pre[:, 0::2].contiguous(),
-            "up": pre[:, 1::2].contiguous(), "rstd": torch.rand(m, device=DEVICE) + 0.5}
+    """dOut, W_down, the forward's interleaved accumulator and pre-activation rstd * acc (what the derived
+    and the hand-written epilogue read), the latter's halves apart (HF's gate and up), rstd."""
+    acc, rstd = _r(m, 2 * f), torch.rand(m, device=DEVICE) + 0.5
+    pre = (rstd[:, None] * acc).to(acc.dtype)
+    return {"dout": _r(m, d), "w": _r(d, f), "saved_acc": acc, "pre": pre, "gate": pre[:, 0::2].contiguous(),
+            "up": pre[:, 1::2].contiguous(), "rstd": rstd}
 
 
 STEPS = {
     "gate_up": Step(
-        "cuBLAS gate/up GEMM", "torch.compile (gate, up GEMMs + SwiGLU)", [rms_swiglu], _gate_up_inputs,
+        "cuBLAS gate/up GEMM", "torch.compile (gate, up GEMMs + SwiGLU)", [rms_swiglu_fwd], _gate_up_inputs,
         floor=lambda o: o["h"] @ o["w"].t(),
         compiled=lambda compile: (lambda o, fn=compile(hf_swiglu): fn(o["h"] @ o["wg"].t(), o["h"] @ o["wu"].t())),
         coda=lambda ep, config, o: cd.gemm(o["h"], o["w"], ep, rstd=o["rstd"], config=config, backend=BACKEND),
@@ -115,14 +112,13 @@ STEPS = {
         flops=lambda m, f, d: 2 * m * 2 * f * d,
         n_k=lambda f, d: (2 * f, d)),
     "dY": Step(
-        "cuBLAS dY", "torch.compile (mm + SwiGLU backward)", [rms_swiglu_grad, grad_recompute_y, grad_interleaved],
-        _dy_inputs,
+        "cuBLAS dY", "torch.compile (mm + SwiGLU backward)", [rms_swiglu_grad, rms_swiglu_grad_by_hand], _dy_inputs,
         floor=lambda o: o["dout"] @ o["w"],
         compiled=lambda compile: (lambda o, fn=compile(hf_swiglu_backward): fn(o["dout"] @ o["w"], o["gate"], o["up"])),
-        coda=lambda ep, config, o: cd.gemm(o["dout"], o["w"].t(), ep, pre=o["pre"], rstd=o["rstd"], config=config,
-                                           backend=BACKEND),
+        coda=lambda ep, config, o: cd.gemm(o["dout"], o["w"].t(), ep, config=config, backend=BACKEND,
+                                           **{p.name: o[p.name] for p in ep.params}),
         want=lambda o: hf_swiglu_backward(o["dout"] @ o["w"], o["gate"], o["up"])[0].float() * o["rstd"][:, None],
-        first=lambda out: out["D"][:, 0::2] if "D" in out else out["dgate"],
+        first=lambda out: out.get("D_even", out.get("dgate")),
         flops=lambda m, f, d: 2 * m * f * d,
         n_k=lambda f, d: (f, d)),
 }
@@ -146,8 +142,10 @@ def prebuild(steps: list[str], configs: list[str], todo: list[tuple]) -> None:
     """Every coda_dsl kernel of the run in one parallel ninja run (small operands: only layouts matter)."""
     from coda_dsl.runtime import op as runtime
     x, f32 = torch.empty(64, 64, dtype=torch.bfloat16, device=DEVICE), torch.empty(64, device=DEVICE)
-    small = {"gate_up": ((x, x), dict(rstd=f32)), "dY": ((x, x.t()), dict(pre=torch.cat((x, x), -1), rstd=f32))}
-    ops = {(ep.name, cfg): cd.compile(ep, *small[step][0], config=cfg, **small[step][1])
+    wide = torch.cat((x, x), -1)
+    small = {"gate_up": ((x, x), dict(rstd=f32)), "dY": ((x, x.t()), dict(saved_acc=wide, pre=wide, rstd=f32))}
+    ops = {(ep.name, cfg): cd.compile(ep, *small[step][0], config=cfg,
+                                      **{p.name: small[step][1][p.name] for p in ep.params})
            for step in steps for ep in STEPS[step].epilogues for c in configs for s in todo
            for cfg in [_config(c, s, step)]}
     runtime.prebuild(list(ops.values()))

@@ -27,8 +27,9 @@ Design decisions:
   layer's eps: one config per stack); `forward(..., return_rstd=True)` returns it and the next layer
   takes it as `input_rstd`, so only the first layer computes its input's rstd in torch.
 - **Backward.** The MLP is one `torch.autograd.Function` (`_Mlp`): its backward GEMM dY = dOut @ W_down
-  carries the SwiGLU and rstd derivative in its epilogue (`rms_swiglu_grad`: it reads the saved [M, 2F]
-  pre-activation and writes the gate and up accumulators' gradients, [M, F] each). The other steps are named
+  carries the SwiGLU and rstd derivative in its epilogue (`rms_swiglu_grad`, derived from `rms_swiglu` by
+  passes/autodiff.py: it reads the saved [M, 2F] accumulator and writes the gate and up accumulators'
+  gradients, [M, F] each, and rstd's). The other steps are named
   functions of plain torch ops (`rms_rope_backward`, `rms_producer_backward`, `residual_rms_backward`),
   fused by torch.compile on CUDA, between cuBLAS GEMMs. Only the gradients autograd asks for are computed.
 - **Attention mask: causal only**, per row of the batch (SDPA; GQA by `enable_gqa`, torch >= 2.5).
@@ -45,8 +46,9 @@ from torch import nn
 
 import coda_dsl as cd
 from .errors import UnsupportedError
-from .library import interleave_gate_up, rms_producer, swiglu_grad
+from .library import interleave_gate_up, rms_producer
 from .library.rope import neox_to_interleaved, rotate
+from .runtime.autograd import forward_epilogue
 from .runtime.fused import on_cuda
 
 
@@ -62,23 +64,17 @@ def rms_rope(acc, rstd: cd.VecM, pos: cd.VecM, inv_freq: cd.VecN):
 
 @cd.epilogue
 def rms_swiglu(acc, rstd: cd.VecM):
-    """Gate/up projection (interleaved rows) of a normalized input; also stores the pre-activation,
-    the input of the backward."""
-    pre = rstd * acc
-    g, u = cd.pairs(pre)
-    return {"D": cd.silu(g) * u, "pre": pre}
+    """Gate/up projection (interleaved rows) of a normalized input: rstd scales the row, then SwiGLU."""
+    g, u = cd.pairs(rstd * acc)
+    return cd.silu(g) * u
 
 
-@cd.epilogue
-def rms_swiglu_grad(acc, pre: cd.Tensor, rstd: cd.VecM):
-    """rms_swiglu's backward, in the epilogue of the GEMM that produces its incoming gradient (acc = dY =
-    dOut @ W_down, F wide, reading the [M, 2F] pre-activation as pairs): the gradients of the gate and up
-    accumulators ([M, F] each, so each is a plain GEMM operand of its weight's gradient) and per row
-    sum_n d(pre) * pre, which is rstd's gradient times rstd. (Writing y here too, instead of keeping it
-    from the forward, costs 0.15 ms at 8192 x 14336 x 4096 on the H200: bench/mlp.py.)"""
-    g, u = cd.pairs(pre)
-    dg, du, _ = swiglu_grad(acc, g, u)
-    return {"dgate": rstd * dg, "dup": rstd * du, "dpre_pre": cd.sum(dg * g + du * u, axis="n")}
+# The MLP's two kernels around rms_swiglu. The forward's also stores its [M, 2F] accumulator, which the
+# backward reads. The backward's is derived (passes/autodiff.py) and runs in the epilogue of the GEMM
+# that produces its incoming gradient, dY = dOut @ W_down: the gate and up accumulators' gradients
+# (D_even, D_odd: [M, F] each, so each is a plain GEMM operand of its own weight's gradient) and rstd's.
+rms_swiglu_fwd = forward_epilogue(rms_swiglu)
+rms_swiglu_grad = cd.backward_epilogue(rms_swiglu, split=True)
 
 
 @cd.epilogue
@@ -190,36 +186,37 @@ class _RmsProducerLinear(torch.autograd.Function):
 class _Mlp(torch.autograd.Function):
     """The MLP's two GEMMs: y = swiglu(rstd * (hg @ W_gate_up^T)), out = y @ W_down^T + residual (and its
     rstd). The backward's dY = dOut @ W_down carries rms_swiglu_grad in its epilogue, so the SwiGLU
-    derivative costs no pass of its own over the [M, 2F] pre-activation; it uses the gate and up weights
-    as they are, never the interleaved one (not kept). The backward frees y and the pre-activation (its
-    own intermediates, the layer's largest) as soon as it has used them: see _release."""
+    derivative costs no pass of its own over the saved [M, 2F] accumulator; it uses the gate and up
+    weights as they are, never the interleaved one (not kept). y is kept from the forward (the dY epilogue
+    writing it again cost 0.15 ms at 8192 x 14336 x 4096 on the H200). The backward frees y and the
+    accumulator (its own intermediates, the layer's largest) as soon as it has used them: see _release."""
 
     @staticmethod
     def forward(ctx, hg, rstd, w_gate, w_up, w_down, residual, eps, backend):
-        r = cd.gemm(hg, gate_up_weight(w_gate, w_up), rms_swiglu, rstd=rstd, backend=backend)
+        r = cd.gemm(hg, gate_up_weight(w_gate, w_up), rms_swiglu_fwd, rstd=rstd, backend=backend)
         inv_n = 1.0 / w_down.shape[0]
         o = cd.gemm(r["D"], w_down, residual_rms, residual=residual, inv_n=inv_n, eps=eps, backend=backend)
-        ctx.save_for_backward(hg, rstd, w_gate, w_up, w_down, r["D"], r["pre"], o["D"], o["rstd"])
+        ctx.save_for_backward(hg, rstd, w_gate, w_up, w_down, r["D"], r["acc"], o["D"], o["rstd"])
         ctx.inv_n, ctx.backend = inv_n, backend
         return o["D"], o["rstd"]
 
     @staticmethod
     def backward(ctx, dout, drstd_out):
-        hg, rstd, w_gate, w_up, w_down, y, pre, out, rstd_out = ctx.saved_tensors
-        _check_unreleased("LlamaMLP", y, pre)
+        hg, rstd, w_gate, w_up, w_down, y, acc, out, rstd_out = ctx.saved_tensors
+        _check_unreleased("LlamaMLP", y, acc)
         need = ctx.needs_input_grad
         dacc = residual_rms_backward(dout, drstd_out, out, rstd_out, ctx.inv_n).to(y.dtype)  # = d residual
         dw_down = _mm(dacc.t(), y, w_down.dtype) if need[4] else None
         _release(y)
-        g = cd.gemm(dacc, w_down.t(), rms_swiglu_grad, pre=pre, rstd=rstd, backend=ctx.backend) \
+        g = cd.gemm(dacc, w_down.t(), rms_swiglu_grad, saved_acc=acc, rstd=rstd, backend=ctx.backend) \
             if any(need[:4]) else None
-        _release(pre)
+        _release(acc)
         dhg = drstd = dw_gate = dw_up = None
         if g is not None:
-            dgate, dup = g["dgate"], g["dup"]  # d(hg @ W_gate^T), d(hg @ W_up^T): [M, F]
+            dgate, dup = g["D_even"], g["D_odd"]  # d(hg @ W_gate^T), d(hg @ W_up^T): [M, F]
             if need[0]:  # summed in place by addmm_, as autograd sums the input gradients of two linears
                 dhg = _mm(dgate, w_gate, hg.dtype).addmm_(dup.to(hg.dtype), w_up.to(hg.dtype))
-            drstd = g["dpre_pre"] / rstd if need[1] else None
+            drstd = g["rstd"] if need[1] else None
             dw_gate = _mm(dgate.t(), hg, w_gate.dtype) if need[2] else None
             del g, dgate  # its memory for dw_up
             dw_up = _mm(dup.t(), hg, w_up.dtype) if need[3] else None
@@ -228,7 +225,7 @@ class _Mlp(torch.autograd.Function):
 
 def _release(t: torch.Tensor) -> None:
     """Free a saved intermediate's memory now, not when the backward returns (autograd holds saved tensors
-    until then): the MLP's y and [M, 2F] pre-activation, 672 MB at 8192 tokens of Llama-3-8B, would
+    until then): the MLP's y and [M, 2F] accumulator, 672 MB at 8192 tokens of Llama-3-8B, would
     otherwise still be allocated while the backward's largest gradients are. Only tensors the forward
     made and never handed out; not under torch.compile, whose graph owns its buffers."""
     if not torch.compiler.is_compiling():
@@ -463,9 +460,9 @@ class LlamaDecoderLayer(nn.Module):
         runtime.prebuild([
             compiled(rms_rope, x, nqkv, d, rstd=f32, pos=f32, inv_freq=f32[:32]),
             compiled(rms_producer, x, d, nq, residual=x, gamma=x[0], inv_n=1.0, eps=1e-5),
-            compiled(rms_swiglu, x, 2 * f, d, rstd=f32),
+            compiled(rms_swiglu_fwd, x, 2 * f, d, rstd=f32),
             compiled(residual_rms, x, d, f, residual=x, inv_n=1.0, eps=1e-5),
-            compiled(rms_swiglu_grad, x.t(), f, d, pre=torch.cat((x, x), -1), rstd=f32)])  # B = W_down^T
+            compiled(rms_swiglu_grad, x.t(), f, d, saved_acc=torch.cat((x, x), -1), rstd=f32)])  # B = W_down^T
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
                 use_cache: bool = False, position_embeddings=None, *, input_rstd: torch.Tensor | None = None,

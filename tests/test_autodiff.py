@@ -375,3 +375,39 @@ def test_backward_epilogue_fuses_into_the_producer_gemm():
         cd.backward_epilogue(bias_gelu, output="nope")
     from coda_dsl.runtime.autograd import forward_epilogue  # what cd.linear's forward kernel runs
     assert forward_epilogue(bias_gelu).output_names == ("D", "acc")
+
+
+def test_backward_epilogue_narrows_a_pairwise_forward_with_a_row_operand():
+    """rms_swiglu (rstd per row, then SwiGLU of the interleaved pairs), derived and fused: the 2N-wide
+    intermediates are taken apart (pairs onto saved_acc, math inside the interleave, rstd's row sum over
+    both halves), so it lowers to the kernels' nodes; split=True gives the two halves' gradients apart.
+    Values against torch.autograd."""
+    from coda_dsl.passes import lower, specialize
+    from coda_dsl.passes.plan import Pack, Reduce, Signature, Unpack, WideLoad, WideStore
+
+    @cd.epilogue
+    def rms_swiglu(acc, rstd: cd.VecM):
+        g, u = cd.pairs(rstd * acc)
+        return cd.silu(g) * u
+    m, f, d = 13, 10, 6
+    dout, w_down = torch.randn(m, d), torch.randn(d, f)
+    acc, rstd = torch.randn(m, 2 * f, requires_grad=True), (torch.rand(m) + 0.5).requires_grad_()
+    pre = rstd[:, None] * acc
+    (torch.nn.functional.silu(pre[:, 0::2]) * pre[:, 1::2]).matmul(w_down.t()).backward(dout)
+    for split, outs in ((False, ("D", "rstd")), (True, ("D_even", "D_odd", "rstd"))):
+        bw = cd.backward_epilogue(rms_swiglu, split=split)
+        assert bw.output_names == outs
+        got = cd.gemm(dout, w_down.t(), bw, saved_acc=acc.detach(), rstd=rstd.detach(), backend="reference")
+        dacc = torch.stack((got["D_even"], got["D_odd"]), -1).flatten(-2) if split else got["D"]
+        assert rel_err(dacc, acc.grad) < 1e-5 and rel_err(got["rstd"], rstd.grad) < 1e-5
+        sig = Signature("bf16", "nk", (("rstd", "fp32"), ("saved_acc", "bf16")),
+                        tuple((o, "fp32" if o == "rstd" else "bf16") for o in outs))
+        kinds = [type(n) for n in lower(specialize(bw.program, {}), sig).nodes]
+        assert [kinds.count(k) for k in (WideLoad, Unpack, Reduce)] == [1, 2, 1]
+        assert [kinds.count(k) for k in (Pack, WideStore)] == ([0, 0] if split else [1, 1])
+
+    @cd.epilogue
+    def scaled_relu(acc, s: cd.VecM):
+        return cd.relu(acc * s)
+    with pytest.raises(UnsupportedError, match="split=True needs a pairwise forward"):
+        cd.backward_epilogue(scaled_relu, split=True)

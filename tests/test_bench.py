@@ -233,9 +233,9 @@ def test_mlp_prebuild_builds_each_kernel_once(monkeypatch):
                         lambda ep, a, b, config, **o: built.append((ep.name, config, tuple(sorted(o)))))
     monkeypatch.setattr(runtime_op, "prebuild", lambda ops: None)
     mlp.prebuild(["gate_up", "dY"], ["default", "cooperative"], [(8192, 14336, 4096)])
-    assert len(built) == 2 * (1 + 3) and len(set(built)) == len(built)
-    assert all(o == ("rstd",) for name, _, o in built if name == "rms_swiglu")
-    assert all(o == ("pre", "rstd") for name, _, o in built if name != "rms_swiglu")
+    assert len(built) == 2 * (1 + 2) and len(set(built)) == len(built)
+    assert {name: o for name, _, o in built} == {"rms_swiglu": ("rstd",), "rms_swiglu_grad_by_hand": ("pre", "rstd"),
+                                                 "rms_swiglu_backward_fused": ("rstd", "saved_acc")}
 
 
 def test_failures_are_reported_and_the_rest_measured(fake_gpu, capsys, monkeypatch):

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import coda_dsl as cd
-from coda_dsl import cli, examples
+from coda_dsl import cli, examples, nn
 from coda_dsl.build import cache
 from coda_dsl.library import cross_entropy as ce
 from coda_dsl.library import gated, rmsnorm, rope
@@ -41,6 +41,7 @@ EPILOGUES = {
     "swiglu_keep_preactivation": (gated.swiglu_keep_preactivation, {}),
     "swiglu_backward": (gated.swiglu_backward, {}),
     "swiglu_backward_derived": (cd.backward_epilogue(gated.swiglu), {}),
+    "rms_swiglu_backward_derived": (nn.rms_swiglu_grad, {}),  # the Llama layer's: narrowed, split
     "rope_tables": (rope.rope_tables, {}),
     "rope_positions": (rope.rope_positions, {}),
     "rms_producer": (rmsnorm.rms_producer, {}),

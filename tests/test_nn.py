@@ -134,7 +134,7 @@ def test_frozen_inputs_get_no_gradient_work(monkeypatch):
 
 
 def test_mlp_backward_frees_its_activations_once(monkeypatch):
-    """The MLP's backward frees y and the pre-activation as soon as it has used them (they dominate its
+    """The MLP's backward frees y and the saved accumulator as soon as it has used them (they dominate its
     peak memory); a second backward through the same forward then says so instead of reading freed memory."""
     config = llama_config()
     ours = cdnn.LlamaDecoderLayer.from_hf(random_hf_layer(config), backend="reference")
@@ -142,8 +142,8 @@ def test_mlp_backward_frees_its_activations_once(monkeypatch):
 
     def gemm(a, b, ep, **k):
         out = real_gemm(a, b, ep, **k)
-        if ep is cdnn.rms_swiglu:
-            saved.extend((out["D"], out["pre"]))
+        if ep is cdnn.rms_swiglu_fwd:
+            saved.extend((out["D"], out["acc"]))
         return out
     monkeypatch.setattr(cdnn.cd, "gemm", gemm)
     y = ours(torch.randn(2, 7, config.hidden_size, requires_grad=True))

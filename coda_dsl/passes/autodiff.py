@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from ..errors import UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import REDUCTIONS
+from .widths import any_width, infer as infer_widths
 
 GRAD, SAVED = "grad_", "saved_"  # parameter names of the incoming gradients and of saved statistics
 _VEC_OF_AXIS = {"n": "vec_m", "m": "vec_n", None: "scalar"}  # the gradient of a statistic over `axis`
@@ -152,32 +153,59 @@ def derive(program: ir.Program) -> Backward:
 SAVED_ACC = SAVED + "acc"  # the forward's accumulator, an operand of the fused backward
 
 
-def into_producer(back: Backward, output: str = "D") -> ir.Program:
+def into_producer(back: Backward, output: str = "D", split: bool = False) -> ir.Program:
     """The derived backward as the epilogue of the GEMM that computes the incoming gradient of `output`
     (e.g. dY = dOut @ W_next in the layer above): that GEMM's accumulator is the gradient, the forward's
     accumulator becomes the cd.Tensor operand `saved_acc`, and dL/dacc is its D. So the derivative costs
-    no pass of its own. Elementwise math on interleaved values is pushed inside the interleave
-    (op(interleave(a, b), interleave(c, d)) = interleave(op(a, c), op(b, d))), so a pairwise forward's
-    backward ends in one 2N-wide cd.interleave, the form the kernels store."""
+    no pass of its own. For a pairwise forward (2N wide, e.g. SwiGLU) the program is narrowed to N-wide
+    values (_narrower), so its D is one 2N-wide cd.interleave, the form the kernels store; split: that
+    interleave's halves as two N-wide outputs instead, D_even and D_odd (for SwiGLU the gate's and the
+    up projection's gradients, each the plain GEMM operand of its own weight's gradient)."""
     program = back.program
     where = f"epilogue '{program.name}' ({program.defined_at})"
     if output not in back.grads or program.output("acc") is None:
         raise UnsupportedError(f"{where}: nothing to fuse: the forward has no output '{output}' with a "
                                "gradient, or no accumulator gradient")
     grad = ir.load("tensor", GRAD + output)
-    rebuild = _rebuilder({id(ir.acc()): ir.load("tensor", SAVED_ACC), id(grad): ir.acc()},
-                         lambda n, inputs: _pushed_into_interleave(n, inputs) or ir.Node(n.op, inputs, n.attr))
-
-    outputs = tuple(ir.Output("D" if o.name == "acc" else o.name, rebuild(o.node), o.dtype)
-                    for o in program.outputs)
+    swap = _rebuilder({id(ir.acc()): ir.load("tensor", SAVED_ACC), id(grad): ir.acc()})
     params = tuple(ir.Param(SAVED_ACC, "tensor") if p.name == GRAD + output else p for p in program.params)
-    return ir.Program(f"{program.name}_fused", params, outputs, program.defined_at, {})
+    swapped = tuple(ir.Output("D" if o.name == "acc" else o.name, swap(o.node), o.dtype) for o in program.outputs)
+    narrow = _narrower(infer_widths(ir.Program(program.name, params, swapped, program.defined_at, {})))
+    outputs = []
+    for o in swapped:
+        node = narrow(o.node)
+        if split and o.name == "D":
+            if node.op != "interleave":
+                raise UnsupportedError(f"{where}: split=True needs a pairwise forward (cd.pairs of the "
+                                       "accumulator), whose accumulator gradient interleaves two halves")
+            outputs += [ir.Output("D_even", node.inputs[0], o.dtype), ir.Output("D_odd", node.inputs[1], o.dtype)]
+        else:
+            outputs.append(ir.Output(o.name, node, o.dtype))
+    return ir.Program(f"{program.name}_fused", params, tuple(outputs), program.defined_at, {})
 
 
-def _pushed_into_interleave(n: ir.Node, inputs: tuple[ir.Node, ...]) -> ir.Node | None:
-    """interleave(op(evens), op(odds)) for an elementwise op whose inputs are interleaves or constants."""
-    if n.kind != "elementwise" or not any(i.op == "interleave" for i in inputs) or \
-            not all(i.op in ("interleave", "const") for i in inputs):
-        return None
-    part = lambda i, k: i.inputs[k] if i.op == "interleave" else i  # noqa: E731
-    return ir.interleave(*(ir.Node(n.op, tuple(part(i, k) for i in inputs), n.attr) for k in (0, 1)))
+def _narrower(widths: dict):
+    """node -> the same value with its 2N-wide intermediates taken apart into N-wide halves: cd.pairs moved
+    down onto the 2N-wide operands, elementwise math pushed inside cd.interleave (op(interleave(a, b), x) =
+    interleave(op(a, pair0(x)), op(b, pair1(x))), broadcast values going to both), and a row's or the
+    whole sum of an interleave summing its halves. What stays 2N wide is what the kernels move: operands
+    read as pairs, and an output that is one interleave."""
+    def wide(n: ir.Node) -> bool:
+        return n.op == "interleave" or (n.op == "load" and widths.get(id(n)) == 2)
+
+    def halves(n: ir.Node) -> tuple[ir.Node, ir.Node]:
+        if n.op == "interleave":
+            return n.inputs
+        return (ir.pair(n, 0), ir.pair(n, 1)) if wide(n) else (n, n)
+
+    def make(n: ir.Node, inputs: tuple[ir.Node, ...]) -> ir.Node:
+        if not any(wide(i) for i in inputs):
+            return ir.Node(n.op, inputs, n.attr)
+        if n.op == "pair":
+            return halves(inputs[0])[n.attr]
+        if n.kind == "elementwise" and all(wide(i) or any_width(i) for i in inputs):
+            return ir.interleave(*(ir.Node(n.op, tuple(halves(i)[k] for i in inputs), n.attr) for k in (0, 1)))
+        if n.op == "reduce" and n.attr[0] == "sum" and n.attr[1] in ("n", None) and len(inputs) == 1:
+            return ir.Node(n.op, (ir.compute("add", *halves(inputs[0])),), n.attr)
+        return ir.Node(n.op, inputs, n.attr)
+    return _rebuilder({}, make)

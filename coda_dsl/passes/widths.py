@@ -24,7 +24,8 @@ def _rule(n: ir.Node) -> str | None:
     return d.width_rule if d else None
 
 
-def _any_width(n: ir.Node) -> bool:
+def any_width(n: ir.Node) -> bool:
+    """Does n broadcast to any width (scalars, constants, VecM loads)?"""
     return n.op in _ANY or (n.op == "load" and n.attr[0] == "vec_m")
 
 
@@ -54,7 +55,7 @@ def infer(program: ir.Program) -> dict[int, Fraction]:
             rule = _rule(n)
             if rule is None:
                 continue
-            ins = [i for i in n.inputs if not _any_width(i)]
+            ins = [i for i in n.inputs if not any_width(i)]
             if rule == "half":
                 (x,) = n.inputs
                 if id(x) in width:
@@ -85,12 +86,12 @@ def infer(program: ir.Program) -> dict[int, Fraction]:
             rule = _rule(n)
             if rule is None or id(n) in width:
                 continue
-            ins = [width.get(id(i)) for i in n.inputs if not _any_width(i)]
+            ins = [width.get(id(i)) for i in n.inputs if not any_width(i)]
             if ins and all(w is not None for w in ins):
                 w = ins[0] * WIDTH_SCALE[rule]
                 changed |= unify(n, id(n), w)
     for n in nodes:
-        if n.op == "reduce" and id(n.inputs[0]) not in width and not _any_width(n.inputs[0]):
+        if n.op == "reduce" and id(n.inputs[0]) not in width and not any_width(n.inputs[0]):
             width[id(n.inputs[0])] = Fraction(1)
     return width
 

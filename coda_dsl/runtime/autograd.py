@@ -125,10 +125,13 @@ def forward_epilogue(epilogue: Epilogue, **consts) -> Epilogue:
     return _derive(epilogue, consts).forward
 
 
-def backward_epilogue(epilogue: Epilogue, output: str = "D", **consts) -> Epilogue:
+def backward_epilogue(epilogue: Epilogue, output: str = "D", split: bool = False, **consts) -> Epilogue:
     """The derived backward of `epilogue` as the epilogue of the GEMM that produces the gradient of its
     `output` (the backward's dY = dOut @ W of the layer above): call it on that GEMM with the forward's
     accumulator as `saved_acc` (and the forward's other operands, and the other outputs' gradients as
     `grad_<name>`); its D is the gradient of the forward's accumulator, whose GEMMs (dacc @ W, dacc^T x)
-    follow. cd.Const values go in `consts`. For SwiGLU this is the hand-written swiglu_backward's D."""
-    return Epilogue.of_program(into_producer(_derive(epilogue, consts).back, output))
+    follow, and an output per differentiable operand holds that operand's gradient. split (a pairwise
+    forward): D's even and odd columns as two outputs D_even and D_odd instead, e.g. SwiGLU's gate and up
+    gradients for their own weights. cd.Const values go in `consts`. For SwiGLU this is the hand-written
+    swiglu_backward's D."""
+    return Epilogue.of_program(into_producer(_derive(epilogue, consts).back, output, split))
