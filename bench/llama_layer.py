@@ -25,8 +25,10 @@ while the host launches); the queued round-robin also gives each call's host tim
 "fwd" runs under torch.no_grad (inference forward); "fwd+bwd" is torch.autograd.grad of the output
 with respect to the input and every parameter (no accumulation into .grad). Peak MiB: for one
 fwd+bwd, max_memory_allocated minus what was allocated before the call (parameters, inputs): the
-activations, the workspaces and the gradients. The coda_dsl layer's kernels are built first, in one
-parallel run (LlamaDecoderLayer.prebuild: minutes when the cache is cold; progress on stderr).
+activations, the workspaces and the gradients. Held for bwd: what a forward with autograd on leaves
+allocated (its output and the tensors saved for the backward): a layer's share of a model's activations.
+The coda_dsl layer's kernels are built first, in one parallel run (LlamaDecoderLayer.prebuild: minutes
+when the cache is cold; progress on stderr).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -158,6 +160,18 @@ def spin_cycles(ms: float) -> int:
     return int(probe * ms / start.elapsed_time(end))
 
 
+def saved_mib(train_fwd: Callable) -> float:
+    """What one training forward leaves allocated for its backward (its output and the tensors autograd
+    saved): a layer's share of a model's activation memory."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    out = train_fwd()
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    del out
+    return held / 2**20
+
+
 def peak_mib(fn: Callable) -> float:
     """Peak memory allocated during one fn() beyond what was allocated before it."""
     torch.cuda.synchronize()
@@ -222,8 +236,13 @@ def synchronize(device) -> None:
 
 # ---------------------------------------------------------------- the variants
 
-def layer_calls(layer, x, dy, **kwargs) -> tuple[Callable, Callable]:
-    """(forward under no_grad, forward + autograd.grad of the input and every parameter)."""
+class Calls(NamedTuple):
+    fwd: Callable  # the forward under no_grad (inference)
+    fwd_bwd: Callable  # the forward, then autograd.grad of the input and every parameter
+    train_fwd: Callable  # the forward with autograd on: its output holds what the backward will read
+
+
+def layer_calls(layer, x, dy, **kwargs) -> Calls:
     xg = x.detach().requires_grad_()
     params = [p for p in layer.parameters() if p.requires_grad]
 
@@ -234,11 +253,11 @@ def layer_calls(layer, x, dy, **kwargs) -> tuple[Callable, Callable]:
     def fwd_bwd():
         return torch.autograd.grad(layer(xg, **kwargs), [xg, *params], dy)
 
-    return fwd, fwd_bwd
+    return Calls(fwd, fwd_bwd, lambda: layer(xg, **kwargs))
 
 
 def variant_calls(config, batch: int, seq: int, device, backend: str, compile_fn=None) -> dict:
-    """name -> (fwd, fwd_bwd) on the same weights and input; compile_fn: torch.compile (a test passes another)."""
+    """name -> its Calls on the same weights and input; compile_fn: torch.compile (a test passes another)."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer as HFLayer
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -273,6 +292,7 @@ class LayerRow:
     queued_fwd_ms: float | None = None  # the GPU's time alone (time_round_robin(queued=True))
     queued_fwd_bwd_ms: float | None = None
     host_fwd_bwd_ms: float | None = None  # host time to launch one fwd+bwd; None for the floor
+    saved_mib: float | None = None  # what a training forward holds for its backward; None for the floor
     bench: str = "llama_layer"
 
 
@@ -284,7 +304,7 @@ def run_tokens(config, tokens: int, seq: int, iters: int, device="cuda", backend
     parts = floor_parts(config, batch, seq, device)
     timed, extra, failed = {}, {}, []
     outputs = {}
-    for name, (fwd, fwd_bwd) in calls.items():
+    for name, (fwd, fwd_bwd, _) in calls.items():
         try:
             with results_only_on_stdout():
                 for step, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
@@ -326,7 +346,8 @@ def run_tokens(config, tokens: int, seq: int, iters: int, device="cuda", backend
         if (name, "fwd") in timed:
             f, fb = f"{name} fwd", f"{name} fwd+bwd"
             rows.append(LayerRow(tokens, name, ms[f][0], ms[fb][0], peak_mib(timed[(name, "fwd+bwd")]),
-                                 extra.get(name, {}), queued[f][0], queued[fb][0], queued[fb][1]))
+                                 extra.get(name, {}), queued[f][0], queued[fb][0], queued[fb][1],
+                                 saved_mib(calls[name].train_fwd)))
     for name in calls if profile else ():
         if (name, "fwd+bwd") in timed:
             progress(f"llama_layer {tokens} tokens: {name} fwd+bwd, GPU kernels by total time:\n"
@@ -338,20 +359,21 @@ def run_tokens(config, tokens: int, seq: int, iters: int, device="cuda", backend
 
 def table(rows: list[LayerRow], queued: bool = False) -> str:
     """Per token count: each variant's times (lone calls, or queued), its ratio to the floor, coda_dsl's
-    speedup over it, and peak MiB (lone) or host ms per fwd+bwd (queued)."""
+    speedup over it, and its memory (lone: peak of a fwd+bwd, held by a training forward) or host ms per
+    fwd+bwd (queued)."""
     times = (lambda r: (r.queued_fwd_ms, r.queued_fwd_bwd_ms)) if queued else (lambda r: (r.fwd_ms, r.fwd_bwd_ms))
     out = []
     for r in rows:
-        (f, fb), last = times(r), r.host_fwd_bwd_ms if queued else r.peak_mib
+        (f, fb), last = times(r), [r.host_fwd_bwd_ms] if queued else [r.peak_mib, r.saved_mib]
         floor = times(next(x for x in rows if x.tokens == r.tokens and x.variant == FLOOR))
         coda = next((times(c) for c in rows if c.tokens == r.tokens and c.variant == CODA), None)
         speed = ["–", "–"] if coda is None or r.variant in (CODA, FLOOR) else \
             [f"{f / coda[0]:.2f}×", f"{fb / coda[1]:.2f}×"]
         out.append([r.tokens, r.variant, f"{f:.2f}", f"{fb:.2f}", f"{f / floor[0]:.3f}", f"{fb / floor[1]:.3f}",
-                    *speed, "–" if last is None else f"{last:.2f}" if queued else f"{last:.0f}"])
+                    *speed, *("–" if v is None else f"{v:.2f}" if queued else f"{v:.0f}" for v in last)])
+    memory = ["host ms per fwd+bwd"] if queued else ["peak fwd+bwd (MiB)", "held for bwd (MiB)"]
     return markdown(["tokens", "variant", "fwd (ms)", "fwd+bwd (ms)", "fwd × floor", "fwd+bwd × floor",
-                     "coda_dsl speedup fwd", "coda_dsl speedup fwd+bwd",
-                     "host ms per fwd+bwd" if queued else "peak fwd+bwd (MiB)"], out, numeric=7)
+                     "coda_dsl speedup fwd", "coda_dsl speedup fwd+bwd", *memory], out, numeric=6 + len(memory))
 
 
 def parts_table(config, seq: int, rows: list[LayerRow]) -> str:

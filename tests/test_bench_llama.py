@@ -54,8 +54,8 @@ def test_fwd_bwd_returns_gradients_without_accumulating():
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer as HFLayer
     layer = cdnn.LlamaDecoderLayer.from_hf(HFLayer(config, 0), backend="reference")
     x = torch.randn(1, 8, config.hidden_size)
-    fwd, fwd_bwd = ll.layer_calls(layer, x, torch.randn_like(x))
-    assert not fwd().requires_grad
+    fwd, fwd_bwd, train_fwd = ll.layer_calls(layer, x, torch.randn_like(x))
+    assert not fwd().requires_grad and train_fwd().requires_grad
     grads = fwd_bwd()
     assert len(grads) == 1 + 9 and grads[0].shape == x.shape
     assert all(p.grad is None for p in layer.parameters())
@@ -84,14 +84,14 @@ def test_no_cuda_exits_with_one_line(entry, capsys, monkeypatch):
 
 def test_layer_table():
     rows = [ll.LayerRow(8192, ll.FLOOR, 6.0, 16.0, None, {"parts_ms": {}}, 5.0, 15.0),
-            ll.LayerRow(8192, ll.CODA, 6.6, 16.8, 5000.0, {}, 5.5, 15.0, 4.0),
-            ll.LayerRow(8192, ll.EAGER, 9.9, 21.0, 9000.0, {}, 6.6, 19.5, 3.0),
-            ll.LayerRow(8192, ll.COMPILED, 7.92, 18.48, 7000.4, {}, 5.0, 16.5, 2.5)]
+            ll.LayerRow(8192, ll.CODA, 6.6, 16.8, 5000.0, {}, 5.5, 15.0, 4.0, 1100.2),
+            ll.LayerRow(8192, ll.EAGER, 9.9, 21.0, 9000.0, {}, 6.6, 19.5, 3.0, 1500.0),
+            ll.LayerRow(8192, ll.COMPILED, 7.92, 18.48, 7000.4, {}, 5.0, 16.5, 2.5, 800.0)]
     lines = ll.table(rows).splitlines()
-    assert lines[1] == "|---|---|" + "---:|" * 7
-    assert lines[2] == "| 8192 | floor (cuBLAS GEMMs + SDPA) | 6.00 | 16.00 | 1.000 | 1.000 | – | – | – |"
-    assert lines[3] == "| 8192 | coda_dsl | 6.60 | 16.80 | 1.100 | 1.050 | – | – | 5000 |"
-    assert lines[5] == "| 8192 | HF torch.compile | 7.92 | 18.48 | 1.320 | 1.155 | 1.20× | 1.10× | 7000 |"
+    assert lines[0].endswith("| peak fwd+bwd (MiB) | held for bwd (MiB) |") and lines[1] == "|---|---|" + "---:|" * 8
+    assert lines[2] == "| 8192 | floor (cuBLAS GEMMs + SDPA) | 6.00 | 16.00 | 1.000 | 1.000 | – | – | – | – |"
+    assert lines[3] == "| 8192 | coda_dsl | 6.60 | 16.80 | 1.100 | 1.050 | – | – | 5000 | 1100 |"
+    assert lines[5] == "| 8192 | HF torch.compile | 7.92 | 18.48 | 1.320 | 1.155 | 1.20× | 1.10× | 7000 | 800 |"
     queued = ll.table(rows, queued=True).splitlines()
     assert queued[0].endswith("| host ms per fwd+bwd |")
     assert queued[2] == "| 8192 | floor (cuBLAS GEMMs + SDPA) | 5.00 | 15.00 | 1.000 | 1.000 | – | – | – |"
@@ -115,6 +115,7 @@ def host_timing(monkeypatch, tmp_path):
         return out
     monkeypatch.setattr(ll, "time_round_robin", round_robin)
     monkeypatch.setattr(ll, "peak_mib", lambda fn: fn() is not None and 1.0)
+    monkeypatch.setattr(ll, "saved_mib", lambda fn: fn().requires_grad and 2.0)
     return tmp_path, timed
 
 
@@ -142,7 +143,7 @@ def test_layer_bench_runs_on_cpu(host_timing, capsys):
     assert floor["fwd_bwd_ms"] == pytest.approx(sum(floor["extra"]["parts_ms"].values()))
     assert floor["queued_fwd_bwd_ms"] == pytest.approx(sum(floor["extra"]["queued_parts_ms"].values()))
     assert len(timed) == 4 and timed[1] == timed[0]  # per token count: lone calls, then queued ones
-    assert all(r["host_fwd_bwd_ms"] > 0 for r in rows if r["variant"] != ll.FLOOR)
+    assert all(r["host_fwd_bwd_ms"] > 0 and r["saved_mib"] == 2.0 for r in rows if r["variant"] != ll.FLOOR)
     assert "Queued calls" in out
     # bf16, the same weights: coda_dsl and "compiled" HF (eager here) agree with HF eager
     assert rows[1]["extra"]["rel_err_vs_hf_eager"] < 2e-2 and rows[3]["extra"]["rel_err_vs_hf_eager"] == 0
@@ -234,7 +235,7 @@ def test_layer_bench_smoke_gpu(tmp_path, monkeypatch, capsys):
     rows = json.loads((tmp_path / "llama_layer.json").read_text())["rows"]
     assert [r["variant"] for r in rows] == [ll.FLOOR, *ll.VARIANTS]
     assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > r["fwd_ms"] for r in rows)
-    assert all(r["peak_mib"] > 0 for r in rows[1:])
+    assert all(r["peak_mib"] > 0 and r["saved_mib"] > 0 for r in rows[1:])
     assert rows[1]["extra"]["rel_err_vs_hf_eager"] < 2e-2 and rows[3]["extra"]["rel_err_vs_hf_eager"] < 2e-2
 
 
