@@ -377,6 +377,22 @@ def test_backward_epilogue_fuses_into_the_producer_gemm():
     assert forward_epilogue(bias_gelu).output_names == ("D", "acc")
 
 
+def test_outputs_without_a_gradient():
+    """no_grad: an output kept for the backward (SwiGLU's pre-activation) gets no grad_<name> operand; the
+    derived backward is then SwiGLU's. Unknown names are refused."""
+    from coda_dsl.library import swiglu, swiglu_keep_preactivation
+    keep = cd.backward_epilogue(swiglu_keep_preactivation)
+    assert {p.name for p in keep.params} == {"saved_acc", "grad_pre"}
+    bw = cd.backward_epilogue(swiglu_keep_preactivation, no_grad=("pre",))
+    assert [p.name for p in bw.params] == ["saved_acc"] and bw.output_names == ("D",)
+    dy, acc = torch.randn(9, 6), torch.randn(9, 12)
+    want = cd.gemm(dy, torch.eye(6), cd.backward_epilogue(swiglu), saved_acc=acc, backend="reference")["D"]
+    got = cd.gemm(dy, torch.eye(6), bw, saved_acc=acc, backend="reference")["D"]
+    assert torch.equal(got, want)
+    with pytest.raises(UnsupportedError, match=r"no_grad names \['y'\], which are not outputs"):
+        cd.backward_epilogue(swiglu_keep_preactivation, no_grad=("y",))
+
+
 def test_backward_epilogue_narrows_a_pairwise_forward_with_a_row_operand():
     """rms_swiglu (rstd per row, then SwiGLU of the interleaved pairs), derived and fused: the 2N-wide
     intermediates are taken apart (pairs onto saved_acc, math inside the interleave, rstd's row sum over

@@ -90,9 +90,13 @@ def _rebuilder(swap: dict[int, ir.Node], make=lambda n, inputs: ir.Node(n.op, in
     return rebuild
 
 
-def derive(program: ir.Program) -> Backward:
-    """The backward of a specialized forward program (cd.Const values bound)."""
+def derive(program: ir.Program, no_grad: tuple[str, ...] = ()) -> Backward:
+    """The backward of a specialized forward program (cd.Const values bound). no_grad: outputs whose
+    incoming gradient is zero (e.g. a pre-activation stored for the backward): no grad_<name> for them."""
     where = f"epilogue '{program.name}' ({program.defined_at})"
+    if unknown := set(no_grad) - {o.name for o in program.outputs}:
+        raise UnsupportedError(f"{where}: no_grad names {sorted(unknown)}, which are not outputs of the epilogue "
+                               f"({', '.join(o.name for o in program.outputs)})")
     kinds = {p.name: p.kind for p in program.params}
     for name in kinds:
         if name.startswith((GRAD, SAVED)) or name == "acc":
@@ -100,7 +104,7 @@ def derive(program: ir.Program) -> Backward:
                                    f"('acc', '{GRAD}*', '{SAVED}*'): rename it to differentiate the epilogue")
     adjoint: dict[int, ir.Node] = {}
     params, grads, saved, unfinished, finishing_scalars = [], [], [], [], set()
-    for o in program.outputs:
+    for o in (o for o in program.outputs if o.name not in no_grad):
         r = ir.reduction_of(o.node)
         if r is None:
             grads.append(o.name)

@@ -42,11 +42,11 @@ class _Derived:
 _derived: "weakref.WeakKeyDictionary[Epilogue, dict]" = weakref.WeakKeyDictionary()
 
 
-def _derive(ep: Epilogue, consts: dict) -> _Derived:
-    key = tuple(sorted((k, repr(v)) for k, v in consts.items()))
+def _derive(ep: Epilogue, consts: dict, no_grad: tuple[str, ...] = ()) -> _Derived:
+    key = (tuple(sorted((k, repr(v)) for k, v in consts.items())), tuple(sorted(no_grad)))
     per_ep = _derived.setdefault(ep, {})
     if key not in per_ep:
-        back = derive(specialize(ep.program, consts))
+        back = derive(specialize(ep.program, consts), no_grad)
         p, forward = ep.program, ep
         if back.uses_acc and p.output(ACC_OUTPUT):
             raise OperandError(f"cd.linear: epilogue '{ep.name}' has an output named '{ACC_OUTPUT}', the name "
@@ -125,13 +125,15 @@ def forward_epilogue(epilogue: Epilogue, **consts) -> Epilogue:
     return _derive(epilogue, consts).forward
 
 
-def backward_epilogue(epilogue: Epilogue, output: str = "D", split: bool = False, **consts) -> Epilogue:
+def backward_epilogue(epilogue: Epilogue, output: str = "D", split: bool = False, no_grad: tuple[str, ...] = (),
+                      **consts) -> Epilogue:
     """The derived backward of `epilogue` as the epilogue of the GEMM that produces the gradient of its
     `output` (the backward's dY = dOut @ W of the layer above): call it on that GEMM with the forward's
     accumulator as `saved_acc` (and the forward's other operands, and the other outputs' gradients as
     `grad_<name>`); its D is the gradient of the forward's accumulator, whose GEMMs (dacc @ W, dacc^T x)
     follow, and an output per differentiable operand holds that operand's gradient. split (a pairwise
     forward): D's even and odd columns as two outputs D_even and D_odd instead, e.g. SwiGLU's gate and up
-    gradients for their own weights. cd.Const values go in `consts`. For SwiGLU this is the hand-written
-    swiglu_backward's D."""
-    return Epilogue.of_program(into_producer(_derive(epilogue, consts).back, output, split))
+    gradients for their own weights. no_grad: outputs with no incoming gradient (a pre-activation kept for
+    the backward, say), which then need no grad_<name> operand. cd.Const values go in `consts`. For
+    SwiGLU this is the hand-written swiglu_backward's D."""
+    return Epilogue.of_program(into_producer(_derive(epilogue, consts, tuple(no_grad)).back, output, split))
