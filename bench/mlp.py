@@ -15,7 +15,8 @@ Shapes are M x F x D (tokens x FFN x hidden). Steps, every variant on the same o
     (what the layer ran before the derived one).
   Floor: the bare cuBLAS dY. torch.compile: torch.mm, then torch.compile of HF's SwiGLU backward over
   separate gate and up tensors.
---configs: `default` (the config cd.gemm picks at the shape) and runtime/tune.py's named ones. Ratios are
+--configs: `default` (the config cd.gemm picks at the shape), runtime/tune.py's named ones, or any config
+text (e.g. 128x128x64_c1x2_pingpong_e64x32_s4: see passes/plan.Config.parse). Ratios are
 time / the step's floor: lower is better. Each coda_dsl variant's first output is checked against eager
 PyTorch's (rel_err in the JSON; a warning on stderr above 3e-2).
 """
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 import coda_dsl as cd
 from coda_dsl.library import swiglu_grad
 from coda_dsl.nn import rms_swiglu_fwd, rms_swiglu_grad
+from coda_dsl.passes.plan import Config
 from coda_dsl.runtime.tune import DEFAULT, PINGPONG, PINGPONG_192, default
 
 from .harness import (Row, fmt, markdown, no_gpu, parser, progress, results_only_on_stdout, rotation, save, shapes,
@@ -125,7 +127,10 @@ STEPS = {
 
 
 def _config(name: str, shape: tuple, step: str):
+    """The config text a --configs entry means at this shape and step."""
     m, f, d = shape
+    if name not in CONFIGS:
+        return Config.parse(name).text
     return (CONFIGS[name] or default(m, *STEPS[step].n_k(f, d))[0]).text
 
 
@@ -176,13 +181,18 @@ def main(argv=None) -> int:
     p = parser("python -m bench.mlp", __doc__)
     p.add_argument("--steps", default="gate_up,dY", help=f"comma-separated, of {list(STEPS)}")
     p.add_argument("--shapes", type=shapes, default=SHAPES, help="MxFxD,... (default %(default)s)")
-    p.add_argument("--configs", default="default", help=f"comma-separated, of {list(CONFIGS)}")
+    p.add_argument("--configs", default="default",
+                   help=f"comma-separated: {list(CONFIGS)} or config texts like 128x128x64_c1x2_pingpong")
     p.add_argument("--iters", type=int, default=30)
     args = p.parse_args(argv)
     steps, configs = args.steps.split(","), args.configs.split(",")
-    for flag, names, known in (("--steps", steps, STEPS), ("--configs", configs, CONFIGS)):
-        if unknown := set(names) - set(known):
-            p.error(f"{flag}: unknown {sorted(unknown)}; choose from {list(known)}")
+    if unknown := set(steps) - set(STEPS):
+        p.error(f"--steps: unknown {sorted(unknown)}; choose from {list(STEPS)}")
+    for c in (c for c in configs if c not in CONFIGS):
+        try:
+            Config.parse(c)
+        except ValueError as e:
+            p.error(f"--configs: {c!r} is none of {list(CONFIGS)} and not a config text: {e}")
     if no_gpu():
         return 1
     rows = []

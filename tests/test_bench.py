@@ -219,10 +219,11 @@ def test_mlp_on_fake_gpu(fake_gpu, capsys, monkeypatch):
     assert all(r["extra"]["rel_err"] < 1e-2 for r in rows if r["variant"].startswith("coda_dsl"))
     assert mlp.main(["--steps", "gate_up", "--shapes", "32x64x48", "--iters", "1"]) == 0
     assert "| dY |" not in capsys.readouterr().out
-    for flag, bad in (("--configs", "fastest"), ("--steps", "down")):
+    for flag, bad, said in (("--configs", "fastest", "'fastest' is none of"), ("--steps", "down", "unknown ['down']")):
         with pytest.raises(SystemExit):
             mlp.main([flag, bad])
-        assert f"{flag}: unknown ['{bad}']" in capsys.readouterr().err
+        assert f"{flag}: {said}" in capsys.readouterr().err
+    assert mlp._config("128x128x64_c1x2_pingpong_s4", (8192, 14336, 4096), "dY") == "128x128x64_c1x2_pingpong_s4"
 
 
 def test_mlp_prebuild_builds_each_kernel_once(monkeypatch):
