@@ -15,6 +15,8 @@ Shapes are M x F x D (tokens x FFN x hidden). Steps, every variant on the same o
     (what the layer ran before the derived one).
   Floor: the bare cuBLAS dY. torch.compile: torch.mm, then torch.compile of HF's SwiGLU backward over
   separate gate and up tensors.
+Each step also runs coda_dsl's kernel with the identity epilogue at each config: the bare GEMM through
+the same mainloop, so a fused kernel's time splits into the mainloop's gap to cuBLAS and its epilogue's.
 --configs: `default` (the config cd.gemm picks at the shape), runtime/tune.py's named ones, or any config
 text (e.g. 128x128x64_c1x2_pingpong_e64x32_s4: see passes/plan.Config.parse). Ratios are
 time / the step's floor: lower is better. Each coda_dsl variant's first output is checked against eager
@@ -104,17 +106,20 @@ def _dy_inputs(m: int, f: int, d: int) -> dict:
 
 STEPS = {
     "gate_up": Step(
-        "cuBLAS gate/up GEMM", "torch.compile (gate, up GEMMs + SwiGLU)", [rms_swiglu_fwd], _gate_up_inputs,
+        "cuBLAS gate/up GEMM", "torch.compile (gate, up GEMMs + SwiGLU)", [rms_swiglu_fwd, cd.identity],
+        _gate_up_inputs,
         floor=lambda o: o["h"] @ o["w"].t(),
         compiled=lambda compile: (lambda o, fn=compile(hf_swiglu): fn(o["h"] @ o["wg"].t(), o["h"] @ o["wu"].t())),
-        coda=lambda ep, config, o: cd.gemm(o["h"], o["w"], ep, rstd=o["rstd"], config=config, backend=BACKEND),
+        coda=lambda ep, config, o: cd.gemm(o["h"], o["w"], ep, config=config, backend=BACKEND,
+                                           **{p.name: o[p.name] for p in ep.params}),
         want=lambda o: hf_swiglu(*(o["rstd"][:, None] * (o["h"].float() @ o["w"].float().t()))
                                  .unflatten(-1, (-1, 2)).unbind(-1)),
         first=lambda out: out["D"],
         flops=lambda m, f, d: 2 * m * 2 * f * d,
         n_k=lambda f, d: (2 * f, d)),
     "dY": Step(
-        "cuBLAS dY", "torch.compile (mm + SwiGLU backward)", [rms_swiglu_grad, rms_swiglu_grad_by_hand], _dy_inputs,
+        "cuBLAS dY", "torch.compile (mm + SwiGLU backward)", [rms_swiglu_grad, rms_swiglu_grad_by_hand, cd.identity],
+        _dy_inputs,
         floor=lambda o: o["dout"] @ o["w"],
         compiled=lambda compile: (lambda o, fn=compile(hf_swiglu_backward): fn(o["dout"] @ o["w"], o["gate"], o["up"])),
         coda=lambda ep, config, o: cd.gemm(o["dout"], o["w"].t(), ep, config=config, backend=BACKEND,
@@ -134,12 +139,14 @@ def _config(name: str, shape: tuple, step: str):
     return (CONFIGS[name] or default(m, *STEPS[step].n_k(f, d))[0]).text
 
 
-def variants(step: str, configs: list[str], shape: tuple) -> dict[str, Callable[[dict], object]]:
+def variants(step: str, configs: list[str], shape: tuple) -> dict[str, tuple[Callable[[dict], object], bool]]:
+    """label -> (the call, whether its first output is the step's result, checked against eager PyTorch)."""
     s = STEPS[step]
-    out = {s.floor_name: s.floor, s.compiled_name: s.compiled(torch.compile)}
+    out = {s.floor_name: (s.floor, False), s.compiled_name: (s.compiled(torch.compile), False)}
     for ep in s.epilogues:
         for c in configs:
-            out[f"coda_dsl {ep.name} ({c})"] = lambda o, ep=ep, config=_config(c, shape, step): s.coda(ep, config, o)
+            out[f"coda_dsl {ep.name} ({c})"] = (lambda o, ep=ep, config=_config(c, shape, step): s.coda(ep, config, o),
+                                                ep is not cd.identity)
     return out
 
 
@@ -149,7 +156,7 @@ def prebuild(steps: list[str], configs: list[str], todo: list[tuple]) -> None:
     x, f32 = torch.empty(64, 64, dtype=torch.bfloat16, device=DEVICE), torch.empty(64, device=DEVICE)
     wide = torch.cat((x, x), -1)
     small = {"gate_up": ((x, x), dict(rstd=f32)), "dY": ((x, x.t()), dict(saved_acc=wide, pre=wide, rstd=f32))}
-    ops = {(ep.name, cfg): cd.compile(ep, *small[step][0], config=cfg,
+    ops = {(step, ep.name, cfg): cd.compile(ep, *small[step][0], config=cfg,
                                       **{p.name: small[step][1][p.name] for p in ep.params})
            for step in steps for ep in STEPS[step].epilogues for c in configs for s in todo
            for cfg in [_config(c, s, step)]}
@@ -163,10 +170,10 @@ def measure(step: str, shape: tuple, configs: list[str], iters: int) -> list[Row
     sets = rotation(lambda: next(made, None) or s.inputs(m, f, d), sum(t.nbytes for t in one.values()))
     want = s.want(one)
     times, errs = {}, {}
-    for label, fn in variants(step, configs, shape).items():
+    for label, (fn, check) in variants(step, configs, shape).items():
         progress(f"mlp {step} {fmt(shape)}: {label}")
         got = fn(one)  # builds / compiles outside the timing
-        if label.startswith("coda_dsl"):
+        if check:
             errs[label] = ((s.first(got).float() - want).norm() / want.norm()).item()
             if errs[label] > 3e-2:
                 progress(f"  {label}: differs from eager PyTorch's by {errs[label]:.1e}")

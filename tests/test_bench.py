@@ -216,7 +216,9 @@ def test_mlp_on_fake_gpu(fake_gpu, capsys, monkeypatch):
     assert "differs" not in err  # every coda_dsl variant's first output agrees with eager PyTorch's
     rows = json.loads((fake_gpu / "mlp.json").read_text())["rows"]
     assert len(rows) == sum(2 + 2 * len(s.epilogues) for s in mlp.STEPS.values())
-    assert all(r["extra"]["rel_err"] < 1e-2 for r in rows if r["variant"].startswith("coda_dsl"))
+    assert all(r["extra"]["rel_err"] < 1e-2 for r in rows if r["variant"].startswith("coda_dsl")
+               and "identity" not in r["variant"])
+    assert sum("coda_dsl identity" in r["variant"] for r in rows) == 2 * len(mlp.STEPS)
     assert mlp.main(["--steps", "gate_up", "--shapes", "32x64x48", "--iters", "1"]) == 0
     assert "| dY |" not in capsys.readouterr().out
     for flag, bad, said in (("--configs", "fastest", "'fastest' is none of"), ("--steps", "down", "unknown ['down']")):
@@ -234,9 +236,9 @@ def test_mlp_prebuild_builds_each_kernel_once(monkeypatch):
                         lambda ep, a, b, config, **o: built.append((ep.name, config, tuple(sorted(o)))))
     monkeypatch.setattr(runtime_op, "prebuild", lambda ops: None)
     mlp.prebuild(["gate_up", "dY"], ["default", "cooperative"], [(8192, 14336, 4096)])
-    assert len(built) == 2 * (1 + 2) and len(set(built)) == len(built)
+    assert len(built) == 2 * (2 + 3)  # per config: each step's epilogues and its identity (its own B layout)
     assert {name: o for name, _, o in built} == {"rms_swiglu": ("rstd",), "rms_swiglu_grad_by_hand": ("pre", "rstd"),
-                                                 "rms_swiglu_backward_fused": ("rstd", "saved_acc")}
+                                                 "rms_swiglu_backward_fused": ("rstd", "saved_acc"), "identity": ()}
 
 
 def test_failures_are_reported_and_the_rest_measured(fake_gpu, capsys, monkeypatch):
