@@ -416,6 +416,9 @@ def test_backward_epilogue_narrows_a_pairwise_forward_with_a_row_operand():
         got = cd.gemm(dout, w_down.t(), bw, saved_acc=acc.detach(), rstd=rstd.detach(), backend="reference")
         dacc = torch.stack((got["D_even"], got["D_odd"]), -1).flatten(-2) if split else got["D"]
         assert rel_err(dacc, acc.grad) < 1e-5 and rel_err(got["rstd"], rstd.grad) < 1e-5
+        # a row operand's gradient is a reduction: fp32 like every reduction output, on every backend and
+        # in torch.compile's fake outputs (runtime/torch_op.py reads the program's dtype)
+        assert bw.program.output("rstd").dtype == "fp32"
         sig = Signature("bf16", "nk", (("rstd", "fp32"), ("saved_acc", "bf16")),
                         tuple((o, "fp32" if o == "rstd" else "bf16") for o in outs))
         kinds = [type(n) for n in lower(specialize(bw.program, {}), sig).nodes]
