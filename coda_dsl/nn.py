@@ -29,9 +29,9 @@ Design decisions:
 - **Backward.** The MLP is one `torch.autograd.Function` (`_Mlp`): its backward GEMM dY = dOut @ W_down
   carries the SwiGLU and rstd derivative in its epilogue (`rms_swiglu_grad`, derived from `rms_swiglu` by
   passes/autodiff.py: it reads the saved [M, 2F] accumulator and writes the gate and up accumulators'
-  gradients, [M, F] each, and rstd's). The other steps are named
-  functions of plain torch ops (`rms_rope_backward`, `rms_producer_backward`, `residual_rms_backward`),
-  fused by torch.compile on CUDA, between cuBLAS GEMMs. Only the gradients autograd asks for are computed.
+  gradients, [M, F] each, and rstd's). The other steps are named functions of plain torch ops
+  (`rms_rope_backward`, `rms_producer_backward`, `residual_rms_backward`), fused by torch.compile on
+  CUDA, between cuBLAS GEMMs. Only the gradients autograd asks for are computed.
 - **Attention mask: causal only**, per row of the batch (SDPA; GQA by `enable_gqa`, torch >= 2.5).
   Packed sequences may restart `position_ids` (RoPE follows them) but attention still spans the
   whole row; a mask other than None is refused.
