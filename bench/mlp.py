@@ -11,6 +11,7 @@ Shapes are M x F x D (tokens x FFN x hidden). Steps, every variant on the same o
 - dY (backward): dY = dOut @ W_down ([M, F]) with the SwiGLU and rstd derivative in its epilogue:
   - `rms_swiglu_grad` (coda_dsl.nn's, what the layer runs: derived from rms_swiglu by passes/autodiff.py,
     reading the saved accumulator): d gate, d up, d rstd;
+  - `rms_swiglu_grad + y`: the same and y again (recompute=("D",): a forward that keeps less);
   - `rms_swiglu_grad_by_hand`: the same written by hand, reading the saved pre-activation rstd * acc
     (what the layer ran before the derived one).
   Floor: the bare cuBLAS dY. torch.compile: torch.mm, then torch.compile of HF's SwiGLU backward over
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 
 import coda_dsl as cd
 from coda_dsl.library import swiglu_grad
-from coda_dsl.nn import rms_swiglu_fwd, rms_swiglu_grad
+from coda_dsl.nn import rms_swiglu, rms_swiglu_fwd, rms_swiglu_grad
 from coda_dsl.passes.plan import Config
 from coda_dsl.runtime.tune import DEFAULT, PINGPONG, PINGPONG_192, default
 
@@ -44,6 +45,10 @@ from .harness import command as command_line
 SHAPES = [(8192, 14336, 4096)]  # Llama-3-8B: tokens x FFN x hidden
 BACKEND, DEVICE = "cutlass", "cuda"  # the CPU test runs the plumbing on the reference backend
 CONFIGS = {"default": None, "cooperative": DEFAULT, "pingpong": PINGPONG, "pingpong192": PINGPONG_192}
+
+
+# the derived one that also writes y again (a forward that does not keep y for W_down's gradient)
+rms_swiglu_grad_and_y = cd.backward_epilogue(rms_swiglu, split=True, recompute=("D",))
 
 
 @cd.epilogue
@@ -73,7 +78,7 @@ class Step:
     operands as one dict."""
     floor_name: str
     compiled_name: str
-    epilogues: list
+    epilogues: dict  # label -> epilogue
     inputs: Callable[[int, int, int], dict]  # (M, F, D) -> named operands
     floor: Callable[[dict], torch.Tensor]
     compiled: Callable[[Callable], Callable]  # torch.compile -> the call
@@ -106,7 +111,8 @@ def _dy_inputs(m: int, f: int, d: int) -> dict:
 
 STEPS = {
     "gate_up": Step(
-        "cuBLAS gate/up GEMM", "torch.compile (gate, up GEMMs + SwiGLU)", [rms_swiglu_fwd, cd.identity],
+        "cuBLAS gate/up GEMM", "torch.compile (gate, up GEMMs + SwiGLU)",
+        {"rms_swiglu_fwd": rms_swiglu_fwd, "identity": cd.identity},
         _gate_up_inputs,
         floor=lambda o: o["h"] @ o["w"].t(),
         compiled=lambda compile: (lambda o, fn=compile(hf_swiglu): fn(o["h"] @ o["wg"].t(), o["h"] @ o["wu"].t())),
@@ -118,7 +124,9 @@ STEPS = {
         flops=lambda m, f, d: 2 * m * 2 * f * d,
         n_k=lambda f, d: (2 * f, d)),
     "dY": Step(
-        "cuBLAS dY", "torch.compile (mm + SwiGLU backward)", [rms_swiglu_grad, rms_swiglu_grad_by_hand, cd.identity],
+        "cuBLAS dY", "torch.compile (mm + SwiGLU backward)",
+        {"rms_swiglu_grad": rms_swiglu_grad, "rms_swiglu_grad + y": rms_swiglu_grad_and_y,
+         "rms_swiglu_grad_by_hand": rms_swiglu_grad_by_hand, "identity": cd.identity},
         _dy_inputs,
         floor=lambda o: o["dout"] @ o["w"],
         compiled=lambda compile: (lambda o, fn=compile(hf_swiglu_backward): fn(o["dout"] @ o["w"], o["gate"], o["up"])),
@@ -143,10 +151,10 @@ def variants(step: str, configs: list[str], shape: tuple) -> dict[str, tuple[Cal
     """label -> (the call, whether its first output is the step's result, checked against eager PyTorch)."""
     s = STEPS[step]
     out = {s.floor_name: (s.floor, False), s.compiled_name: (s.compiled(torch.compile), False)}
-    for ep in s.epilogues:
+    for name, ep in s.epilogues.items():
         for c in configs:
-            out[f"coda_dsl {ep.name} ({c})"] = (lambda o, ep=ep, config=_config(c, shape, step): s.coda(ep, config, o),
-                                                ep is not cd.identity)
+            out[f"coda_dsl {name} ({c})"] = (lambda o, ep=ep, config=_config(c, shape, step): s.coda(ep, config, o),
+                                             ep is not cd.identity)
     return out
 
 
@@ -156,9 +164,9 @@ def prebuild(steps: list[str], configs: list[str], todo: list[tuple]) -> None:
     x, f32 = torch.empty(64, 64, dtype=torch.bfloat16, device=DEVICE), torch.empty(64, device=DEVICE)
     wide = torch.cat((x, x), -1)
     small = {"gate_up": ((x, x), dict(rstd=f32)), "dY": ((x, x.t()), dict(saved_acc=wide, pre=wide, rstd=f32))}
-    ops = {(step, ep.name, cfg): cd.compile(ep, *small[step][0], config=cfg,
+    ops = {(step, name, cfg): cd.compile(ep, *small[step][0], config=cfg,
                                       **{p.name: small[step][1][p.name] for p in ep.params})
-           for step in steps for ep in STEPS[step].epilogues for c in configs for s in todo
+           for step in steps for name, ep in STEPS[step].epilogues.items() for c in configs for s in todo
            for cfg in [_config(c, s, step)]}
     runtime.prebuild(list(ops.values()))
 

@@ -425,6 +425,26 @@ def test_backward_epilogue_narrows_a_pairwise_forward_with_a_row_operand():
         assert [kinds.count(k) for k in (WideLoad, Unpack, Reduce)] == [1, 2, 1]
         assert [kinds.count(k) for k in (Pack, WideStore)] == ([0, 0] if split else [1, 1])
 
+    # recompute: y again, from the saved accumulator, for a forward that does not keep it
+    bw = cd.backward_epilogue(rms_swiglu, split=True, recompute=("D",))
+    assert bw.output_names == ("D_even", "D_odd", "rstd", "recomputed_D")
+    got = cd.gemm(dout, w_down.t(), bw, saved_acc=acc.detach(), rstd=rstd.detach(), backend="reference")
+    y = torch.nn.functional.silu(pre[:, 0::2]) * pre[:, 1::2]
+    assert rel_err(got["recomputed_D"], y) < 1e-6 and rel_err(got["rstd"], rstd.grad) < 1e-5
+    sig = Signature("bf16", "nk", (("rstd", "fp32"), ("saved_acc", "bf16")),
+                    tuple((o, "fp32" if o == "rstd" else "bf16") for o in bw.output_names))
+    kinds = [type(n).__name__ for n in lower(specialize(bw.program, {}), sig).nodes]
+    assert kinds.count("AuxStore") == 3 and kinds.count("WideLoad") == 1
+
+    @cd.epilogue
+    def with_statistic(acc):
+        g, u = cd.pairs(acc)
+        y = cd.silu(g) * u
+        return {"D": y, "ss": cd.sum(y * y, axis="n")}
+    for name in ("ss", "nope"):
+        with pytest.raises(UnsupportedError, match=f"recompute names '{name}'"):
+            cd.backward_epilogue(with_statistic, recompute=(name,), no_grad=("ss",))
+
     @cd.epilogue
     def scaled_relu(acc, s: cd.VecM):
         return cd.relu(acc * s)

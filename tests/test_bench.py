@@ -236,7 +236,7 @@ def test_mlp_prebuild_builds_each_kernel_once(monkeypatch):
                         lambda ep, a, b, config, **o: built.append((ep.name, config, tuple(sorted(o)))))
     monkeypatch.setattr(runtime_op, "prebuild", lambda ops: None)
     mlp.prebuild(["gate_up", "dY"], ["default", "cooperative"], [(8192, 14336, 4096)])
-    assert len(built) == 2 * (2 + 3)  # per config: each step's epilogues and its identity (its own B layout)
+    assert len(built) == 2 * (2 + 4)  # per config: each step's epilogues and its identity (its own B layout)
     assert {name: o for name, _, o in built} == {"rms_swiglu": ("rstd",), "rms_swiglu_grad_by_hand": ("pre", "rstd"),
                                                  "rms_swiglu_backward_fused": ("rstd", "saved_acc"), "identity": ()}
 

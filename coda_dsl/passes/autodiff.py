@@ -57,6 +57,7 @@ class Backward:
     saved: tuple[str, ...]  # statistics the derivative reads (saved_<name>: before .then, if any)
     unfinished: tuple[str, ...]  # those of `saved` under a .then: the forward must output them as saved_<name>
     uses_acc: bool  # reads the forward's accumulator (else only the operands and gradients)
+    forward: ir.Program  # the (specialized) forward it was derived from
 
 
 def _add(a: ir.Node | None, b: ir.Node) -> ir.Node:
@@ -154,20 +155,26 @@ def derive(program: ir.Program, no_grad: tuple[str, ...] = ()) -> Backward:
     uses = {n.op for n in ir.topo_order([o.node for o in outputs])}
     backward = ir.Program(f"{program.name}_backward", tuple(p for p in program.params if p.kind != "const")
                           + tuple(params), tuple(outputs), program.defined_at, program.locations)
-    return Backward(backward, tuple(grads), tuple(saved), tuple(unfinished), "acc" in uses)
+    return Backward(backward, tuple(grads), tuple(saved), tuple(unfinished), "acc" in uses, program)
 
 
 SAVED_ACC = SAVED + "acc"  # the forward's accumulator, an operand of the fused backward
 
 
-def into_producer(back: Backward, output: str = "D", split: bool = False) -> ir.Program:
+RECOMPUTED = "recomputed_"  # output names of forward outputs computed again by the fused backward
+
+
+def into_producer(back: Backward, output: str = "D", split: bool = False, recompute: tuple[str, ...] = ()) \
+        -> ir.Program:
     """The derived backward as the epilogue of the GEMM that computes the incoming gradient of `output`
     (e.g. dY = dOut @ W_next in the layer above): that GEMM's accumulator is the gradient, the forward's
     accumulator becomes the cd.Tensor operand `saved_acc`, and dL/dacc is its D. So the derivative costs
     no pass of its own. For a pairwise forward (2N wide, e.g. SwiGLU) the program is narrowed to N-wide
     values (_narrower), so its D is one 2N-wide cd.interleave, the form the kernels store; split: that
     interleave's halves as two N-wide outputs instead, D_even and D_odd (for SwiGLU the gate's and the
-    up projection's gradients, each the plain GEMM operand of its own weight's gradient)."""
+    up projection's gradients, each the plain GEMM operand of its own weight's gradient). recompute:
+    forward outputs to compute again from saved_acc, as outputs recomputed_<name>, so that the forward
+    need not keep them for the backward (e.g. SwiGLU's y, an operand of W_down's gradient)."""
     program = back.program
     where = f"epilogue '{program.name}' ({program.defined_at})"
     if output not in back.grads or program.output("acc") is None:
@@ -177,6 +184,12 @@ def into_producer(back: Backward, output: str = "D", split: bool = False) -> ir.
     swap = _rebuilder({id(ir.acc()): ir.load("tensor", SAVED_ACC), id(grad): ir.acc()})
     params = tuple(ir.Param(SAVED_ACC, "tensor") if p.name == GRAD + output else p for p in program.params)
     swapped = tuple(ir.Output("D" if o.name == "acc" else o.name, swap(o.node), o.dtype) for o in program.outputs)
+    for name in recompute:
+        o = back.forward.output(name)
+        if o is None or ir.reduction_of(o.node) is not None:
+            raise UnsupportedError(f"{where}: recompute names '{name}', which is not an elementwise output of the "
+                                   "forward (a statistic cannot be recomputed by one tile)")
+        swapped += (ir.Output(RECOMPUTED + name, swap(o.node), o.dtype),)
     narrow = _narrower(infer_widths(ir.Program(program.name, params, swapped, program.defined_at, {})))
     outputs = []
     for o in swapped:

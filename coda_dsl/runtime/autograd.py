@@ -126,7 +126,7 @@ def forward_epilogue(epilogue: Epilogue, **consts) -> Epilogue:
 
 
 def backward_epilogue(epilogue: Epilogue, output: str = "D", split: bool = False, no_grad: tuple[str, ...] = (),
-                      **consts) -> Epilogue:
+                      recompute: tuple[str, ...] = (), **consts) -> Epilogue:
     """The derived backward of `epilogue` as the epilogue of the GEMM that produces the gradient of its
     `output` (the backward's dY = dOut @ W of the layer above): call it on that GEMM with the forward's
     accumulator as `saved_acc` (and the forward's other operands, and the other outputs' gradients as
@@ -134,6 +134,9 @@ def backward_epilogue(epilogue: Epilogue, output: str = "D", split: bool = False
     follow, and an output per differentiable operand holds that operand's gradient. split (a pairwise
     forward): D's even and odd columns as two outputs D_even and D_odd instead, e.g. SwiGLU's gate and up
     gradients for their own weights. no_grad: outputs with no incoming gradient (a pre-activation kept for
-    the backward, say), which then need no grad_<name> operand. cd.Const values go in `consts`. For
-    SwiGLU this is the hand-written swiglu_backward's D."""
-    return Epilogue.of_program(into_producer(_derive(epilogue, consts, tuple(no_grad)).back, output, split))
+    the backward, say), which then need no grad_<name> operand. recompute: forward outputs it also
+    computes again, as outputs recomputed_<name> (so the forward need not keep them: SwiGLU's y, which
+    W_down's gradient reads). cd.Const values go in `consts`. For SwiGLU this is the hand-written
+    swiglu_backward's D."""
+    back = _derive(epilogue, consts, tuple(no_grad)).back
+    return Epilogue.of_program(into_producer(back, output, split, tuple(recompute)))
