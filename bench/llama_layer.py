@@ -3,11 +3,12 @@ against Hugging Face's LlamaDecoderLayer (eager and torch.compile, the same weig
 that fusion can reach, in one process, round-robin, CUDA events, median.
 
     python -m bench.llama_layer [--config 8b] [--tokens 8192,16384] [--seq 2048] [--iters 20] [--json PATH]
-                                [--profile N [--timeline]]
+                                [--profile N [--timeline]] [--without-y]
 
 Variants (tokens = batch x seq; batch = tokens / seq):
 - coda_dsl: LlamaDecoderLayer.from_hf(hf_layer, backend="cutlass"), with mlp.tie_gate_up() (the gate and
-  up weights stored interleaved, as one process or DDP may train them; not with FSDP2);
+  up weights stored interleaved, as one process or DDP may train them; not with FSDP2); with --without-y
+  also the same with mlp.keep_y = False ("coda_dsl, y recomputed": less memory held for the backward);
 - HF eager: transformers' LlamaDecoderLayer, attention through SDPA (attention_mask None, so causal
   flash), cos/sin built once outside the timed region by LlamaRotaryEmbedding, as HF's model does;
 - HF torch.compile: the same layer under torch.compile (default mode, dynamic=False), compiled and
@@ -56,6 +57,7 @@ CONFIGS = {
 TOKENS = [8192, 16384]
 FLOOR = "floor (cuBLAS GEMMs + SDPA)"
 CODA, EAGER, COMPILED = "coda_dsl", "HF eager", "HF torch.compile"
+CODA_WITHOUT_Y = "coda_dsl, y recomputed"  # --without-y: mlp.keep_y = False
 VARIANTS = (CODA, EAGER, COMPILED)
 WARMUP = 3  # calls of milliseconds each, after the first (building / compiling) call
 
@@ -256,8 +258,10 @@ def layer_calls(layer, x, dy, **kwargs) -> Calls:
     return Calls(fwd, fwd_bwd, lambda: layer(xg, **kwargs))
 
 
-def variant_calls(config, batch: int, seq: int, device, backend: str, compile_fn=None) -> dict:
-    """name -> its Calls on the same weights and input; compile_fn: torch.compile (a test passes another)."""
+def variant_calls(config, batch: int, seq: int, device, backend: str, compile_fn=None, without_y: bool = False) \
+        -> dict:
+    """name -> its Calls on the same weights and input; compile_fn: torch.compile (a test passes another);
+    without_y: also coda_dsl's layer with mlp.keep_y = False."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer as HFLayer
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -267,18 +271,21 @@ def variant_calls(config, batch: int, seq: int, device, backend: str, compile_fn
     with torch.no_grad():  # HF's init leaves the norms at 1; random gammas exercise the norms
         for p in hf.parameters():
             p.normal_(0, config.hidden_size ** -0.5) if p.dim() > 1 else p.uniform_(0.5, 1.5)
-    ours = cdnn.LlamaDecoderLayer.from_hf(hf, backend=backend)
-    ours.mlp.tie_gate_up()  # single-process training: the gate/up GEMM reads the two weights in place
-    if backend == "cutlass":  # its kernels in one parallel build, not one by one at their first calls
-        ours.prebuild(batch * seq)
+    ours = {}
+    for name, keep_y in ((CODA, True), (CODA_WITHOUT_Y, False))[:1 + without_y]:
+        ours[name] = layer = cdnn.LlamaDecoderLayer.from_hf(hf, backend=backend)
+        layer.mlp.tie_gate_up()  # single-process training: the gate/up GEMM reads the two weights in place
+        layer.mlp.keep_y = keep_y
+        if backend == "cutlass":  # its kernels in one parallel build, not one by one at their first calls
+            layer.prebuild(batch * seq)
     x = torch.randn(batch, seq, config.hidden_size, device=device, dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     pos = torch.arange(seq, device=device)[None]
     cos_sin = LlamaRotaryEmbedding(config).to(device)(x, pos)  # once, as LlamaModel does
     compiled = (compile_fn or torch.compile)(hf, dynamic=False)
     hf_args = dict(attention_mask=None, position_embeddings=cos_sin)
-    return {CODA: layer_calls(ours, x, dy), EAGER: layer_calls(hf, x, dy, **hf_args),
-            COMPILED: layer_calls(compiled, x, dy, **hf_args)}
+    return {**{name: layer_calls(layer, x, dy) for name, layer in ours.items()},
+            EAGER: layer_calls(hf, x, dy, **hf_args), COMPILED: layer_calls(compiled, x, dy, **hf_args)}
 
 
 @dataclass
@@ -297,10 +304,11 @@ class LayerRow:
 
 
 def run_tokens(config, tokens: int, seq: int, iters: int, device="cuda", backend="cutlass", compile_fn=None,
-               profile: int = 0, timeline: bool = False) -> tuple[list[LayerRow], dict[str, float], list[str]]:
+               profile: int = 0, timeline: bool = False, without_y: bool = False) \
+        -> tuple[list[LayerRow], dict[str, float], list[str]]:
     """One token count: (variant rows with the floor first, floor part -> ms, failures)."""
     batch = tokens // seq
-    calls = variant_calls(config, batch, seq, device, backend, compile_fn)
+    calls = variant_calls(config, batch, seq, device, backend, compile_fn, without_y)
     parts = floor_parts(config, batch, seq, device)
     timed, extra, failed = {}, {}, []
     outputs = {}
@@ -309,7 +317,7 @@ def run_tokens(config, tokens: int, seq: int, iters: int, device="cuda", backend
             with results_only_on_stdout():
                 for step, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
                     progress(f"llama_layer {tokens} tokens: {name} {step}, first call"
-                             + (" (builds the kernels if not cached)" if name == CODA else
+                             + (" (builds the kernels if not cached)" if name.startswith(CODA) else
                                 " (compiles)" if name == COMPILED else ""))
                     t0 = time.perf_counter()
                     out = fn()
@@ -428,6 +436,8 @@ def parse(argv=None):
     p.add_argument("--json", metavar="PATH", help="also write the results' JSON here")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="print each variant's N costliest GPU kernels of one fwd+bwd (stderr)")
+    p.add_argument("--without-y", action="store_true",
+                   help=f"also the variant '{CODA_WITHOUT_Y}': the layer's MLP keeps no y for the backward")
     p.add_argument("--timeline", action="store_true",
                    help="with --profile: also every kernel of one queued fwd+bwd, in order (stderr)")
     args = p.parse_args(argv)
@@ -447,7 +457,7 @@ def main(argv=None, device="cuda", backend="cutlass", compile_fn=None) -> int:
     rows, failed = [], []
     for tokens in args.tokens:
         r, _, f = run_tokens(config, tokens, args.seq, args.iters, device, backend, compile_fn, args.profile,
-                             args.timeline)
+                             args.timeline, args.without_y)
         rows, failed = rows + r, failed + f
         if device == "cuda":
             torch.cuda.empty_cache()

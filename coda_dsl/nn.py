@@ -75,6 +75,7 @@ def rms_swiglu(acc, rstd: cd.VecM):
 # (D_even, D_odd: [M, F] each, so each is a plain GEMM operand of its own weight's gradient) and rstd's.
 rms_swiglu_fwd = forward_epilogue(rms_swiglu)
 rms_swiglu_grad = cd.backward_epilogue(rms_swiglu, split=True)
+rms_swiglu_grad_and_y = cd.backward_epilogue(rms_swiglu, split=True, recompute=("D",))  # y too: LlamaMLP.keep_y
 
 
 @cd.epilogue
@@ -187,32 +188,39 @@ class _Mlp(torch.autograd.Function):
     """The MLP's two GEMMs: y = swiglu(rstd * (hg @ W_gate_up^T)), out = y @ W_down^T + residual (and its
     rstd). The backward's dY = dOut @ W_down carries rms_swiglu_grad in its epilogue, so the SwiGLU
     derivative costs no pass of its own over the saved [M, 2F] accumulator; it uses the gate and up
-    weights as they are, never the interleaved one (not kept). y is kept from the forward (the dY epilogue
-    writing it again cost 0.15 ms at 8192 x 14336 x 4096 on the H200). The backward frees y and the
+    weights as they are, never the interleaved one (not kept). keep_y: y is kept for W_down's gradient;
+    else the dY epilogue computes it again (rms_swiglu_grad_and_y). The backward frees y and the
     accumulator (its own intermediates, the layer's largest) as soon as it has used them: see _release."""
 
     @staticmethod
-    def forward(ctx, hg, rstd, w_gate, w_up, w_down, residual, eps, backend):
+    def forward(ctx, hg, rstd, w_gate, w_up, w_down, residual, eps, backend, keep_y):
         r = cd.gemm(hg, gate_up_weight(w_gate, w_up), rms_swiglu_fwd, rstd=rstd, backend=backend)
         inv_n = 1.0 / w_down.shape[0]
         o = cd.gemm(r["D"], w_down, residual_rms, residual=residual, inv_n=inv_n, eps=eps, backend=backend)
-        ctx.save_for_backward(hg, rstd, w_gate, w_up, w_down, r["D"], r["acc"], o["D"], o["rstd"])
+        ctx.save_for_backward(hg, rstd, w_gate, w_up, w_down, r["D"] if keep_y else None, r["acc"], o["D"],
+                              o["rstd"])
         ctx.inv_n, ctx.backend = inv_n, backend
         return o["D"], o["rstd"]
 
     @staticmethod
     def backward(ctx, dout, drstd_out):
         hg, rstd, w_gate, w_up, w_down, y, acc, out, rstd_out = ctx.saved_tensors
-        _check_unreleased("LlamaMLP", y, acc)
+        _check_unreleased("LlamaMLP", *(t for t in (y, acc) if t is not None))
         need = ctx.needs_input_grad
-        dacc = residual_rms_backward(dout, drstd_out, out, rstd_out, ctx.inv_n).to(y.dtype)  # = d residual
-        dw_down = _mm(dacc.t(), y, w_down.dtype) if need[4] else None
-        _release(y)
-        g = cd.gemm(dacc, w_down.t(), rms_swiglu_grad, saved_acc=acc, rstd=rstd, backend=ctx.backend) \
-            if any(need[:4]) else None
+        dacc = residual_rms_backward(dout, drstd_out, out, rstd_out, ctx.inv_n).to(acc.dtype)  # = d residual
+        dw_down = None
+        if y is not None:  # kept: W_down's gradient first, and y's memory goes before the dY GEMM's outputs come
+            dw_down = _mm(dacc.t(), y, w_down.dtype) if need[4] else None
+            _release(y)
+        g = None
+        if any(need[:4]) or (y is None and need[4]):
+            ep = rms_swiglu_grad if y is not None else rms_swiglu_grad_and_y
+            g = cd.gemm(dacc, w_down.t(), ep, saved_acc=acc, rstd=rstd, backend=ctx.backend)
         _release(acc)
+        if y is None and need[4]:
+            dw_down = _mm(dacc.t(), g.pop("recomputed_D"), w_down.dtype)
         dhg = drstd = dw_gate = dw_up = None
-        if g is not None:
+        if g is not None and any(need[:4]):
             dgate, dup = g["D_even"], g["D_odd"]  # d(hg @ W_gate^T), d(hg @ W_up^T): [M, F]
             if need[0]:  # summed in place by addmm_, as autograd sums the input gradients of two linears
                 dhg = _mm(dgate, w_gate, hg.dtype).addmm_(dup.to(hg.dtype), w_up.to(hg.dtype))
@@ -220,7 +228,7 @@ class _Mlp(torch.autograd.Function):
             dw_gate = _mm(dgate.t(), hg, w_gate.dtype) if need[2] else None
             del g, dgate  # its memory for dw_up
             dw_up = _mm(dup.t(), hg, w_up.dtype) if need[3] else None
-        return dhg, drstd, dw_gate, dw_up, dw_down, dacc if need[5] else None, None, None
+        return dhg, drstd, dw_gate, dw_up, dw_down, dacc if need[5] else None, None, None, None
 
 
 def _release(t: torch.Tensor) -> None:
@@ -353,7 +361,10 @@ class LlamaMLP(nn.Module):
     its epilogue; down with the residual add and the next norm's rstd in its epilogue.
 
     The gate/up GEMM reads one [2F, D] weight with the two weights' rows interleaved: a copy of both per
-    forward, unless tie_gate_up() has made them the halves of one such buffer."""
+    forward, unless tie_gate_up() has made them the halves of one such buffer.
+
+    keep_y (default True): the forward keeps y = swiglu(...) [M, F] for W_down's gradient. False: it keeps
+    [M, F] less per layer for the backward, whose dY GEMM epilogue computes y again (more work there)."""
 
     def __init__(self, config, dtype=None, device=None):
         super().__init__()
@@ -363,7 +374,7 @@ class LlamaMLP(nn.Module):
         self.gate_proj = _linear(d, f, dtype, device)
         self.up_proj = _linear(d, f, dtype, device)
         self.down_proj = _linear(f, d, dtype, device)
-        self.tied = False
+        self.tied, self.keep_y = False, True
 
     def tie_gate_up(self) -> LlamaMLP:
         """Store gate_proj.weight and up_proj.weight as the halves of one interleaved [F, 2, D] buffer, so
@@ -386,7 +397,7 @@ class LlamaMLP(nn.Module):
     def forward(self, hg, rstd, residual, eps: float, backend: str):
         """hg = h * gamma2 [M, D], rstd [M], residual h -> (h + mlp, rstd of that)."""
         return _Mlp.apply(hg, rstd, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, residual,
-                          eps, backend)
+                          eps, backend, self.keep_y)
 
 
 def _tied(w_gate: torch.Tensor, w_up: torch.Tensor) -> bool:
@@ -462,7 +473,8 @@ class LlamaDecoderLayer(nn.Module):
             compiled(rms_producer, x, d, nq, residual=x, gamma=x[0], inv_n=1.0, eps=1e-5),
             compiled(rms_swiglu_fwd, x, 2 * f, d, rstd=f32),
             compiled(residual_rms, x, d, f, residual=x, inv_n=1.0, eps=1e-5),
-            compiled(rms_swiglu_grad, x.t(), f, d, saved_acc=torch.cat((x, x), -1), rstd=f32)])  # B = W_down^T
+            compiled(rms_swiglu_grad if self.mlp.keep_y else rms_swiglu_grad_and_y, x.t(), f, d,  # B = W_down^T
+                     saved_acc=torch.cat((x, x), -1), rstd=f32)])
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
                 use_cache: bool = False, position_embeddings=None, *, input_rstd: torch.Tensor | None = None,

@@ -149,6 +149,16 @@ def test_layer_bench_runs_on_cpu(host_timing, capsys):
     assert rows[1]["extra"]["rel_err_vs_hf_eager"] < 2e-2 and rows[3]["extra"]["rel_err_vs_hf_eager"] == 0
 
 
+def test_layer_bench_without_y_adds_a_variant(host_timing, capsys):
+    """--without-y: coda_dsl's layer a second time, its MLP keeping no y; the same output as the first."""
+    argv = ["--config", "tiny", "--tokens", "32", "--seq", "16", "--iters", "1", "--without-y"]
+    assert ll.main(argv, device="cpu", backend="reference", compile_fn=lambda f, **kw: f) == 0
+    assert f"| 32 | {ll.CODA_WITHOUT_Y} |" in capsys.readouterr().out
+    rows = json.loads((host_timing[0] / "llama_layer.json").read_text())["rows"]
+    assert [r["variant"] for r in rows] == [ll.FLOOR, ll.CODA, ll.CODA_WITHOUT_Y, ll.EAGER, ll.COMPILED]
+    assert rows[2]["extra"]["rel_err_vs_hf_eager"] == pytest.approx(rows[1]["extra"]["rel_err_vs_hf_eager"])
+
+
 def test_layer_bench_reports_a_failing_variant(host_timing, capsys):
     class Broken(torch.nn.Module):  # as torch.compile's module: the layer's parameters, a failing call
         def __init__(self, layer, **kw):

@@ -154,6 +154,29 @@ def test_mlp_backward_frees_its_activations_once(monkeypatch):
         y.sum().backward()
 
 
+def test_mlp_without_y_gives_the_same_gradients(monkeypatch):
+    """mlp.keep_y = False: the forward keeps no y (the dY epilogue computes it again); every gradient is
+    the same as with y kept, and with only W_down training the dY GEMM still runs, for y."""
+    config = llama_config()
+    hf = random_hf_layer(config)
+    kept, recomputed = (cdnn.LlamaDecoderLayer.from_hf(hf, backend="reference") for _ in range(2))
+    recomputed.mlp.keep_y = False
+    x, dy = torch.randn(2, 7, config.hidden_size), torch.randn(2, 7, config.hidden_size)
+    runs = []
+    for layer in (kept, recomputed):
+        xi = x.clone().requires_grad_()
+        runs.append(grads(layer, xi, layer(xi), dy))
+    torch.testing.assert_close(runs[1][0], runs[0][0])
+    for n in runs[0][1]:
+        torch.testing.assert_close(runs[1][1][n], runs[0][1][n])
+    fused, real_gemm = [], cdnn.cd.gemm
+    monkeypatch.setattr(cdnn.cd, "gemm", lambda a, b, ep, **k: (ep is cdnn.rms_swiglu_grad_and_y and fused.append(1))
+                        or real_gemm(a, b, ep, **k))
+    recomputed.requires_grad_(False).mlp.down_proj.requires_grad_(True)
+    recomputed(x).sum().backward()
+    assert fused == [1] and recomputed.mlp.down_proj.weight.grad is not None
+
+
 def test_stack_trains_like_hf():
     """Two layers, 20 SGD steps on a regression target: the same losses as two HF layers. The second layer
     takes the first's rstd from its down-projection epilogue (input_rstd)."""
