@@ -17,12 +17,13 @@ Variants (tokens = batch x seq; batch = tokens / seq):
   layouts: forward x @ W^T for QKV, O, gate/up, down; backward dY @ W and dY^T @ x for each) plus SDPA
   forward (and backward), each part timed alone and summed.
 --profile N: after the timing, one fwd+bwd of each variant under torch.profiler, its N costliest GPU
-kernels (total time, calls) on stderr: where each variant's time goes. --timeline: also every kernel of
-one queued fwd+bwd in launch order (start, duration), to compare the variants step by step.
-Each call is timed twice, in separate round-robins: as a lone call (the GPU may wait on the host's
-launches at the call's start) and queued (behind a GPU spin long enough for the host to launch the whole
-call first: the GPU's time alone, as for a layer inside a model, whose earlier work keeps the GPU busy
-while the host launches); the queued round-robin also gives each call's host time.
+kernels (total time, calls) on stderr: where each variant's time goes. --timeline: also every kernel of a
+fwd+bwd launched right behind another one (the host ahead, the clocks under load, as inside a model), in
+launch order (start, duration), to compare the variants step by step.
+The round-robin never waits for the GPU, so the host runs ahead and the GPU stays loaded, as in
+training. (Timing each call behind an idle GPU spin instead made every variant, even a lone cuBLAS GEMM,
+11-14 % faster on the H200: clock headroom after idling, not a property of the code.) Host ms: the host's
+time to launch one fwd+bwd, with the GPU kept busy meanwhile so that no launch waits.
 "fwd" runs under torch.no_grad (inference forward); "fwd+bwd" is torch.autograd.grad of the output
 with respect to the input and every parameter (no accumulation into .grad). Peak MiB: for one
 fwd+bwd, max_memory_allocated minus what was allocated before the call (parameters, inputs): the
@@ -121,35 +122,36 @@ def is_forward(part: str) -> bool:
 
 # ---------------------------------------------------------------- timing (the CPU tests replace these two)
 
-def time_round_robin(fns: dict[str, Callable], iters: int, queued: bool = False) -> dict[str, tuple[float, float]]:
-    """name -> (median ms by CUDA events, median host ms per call), iterating round-robin over fns (clock
-    drift hits all alike). Lone calls: no host synchronization until every call is queued. queued: each
-    call behind a GPU spin of SPIN_MS, the host synchronized after it (so the launch queue never fills)."""
-    events, host = {name: [] for name in fns}, {name: [] for name in fns}
-    spin = spin_cycles(SPIN_MS) if queued else 0
+def time_round_robin(fns: dict[str, Callable], iters: int) -> dict[str, float]:
+    """Median ms of each fn, by CUDA events, iterating round-robin over fns (clock drift hits all alike).
+    No host synchronization until every call is queued."""
+    events = {name: [] for name in fns}
     for _ in range(iters):
         for name, fn in fns.items():
-            if spin:
-                torch.cuda._sleep(spin)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            t = time.perf_counter()
             fn()
-            host[name].append(1e3 * (time.perf_counter() - t))
             end.record()
             events[name].append((start, end))
-            if spin:
-                torch.cuda.synchronize()
     torch.cuda.synchronize()
-    out = {name: (statistics.median(s.elapsed_time(e) for s, e in ev), statistics.median(host[name]))
-           for name, ev in events.items()}
-    slow = [name for name, (_, h) in out.items() if queued and h > 0.8 * SPIN_MS]
-    if slow:
-        progress(f"warning: host time near the {SPIN_MS} ms spin for {slow}: their queued times include launch gaps")
-    return out
+    return {name: statistics.median(s.elapsed_time(e) for s, e in ev) for name, ev in events.items()}
 
 
-SPIN_MS = 25.0  # GPU spin before a queued call: well above any variant's host time per call
+def host_ms(fn: Callable, iters: int) -> float:
+    """Median host time of one fn() in ms, each behind a GPU spin of SPIN_MS so that no launch waits."""
+    spin, times = spin_cycles(SPIN_MS), []
+    for _ in range(iters):
+        torch.cuda._sleep(spin)
+        t = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t))
+        torch.cuda.synchronize()
+    if max(times) > 0.8 * SPIN_MS:
+        progress(f"warning: a call's host time reached {max(times):.1f} ms, near the {SPIN_MS} ms spin")
+    return statistics.median(times)
+
+
+SPIN_MS = 25.0  # GPU spin behind which host_ms launches: well above any variant's host time per call
 
 
 def spin_cycles(ms: float) -> int:
@@ -188,8 +190,8 @@ def peak_mib(fn: Callable) -> float:
 def profile_kernels(fn: Callable, top: int, timeline: bool = False) -> str:
     """One fn() under torch.profiler: its `top` costliest GPU kernels, a line each, the GPU total, and
     how long the GPU sat idle between the first kernel and the last (host-bound gaps), with the
-    kernels that waited longest. timeline: then every kernel of a second fn(), queued behind a GPU spin
-    (no host gaps), in order: its start (ms from the first) and duration."""
+    kernels that waited longest. timeline: then every kernel of a fn() launched right behind another
+    (the host ahead, the GPU under load), in order: its start (ms from the first) and duration."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
@@ -197,11 +199,14 @@ def profile_kernels(fn: Callable, top: int, timeline: bool = False) -> str:
     lines = _costliest(prof, top)
     if timeline:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            torch.cuda._sleep(spin_cycles(SPIN_MS))
+            fn()
+            torch.cuda._sleep(1)  # a marker between the two calls
             fn()
             torch.cuda.synchronize()
-        spans = _kernel_spans(prof)[1:]  # the spin first
-        lines.append(f"every kernel of one queued call ({len(spans)}; start and duration in ms):")
+        spans = _kernel_spans(prof)
+        marker = max(i for i, (_, _, name) in enumerate(spans) if "spin_kernel" in name)
+        spans = spans[marker + 1:]
+        lines.append(f"every kernel of a call right behind another ({len(spans)}; start and duration in ms):")
         lines += [f"{(s - spans[0][0]) / 1e3:8.3f} {(e - s) / 1e3:7.3f}  {name[:150]}" for s, e, name in spans]
     return "\n".join(lines)
 
@@ -296,9 +301,7 @@ class LayerRow:
     fwd_bwd_ms: float
     peak_mib: float | None  # one fwd+bwd; None for the floor (no layer)
     extra: dict = field(default_factory=dict)
-    queued_fwd_ms: float | None = None  # the GPU's time alone (time_round_robin(queued=True))
-    queued_fwd_bwd_ms: float | None = None
-    host_fwd_bwd_ms: float | None = None  # host time to launch one fwd+bwd; None for the floor
+    host_fwd_bwd_ms: float | None = None  # host time to launch one fwd+bwd (host_ms); None for the floor
     saved_mib: float | None = None  # what a training forward holds for its backward; None for the floor
     bench: str = "llama_layer"
 
@@ -343,19 +346,15 @@ def run_tokens(config, tokens: int, seq: int, iters: int, device="cuda", backend
     progress(f"llama_layer {tokens} tokens: timing {len(timed)} variant calls and {len(parts)} floor parts, "
              f"{iters} rounds")
     fns = {**{f"{n} {s}": fn for (n, s), fn in timed.items()}, **{f"floor {p}": fn for p, fn in parts.items()}}
-    ms, queued = time_round_robin(fns, iters), time_round_robin(fns, iters, queued=True)
-    part_ms = {p: ms[f"floor {p}"][0] for p in parts}
-    part_queued = {p: queued[f"floor {p}"][0] for p in parts}
-    fwd = lambda t: sum(v for p, v in t.items() if is_forward(p))  # noqa: E731
-    rows = [LayerRow(tokens, FLOOR, fwd(part_ms), sum(part_ms.values()), None,
-                     {"parts_ms": part_ms, "queued_parts_ms": part_queued}, fwd(part_queued),
-                     sum(part_queued.values()))]
+    ms = time_round_robin(fns, iters)
+    part_ms = {p: ms[f"floor {p}"] for p in parts}
+    fwd_floor = sum(t for p, t in part_ms.items() if is_forward(p))
+    rows = [LayerRow(tokens, FLOOR, fwd_floor, sum(part_ms.values()), None, {"parts_ms": part_ms})]
     for name in calls:
         if (name, "fwd") in timed:
-            f, fb = f"{name} fwd", f"{name} fwd+bwd"
-            rows.append(LayerRow(tokens, name, ms[f][0], ms[fb][0], peak_mib(timed[(name, "fwd+bwd")]),
-                                 extra.get(name, {}), queued[f][0], queued[fb][0], queued[fb][1],
-                                 saved_mib(calls[name].train_fwd)))
+            fwd_bwd = timed[(name, "fwd+bwd")]
+            rows.append(LayerRow(tokens, name, ms[f"{name} fwd"], ms[f"{name} fwd+bwd"], peak_mib(fwd_bwd),
+                                 extra.get(name, {}), host_ms(fwd_bwd, iters), saved_mib(calls[name].train_fwd)))
     for name in calls if profile else ():
         if (name, "fwd+bwd") in timed:
             progress(f"llama_layer {tokens} tokens: {name} fwd+bwd, GPU kernels by total time:\n"
@@ -365,23 +364,22 @@ def run_tokens(config, tokens: int, seq: int, iters: int, device="cuda", backend
 
 # ---------------------------------------------------------------- report
 
-def table(rows: list[LayerRow], queued: bool = False) -> str:
-    """Per token count: each variant's times (lone calls, or queued), its ratio to the floor, coda_dsl's
-    speedup over it, and its memory (lone: peak of a fwd+bwd, held by a training forward) or host ms per
-    fwd+bwd (queued)."""
-    times = (lambda r: (r.queued_fwd_ms, r.queued_fwd_bwd_ms)) if queued else (lambda r: (r.fwd_ms, r.fwd_bwd_ms))
+def table(rows: list[LayerRow]) -> str:
+    """Per token count: each variant's times, its ratio to the floor, coda_dsl's speedup over it, its memory
+    (peak of a fwd+bwd, held by a training forward) and host ms per fwd+bwd."""
+    opt = lambda v, f: "–" if v is None else f.format(v)  # noqa: E731
     out = []
     for r in rows:
-        (f, fb), last = times(r), [r.host_fwd_bwd_ms] if queued else [r.peak_mib, r.saved_mib]
-        floor = times(next(x for x in rows if x.tokens == r.tokens and x.variant == FLOOR))
-        coda = next((times(c) for c in rows if c.tokens == r.tokens and c.variant == CODA), None)
+        floor = next(f for f in rows if f.tokens == r.tokens and f.variant == FLOOR)
+        coda = next((c for c in rows if c.tokens == r.tokens and c.variant == CODA), None)
         speed = ["–", "–"] if coda is None or r.variant in (CODA, FLOOR) else \
-            [f"{f / coda[0]:.2f}×", f"{fb / coda[1]:.2f}×"]
-        out.append([r.tokens, r.variant, f"{f:.2f}", f"{fb:.2f}", f"{f / floor[0]:.3f}", f"{fb / floor[1]:.3f}",
-                    *speed, *("–" if v is None else f"{v:.2f}" if queued else f"{v:.0f}" for v in last)])
-    memory = ["host ms per fwd+bwd"] if queued else ["peak fwd+bwd (MiB)", "held for bwd (MiB)"]
+            [f"{r.fwd_ms / coda.fwd_ms:.2f}×", f"{r.fwd_bwd_ms / coda.fwd_bwd_ms:.2f}×"]
+        out.append([r.tokens, r.variant, f"{r.fwd_ms:.2f}", f"{r.fwd_bwd_ms:.2f}", f"{r.fwd_ms / floor.fwd_ms:.3f}",
+                    f"{r.fwd_bwd_ms / floor.fwd_bwd_ms:.3f}", *speed, opt(r.peak_mib, "{:.0f}"),
+                    opt(r.saved_mib, "{:.0f}"), opt(r.host_fwd_bwd_ms, "{:.2f}")])
     return markdown(["tokens", "variant", "fwd (ms)", "fwd+bwd (ms)", "fwd × floor", "fwd+bwd × floor",
-                     "coda_dsl speedup fwd", "coda_dsl speedup fwd+bwd", *memory], out, numeric=6 + len(memory))
+                     "coda_dsl speedup fwd", "coda_dsl speedup fwd+bwd", "peak fwd+bwd (MiB)", "held for bwd (MiB)",
+                     "host ms per fwd+bwd"], out, numeric=9)
 
 
 def parts_table(config, seq: int, rows: list[LayerRow]) -> str:
@@ -400,11 +398,7 @@ def report(config_name: str, config, seq: int, rows: list[LayerRow], failed: lis
         print(f"Llama decoder layer ({config_name}: hidden {config.hidden_size}, {config.num_attention_heads} heads, "
               f"{config.num_key_value_heads} KV heads, head_dim {config.head_dim}, intermediate "
               f"{config.intermediate_size}), bf16, seq {seq}; medians; speedup = variant time / coda_dsl time:\n")
-        print("Lone calls (the GPU may wait on the host's launches at a call's start):\n")
         print(table(rows) + "\n")
-        print("Queued calls (the host launches the whole call first: the GPU's time alone, as for a layer "
-              "inside a model):\n")
-        print(table(rows, queued=True) + "\n")
         print("The floor's parts:\n")
         print(parts_table(config, seq, rows) + "\n")
     for f in failed:
@@ -439,7 +433,7 @@ def parse(argv=None):
     p.add_argument("--without-y", action="store_true",
                    help=f"also the variant '{CODA_WITHOUT_Y}': the layer's MLP keeps no y for the backward")
     p.add_argument("--timeline", action="store_true",
-                   help="with --profile: also every kernel of one queued fwd+bwd, in order (stderr)")
+                   help="with --profile: also every kernel of one fwd+bwd right behind another, in order (stderr)")
     args = p.parse_args(argv)
     if args.timeline and not args.profile:
         p.error("--timeline lists the kernels of the --profile run: give --profile N too")

@@ -11,7 +11,7 @@ Shapes are M x F x D (tokens x FFN x hidden). Steps, every variant on the same o
 - dY (backward): dY = dOut @ W_down ([M, F]) with the SwiGLU and rstd derivative in its epilogue:
   - `rms_swiglu_grad` (coda_dsl.nn's, what the layer runs: derived from rms_swiglu by passes/autodiff.py,
     reading the saved accumulator): d gate, d up, d rstd;
-  - `rms_swiglu_grad + y`: the same and y again (recompute=("D",): a forward that keeps less);
+  - `rms_swiglu_grad + y`: the same and y again (coda_dsl.nn's rms_swiglu_grad_and_y: LlamaMLP.keep_y False);
   - `rms_swiglu_grad_by_hand`: the same written by hand, reading the saved pre-activation rstd * acc
     (what the layer ran before the derived one).
   Floor: the bare cuBLAS dY. torch.compile: torch.mm, then torch.compile of HF's SwiGLU backward over
@@ -20,8 +20,8 @@ Each step also runs coda_dsl's kernel with the identity epilogue at each config:
 the same mainloop, so a fused kernel's time splits into the mainloop's gap to cuBLAS and its epilogue's.
 --configs: `default` (the config cd.gemm picks at the shape), runtime/tune.py's named ones, or any config
 text (e.g. 128x128x64_c1x2_pingpong_e64x32_s4: see passes/plan.Config.parse). Ratios are
-time / the step's floor: lower is better. Each coda_dsl variant's first output is checked against eager
-PyTorch's (rel_err in the JSON; a warning on stderr above 3e-2).
+time / the step's floor: lower is better. Each fused variant's first output (y, d gate) is checked against
+eager PyTorch's (rel_err in the JSON; a warning on stderr above 3e-2); the identity rows are not.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 import coda_dsl as cd
 from coda_dsl.library import swiglu_grad
-from coda_dsl.nn import rms_swiglu, rms_swiglu_fwd, rms_swiglu_grad
+from coda_dsl.nn import rms_swiglu_fwd, rms_swiglu_grad, rms_swiglu_grad_and_y
 from coda_dsl.passes.plan import Config
 from coda_dsl.runtime.tune import DEFAULT, PINGPONG, PINGPONG_192, default
 
@@ -45,10 +45,6 @@ from .harness import command as command_line
 SHAPES = [(8192, 14336, 4096)]  # Llama-3-8B: tokens x FFN x hidden
 BACKEND, DEVICE = "cutlass", "cuda"  # the CPU test runs the plumbing on the reference backend
 CONFIGS = {"default": None, "cooperative": DEFAULT, "pingpong": PINGPONG, "pingpong192": PINGPONG_192}
-
-
-# the derived one that also writes y again (a forward that does not keep y for W_down's gradient)
-rms_swiglu_grad_and_y = cd.backward_epilogue(rms_swiglu, split=True, recompute=("D",))
 
 
 @cd.epilogue

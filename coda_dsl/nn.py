@@ -48,7 +48,9 @@ import coda_dsl as cd
 from .errors import UnsupportedError
 from .library import interleave_gate_up, rms_producer
 from .library.rope import neox_to_interleaved, rotate
+from .ir.ops import dtype_name
 from .runtime.autograd import forward_epilogue
+from .runtime.reference import evaluate_on
 from .runtime.fused import on_cuda
 
 
@@ -213,14 +215,16 @@ class _Mlp(torch.autograd.Function):
             dw_down = _mm(dacc.t(), y, w_down.dtype) if need[4] else None
             _release(y)
         g = None
-        if any(need[:4]) or (y is None and need[4]):
+        if any(need[:4]):
             ep = rms_swiglu_grad if y is not None else rms_swiglu_grad_and_y
             g = cd.gemm(dacc, w_down.t(), ep, saved_acc=acc, rstd=rstd, backend=ctx.backend)
+        if y is None and need[4]:  # y from the dY epilogue, or (W_down alone training) from the accumulator
+            y = g.pop("recomputed_D") if g is not None else _swiglu_of_acc(acc, rstd)
+            dw_down = _mm(dacc.t(), y, w_down.dtype)
+            del y
         _release(acc)
-        if y is None and need[4]:
-            dw_down = _mm(dacc.t(), g.pop("recomputed_D"), w_down.dtype)
         dhg = drstd = dw_gate = dw_up = None
-        if g is not None and any(need[:4]):
+        if g is not None:
             dgate, dup = g["D_even"], g["D_odd"]  # d(hg @ W_gate^T), d(hg @ W_up^T): [M, F]
             if need[0]:  # summed in place by addmm_, as autograd sums the input gradients of two linears
                 dhg = _mm(dgate, w_gate, hg.dtype).addmm_(dup.to(hg.dtype), w_up.to(hg.dtype))
@@ -231,9 +235,15 @@ class _Mlp(torch.autograd.Function):
         return dhg, drstd, dw_gate, dw_up, dw_down, dacc if need[5] else None, None, None, None
 
 
+@on_cuda
+def _swiglu_of_acc(acc: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """rms_swiglu's y from its saved accumulator (its reference semantics; one fused kernel on CUDA)."""
+    return evaluate_on(rms_swiglu.program, acc.float(), {"rstd": rstd}, {"D": dtype_name(acc.dtype)})["D"]
+
+
 def _release(t: torch.Tensor) -> None:
     """Free a saved intermediate's memory now, not when the backward returns (autograd holds saved tensors
-    until then): the MLP's y and [M, 2F] accumulator, 672 MB at 8192 tokens of Llama-3-8B, would
+    until then): the MLP's y and [M, 2F] accumulator, 672 MiB at 8192 tokens of Llama-3-8B, would
     otherwise still be allocated while the backward's largest gradients are. Only tensors the forward
     made and never handed out; not under torch.compile, whose graph owns its buffers."""
     if not torch.compiler.is_compiling():

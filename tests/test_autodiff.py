@@ -389,8 +389,18 @@ def test_outputs_without_a_gradient():
     want = cd.gemm(dy, torch.eye(6), cd.backward_epilogue(swiglu), saved_acc=acc, backend="reference")["D"]
     got = cd.gemm(dy, torch.eye(6), bw, saved_acc=acc, backend="reference")["D"]
     assert torch.equal(got, want)
+    assert cd.backward_epilogue(swiglu_keep_preactivation, no_grad="pre").output_names == ("D",)  # one name
     with pytest.raises(UnsupportedError, match=r"no_grad names \['y'\], which are not outputs"):
         cd.backward_epilogue(swiglu_keep_preactivation, no_grad=("y",))
+    with pytest.raises(UnsupportedError, match="recompute names 'pre', which is not a computed"):
+        cd.backward_epilogue(swiglu_keep_preactivation, no_grad="pre", recompute="pre")  # saved_acc itself
+
+    @cd.epilogue
+    def gated_by(acc, D_even: cd.VecN):  # its gradient would be an output named D_even too
+        g, u = cd.pairs(acc)
+        return cd.silu(g) * u * D_even
+    with pytest.raises(UnsupportedError, match=r"two outputs named \['D_even'\]"):
+        cd.backward_epilogue(gated_by, split=True)
 
 
 def test_backward_epilogue_narrows_a_pairwise_forward_with_a_row_operand():

@@ -83,20 +83,16 @@ def test_no_cuda_exits_with_one_line(entry, capsys, monkeypatch):
 
 
 def test_layer_table():
-    rows = [ll.LayerRow(8192, ll.FLOOR, 6.0, 16.0, None, {"parts_ms": {}}, 5.0, 15.0),
-            ll.LayerRow(8192, ll.CODA, 6.6, 16.8, 5000.0, {}, 5.5, 15.0, 4.0, 1100.2),
-            ll.LayerRow(8192, ll.EAGER, 9.9, 21.0, 9000.0, {}, 6.6, 19.5, 3.0, 1500.0),
-            ll.LayerRow(8192, ll.COMPILED, 7.92, 18.48, 7000.4, {}, 5.0, 16.5, 2.5, 800.0)]
+    rows = [ll.LayerRow(8192, ll.FLOOR, 6.0, 16.0, None, {"parts_ms": {}}),
+            ll.LayerRow(8192, ll.CODA, 6.6, 16.8, 5000.0, {}, 4.0, 1100.2),
+            ll.LayerRow(8192, ll.EAGER, 9.9, 21.0, 9000.0, {}, 3.0, 1500.0),
+            ll.LayerRow(8192, ll.COMPILED, 7.92, 18.48, 7000.4, {}, 2.5, 800.0)]
     lines = ll.table(rows).splitlines()
-    assert lines[0].endswith("| peak fwd+bwd (MiB) | held for bwd (MiB) |") and lines[1] == "|---|---|" + "---:|" * 8
-    assert lines[2] == "| 8192 | floor (cuBLAS GEMMs + SDPA) | 6.00 | 16.00 | 1.000 | 1.000 | – | – | – | – |"
-    assert lines[3] == "| 8192 | coda_dsl | 6.60 | 16.80 | 1.100 | 1.050 | – | – | 5000 | 1100 |"
-    assert lines[5] == "| 8192 | HF torch.compile | 7.92 | 18.48 | 1.320 | 1.155 | 1.20× | 1.10× | 7000 | 800 |"
-    queued = ll.table(rows, queued=True).splitlines()
-    assert queued[0].endswith("| host ms per fwd+bwd |")
-    assert queued[2] == "| 8192 | floor (cuBLAS GEMMs + SDPA) | 5.00 | 15.00 | 1.000 | 1.000 | – | – | – |"
-    assert queued[3] == "| 8192 | coda_dsl | 5.50 | 15.00 | 1.100 | 1.000 | – | – | 4.00 |"
-    assert queued[5] == "| 8192 | HF torch.compile | 5.00 | 16.50 | 1.000 | 1.100 | 0.91× | 1.10× | 2.50 |"
+    assert lines[0].endswith("| peak fwd+bwd (MiB) | held for bwd (MiB) | host ms per fwd+bwd |")
+    assert lines[1] == "|---|---|" + "---:|" * 9
+    assert lines[2] == "| 8192 | floor (cuBLAS GEMMs + SDPA) | 6.00 | 16.00 | 1.000 | 1.000 | – | – | – | – | – |"
+    assert lines[3] == "| 8192 | coda_dsl | 6.60 | 16.80 | 1.100 | 1.050 | – | – | 5000 | 1100 | 4.00 |"
+    assert lines[5] == "| 8192 | HF torch.compile | 7.92 | 18.48 | 1.320 | 1.155 | 1.20× | 1.10× | 7000 | 800 | 2.50 |"
 
 
 @pytest.fixture
@@ -105,17 +101,18 @@ def host_timing(monkeypatch, tmp_path):
     monkeypatch.setenv("OUT", str(tmp_path))
     timed = []
 
-    def round_robin(fns, iters, queued=False):
+    def round_robin(fns, iters):
         timed.append(list(fns))
         out = {}
         for name, fn in fns.items():
             t = time.perf_counter()
             fn()
-            out[name] = ((time.perf_counter() - t) * 1e3,) * 2
+            out[name] = (time.perf_counter() - t) * 1e3
         return out
     monkeypatch.setattr(ll, "time_round_robin", round_robin)
     monkeypatch.setattr(ll, "peak_mib", lambda fn: fn() is not None and 1.0)
     monkeypatch.setattr(ll, "saved_mib", lambda fn: fn().requires_grad and 2.0)
+    monkeypatch.setattr(ll, "host_ms", lambda fn, iters: fn() is not None and 3.0)
     return tmp_path, timed
 
 
@@ -141,10 +138,8 @@ def test_layer_bench_runs_on_cpu(host_timing, capsys):
     floor = rows[0]
     assert floor["fwd_ms"] == pytest.approx(sum(t for p, t in floor["extra"]["parts_ms"].items() if p.endswith("fwd")))
     assert floor["fwd_bwd_ms"] == pytest.approx(sum(floor["extra"]["parts_ms"].values()))
-    assert floor["queued_fwd_bwd_ms"] == pytest.approx(sum(floor["extra"]["queued_parts_ms"].values()))
-    assert len(timed) == 4 and timed[1] == timed[0]  # per token count: lone calls, then queued ones
-    assert all(r["host_fwd_bwd_ms"] > 0 and r["saved_mib"] == 2.0 for r in rows if r["variant"] != ll.FLOOR)
-    assert "Queued calls" in out
+    assert len(timed) == 2  # one round-robin per token count
+    assert all(r["host_fwd_bwd_ms"] == 3.0 and r["saved_mib"] == 2.0 for r in rows if r["variant"] != ll.FLOOR)
     # bf16, the same weights: coda_dsl and "compiled" HF (eager here) agree with HF eager
     assert rows[1]["extra"]["rel_err_vs_hf_eager"] < 2e-2 and rows[3]["extra"]["rel_err_vs_hf_eager"] == 0
 

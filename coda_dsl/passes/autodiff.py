@@ -184,11 +184,12 @@ def into_producer(back: Backward, output: str = "D", split: bool = False, recomp
     swap = _rebuilder({id(ir.acc()): ir.load("tensor", SAVED_ACC), id(grad): ir.acc()})
     params = tuple(ir.Param(SAVED_ACC, "tensor") if p.name == GRAD + output else p for p in program.params)
     swapped = tuple(ir.Output("D" if o.name == "acc" else o.name, swap(o.node), o.dtype) for o in program.outputs)
-    for name in recompute:
+    for name in dict.fromkeys(recompute):
         o = back.forward.output(name)
-        if o is None or ir.reduction_of(o.node) is not None:
-            raise UnsupportedError(f"{where}: recompute names '{name}', which is not an elementwise output of the "
-                                   "forward (a statistic cannot be recomputed by one tile)")
+        if o is None or ir.reduction_of(o.node) is not None or o.node.is_leaf:
+            raise UnsupportedError(f"{where}: recompute names '{name}', which is not a computed elementwise output "
+                                   "of the forward (a statistic needs every tile; an operand or the accumulator "
+                                   "the caller has already)")
         swapped += (ir.Output(RECOMPUTED + name, swap(o.node), o.dtype),)
     narrow = _narrower(infer_widths(ir.Program(program.name, params, swapped, program.defined_at, {})))
     outputs = []
@@ -201,6 +202,10 @@ def into_producer(back: Backward, output: str = "D", split: bool = False, recomp
             outputs += [ir.Output("D_even", node.inputs[0], o.dtype), ir.Output("D_odd", node.inputs[1], o.dtype)]
         else:
             outputs.append(ir.Output(o.name, node, o.dtype))
+    names = [o.name for o in outputs]
+    if clash := sorted({n for n in names if names.count(n) > 1}):
+        raise UnsupportedError(f"{where}: the fused backward would have two outputs named {clash} (an operand's "
+                               "gradient is named like the operand): rename that operand")
     return ir.Program(f"{program.name}_fused", params, tuple(outputs), program.defined_at, {})
 
 

@@ -125,8 +125,8 @@ def forward_epilogue(epilogue: Epilogue, **consts) -> Epilogue:
     return _derive(epilogue, consts).forward
 
 
-def backward_epilogue(epilogue: Epilogue, output: str = "D", split: bool = False, no_grad: tuple[str, ...] = (),
-                      recompute: tuple[str, ...] = (), **consts) -> Epilogue:
+def backward_epilogue(epilogue: Epilogue, output: str = "D", split: bool = False,
+                      no_grad: str | tuple[str, ...] = (), recompute: str | tuple[str, ...] = (), **consts) -> Epilogue:
     """The derived backward of `epilogue` as the epilogue of the GEMM that produces the gradient of its
     `output` (the backward's dY = dOut @ W of the layer above): call it on that GEMM with the forward's
     accumulator as `saved_acc` (and the forward's other operands, and the other outputs' gradients as
@@ -138,5 +138,6 @@ def backward_epilogue(epilogue: Epilogue, output: str = "D", split: bool = False
     computes again, as outputs recomputed_<name> (so the forward need not keep them: SwiGLU's y, which
     W_down's gradient reads). cd.Const values go in `consts`. For SwiGLU this is the hand-written
     swiglu_backward's D."""
-    back = _derive(epilogue, consts, tuple(no_grad)).back
-    return Epilogue.of_program(into_producer(back, output, split, tuple(recompute)))
+    names = lambda x: (x,) if isinstance(x, str) else tuple(x)  # noqa: E731  a single name, or several
+    back = _derive(epilogue, consts, names(no_grad)).back
+    return Epilogue.of_program(into_producer(back, output, split, names(recompute)))
