@@ -20,8 +20,9 @@ Each step also runs coda_dsl's kernel with the identity epilogue at each config:
 the same mainloop, so a fused kernel's time splits into the mainloop's gap to cuBLAS and its epilogue's.
 --configs: `default` (the config cd.gemm picks at the shape), runtime/tune.py's named ones, or any config
 text (e.g. 128x128x64_c1x2_pingpong_e64x32_s4: see passes/plan.Config.parse). Ratios are
-time / the step's floor: lower is better. Each fused variant's first output (y, d gate) is checked against
-eager PyTorch's (rel_err in the JSON; a warning on stderr above 3e-2); the identity rows are not.
+time / the step's floor: lower is better. Each fused variant's results (y; d gate, d up, d rstd, and y where
+it recomputes it) are checked against PyTorch's in fp32 (the largest relative error in the JSON as
+rel_err; a warning on stderr above 3e-2); the identity rows are not.
 """
 from __future__ import annotations
 
@@ -70,8 +71,8 @@ def hf_swiglu_backward(dy, gate, up):
 @dataclass
 class Step:
     """One fused GEMM of the MLP: its operands, the bare GEMM, torch.compile's way, coda_dsl's call of an
-    epilogue, and eager PyTorch's value of the coda_dsl variants' first output. Each callable takes the
-    operands as one dict."""
+    epilogue, and the step's results in PyTorch (by name) and in a coda_dsl variant's outputs. Each callable
+    takes the operands as one dict."""
     floor_name: str
     compiled_name: str
     epilogues: dict  # label -> epilogue
@@ -79,8 +80,8 @@ class Step:
     floor: Callable[[dict], torch.Tensor]
     compiled: Callable[[Callable], Callable]  # torch.compile -> the call
     coda: Callable  # (epilogue, config, operands) -> outputs
-    want: Callable[[dict], torch.Tensor]
-    first: Callable[[dict], torch.Tensor]  # a coda_dsl variant's outputs -> what `want` gives
+    want: Callable[[dict], dict]  # operands -> {result name: fp32 PyTorch value}
+    results: Callable[[dict, dict], dict]  # (a coda_dsl variant's outputs, operands) -> {result name: value}
     flops: Callable[[int, int, int], int]
     n_k: Callable[[int, int], tuple[int, int]]  # (F, D) -> the coda_dsl GEMM's N and K
 
@@ -105,6 +106,21 @@ def _dy_inputs(m: int, f: int, d: int) -> dict:
             "up": pre[:, 1::2].contiguous(), "rstd": rstd}
 
 
+def _dy_want(o: dict) -> dict:
+    """d gate, d up (of the accumulators: rstd * d pre), d rstd (sum_n d pre * acc) and y, in fp32."""
+    g, u, rstd = o["gate"].float(), o["up"].float(), o["rstd"][:, None]
+    dg, du = hf_swiglu_backward(o["dout"].float() @ o["w"].float(), g, u)
+    return {"d gate": dg * rstd, "d up": du * rstd, "d rstd": ((dg * g + du * u) / rstd).sum(-1),
+            "y": hf_swiglu(g, u)}
+
+
+def _dy_results(out: dict, o: dict) -> dict:
+    if "D_even" in out:  # the derived epilogues
+        y = {"y": out["recomputed_D"]} if "recomputed_D" in out else {}
+        return {"d gate": out["D_even"], "d up": out["D_odd"], "d rstd": out["rstd"], **y}
+    return {"d gate": out["dgate"], "d up": out["dup"], "d rstd": out["dpre_pre"] / o["rstd"]}
+
+
 STEPS = {
     "gate_up": Step(
         "cuBLAS gate/up GEMM", "torch.compile (gate, up GEMMs + SwiGLU)",
@@ -114,9 +130,9 @@ STEPS = {
         compiled=lambda compile: (lambda o, fn=compile(hf_swiglu): fn(o["h"] @ o["wg"].t(), o["h"] @ o["wu"].t())),
         coda=lambda ep, config, o: cd.gemm(o["h"], o["w"], ep, config=config, backend=BACKEND,
                                            **{p.name: o[p.name] for p in ep.params}),
-        want=lambda o: hf_swiglu(*(o["rstd"][:, None] * (o["h"].float() @ o["w"].float().t()))
-                                 .unflatten(-1, (-1, 2)).unbind(-1)),
-        first=lambda out: out["D"],
+        want=lambda o: {"y": hf_swiglu(*(o["rstd"][:, None] * (o["h"].float() @ o["w"].float().t()))
+                                       .unflatten(-1, (-1, 2)).unbind(-1))},
+        results=lambda out, o: {"y": out["D"]},
         flops=lambda m, f, d: 2 * m * 2 * f * d,
         n_k=lambda f, d: (2 * f, d)),
     "dY": Step(
@@ -128,8 +144,8 @@ STEPS = {
         compiled=lambda compile: (lambda o, fn=compile(hf_swiglu_backward): fn(o["dout"] @ o["w"], o["gate"], o["up"])),
         coda=lambda ep, config, o: cd.gemm(o["dout"], o["w"].t(), ep, config=config, backend=BACKEND,
                                            **{p.name: o[p.name] for p in ep.params}),
-        want=lambda o: hf_swiglu_backward(o["dout"] @ o["w"], o["gate"], o["up"])[0].float() * o["rstd"][:, None],
-        first=lambda out: out.get("D_even", out.get("dgate")),
+        want=_dy_want,
+        results=_dy_results,
         flops=lambda m, f, d: 2 * m * f * d,
         n_k=lambda f, d: (f, d)),
 }
@@ -178,9 +194,12 @@ def measure(step: str, shape: tuple, configs: list[str], iters: int) -> list[Row
         progress(f"mlp {step} {fmt(shape)}: {label}")
         got = fn(one)  # builds / compiles outside the timing
         if check:
-            errs[label] = ((s.first(got).float() - want).norm() / want.norm()).item()
+            rels = {name: ((v.float() - want[name]).norm() / want[name].norm()).item()
+                    for name, v in s.results(got, one).items()}
+            worst = max(rels, key=rels.get)
+            errs[label] = rels[worst]
             if errs[label] > 3e-2:
-                progress(f"  {label}: differs from eager PyTorch's by {errs[label]:.1e}")
+                progress(f"  {label}: {worst} differs from PyTorch's by {errs[label]:.1e}")
         times[label] = time_us(fn, [(o,) for o in sets], iters=iters, warmup=3)
     floor, compiled = times[s.floor_name], times[s.compiled_name]
     return [Row(f"mlp {step}", fmt(shape), label, us, s.flops(m, f, d) / us / 1e6, us / floor,
