@@ -128,6 +128,10 @@ class Output:
     node: Node
     dtype: str | None  # None: the default (A's dtype for tensors, fp32 for reductions)
 
+    def stored_dtype(self, default: str) -> str:
+        """The dtype the output is stored in: its own, else fp32 for a reduction, else `default` (A's)."""
+        return self.dtype or ("fp32" if reduction_of(self.node) is not None else default)
+
 
 @dataclass(frozen=True)
 class Param:

@@ -150,7 +150,7 @@ def derive(program: ir.Program, no_grad: tuple[str, ...] = ()) -> Backward:
             continue
         if p.kind == "tensor":
             outputs.append(ir.Output(p.name, g, None))
-        else:  # a sum, stored in fp32 like every reduction output (dsl/trace.py)
+        else:  # a sum: fp32, as dsl/trace.py marks every reduction output (ir.Output.stored_dtype)
             outputs.append(ir.Output(p.name, ir.reduce("sum", _SUM_AXIS[p.kind], g), "fp32"))
     uses = {n.op for n in ir.topo_order([o.node for o in outputs])}
     backward = ir.Program(f"{program.name}_backward", tuple(p for p in program.params if p.kind != "const")

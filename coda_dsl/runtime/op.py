@@ -468,7 +468,7 @@ _lock = threading.Lock()
 def _output_dtypes(ep: Epilogue, ab: str, out: dict | None) -> tuple[tuple[str, str], ...]:
     res = []
     for o in ep.program.outputs:
-        d = o.dtype or ab
+        d = o.stored_dtype(ab)
         if out and isinstance(out.get(o.name), torch.Tensor) and o.dtype is None:
             d = checks.dtype_of(out[o.name], _where(ep), f"out['{o.name}']")
         res.append((o.name, d))
