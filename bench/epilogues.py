@@ -10,7 +10,6 @@ belong to. Shapes are MxNxK: A [M, K], W [N, K].
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -26,10 +25,9 @@ from coda_dsl.runtime import op as runtime
 from coda_dsl.runtime import tune as tuning
 
 from .harness import (FLOOR, Row, background, compile_label, compile_mode, fmt, markdown, no_gpu, out_dir, parser,
-                      progress, rel_err, results_only_on_stdout, rotation, save, shapes, subset, table, time_us)
+                      progress, rel_err, results_only_on_stdout, rotation, round_robin, save, shapes, subset, table)
 from .harness import command as command_line
 
-ROUNDS = 5
 CUBES = tuple((s, s, s) for s in (2048, 4096, 8192))  # M, N, K
 LLAMA3_8B = ((8192, 4096, 4096), (8192, 6144, 4096), (8192, 14336, 4096), (8192, 4096, 14336))  # o, qkv, up, down
 LLAMA3_70B = ((8192, 28672, 8192), (8192, 8192, 28672))  # FFN up, FFN down
@@ -200,16 +198,6 @@ def run(cases: list[Case], shapes=None, autotune=False, iters=50, tune=False, dy
         if checkpoint:
             checkpoint(rows, failed)
     return rows, failed
-
-
-def round_robin(variants: dict[str, Callable], sets: list[tuple], iters: int) -> dict[str, float]:
-    """Median µs of each variant(a, w, operands), timed round-robin over several rounds: clock and thermal
-    drift during the run then hits every variant alike instead of whichever was measured last."""
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(ROUNDS):
-        for name, fn in variants.items():
-            samples[name].append(time_us(fn, sets, max(1, iters // ROUNDS)))
-    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def _measure(c: Case, shape, op, compiled, compile_s: float | None, label: str, iters: int, tune: bool) -> list[Row]:

@@ -69,7 +69,8 @@ def rotation(make: Callable[[], tuple], bytes_per_set: int, l2_bytes: int | None
 
 
 def time_us(fn: Callable, sets: list[tuple], iters: int = 50, warmup: int = 10) -> float:
-    """Median time of fn(*set) in microseconds, by CUDA events, rotating through `sets`."""
+    """Median time of fn(*set) in microseconds, by CUDA events, rotating through `sets`. To compare
+    variants, round_robin: timed one after the other, the later ones run on a hotter, slower GPU."""
     for i in range(warmup):
         fn(*sets[i % len(sets)])
     torch.cuda.synchronize()
@@ -83,6 +84,27 @@ def time_us(fn: Callable, sets: list[tuple], iters: int = 50, warmup: int = 10) 
         times.append((s, e))
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) * 1e3 for s, e in times)
+
+
+def round_robin(variants: dict[str, Callable], sets: list[tuple], iters: int, warmup: int = 2) -> dict[str, float]:
+    """Median µs of each variant(*set), by CUDA events, calling the variants in turn (round i on set i of
+    the rotation). An H200 under sustained load clocks ~10 % below one that just idled: timed one after
+    another, whichever ran first (often the cuBLAS floor) would look faster. Nothing waits for the GPU
+    until every call is queued, so the GPU never idles between calls either."""
+    for i in range(warmup):
+        for fn in variants.values():
+            fn(*sets[i % len(sets)])
+    events: dict[str, list] = {name: [] for name in variants}
+    for i in range(iters):
+        args = sets[i % len(sets)]
+        for name, fn in variants.items():
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn(*args)
+            e.record()
+            events[name].append((s, e))
+    torch.cuda.synchronize()
+    return {name: statistics.median(s.elapsed_time(e) * 1e3 for s, e in ev) for name, ev in events.items()}
 
 
 @dataclass

@@ -22,8 +22,8 @@ import coda_dsl as cd
 from coda_dsl.library import swiglu
 
 from .epilogues import bias_gelu, residual_sumsq
-from .harness import (Row, fmt, markdown, no_gpu, parser, progress, results_only_on_stdout, rotation, save, shapes,
-                      subset, time_us)
+from .harness import (Row, fmt, markdown, no_gpu, parser, progress, results_only_on_stdout, rotation, round_robin,
+                      save, shapes, subset)
 from .harness import command as command_line
 
 SHAPES = [(8192, 14336, 4096)]  # the target shape: Llama-3-8B's MLP width
@@ -87,7 +87,6 @@ def measure(name: str, shape: tuple, iters: int) -> list[Row]:
     variants = {FLOOR: _gemms, "coda_dsl cd.linear": ours, "eager": _step(_layer(case)),
                 "torch.compile": _step(torch.compile(_layer(case)))}
     ref = variants["eager"](*sets[0])
-    times = {}
     for label, fn in variants.items():
         progress(f"linear_backward: {name} {fmt(shape)}: {label}")
         got = fn(*sets[0])  # builds / compiles outside the timing
@@ -95,7 +94,7 @@ def measure(name: str, shape: tuple, iters: int) -> list[Row]:
             err = max(((g.float() - r.float()).norm() / r.float().norm()).item() for g, r in zip(got, ref))
             if err > 3e-2:
                 progress(f"  {label}: gradients differ from eager by {err:.1e}")
-        times[label] = time_us(fn, sets, iters=iters, warmup=3)
+    times = round_robin(variants, sets, iters)
     flops = 3 * 2 * m * n * k
     return [Row("linear_backward/" + name, fmt(shape), label, us, flops / us / 1e6, us / times[FLOOR])
             for label, us in times.items()]

@@ -44,7 +44,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .harness import markdown, no_gpu, parser, progress, rel_err, results_only_on_stdout, save
+from .harness import markdown, no_gpu, parser, progress, rel_err, results_only_on_stdout, round_robin, save
 from .harness import command as command_line
 
 CONFIGS = {
@@ -120,22 +120,7 @@ def is_forward(part: str) -> bool:
     return part.endswith("fwd")
 
 
-# ---------------------------------------------------------------- timing (the CPU tests replace these two)
-
-def time_round_robin(fns: dict[str, Callable], iters: int) -> dict[str, float]:
-    """Median ms of each fn, by CUDA events, iterating round-robin over fns (clock drift hits all alike).
-    No host synchronization until every call is queued."""
-    events = {name: [] for name in fns}
-    for _ in range(iters):
-        for name, fn in fns.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            events[name].append((start, end))
-    torch.cuda.synchronize()
-    return {name: statistics.median(s.elapsed_time(e) for s, e in ev) for name, ev in events.items()}
-
+# ---------------------------------------------------------------- timing (the CPU tests replace these)
 
 def host_ms(fn: Callable, iters: int) -> float:
     """Median host time of one fn() in ms, each behind a GPU spin of SPIN_MS so that no launch waits."""
@@ -346,7 +331,7 @@ def run_tokens(config, tokens: int, seq: int, iters: int, device="cuda", backend
     progress(f"llama_layer {tokens} tokens: timing {len(timed)} variant calls and {len(parts)} floor parts, "
              f"{iters} rounds")
     fns = {**{f"{n} {s}": fn for (n, s), fn in timed.items()}, **{f"floor {p}": fn for p, fn in parts.items()}}
-    ms = time_round_robin(fns, iters)
+    ms = {name: us / 1e3 for name, us in round_robin(fns, [()], iters, warmup=0).items()}
     part_ms = {p: ms[f"floor {p}"] for p in parts}
     fwd_floor = sum(t for p, t in part_ms.items() if is_forward(p))
     rows = [LayerRow(tokens, FLOOR, fwd_floor, sum(part_ms.values()), None, {"parts_ms": part_ms})]

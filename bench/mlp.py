@@ -39,8 +39,8 @@ from coda_dsl.nn import rms_swiglu_fwd, rms_swiglu_grad, rms_swiglu_grad_and_y
 from coda_dsl.passes.plan import Config
 from coda_dsl.runtime.tune import DEFAULT, PINGPONG, PINGPONG_192, default
 
-from .harness import (Row, fmt, markdown, no_gpu, parser, progress, results_only_on_stdout, rotation, save, shapes,
-                      time_us)
+from .harness import (Row, fmt, markdown, no_gpu, parser, progress, results_only_on_stdout, rotation, round_robin,
+                      save, shapes)
 from .harness import command as command_line
 
 SHAPES = [(8192, 14336, 4096)]  # Llama-3-8B: tokens x FFN x hidden
@@ -189,8 +189,8 @@ def measure(step: str, shape: tuple, configs: list[str], iters: int) -> list[Row
     made = iter([one])  # rotation's first set: this one, already made
     sets = rotation(lambda: next(made, None) or s.inputs(m, f, d), sum(t.nbytes for t in one.values()))
     want = s.want(one)
-    times, errs = {}, {}
-    for label, (fn, check) in variants(step, configs, shape).items():
+    errs, calls = {}, variants(step, configs, shape)
+    for label, (fn, check) in calls.items():
         progress(f"mlp {step} {fmt(shape)}: {label}")
         got = fn(one)  # builds / compiles outside the timing
         if check:
@@ -200,7 +200,7 @@ def measure(step: str, shape: tuple, configs: list[str], iters: int) -> list[Row
             errs[label] = rels[worst]
             if errs[label] > 3e-2:
                 progress(f"  {label}: {worst} differs from PyTorch's by {errs[label]:.1e}")
-        times[label] = time_us(fn, [(o,) for o in sets], iters=iters, warmup=3)
+    times = round_robin({label: fn for label, (fn, _) in calls.items()}, [(o,) for o in sets], iters)
     floor, compiled = times[s.floor_name], times[s.compiled_name]
     return [Row(f"mlp {step}", fmt(shape), label, us, s.flops(m, f, d) / us / 1e6, us / floor,
                 {"vs_compile": us / compiled, **({"rel_err": errs[label]} if label in errs else {})})

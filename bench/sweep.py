@@ -19,9 +19,9 @@ from coda_dsl.build.cache import build_key, valid_output
 from coda_dsl.passes.plan import Config
 from coda_dsl.runtime import op as runtime
 
-from .epilogues import CASES, _inputs, round_robin
+from .epilogues import CASES, _inputs
 from .harness import (Row, fmt, markdown, no_gpu, parser, progress, rel_err, results_only_on_stdout, rotation,
-                      save, shapes, subset)
+                      round_robin, save, shapes, subset)
 from .harness import command as command_line
 
 LLAMA = ((8192, 4096, 4096), (8192, 6144, 4096), (8192, 14336, 4096), (8192, 4096, 14336),  # 8B: o, qkv, up, down

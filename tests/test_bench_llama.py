@@ -101,15 +101,15 @@ def host_timing(monkeypatch, tmp_path):
     monkeypatch.setenv("OUT", str(tmp_path))
     timed = []
 
-    def round_robin(fns, iters):
+    def round_robin(fns, sets, iters, warmup=2):
         timed.append(list(fns))
         out = {}
         for name, fn in fns.items():
             t = time.perf_counter()
-            fn()
-            out[name] = (time.perf_counter() - t) * 1e3
+            fn(*sets[0])
+            out[name] = (time.perf_counter() - t) * 1e6
         return out
-    monkeypatch.setattr(ll, "time_round_robin", round_robin)
+    monkeypatch.setattr(ll, "round_robin", round_robin)
     monkeypatch.setattr(ll, "peak_mib", lambda fn: fn() is not None and 1.0)
     monkeypatch.setattr(ll, "saved_mib", lambda fn: fn().requires_grad and 2.0)
     monkeypatch.setattr(ll, "host_ms", lambda fn, iters: fn() is not None and 3.0)
