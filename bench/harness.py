@@ -88,16 +88,17 @@ def time_us(fn: Callable, sets: list[tuple], iters: int = 50, warmup: int = 10) 
 
 def round_robin(variants: dict[str, Callable], sets: list[tuple], iters: int, warmup: int = 2) -> dict[str, float]:
     """Median µs of each variant(*set), by CUDA events, calling the variants in turn (round i on set i of
-    the rotation). An H200 under sustained load clocks ~10 % below one that just idled: timed one after
-    another, whichever ran first (often the cuBLAS floor) would look faster. Nothing waits for the GPU
-    until every call is queued, so the GPU never idles between calls either."""
+    the rotation; every other round in reverse order, so that no variant always follows the same one).
+    An H200 under sustained load clocks ~10 % below one that just idled: timed one after another,
+    whichever ran first (often the cuBLAS floor) would look faster. Nothing waits for the GPU until
+    every call is queued, so the GPU never idles between calls either."""
     for i in range(warmup):
         for fn in variants.values():
             fn(*sets[i % len(sets)])
     events: dict[str, list] = {name: [] for name in variants}
     for i in range(iters):
         args = sets[i % len(sets)]
-        for name, fn in variants.items():
+        for name, fn in (reversed if i % 2 else iter)(list(variants.items())):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
             fn(*args)

@@ -79,6 +79,33 @@ def test_no_cuda_exits_with_one_line(entry, capsys, monkeypatch):
     assert out == "" and len(err.strip().splitlines()) == 1 and "CUDA" in err
 
 
+def test_round_robin_alternates_the_order_and_takes_each_variants_median(monkeypatch):
+    """harness.round_robin on the CPU with a fake CUDA event clock: the call order reverses every other
+    round, warm-up calls are not timed, and each variant's median is its own (in µs)."""
+    clock, calls = [0.0], []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            self.t = clock[0]
+
+        def elapsed_time(self, end):
+            return end.t - self.t  # ms
+
+    def variant(name, ms):
+        def fn(x):
+            calls.append(name)
+            clock[0] += ms
+        return fn
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    us = harness.round_robin({"a": variant("a", 1.0), "b": variant("b", 3.0)}, [(0,)], iters=3, warmup=1)
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]
+    assert us == {"a": 1000.0, "b": 3000.0}
+
+
 def test_tables_and_json(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))
     rows = _rows()
