@@ -108,6 +108,50 @@ def round_robin(variants: dict[str, Callable], sets: list[tuple], iters: int, wa
     return {name: statistics.median(s.elapsed_time(e) * 1e3 for s, e in ev) for name, ev in events.items()}
 
 
+def sustained(variants: dict[str, Callable], sets: list[tuple], iters: int, warm_ms: float = 300.0) -> dict[str, dict]:
+    """Each variant alone, back to back: warm_ms of its calls, then `iters` timed ones. The GPU's clocks
+    settle where that variant's own power draw puts them, as in training, where one mix of kernels runs
+    for hours (round_robin instead averages the clocks over all variants). Per variant: µs per call,
+    and the SM clock (MHz) and board power (W) that NVML read while its calls ran, medians of the
+    second half of the samples (None without NVML)."""
+    out = {}
+    for name, fn in variants.items():
+        fn(*sets[0])
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn(*sets[0])
+        torch.cuda.synchronize()
+        warm = max(1, int(warm_ms / 1e3 / max(time.perf_counter() - t0, 1e-6)))
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for i in range(warm):
+            fn(*sets[i % len(sets)])
+        s.record()
+        for i in range(iters):
+            fn(*sets[i % len(sets)])
+        e.record()
+        samples = []
+        while not e.query():
+            samples.append(_clock_and_power())
+            time.sleep(0.005)
+        e.synchronize()
+        late = samples[len(samples) // 2:]
+        out[name] = {"us": s.elapsed_time(e) * 1e3 / iters,
+                     "mhz": _median([c for c, _ in late]), "watts": _median([w for _, w in late])}
+    return out
+
+
+def _clock_and_power() -> tuple[float | None, float | None]:
+    try:
+        return float(torch.cuda.clock_rate()), torch.cuda.power_draw() / 1e3
+    except Exception:  # noqa: BLE001  no NVML (pynvml) here: the times still stand
+        return None, None
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
 @dataclass
 class Row:
     bench: str

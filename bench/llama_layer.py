@@ -3,7 +3,7 @@ against Hugging Face's LlamaDecoderLayer (eager and torch.compile, the same weig
 that fusion can reach, in one process, round-robin, CUDA events, median.
 
     python -m bench.llama_layer [--config 8b] [--tokens 8192,16384] [--seq 2048] [--iters 20] [--json PATH]
-                                [--profile N [--timeline]] [--without-y]
+                                [--profile N [--timeline]] [--without-y] [--sustained MS]
 
 Variants (tokens = batch x seq; batch = tokens / seq):
 - coda_dsl: LlamaDecoderLayer.from_hf(hf_layer, backend="cutlass"), with mlp.tie_gate_up() (the gate and
@@ -21,7 +21,10 @@ kernels (total time, calls) on stderr: where each variant's time goes. --timelin
 fwd+bwd launched right behind another one (the host ahead, the clocks under load, as inside a model), in
 launch order (start, duration), to compare the variants step by step.
 The round-robin never waits for the GPU, so the host runs ahead and the GPU stays loaded, as in
-training. (Timing each call behind an idle GPU spin instead made every variant, even a lone cuBLAS GEMM,
+training. --sustained MS: each variant (and floor part) alone instead, after MS ms of its own calls, with
+the SM clock and board power NVML read meanwhile: the steady state of a GPU that runs only that
+variant, as training runs one layer's kernels for hours, where a kernel mix that draws more power
+runs at lower clocks (the round-robin averages the clocks over all variants). (Timing each call behind an idle GPU spin instead made every variant, even a lone cuBLAS GEMM,
 11-14 % faster on the H200: clock headroom after idling, not a property of the code.) Host ms: the host's
 time to launch one fwd+bwd, with the GPU kept busy meanwhile so that no launch waits.
 "fwd" runs under torch.no_grad (inference forward); "fwd+bwd" is torch.autograd.grad of the output
@@ -44,7 +47,8 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .harness import markdown, no_gpu, parser, progress, rel_err, results_only_on_stdout, round_robin, save
+from .harness import (markdown, no_gpu, parser, progress, rel_err, results_only_on_stdout, round_robin, save,
+                      sustained)
 from .harness import command as command_line
 
 CONFIGS = {
@@ -292,7 +296,7 @@ class LayerRow:
 
 
 def run_tokens(config, tokens: int, seq: int, iters: int, device="cuda", backend="cutlass", compile_fn=None,
-               profile: int = 0, timeline: bool = False, without_y: bool = False) \
+               profile: int = 0, timeline: bool = False, without_y: bool = False, sustain_ms: float = 0) \
         -> tuple[list[LayerRow], dict[str, float], list[str]]:
     """One token count: (variant rows with the floor first, floor part -> ms, failures)."""
     batch = tokens // seq
@@ -329,9 +333,18 @@ def run_tokens(config, tokens: int, seq: int, iters: int, device="cuda", backend
             fn()
     synchronize(device)
     progress(f"llama_layer {tokens} tokens: timing {len(timed)} variant calls and {len(parts)} floor parts, "
-             f"{iters} rounds")
+             + (f"each alone after {sustain_ms:g} ms of its own calls" if sustain_ms else f"{iters} rounds"))
     fns = {**{f"{n} {s}": fn for (n, s), fn in timed.items()}, **{f"floor {p}": fn for p, fn in parts.items()}}
-    ms = {name: us / 1e3 for name, us in round_robin(fns, [()], iters, warmup=0).items()}
+    if sustain_ms:
+        steady = sustained(fns, [()], iters, sustain_ms)
+        ms = {name: r["us"] / 1e3 for name, r in steady.items()}
+        for name, r in steady.items():  # what each variant's own load did to the clock
+            progress(f"  {name}: {r['us'] / 1e3:.3f} ms at {r['mhz'] or '?'} MHz, {r['watts'] or '?'} W")
+            if not name.startswith("floor "):
+                variant, step = name.rsplit(" ", 1)
+                extra.setdefault(variant, {})[f"{step}_mhz_watts"] = (r["mhz"], r["watts"])
+    else:
+        ms = {name: us / 1e3 for name, us in round_robin(fns, [()], iters, warmup=0).items()}
     part_ms = {p: ms[f"floor {p}"] for p in parts}
     fwd_floor = sum(t for p, t in part_ms.items() if is_forward(p))
     rows = [LayerRow(tokens, FLOOR, fwd_floor, sum(part_ms.values()), None, {"parts_ms": part_ms})]
@@ -417,6 +430,9 @@ def parse(argv=None):
                    help="print each variant's N costliest GPU kernels of one fwd+bwd (stderr)")
     p.add_argument("--without-y", action="store_true",
                    help=f"also the variant '{CODA_WITHOUT_Y}': the layer's MLP keeps no y for the backward")
+    p.add_argument("--sustained", type=float, default=0, metavar="MS",
+                   help="time each variant and floor part alone after MS ms of its own calls, with the SM clock "
+                        "and board power on stderr (default: round-robin)")
     p.add_argument("--timeline", action="store_true",
                    help="with --profile: also every kernel of one fwd+bwd right behind another, in order (stderr)")
     args = p.parse_args(argv)
@@ -436,7 +452,7 @@ def main(argv=None, device="cuda", backend="cutlass", compile_fn=None) -> int:
     rows, failed = [], []
     for tokens in args.tokens:
         r, _, f = run_tokens(config, tokens, args.seq, args.iters, device, backend, compile_fn, args.profile,
-                             args.timeline, args.without_y)
+                             args.timeline, args.without_y, args.sustained)
         rows, failed = rows + r, failed + f
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -2,6 +2,7 @@
 torch.compile's way of doing the same work:
 
     python -m bench.mlp [--steps gate_up,dY] [--shapes 8192x14336x4096] [--iters 30] [--configs default,...]
+                        [--sustained MS]
 
 Shapes are M x F x D (tokens x FFN x hidden). Steps, every variant on the same operands:
 - gate_up (forward): coda_dsl.nn's `rms_swiglu_fwd`, H @ W_gate_up^T ([M, 2F], rows interleaved) with rstd
@@ -19,7 +20,10 @@ Shapes are M x F x D (tokens x FFN x hidden). Steps, every variant on the same o
 Each step also runs coda_dsl's kernel with the identity epilogue at each config: the bare GEMM through
 the same mainloop, so a fused kernel's time splits into the mainloop's gap to cuBLAS and its epilogue's.
 --configs: `default` (the config cd.gemm picks at the shape), runtime/tune.py's named ones, or any config
-text (e.g. 128x128x64_c1x2_pingpong_e64x32_s4: see passes/plan.Config.parse). Ratios are
+text (e.g. 128x128x64_c1x2_pingpong_e64x32_s4: see passes/plan.Config.parse). Timing: round-robin over the
+variants (harness.round_robin), or with --sustained MS each variant alone after MS ms of its own calls, with
+the SM clock and board power read meanwhile (harness.sustained): a kernel that draws more power per
+FLOP runs at lower clocks when it runs for long, which round-robin averages away. Ratios are
 time / the step's floor: lower is better. Each fused variant's results (y; d gate, d up, d rstd, and y where
 it recomputes it) are checked against PyTorch's in fp32 (the largest relative error in the JSON as
 rel_err; a warning on stderr above 3e-2); the identity rows are not.
@@ -40,7 +44,7 @@ from coda_dsl.passes.plan import Config
 from coda_dsl.runtime.tune import DEFAULT, PINGPONG, PINGPONG_192, default
 
 from .harness import (Row, fmt, markdown, no_gpu, parser, progress, results_only_on_stdout, rotation, round_robin,
-                      save, shapes)
+                      save, shapes, sustained)
 from .harness import command as command_line
 
 SHAPES = [(8192, 14336, 4096)]  # Llama-3-8B: tokens x FFN x hidden
@@ -183,7 +187,7 @@ def prebuild(steps: list[str], configs: list[str], todo: list[tuple]) -> None:
     runtime.prebuild(list(ops.values()))
 
 
-def measure(step: str, shape: tuple, configs: list[str], iters: int) -> list[Row]:
+def measure(step: str, shape: tuple, configs: list[str], iters: int, sustain_ms: float = 0) -> list[Row]:
     s, (m, f, d) = STEPS[step], shape
     one = s.inputs(m, f, d)
     made = iter([one])  # rotation's first set: this one, already made
@@ -200,11 +204,21 @@ def measure(step: str, shape: tuple, configs: list[str], iters: int) -> list[Row
             errs[label] = rels[worst]
             if errs[label] > 3e-2:
                 progress(f"  {label}: {worst} differs from PyTorch's by {errs[label]:.1e}")
-    times = round_robin({label: fn for label, (fn, _) in calls.items()}, [(o,) for o in sets], iters)
+    fns, args = {label: fn for label, (fn, _) in calls.items()}, [(o,) for o in sets]
+    if sustain_ms:
+        steady = sustained(fns, args, iters, sustain_ms)
+        times = {label: r["us"] for label, r in steady.items()}
+    else:
+        times, steady = round_robin(fns, args, iters), {}
     floor, compiled = times[s.floor_name], times[s.compiled_name]
     return [Row(f"mlp {step}", fmt(shape), label, us, s.flops(m, f, d) / us / 1e6, us / floor,
-                {"vs_compile": us / compiled, **({"rel_err": errs[label]} if label in errs else {})})
+                {"vs_compile": us / compiled, **({"rel_err": errs[label]} if label in errs else {}),
+                 **{k: v for k, v in steady.get(label, {}).items() if k != "us"}})
             for label, us in times.items()]
+
+
+def _num(v) -> str:
+    return "–" if v is None else f"{v:.0f}"
 
 
 def main(argv=None) -> int:
@@ -214,6 +228,9 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default="default",
                    help=f"comma-separated: {list(CONFIGS)} or config texts like 128x128x64_c1x2_pingpong")
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--sustained", type=float, default=0, metavar="MS",
+                   help="time each variant alone after MS ms of its own calls, with the SM clock and board power "
+                        "(default: round-robin)")
     args = p.parse_args(argv)
     steps, configs = args.steps.split(","), args.configs.split(",")
     if unknown := set(steps) - set(STEPS):
@@ -230,10 +247,12 @@ def main(argv=None) -> int:
         prebuild(steps, configs, args.shapes)
         for step in steps:
             for s in args.shapes:
-                rows += measure(step, s, configs, args.iters)
-    print(markdown(["step", "shape (M×F×D)", "variant", "time (µs)", "TFLOP/s", "× floor", "× torch.compile"],
+                rows += measure(step, s, configs, args.iters, args.sustained)
+    power = ["MHz", "W"] if args.sustained else []
+    print(markdown(["step", "shape (M×F×D)", "variant", "time (µs)", "TFLOP/s", "× floor", "× torch.compile", *power],
                    [[r.bench.split()[1], r.shape, r.variant, f"{r.us:.0f}", f"{r.tflops:.0f}", f"{r.vs_gemm:.3f}",
-                     f"{r.extra['vs_compile']:.3f}"] for r in rows], numeric=4))
+                     f"{r.extra['vs_compile']:.3f}", *(_num(r.extra.get(k)) for k in ("mhz", "watts")[:len(power)])]
+                    for r in rows], numeric=4 + len(power)))
     save(rows, "mlp", command_line("python -m bench.mlp", argv))
     return 0
 

@@ -106,6 +106,48 @@ def test_round_robin_alternates_the_order_and_takes_each_variants_median(monkeyp
     assert us == {"a": 1000.0, "b": 3000.0}
 
 
+@pytest.mark.parametrize("nvml", [True, False])
+def test_sustained_times_each_variant_alone_after_its_warm_up(monkeypatch, nvml):
+    """harness.sustained with a fake event clock: a variant's calls all come before the next variant's,
+    the timed ones after its warm-up; µs per timed call, and NVML's clock and power (None without NVML)."""
+    clock, calls = [0.0], []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t, self.polls = None, 0
+
+        def record(self):
+            self.t = clock[0]
+
+        def query(self):  # the host polls while "the GPU" works: twice
+            self.polls += 1
+            return self.polls > 2
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return end.t - self.t  # ms
+
+    def variant(name, ms):
+        def fn(x):
+            calls.append(name)
+            clock[0] += ms
+        return fn
+
+    def no_nvml():
+        raise ModuleNotFoundError("pynvml")
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "clock_rate", (lambda: 1500) if nvml else no_nvml)
+    monkeypatch.setattr(torch.cuda, "power_draw", lambda: 650_000)
+    monkeypatch.setattr(harness.time, "sleep", lambda s: None)
+    got = harness.sustained({"a": variant("a", 1.0), "b": variant("b", 2.0)}, [(0,)], iters=4, warm_ms=0)
+    assert calls == ["a"] * 7 + ["b"] * 7  # a first call, one to size the warm-up, one warm, four timed
+    assert got["a"]["us"] == 1000.0 and got["b"]["us"] == 2000.0
+    assert (got["a"]["mhz"], got["a"]["watts"]) == ((1500.0, 650.0) if nvml else (None, None))
+
+
 def test_tables_and_json(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))
     rows = _rows()
@@ -238,6 +280,11 @@ def test_mlp_on_fake_gpu(fake_gpu, capsys, monkeypatch):
                         ("rotation", lambda make, nbytes: [make(), make()]), ("BACKEND", "reference"),
                         ("DEVICE", "cpu")):
         monkeypatch.setattr(mlp, name, value)
+    monkeypatch.setattr(mlp, "sustained", lambda fns, sets, iters, ms: {
+        name: {"us": us, "mhz": 1500.0, "watts": None} for name, us in mlp.round_robin(fns, sets, iters).items()})
+    assert mlp.main(["--shapes", "32x64x48", "--steps", "dY", "--iters", "2", "--sustained", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "| MHz | W |" in out and "| 1500 | – |" in out
     assert mlp.main(["--shapes", "32x64x48", "--configs", "default,cooperative", "--iters", "2"]) == 0
     out, err = capsys.readouterr()
     assert "| gate_up | 32×64×48 | torch.compile (gate, up GEMMs + SwiGLU) |" in out

@@ -154,6 +154,22 @@ def test_layer_bench_without_y_adds_a_variant(host_timing, capsys):
     assert rows[2]["extra"]["rel_err_vs_hf_eager"] == pytest.approx(rows[1]["extra"]["rel_err_vs_hf_eager"])
 
 
+def test_layer_bench_sustained_times_each_alone_and_records_the_clocks(host_timing, capsys, monkeypatch):
+    """--sustained MS: harness.sustained instead of the round-robin; each variant's MHz and W kept."""
+    seen = []
+
+    def sustained(fns, sets, iters, ms):
+        seen.append(ms)
+        return {name: {"us": 1000.0, "mhz": 1500.0, "watts": 600.0} for name in fns}
+    monkeypatch.setattr(ll, "sustained", sustained)
+    argv = ["--config", "tiny", "--tokens", "32", "--seq", "16", "--iters", "1", "--sustained", "50"]
+    assert ll.main(argv, device="cpu", backend="reference", compile_fn=lambda f, **kw: f) == 0
+    assert seen == [50.0] and host_timing[1] == []  # no round-robin
+    assert "| 32 | coda_dsl | 1.00 | 1.00 |" in capsys.readouterr().out
+    rows = json.loads((host_timing[0] / "llama_layer.json").read_text())["rows"]
+    assert rows[1]["extra"]["fwd+bwd_mhz_watts"] == [1500.0, 600.0]
+
+
 def test_layer_bench_reports_a_failing_variant(host_timing, capsys):
     class Broken(torch.nn.Module):  # as torch.compile's module: the layer's parameters, a failing call
         def __init__(self, layer, **kw):
