@@ -267,6 +267,22 @@ def _age(seconds: float) -> str:
 
 def cmd_cache(args) -> int:
     root = build.cache_dir()
+    wanted = {"export": "one file to write", "import": "the files to read"}.get(args.action, "no file")
+    if len(args.files) != (1 if args.action == "export" else 0) and not (args.action == "import" and args.files):
+        raise CodaError(f"{args.action} takes {wanted}, not {len(args.files)}")
+    if args.part_mb is not None and (args.action != "export" or not args.part_mb > 0):
+        raise CodaError("--part-mb takes a positive size, with export")
+    if args.action == "export":
+        parts = build.export_cache(Path(args.files[0]), int(args.part_mb * 2**20) if args.part_mb else None)
+        for p in parts:
+            print(f"wrote {p} ({_size(p.stat().st_size)})")
+        return 0
+    if args.action == "import":
+        got = build.import_cache([Path(f) for f in args.files])
+        print(f"{root}: added {len(got.added)}, already present {len(got.present)}, rejected {len(got.rejected)}")
+        for why in got.rejected:
+            print(f"  rejected {why}")
+        return 1 if got.rejected else 0
     if args.action == "clear":
         cleared = build.clear_cache()
         n = cleared.removed
@@ -513,11 +529,18 @@ def parser() -> argparse.ArgumentParser:
     _target_options(p)
     p.add_argument("--compile-only", action="store_true", help="stop at the object file (no link)")
 
-    p = command("cache", cmd_cache, "list or clear built kernels ($CODA_DSL_CACHE)",
-                "List the kernels in the build cache (epilogue, config, size, age) or remove them all. "
-                "The cache is $CODA_DSL_CACHE, else $XDG_CACHE_HOME/coda_dsl or ~/.cache/coda_dsl.")
-    p.add_argument("action", choices=("list", "clear"),
-                   help="list: one line per built kernel; clear: remove every cache entry")
+    p = command("cache", cmd_cache, "list, clear, export or import built kernels ($CODA_DSL_CACHE)",
+                "List the kernels in the build cache (epilogue, config, size, age), remove them all, or "
+                "move them between machines: export packs every built kernel into a .tar.gz, import adds "
+                "such files' kernels to this cache (each checked against its recorded SHA-256), e.g. for "
+                "GPU nodes without a compiler or a fresh machine. The cache is $CODA_DSL_CACHE, else "
+                "$XDG_CACHE_HOME/coda_dsl or ~/.cache/coda_dsl.")
+    p.add_argument("action", choices=("list", "clear", "export", "import"),
+                   help="list: one line per built kernel; clear: remove every cache entry; export FILE; "
+                        "import FILE...")
+    p.add_argument("files", nargs="*", metavar="FILE", help="export: the .tar.gz to write; import: those to read")
+    p.add_argument("--part-mb", type=float, metavar="MB",
+                   help="export: split into FILE.part1.tar.gz, ... of at most about MB each")
 
     command("doctor", cmd_doctor, "check the toolchain and GPU",
             "Check what building and running kernels needs: a CUDA build of torch, nvcc, the CUTLASS "

@@ -226,6 +226,74 @@ def test_cache_list_names_epilogue_and_config(capsys, tmp_path):
     assert line.split()[1] == "?" and line.rstrip().endswith("?")
 
 
+def _entry(tmp_path, key: str, so: bytes) -> None:
+    staged, cu = tmp_path / "kernel.so", tmp_path / "kernel.cu"
+    staged.write_bytes(so)
+    cu.write_text("// Epilogue `e`\n")
+    cache.commit_entry(key, {"kernel.so": staged, "kernel.cu": cu}, {"op_name": "k" + key[-2:]})
+
+
+def test_cache_export_import_round_trip(capsys, tmp_path, monkeypatch):
+    """export packs each built kernel (kernel.so, kernel.cu, meta.json), in parts when asked; import into
+    an empty cache gives the same entries, verified; a second import finds them present."""
+    keys = [f"{i:024x}" for i in (1, 2, 3)]
+    for k in keys:
+        _entry(tmp_path, k, os.urandom(40_000))  # incompressible: the parts' sizes are the raw sizes
+    rc, out, _ = run(capsys, "cache", "export", str(tmp_path / "all.tar.gz"))
+    assert rc == 0 and "all.tar.gz" in out
+    rc, out, _ = run(capsys, "cache", "export", str(tmp_path / "k.tar.gz"), "--part-mb", "0.05")
+    parts = sorted(tmp_path.glob("k.part*.tar.gz"))
+    assert rc == 0 and [p.name for p in parts] == [f"k.part{i}.tar.gz" for i in (1, 2, 3)]
+    assert all(p.stat().st_size < 0.06 * 2**20 for p in parts)
+    before = {k: (cache.entry_dir(k) / "kernel.so").read_bytes() for k in keys}
+    monkeypatch.setenv("CODA_DSL_CACHE", str(tmp_path / "other"))
+    rc, out, _ = run(capsys, "cache", "import", *map(str, parts))
+    assert rc == 0 and "added 3, already present 0, rejected 0" in out
+    assert {k: cache.check_output(k)[0].read_bytes() for k in keys} == before
+    rc, out, _ = run(capsys, "cache", "import", str(tmp_path / "all.tar.gz"))
+    assert rc == 0 and "added 0, already present 3, rejected 0" in out
+
+
+def test_cache_import_rejects_what_is_not_a_checked_entry(capsys, tmp_path, monkeypatch):
+    """A member outside <key>/{kernel.so,kernel.cu,meta.json}, a link, a kernel.so that does not match its
+    meta.json: reported and not added; the good entry beside them is added. A broken file: a clear error."""
+    import io
+    import json
+    import tarfile
+    good, bad = f"{1:024x}", f"{2:024x}"
+    _entry(tmp_path, good, b"good")
+    _entry(tmp_path, bad, b"bad!")
+    path = tmp_path / "x.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        for k in (good, bad):
+            for name in ("kernel.so", "meta.json"):
+                data = (cache.entry_dir(k) / name).read_bytes()
+                if k == bad and name == "kernel.so":
+                    data = b"evil"  # same size, another hash
+                info = tarfile.TarInfo(f"{k}/{name}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        for name in ("../escape", f"{good}/../../escape"):
+            info = tarfile.TarInfo(name)
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"x"))
+        link = tarfile.TarInfo(f"{good}/kernel.cu")
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        tar.addfile(link)
+    monkeypatch.setenv("CODA_DSL_CACHE", str(tmp_path / "other"))
+    rc, out, _ = run(capsys, "cache", "import", str(path))
+    assert rc == 1 and "added 1, already present 0, rejected 4" in out
+    assert f"rejected {bad}: kernel.so does not match" in out and "rejected ../escape" in out
+    assert cache.check_output(good)[0].read_bytes() == b"good" and cache.check_output(bad)[0] is None
+    assert json.loads((cache.entry_dir(good) / "meta.json").read_text())["op_name"] == "k01"
+    assert not (tmp_path / "escape").exists() and not (tmp_path / "other" / "escape").exists()
+    (tmp_path / "broken.tar.gz").write_bytes(path.read_bytes()[:100])
+    rc, _, err = run(capsys, "cache", "import", str(tmp_path / "broken.tar.gz"))
+    assert rc == 2 and "is not a whole gzip'd tar file" in err
+    rc, _, err = run(capsys, "cache", "export")
+    assert rc == 2 and "export takes one file to write, not 0" in err
+
+
 def test_every_command_and_option_has_help():
     subs = next(a for a in cli.parser()._actions if isinstance(a, argparse._SubParsersAction))
     listed = {c.dest: c.help for c in subs._choices_actions}

@@ -22,6 +22,7 @@ import re
 import shutil
 import stat
 import sys
+import tarfile
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -397,6 +398,115 @@ def cache_entries() -> list[dict]:
                         "has_so": valid_output(key) is not None,
                         "cu_path": str(src) if src.exists() else None, "op_name": meta.get("op_name")})
     return out
+
+
+# ---- export and import ------------------------------------------------------------------------------
+
+PORTABLE = ("kernel.so", "kernel.cu", META)  # what an exported entry carries (no objects, no logs)
+
+
+def export_cache(path: Path, part_bytes: int | None = None) -> list[Path]:
+    """Pack every entry that has a complete kernel.so (its kernel.cu and meta.json with it) into
+    gzip'd tar files, e.g. to fill the cache of a GPU node that has no compiler, or of the next run on
+    a machine whose disk does not persist: `path`, or with part_bytes, path.part1.tar.gz, ... of at
+    most about part_bytes each (an entry is never split). Entries being built are skipped."""
+    keys = [k for k in _entry_keys() if check_output(k)[0] is not None]
+    base = path.name[:-len(".tar.gz")] if path.name.endswith(".tar.gz") else path.name
+    parts: list[list[str]] = [[]]
+    sizes = {k: sum((entry_dir(k) / n).stat().st_size for n in PORTABLE if (entry_dir(k) / n).exists())
+             for k in keys}
+    for k in keys:  # packed by raw size; gzip only shrinks them, so a part stays below part_bytes
+        if part_bytes and parts[-1] and sum(sizes[x] for x in parts[-1]) + sizes[k] > part_bytes:
+            parts.append([])
+        parts[-1].append(k)
+    out = [path] if len(parts) == 1 else [path.with_name(f"{base}.part{i}.tar.gz") for i in range(1, len(parts) + 1)]
+    for dest, part in zip(out, parts):
+        tmp = dest.with_name(f".{dest.name}.tmp")
+        with cache_io(dest), tarfile.open(tmp, "w:gz") as tar:
+            for k in part:
+                for name in PORTABLE:
+                    if (entry_dir(k) / name).is_file():
+                        tar.add(entry_dir(k) / name, arcname=f"{k}/{name}", recursive=False)
+        os.replace(tmp, dest)
+    return out
+
+
+@dataclass
+class Imported:
+    added: list[str] = field(default_factory=list)  # keys now in the cache
+    present: list[str] = field(default_factory=list)  # keys the cache had already
+    rejected: list[str] = field(default_factory=list)  # "<key or member>: why"
+
+
+def import_cache(paths: list[Path]) -> Imported:
+    """Add the entries of export_cache's files to this cache. Each member must be <key>/<kernel.so,
+    kernel.cu or meta.json>, a regular file, and each kernel.so must match the size and SHA-256 its
+    meta.json records; anything else is rejected and reported, never extracted. An entry the cache
+    already has complete is left as it is. The cache still looks entries up by build key, so one
+    built with another nvcc, CUTLASS or torch is stored but never loaded."""
+    result = Imported()
+    root = make_dir(cache_dir())
+    for path in paths:
+        with cache_io(path):
+            try:
+                _unpack(path, result, root)
+            except (tarfile.TarError, EOFError) as e:
+                raise CacheError(f"{path} is not a whole gzip'd tar file of `coda-dsl cache export` ({e})") from None
+    return result
+
+
+def _unpack(path: Path, result: Imported, root: Path) -> None:
+    with tarfile.open(path, "r:gz") as tar, \
+            tempfile.TemporaryDirectory(dir=make_dir(root / ".staging"), prefix="import-") as tmp:
+        held = os.open(tmp, os.O_RDONLY)  # flocked, like a build's staging folder: `cache clear` leaves it be
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            _commit_members(tar, Path(tmp), result)
+        finally:
+            os.close(held)
+
+
+def _commit_members(tar: tarfile.TarFile, tmp: Path, result: Imported) -> None:
+    got: dict[str, dict[str, Path]] = {}
+    for m in tar.getmembers():
+        key, _, name = m.name.partition("/")
+        if not (KEY_RE.match(key) and name in PORTABLE and m.isreg()):
+            result.rejected.append(f"{m.name}: not <key>/{{{','.join(PORTABLE)}}} as a regular file")
+            continue
+        dst = tmp / key / name
+        dst.parent.mkdir(exist_ok=True)
+        with tar.extractfile(m) as src, open(dst, "wb") as f:
+            shutil.copyfileobj(src, f)
+        got.setdefault(key, {})[name] = dst
+    for key, files in sorted(got.items()):
+        outcome = _import_entry(key, files)
+        if outcome == "added":
+            result.added.append(key)
+        elif outcome == "present":
+            result.present.append(key)
+        else:
+            result.rejected.append(f"{key}: {outcome}")
+
+
+def _import_entry(key: str, files: dict[str, Path]) -> str:
+    """'added', 'present', or why the entry was rejected."""
+    try:
+        meta = json.loads(files.pop(META).read_text()) if META in files else None
+    except (OSError, ValueError):
+        meta = None
+    if not isinstance(meta, dict) or meta.get("key") != key:
+        return "no meta.json of this key"
+    if "kernel.so" not in files:
+        return "no kernel.so"
+    sizes, digests = meta.get("files") or {}, meta.get("sha256") or {}
+    for name, f in files.items():
+        if sizes.get(name) != f.stat().st_size or digests.get(name) != _sha256(f):
+            return f"{name} does not match the size and SHA-256 its meta.json records"
+    with key_locks([key]):
+        if check_output(key)[0] is not None:
+            return "present"
+        commit_entry(key, files, {k: v for k, v in meta.items() if k not in ("key", "files", "sha256")})
+    return "added"
 
 
 @dataclass
