@@ -21,12 +21,13 @@ kernels (total time, calls) on stderr: where each variant's time goes. --timelin
 fwd+bwd launched right behind another one (the host ahead, the clocks under load, as inside a model), in
 launch order (start, duration), to compare the variants step by step.
 The round-robin never waits for the GPU, so the host runs ahead and the GPU stays loaded, as in
-training. --sustained MS: each variant (and floor part) alone instead, after MS ms of its own calls, with
-the SM clock and board power NVML read meanwhile: the steady state of a GPU that runs only that
-variant, as training runs one layer's kernels for hours, where a kernel mix that draws more power
-runs at lower clocks (the round-robin averages the clocks over all variants). (Timing each call behind an idle GPU spin instead made every variant, even a lone cuBLAS GEMM,
-11-14 % faster on the H200: clock headroom after idling, not a property of the code.) Host ms: the host's
-time to launch one fwd+bwd, with the GPU kept busy meanwhile so that no launch waits.
+training. (Timing each call behind an idle GPU spin instead made every variant, even a lone cuBLAS
+GEMM, 11-14 % faster on the H200: clock headroom after idling, not a property of the code.)
+--sustained MS: each variant (and floor part) alone instead, after MS ms of its own calls, with the SM
+clock and board power NVML read meanwhile: the steady state of a GPU that runs only that variant, as
+training runs one layer's kernels for hours, where a kernel mix that draws more power runs at lower
+clocks (the round-robin averages the clocks over all variants). Host ms: the host's time to launch one
+fwd+bwd, with the GPU kept busy meanwhile so that no launch waits.
 "fwd" runs under torch.no_grad (inference forward); "fwd+bwd" is torch.autograd.grad of the output
 with respect to the input and every parameter (no accumulation into .grad). Peak MiB: for one
 fwd+bwd, max_memory_allocated minus what was allocated before the call (parameters, inputs): the

@@ -267,9 +267,10 @@ def _age(seconds: float) -> str:
 
 def cmd_cache(args) -> int:
     root = build.cache_dir()
-    wanted = {"export": "one file to write", "import": "the files to read"}.get(args.action, "no file")
-    if len(args.files) != (1 if args.action == "export" else 0) and not (args.action == "import" and args.files):
-        raise CodaError(f"{args.action} takes {wanted}, not {len(args.files)}")
+    n = len(args.files)
+    if not (n == 1 if args.action == "export" else n > 0 if args.action == "import" else n == 0):
+        wanted = {"export": "one file to write", "import": "the files to read"}.get(args.action, "no file")
+        raise CodaError(f"{args.action} takes {wanted}, not {n}")
     if args.part_mb is not None and (args.action != "export" or not args.part_mb > 0):
         raise CodaError("--part-mb takes a positive size, with export")
     if args.action == "export":
