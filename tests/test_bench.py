@@ -79,37 +79,10 @@ def test_no_cuda_exits_with_one_line(entry, capsys, monkeypatch):
     assert out == "" and len(err.strip().splitlines()) == 1 and "CUDA" in err
 
 
-def test_round_robin_alternates_the_order_and_takes_each_variants_median(monkeypatch):
-    """harness.round_robin on the CPU with a fake CUDA event clock: the call order reverses every other
-    round, warm-up calls are not timed, and each variant's median is its own (in µs)."""
-    clock, calls = [0.0], []
-
-    class Event:
-        def __init__(self, enable_timing=False):
-            self.t = None
-
-        def record(self):
-            self.t = clock[0]
-
-        def elapsed_time(self, end):
-            return end.t - self.t  # ms
-
-    def variant(name, ms):
-        def fn(x):
-            calls.append(name)
-            clock[0] += ms
-        return fn
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    us = harness.round_robin({"a": variant("a", 1.0), "b": variant("b", 3.0)}, [(0,)], iters=3, warmup=1)
-    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]
-    assert us == {"a": 1000.0, "b": 3000.0}
-
-
-@pytest.mark.parametrize("nvml", [True, False])
-def test_sustained_times_each_variant_alone_after_its_warm_up(monkeypatch, nvml):
-    """harness.sustained with a fake event clock: a variant's calls all come before the next variant's,
-    the timed ones after its warm-up; µs per timed call, and NVML's clock and power (None without NVML)."""
+@pytest.fixture
+def fake_events(monkeypatch):
+    """CUDA events on a fake GPU clock that each variant call advances by its ms; the calls in order.
+    The host polls an event twice before "the GPU" is done. Returns (calls, variant(name, ms))."""
     clock, calls = [0.0], []
 
     class Event:
@@ -119,7 +92,7 @@ def test_sustained_times_each_variant_alone_after_its_warm_up(monkeypatch, nvml)
         def record(self):
             self.t = clock[0]
 
-        def query(self):  # the host polls while "the GPU" works: twice
+        def query(self):
             self.polls += 1
             return self.polls > 2
 
@@ -134,14 +107,31 @@ def test_sustained_times_each_variant_alone_after_its_warm_up(monkeypatch, nvml)
             calls.append(name)
             clock[0] += ms
         return fn
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(harness.time, "sleep", lambda s: None)
+    return calls, variant
+
+
+def test_round_robin_alternates_the_order_and_takes_each_variants_median(fake_events):
+    """harness.round_robin: the call order reverses every other round, warm-up calls are not timed, and
+    each variant's median is its own (in µs)."""
+    calls, variant = fake_events
+    us = harness.round_robin({"a": variant("a", 1.0), "b": variant("b", 3.0)}, [(0,)], iters=3, warmup=1)
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]
+    assert us == {"a": 1000.0, "b": 3000.0}
+
+
+@pytest.mark.parametrize("nvml", [True, False])
+def test_sustained_times_each_variant_alone_after_its_warm_up(fake_events, monkeypatch, nvml):
+    """harness.sustained: a variant's calls all come before the next variant's, the timed ones after its
+    warm-up; µs per timed call, and NVML's clock and power (None without NVML)."""
+    calls, variant = fake_events
 
     def no_nvml():
         raise ModuleNotFoundError("pynvml")
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "clock_rate", (lambda: 1500) if nvml else no_nvml)
     monkeypatch.setattr(torch.cuda, "power_draw", lambda: 650_000)
-    monkeypatch.setattr(harness.time, "sleep", lambda s: None)
     got = harness.sustained({"a": variant("a", 1.0), "b": variant("b", 2.0)}, [(0,)], iters=4, warm_ms=0)
     assert calls == ["a"] * 7 + ["b"] * 7  # a first call, one to size the warm-up, one warm, four timed
     assert got["a"]["us"] == 1000.0 and got["b"]["us"] == 2000.0
