@@ -14,7 +14,8 @@ Design decisions:
 - **Gamma on the activation side, nothing folded.** RMSNorm's gamma multiplies the GEMM's input
   (`h * gamma2` is an output of the o-proj epilogue; `x * gamma1` is one fused step at the layer's
   entrance, `input_norm`, since the previous layer does not know this layer's gamma), and rstd scales the
-  accumulator per row. Folding gamma into the weights (W * gamma) would cost a pass over every weight
+  accumulator per row. Its backward is the QKV dgrad GEMM's epilogue (`input_norm_grad`), which also adds
+  the residual's gradient: x's whole gradient in one store. Folding gamma into the weights (W * gamma) would cost a pass over every weight
   per forward, or a re-fold after each optimizer step; this way training updates HF's own parameters.
 - **Fused weights derived per forward.** W_qkv (q/k rows permuted per head by
   `neox_to_interleaved`, so the interleaved-pair RoPE epilogue gives HF's half-split rotation;
@@ -31,7 +32,7 @@ Design decisions:
   passes/autodiff.py: it reads the saved [M, 2F] accumulator and writes the gate and up accumulators'
   gradients, [M, F] each, and rstd's). The other steps are named functions of plain torch ops
   (`rms_rope_backward`, `rms_producer_backward`, `residual_rms_backward`), fused by torch.compile on
-  CUDA, between cuBLAS GEMMs. Only the gradients autograd asks for are computed.
+  CUDA, between cuBLAS GEMMs, except the input norm's (above). Only the gradients autograd asks for are computed.
 - **Attention mask: causal only**, per row of the batch (SDPA; GQA by `enable_gqa`, torch >= 2.5).
   Packed sequences may restart `position_ids` (RoPE follows them) but attention still spans the
   whole row; a mask other than None is refused.
@@ -85,6 +86,15 @@ def residual_rms(acc, residual: cd.Tensor, inv_n: cd.Scalar, eps: cd.Scalar):
     """Down projection plus residual; rstd of the result for the next layer's input norm."""
     h = acc + residual
     return {"D": h, "rstd": cd.sum(h * h, axis="n").then(lambda s: cd.rsqrt(s * inv_n + eps))}
+
+
+@cd.epilogue
+def input_norm_grad(acc, x: cd.Tensor, dres: cd.Tensor, gamma: cd.VecN, coef: cd.VecM):
+    """The QKV dgrad GEMM's epilogue, acc = d(x * gamma): the input norm's backward (through gamma, and
+    through rstd: coef = d rstd * rstd^3 / D where rstd came from x, else 0) plus the gradient of the
+    layer's residual, x's other use: x's whole gradient in the GEMM's one store. gamma's gradient is
+    summed over the rows."""
+    return {"D": acc * gamma + dres - coef * x, "dgamma": cd.sum(acc * x, axis="m")}
 
 
 # ---------------------------------------------------------------- backward steps (torch ops, fused on CUDA)
@@ -153,24 +163,36 @@ def residual_rms_backward(dout, drstd, out, rstd, inv_n: float):
 
 # ---------------------------------------------------------------- one autograd.Function per fused GEMM
 
-class _RmsRopeLinear(torch.autograd.Function):
-    """rms_rope's GEMM; inv_freq per column pair (qkv_inv_freq: the first `rotated` columns are heads of
-    head_dim columns, each with the same head_dim / 2 frequencies)."""
+class _NormRopeLinear(torch.autograd.Function):
+    """The layer's entrance: the input norm's gain (and its rstd, unless the previous layer gave it), then
+    rms_rope's GEMM; inv_freq per column pair (qkv_inv_freq: the first `rotated` columns are heads of
+    head_dim columns, each with the same head_dim / 2 frequencies). x also comes back as it is, for the
+    layer's residual: its gradient then arrives here too, and the QKV dgrad GEMM's epilogue
+    (input_norm_grad) sums it into x's gradient instead of autograd, in a pass of its own."""
 
     @staticmethod
-    def forward(ctx, xg, rstd, w, pos, inv_freq, head_dim, rotated, backend):
+    def forward(ctx, x, gamma, rstd_in, w, pos, inv_freq, eps, head_dim, rotated, backend):
+        xg, rstd = input_norm(x, gamma, eps, rstd_in)
         y = cd.gemm(xg, w, rms_rope, rstd=rstd, pos=pos, inv_freq=inv_freq, backend=backend)["D"]
-        ctx.save_for_backward(xg, rstd, w, pos, inv_freq, y)
-        ctx.head_dim, ctx.rotated = head_dim, rotated
-        return y
+        ctx.save_for_backward(x, gamma, xg, rstd, w, pos, inv_freq, y)
+        ctx.head_dim, ctx.rotated, ctx.own_rstd, ctx.backend = head_dim, rotated, rstd_in is None, backend
+        return y, x
 
     @staticmethod
-    def backward(ctx, dy):
-        xg, rstd, w, pos, inv_freq, y = ctx.saved_tensors
+    def backward(ctx, dy, dres):
+        x, gamma, xg, rstd, w, pos, inv_freq, y = ctx.saved_tensors
+        need = ctx.needs_input_grad
         head_freq = inv_freq[: ctx.head_dim // 2]  # the first head's, the same for every rotated head
         dacc, drstd = rms_rope_backward(dy, y, rstd, pos, head_freq, ctx.rotated)
-        dxg, dw = _linear_grads(ctx, dacc, xg, w, 0, 2)
-        return dxg, drstd if ctx.needs_input_grad[1] else None, dw, None, None, None, None, None
+        dx = dgamma = None
+        if need[0] or need[1]:
+            coef = drstd * rstd ** 3 / x.shape[1] if ctx.own_rstd else torch.zeros_like(rstd)
+            g = cd.gemm(dacc, w.t(), input_norm_grad, x=x, dres=dres, gamma=gamma, coef=coef, backend=ctx.backend)
+            dx = g["D"] if need[0] else None
+            dgamma = g["dgamma"].to(gamma.dtype) if need[1] else None
+        drstd_in = drstd if need[2] and not ctx.own_rstd else None
+        dw = _mm(dacc.t(), xg, w.dtype) if need[3] else None
+        return dx, dgamma, drstd_in, dw, None, None, None, None, None, None
 
 
 class _RmsProducerLinear(torch.autograd.Function):
@@ -275,8 +297,8 @@ def flat_inputs(x: torch.Tensor, position_ids, input_rstd):
 @on_cuda
 def input_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float, rstd: torch.Tensor | None = None):
     """The input norm on the activation side: (x * gamma, rstd), rstd computed here unless given (as the
-    previous layer's epilogue gives it). One fused pass each way on CUDA, the backward's three terms
-    (through the gain, through rstd, gamma's column sum) included."""
+    previous layer's epilogue gives it). One fused pass on CUDA. Differentiable (one fused pass back, as
+    the tensor-parallel layer uses it); LlamaDecoderLayer's backward is input_norm_grad instead."""
     return x * gamma, input_rms(x, eps) if rstd is None else rstd
 
 
@@ -363,12 +385,15 @@ class LlamaAttention(nn.Module):
         self.qkv_inv_freq = self._qkv_inv_freq_fp32.to(self.qkv_inv_freq.device)
         return self
 
-    def forward(self, xg, rstd, pos, batch: int, backend: str):
-        """xg = x * gamma1 [M, D], rstd [M] -> attention output before o_proj, [M, Nq]."""
+    def forward(self, x, norm: "RMSNorm", rstd, pos, batch: int, backend: str):
+        """x [M, D] (the layer's input), its norm (gamma1, eps), its rstd [M] or None (computed here) ->
+        (attention output before o_proj [M, Nq], x again: the residual, whose gradient then comes back
+        through here; see _NormRopeLinear)."""
         w = qkv_weight(self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.head_dim)
         rotated = (self.num_heads + self.num_kv_heads) * self.head_dim
-        qkv = _RmsRopeLinear.apply(xg, rstd, w, pos, self.qkv_inv_freq, self.head_dim, rotated, backend)
-        return causal_attention(qkv, batch, self.num_heads, self.num_kv_heads, self.head_dim)
+        qkv, residual = _NormRopeLinear.apply(x, norm.weight, rstd, w, pos, self.qkv_inv_freq, norm.variance_epsilon,
+                                              self.head_dim, rotated, backend)
+        return causal_attention(qkv, batch, self.num_heads, self.num_kv_heads, self.head_dim), residual
 
 
 class LlamaMLP(nn.Module):
@@ -471,8 +496,8 @@ class LlamaDecoderLayer(nn.Module):
         return hf
 
     def prebuild(self, tokens: int) -> None:
-        """Build the five kernels this layer launches on `tokens` rows (its four forward GEMMs and the
-        backward's dY GEMM) in one parallel ninja run, or find them in the cache; else the first forward
+        """Build the six kernels this layer launches on `tokens` rows (its four forward GEMMs and the
+        backward's dY and QKV dgrad GEMMs) in one parallel ninja run, or find them in the cache; else the first forward
         and backward build them one after another. Each gets the config cd.gemm picks at its shape."""
         from .runtime import op as runtime
         from .runtime.tune import default
@@ -485,6 +510,7 @@ class LlamaDecoderLayer(nn.Module):
             return cd.compile(ep, x, b, config=default(tokens, n, k)[0], **operands)
         runtime.prebuild([
             compiled(rms_rope, x, nqkv, d, rstd=f32, pos=f32, inv_freq=f32[:32]),
+            compiled(input_norm_grad, x.t(), d, nqkv, x=x, dres=x, gamma=x[0], coef=f32),  # B = W_qkv^T
             compiled(rms_producer, x, d, nq, residual=x, gamma=x[0], inv_n=1.0, eps=1e-5),
             compiled(rms_swiglu_fwd, x, 2 * f, d, rstd=f32),
             compiled(residual_rms, x, d, f, residual=x, inv_n=1.0, eps=1e-5),
@@ -508,8 +534,7 @@ class LlamaDecoderLayer(nn.Module):
         eps = self.input_layernorm.variance_epsilon
         xf, pos, rstd = flat_inputs(x, position_ids, input_rstd)
         # gamma1 on the activation side: the previous layer's epilogue does not know this layer's gamma
-        xg, rstd = input_norm(xf, self.input_layernorm.weight, eps, rstd)
-        attn = self.self_attn(xg, rstd, pos, b, self.backend)
+        attn, xf = self.self_attn(xf, self.input_layernorm, rstd, pos, b, self.backend)
         h, hg, rstd2 = _RmsProducerLinear.apply(attn, self.self_attn.o_proj.weight, xf,
                                                 self.post_attention_layernorm.weight,
                                                 self.post_attention_layernorm.variance_epsilon, self.backend)

@@ -114,18 +114,20 @@ def test_layer_bf16_within_hf_bf16_error():
 
 
 def test_frozen_inputs_get_no_gradient_work(monkeypatch):
-    """With the weights frozen, each GEMM's backward does one matmul (the input's), not two; the down
-    projection's is the fused dY GEMM (rms_swiglu_grad), which a frozen MLP input does not need."""
+    """With the weights frozen, each GEMM's backward does one matmul (the input's), not two: the o-proj's
+    and gate/up's plain, the down projection's the fused dY GEMM (rms_swiglu_grad), the QKV's the fused
+    input_norm_grad GEMM; a frozen MLP input needs neither fused GEMM."""
     config = llama_config()
     ours = cdnn.LlamaDecoderLayer.from_hf(random_hf_layer(config), backend="reference").requires_grad_(False)
     calls, fused = [], []
     real_mm, real_gemm = cdnn._mm, cdnn.cd.gemm
+    backward_eps = (cdnn.rms_swiglu_grad, cdnn.input_norm_grad)
     monkeypatch.setattr(cdnn, "_mm", lambda *a: calls.append(1) or real_mm(*a))
-    monkeypatch.setattr(cdnn.cd, "gemm", lambda a, b, ep, **k: (ep is cdnn.rms_swiglu_grad and fused.append(1))
+    monkeypatch.setattr(cdnn.cd, "gemm", lambda a, b, ep, **k: (ep in backward_eps and fused.append(ep.name))
                         or real_gemm(a, b, ep, **k))
     x = torch.randn(2, 7, config.hidden_size, requires_grad=True)
     ours(x).sum().backward()
-    assert len(calls) == 3 and len(fused) == 1 and x.grad is not None
+    assert len(calls) == 2 and sorted(fused) == ["input_norm_grad", "rms_swiglu_backward_fused"] and x.grad is not None
     assert all(p.grad is None for p in ours.parameters())
     calls.clear(), fused.clear()
     ours.mlp.down_proj.requires_grad_(True)
