@@ -4,6 +4,9 @@
 #                                               the machine cannot pip install it)
 # 1. environment report, 2. every kernel of the GPU suite built in parallel (one ninja run),
 # 3. GPU tests, 4. a smoke benchmark. Logs and JSON go to $OUT (default /tmp/coda_out).
+# A machine whose disk does not persist can start from an earlier run's kernels and pass its own on:
+#   CODA_KERNELS="k.part1.tar.gz k.part2.tar.gz": imported first (coda-dsl cache import);
+#   CODA_EXPORT=$OUT/k.tar.gz: every built kernel exported at the end, in parts of 15 MB.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/coda_out}; mkdir -p "$OUT"; export OUT
@@ -15,6 +18,7 @@ fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -m coda_dsl doctor 2>&1 | tee "$OUT/doctor.log"
+[ -n "${CODA_KERNELS:-}" ] && python3 -m coda_dsl cache import $CODA_KERNELS
 rc=0
 s=$(date +%s)
 python3 -m pytest tests/test_gpu.py tests/test_gpu_nn.py -q -rs "$@" 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
@@ -34,4 +38,5 @@ fi
 for d in "$CODA_DSL_CACHE"/failed/*/; do
   [ -f "$d/build.log" ] && { echo "=== $d"; head -c 60000 "$d/build.log"; } >> "$OUT/failed_builds.log"
 done
+[ -n "${CODA_EXPORT:-}" ] && { python3 -m coda_dsl cache export "$CODA_EXPORT" --part-mb 15 || rc=1; }
 exit $rc
