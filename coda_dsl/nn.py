@@ -14,9 +14,10 @@ Design decisions:
 - **Gamma on the activation side, nothing folded.** RMSNorm's gamma multiplies the GEMM's input
   (`h * gamma2` is an output of the o-proj epilogue; `x * gamma1` is one fused step at the layer's
   entrance, `input_norm`, since the previous layer does not know this layer's gamma), and rstd scales the
-  accumulator per row. Its backward is the QKV dgrad GEMM's epilogue (`input_norm_grad`), which also adds
-  the residual's gradient: x's whole gradient in one store. Folding gamma into the weights (W * gamma) would cost a pass over every weight
-  per forward, or a re-fold after each optimizer step; this way training updates HF's own parameters.
+  accumulator per row. The input norm's backward is the QKV dgrad GEMM's epilogue (`input_norm_grad`),
+  which also adds the residual's gradient: x's whole gradient in one store. Folding gamma into the
+  weights (W * gamma) would cost a pass over every weight per forward, or a re-fold after each
+  optimizer step; this way training updates HF's own parameters.
 - **Fused weights derived per forward.** W_qkv (q/k rows permuted per head by
   `neox_to_interleaved`, so the interleaved-pair RoPE epilogue gives HF's half-split rotation;
   q·k is unchanged by a common permutation) and the interleaved W_gate_up are concatenations of the
@@ -32,7 +33,8 @@ Design decisions:
   passes/autodiff.py: it reads the saved [M, 2F] accumulator and writes the gate and up accumulators'
   gradients, [M, F] each, and rstd's). The other steps are named functions of plain torch ops
   (`rms_rope_backward`, `rms_producer_backward`, `residual_rms_backward`), fused by torch.compile on
-  CUDA, between cuBLAS GEMMs, except the input norm's (above). Only the gradients autograd asks for are computed.
+  CUDA, between cuBLAS GEMMs; the input norm's is in a GEMM's epilogue (above). Only the gradients
+  autograd asks for are computed.
 - **Attention mask: causal only**, per row of the batch (SDPA; GQA by `enable_gqa`, torch >= 2.5).
   Packed sequences may restart `position_ids` (RoPE follows them) but attention still spans the
   whole row; a mask other than None is refused.
@@ -168,7 +170,7 @@ class _NormRopeLinear(torch.autograd.Function):
     rms_rope's GEMM; inv_freq per column pair (qkv_inv_freq: the first `rotated` columns are heads of
     head_dim columns, each with the same head_dim / 2 frequencies). x also comes back as it is, for the
     layer's residual: its gradient then arrives here too, and the QKV dgrad GEMM's epilogue
-    (input_norm_grad) sums it into x's gradient instead of autograd, in a pass of its own."""
+    (input_norm_grad) adds it into x's gradient, where autograd would add the two in a pass of its own."""
 
     @staticmethod
     def forward(ctx, x, gamma, rstd_in, w, pos, inv_freq, eps, head_dim, rotated, backend):
@@ -497,8 +499,9 @@ class LlamaDecoderLayer(nn.Module):
 
     def prebuild(self, tokens: int) -> None:
         """Build the six kernels this layer launches on `tokens` rows (its four forward GEMMs and the
-        backward's dY and QKV dgrad GEMMs) in one parallel ninja run, or find them in the cache; else the first forward
-        and backward build them one after another. Each gets the config cd.gemm picks at its shape."""
+        backward's dY and QKV dgrad GEMMs) in one parallel ninja run, or find them in the cache; else the
+        first forward and backward build them one after another. Each gets the config cd.gemm picks at
+        its shape."""
         from .runtime import op as runtime
         from .runtime.tune import default
         attn, w = self.self_attn, self.self_attn.q_proj.weight
