@@ -14,10 +14,8 @@ Design decisions:
 - **Gamma on the activation side, nothing folded.** RMSNorm's gamma multiplies the GEMM's input
   (`h * gamma2` is an output of the o-proj epilogue; `x * gamma1` is one fused step at the layer's
   entrance, `input_norm`, since the previous layer does not know this layer's gamma), and rstd scales the
-  accumulator per row. The input norm's backward is the QKV dgrad GEMM's epilogue (`input_norm_grad`),
-  which also adds the residual's gradient: x's whole gradient in one store. Folding gamma into the
-  weights (W * gamma) would cost a pass over every weight per forward, or a re-fold after each
-  optimizer step; this way training updates HF's own parameters.
+  accumulator per row. Folding gamma into the weights (W * gamma) would cost a pass over every weight
+  per forward, or a re-fold after each optimizer step; this way training updates HF's own parameters.
 - **Fused weights derived per forward.** W_qkv (q/k rows permuted per head by
   `neox_to_interleaved`, so the interleaved-pair RoPE epilogue gives HF's half-split rotation;
   q·k is unchanged by a common permutation) and the interleaved W_gate_up are concatenations of the
@@ -31,10 +29,13 @@ Design decisions:
 - **Backward.** The MLP is one `torch.autograd.Function` (`_Mlp`): its backward GEMM dY = dOut @ W_down
   carries the SwiGLU and rstd derivative in its epilogue (`rms_swiglu_grad`, derived from `rms_swiglu` by
   passes/autodiff.py: it reads the saved [M, 2F] accumulator and writes the gate and up accumulators'
-  gradients, [M, F] each, and rstd's). The other steps are named functions of plain torch ops
-  (`rms_rope_backward`, `rms_producer_backward`, `residual_rms_backward`), fused by torch.compile on
-  CUDA, between cuBLAS GEMMs; the input norm's is in a GEMM's epilogue (above). Only the gradients
-  autograd asks for are computed.
+  gradients, [M, F] each, and rstd's). Each RMSNorm's backward is the epilogue of the GEMM that makes
+  d(x * gamma), with the residual's gradient added there (x's whole gradient in one store):
+  `input_norm_grad` in the QKV dgrad GEMM (x comes back out of the QKV step as the residual, so its
+  gradient arrives there), `post_norm_grad` in gate/up's second dgrad GEMM (the MLP takes h and its
+  norm, and the o-proj's h * gamma2 and rstd as made). The rest are named functions of plain torch ops
+  (`rms_rope_backward`, `residual_rms_backward`), fused by torch.compile on CUDA, between cuBLAS GEMMs.
+  Only the gradients autograd asks for are computed.
 - **Attention mask: causal only**, per row of the batch (SDPA; GQA by `enable_gqa`, torch >= 2.5).
   Packed sequences may restart `position_ids` (RoPE follows them) but attention still spans the
   whole row; a mask other than None is refused.
@@ -90,13 +91,25 @@ def residual_rms(acc, residual: cd.Tensor, inv_n: cd.Scalar, eps: cd.Scalar):
     return {"D": h, "rstd": cd.sum(h * h, axis="n").then(lambda s: cd.rsqrt(s * inv_n + eps))}
 
 
+# The layer's two RMSNorms differentiated in the epilogue of the GEMM that makes d(x * gamma), with x's
+# other use, the residual, added: x's whole gradient in the GEMM's one store.
+
+def _norm_backward(dxg, x, dres, gamma, coef):
+    """x's gradient through xg = x * gamma (its rstd scales the next GEMM's rows: coef = d rstd * rstd^3 / D
+    where rstd came from x, else 0) plus dres, the residual's; gamma's gradient summed over the rows."""
+    return {"D": dxg * gamma + dres - coef * x, "dgamma": cd.sum(dxg * x, axis="m")}
+
+
 @cd.epilogue
 def input_norm_grad(acc, x: cd.Tensor, dres: cd.Tensor, gamma: cd.VecN, coef: cd.VecM):
-    """The QKV dgrad GEMM's epilogue, acc = d(x * gamma): the input norm's backward (through gamma, and
-    through rstd: coef = d rstd * rstd^3 / D where rstd came from x, else 0) plus the gradient of the
-    layer's residual, x's other use: x's whole gradient in the GEMM's one store. gamma's gradient is
-    summed over the rows."""
-    return {"D": acc * gamma + dres - coef * x, "dgamma": cd.sum(acc * x, axis="m")}
+    """The QKV dgrad GEMM's epilogue: acc = d(x * gamma1) = d acc_qkv @ W_qkv."""
+    return _norm_backward(acc, x, dres, gamma, coef)
+
+
+@cd.epilogue
+def post_norm_grad(acc, prev: cd.Tensor, x: cd.Tensor, dres: cd.Tensor, gamma: cd.VecN, coef: cd.VecM):
+    """The gate/up dgrad's second GEMM's epilogue: acc + prev = d up @ W_up + d gate @ W_gate = d(h * gamma2)."""
+    return _norm_backward(acc + prev, x, dres, gamma, coef)
 
 
 # ---------------------------------------------------------------- backward steps (torch ops, fused on CUDA)
@@ -149,15 +162,6 @@ def _row_dot(a, b):
 
 
 @on_cuda
-def rms_producer_backward(dh, dhg, drstd, h, rstd, gamma, inv_n: float, want_gamma: bool):
-    """h = acc + residual, outputs (h, h * gamma, rstd(h)) -> (d acc = d residual in h's dtype, d gamma)."""
-    dgamma = (dhg.float() * h.float()).sum(0) if want_gamma and dhg is not None else None
-    if dhg is not None:
-        dh = dhg.float() * gamma.float() + (dh.float() if dh is not None else 0.0)
-    return _rstd_grad(dh, drstd, h, rstd, inv_n).to(h.dtype), dgamma
-
-
-@on_cuda
 def residual_rms_backward(dout, drstd, out, rstd, inv_n: float):
     """out = acc + residual, outputs (out, rstd(out)) -> d acc (= d residual), in out's dtype."""
     return _rstd_grad(dout, drstd, out, rstd, inv_n).to(out.dtype)
@@ -198,70 +202,81 @@ class _NormRopeLinear(torch.autograd.Function):
 
 
 class _RmsProducerLinear(torch.autograd.Function):
+    """The o-proj: h = a @ W_o^T + residual, and for the post-attention norm h * gamma and rstd(h), which
+    only the MLP reads. Those two are not differentiable here: the MLP's backward differentiates through
+    them to h and gamma itself (post_norm_grad, in a GEMM's epilogue) and hands back h's whole gradient."""
+
     @staticmethod
     def forward(ctx, a, w, residual, gamma, eps, backend):
-        inv_n = 1.0 / w.shape[0]
-        r = cd.gemm(a, w, rms_producer, residual=residual, gamma=gamma, inv_n=inv_n, eps=eps, backend=backend)
-        ctx.save_for_backward(a, w, gamma, r["D"], r["rstd"])
-        ctx.inv_n = inv_n
+        r = cd.gemm(a, w, rms_producer, residual=residual, gamma=gamma, inv_n=1.0 / w.shape[0], eps=eps,
+                    backend=backend)
+        ctx.save_for_backward(a, w)
+        ctx.mark_non_differentiable(r["h_gamma"], r["rstd"])
+        ctx.set_materialize_grads(False)
         return r["D"], r["h_gamma"], r["rstd"]
 
     @staticmethod
-    def backward(ctx, dh, dhg, drstd):
-        a, w, gamma, h, rstd = ctx.saved_tensors
-        dacc, dgamma = rms_producer_backward(dh, dhg, drstd, h, rstd, gamma, ctx.inv_n, ctx.needs_input_grad[3])
-        da, dw = _linear_grads(ctx, dacc, a, w, 0, 1)
-        dres = dacc.to(h.dtype) if ctx.needs_input_grad[2] else None
-        return da, dw, dres, dgamma.to(gamma.dtype) if dgamma is not None else None, None, None
+    def backward(ctx, dh, _dhg, _drstd):
+        if dh is None:
+            return None, None, None, None, None, None
+        a, w = ctx.saved_tensors
+        da, dw = _linear_grads(ctx, dh, a, w, 0, 1)
+        return da, dw, dh if ctx.needs_input_grad[2] else None, None, None, None
 
 
 class _Mlp(torch.autograd.Function):
-    """The MLP's two GEMMs: y = swiglu(rstd * (hg @ W_gate_up^T)), out = y @ W_down^T + residual (and its
-    rstd). The backward's dY = dOut @ W_down carries rms_swiglu_grad in its epilogue, so the SwiGLU
-    derivative costs no pass of its own over the saved [M, 2F] accumulator; it uses the gate and up
+    """The MLP's two GEMMs on the residual stream h after its RMSNorm (gamma): y = swiglu(rstd * (hg @
+    W_gate_up^T)), out = y @ W_down^T + h (and its rstd), where hg = h * gamma and rstd = rstd(h) come
+    made (the o-proj's epilogue makes them) and are not differentiated as inputs: the backward gives h's
+    and gamma's whole gradients. Its dY = dOut @ W_down carries rms_swiglu_grad in its epilogue, so the
+    SwiGLU derivative costs no pass of its own over the saved [M, 2F] accumulator, and d(hg)'s second GEMM
+    carries the norm's backward and the residual's gradient (post_norm_grad). It uses the gate and up
     weights as they are, never the interleaved one (not kept). keep_y: y is kept for W_down's gradient;
     else the dY epilogue computes it again (rms_swiglu_grad_and_y). The backward frees y and the
     accumulator (its own intermediates, the layer's largest) as soon as it has used them: see _release."""
 
     @staticmethod
-    def forward(ctx, hg, rstd, w_gate, w_up, w_down, residual, eps, backend, keep_y):
+    def forward(ctx, h, gamma, hg, rstd, w_gate, w_up, w_down, eps, backend, keep_y):
         r = cd.gemm(hg, gate_up_weight(w_gate, w_up), rms_swiglu_fwd, rstd=rstd, backend=backend)
         inv_n = 1.0 / w_down.shape[0]
-        o = cd.gemm(r["D"], w_down, residual_rms, residual=residual, inv_n=inv_n, eps=eps, backend=backend)
-        ctx.save_for_backward(hg, rstd, w_gate, w_up, w_down, r["D"] if keep_y else None, r["acc"], o["D"],
-                              o["rstd"])
+        o = cd.gemm(r["D"], w_down, residual_rms, residual=h, inv_n=inv_n, eps=eps, backend=backend)
+        ctx.save_for_backward(h, gamma, hg, rstd, w_gate, w_up, w_down, r["D"] if keep_y else None, r["acc"],
+                              o["D"], o["rstd"])
         ctx.inv_n, ctx.backend = inv_n, backend
         return o["D"], o["rstd"]
 
     @staticmethod
     def backward(ctx, dout, drstd_out):
-        hg, rstd, w_gate, w_up, w_down, y, acc, out, rstd_out = ctx.saved_tensors
+        h, gamma, hg, rstd, w_gate, w_up, w_down, y, acc, out, rstd_out = ctx.saved_tensors
         _check_unreleased("LlamaMLP", *(t for t in (y, acc) if t is not None))
-        need = ctx.needs_input_grad
+        need = ctx.needs_input_grad  # h, gamma, (hg, rstd: made, never differentiable), w_gate, w_up, w_down
         dacc = residual_rms_backward(dout, drstd_out, out, rstd_out, ctx.inv_n).to(acc.dtype)  # = d residual
         dw_down = None
         if y is not None:  # kept: W_down's gradient first, and y's memory goes before the dY GEMM's outputs come
-            dw_down = _mm(dacc.t(), y, w_down.dtype) if need[4] else None
+            dw_down = _mm(dacc.t(), y, w_down.dtype) if need[6] else None
             _release(y)
         g = None
-        if any(need[:4]):
+        if need[0] or need[1] or need[4] or need[5]:
             ep = rms_swiglu_grad if y is not None else rms_swiglu_grad_and_y
             g = cd.gemm(dacc, w_down.t(), ep, saved_acc=acc, rstd=rstd, backend=ctx.backend)
-        if y is None and need[4]:  # y from the dY epilogue, or (W_down alone training) from the accumulator
+        if y is None and need[6]:  # y from the dY epilogue, or (W_down alone training) from the accumulator
             y = g.pop("recomputed_D") if g is not None else _swiglu_of_acc(acc, rstd)
             dw_down = _mm(dacc.t(), y, w_down.dtype)
             del y
         _release(acc)
-        dhg = drstd = dw_gate = dw_up = None
+        dh = dgamma = dw_gate = dw_up = None
         if g is not None:
             dgate, dup = g["D_even"], g["D_odd"]  # d(hg @ W_gate^T), d(hg @ W_up^T): [M, F]
-            if need[0]:  # summed in place by addmm_, as autograd sums the input gradients of two linears
-                dhg = _mm(dgate, w_gate, hg.dtype).addmm_(dup.to(hg.dtype), w_up.to(hg.dtype))
-            drstd = g["rstd"] if need[1] else None
-            dw_gate = _mm(dgate.t(), hg, w_gate.dtype) if need[2] else None
+            if need[0] or need[1]:
+                coef = g["rstd"] * rstd ** 3 / h.shape[1]
+                n = cd.gemm(dup, w_up.t(), post_norm_grad, prev=_mm(dgate, w_gate, h.dtype), x=h, dres=dacc,
+                            gamma=gamma, coef=coef, backend=ctx.backend)
+                dh = n["D"] if need[0] else None
+                dgamma = n["dgamma"].to(gamma.dtype) if need[1] else None
+            dw_gate = _mm(dgate.t(), hg, w_gate.dtype) if need[4] else None
             del g, dgate  # its memory for dw_up
-            dw_up = _mm(dup.t(), hg, w_up.dtype) if need[3] else None
-        return dhg, drstd, dw_gate, dw_up, dw_down, dacc if need[5] else None, None, None, None
+            dw_up = _mm(dup.t(), hg, w_up.dtype) if need[5] else None
+        return dh, dgamma, None, None, dw_gate, dw_up, dw_down, None, None, None
 
 
 @on_cuda
@@ -436,10 +451,15 @@ class LlamaMLP(nn.Module):
         super()._apply(fn, recurse)  # .to() makes each strided weight contiguous on its own
         return self.tie_gate_up() if self.tied else self
 
-    def forward(self, hg, rstd, residual, eps: float, backend: str):
-        """hg = h * gamma2 [M, D], rstd [M], residual h -> (h + mlp, rstd of that)."""
-        return _Mlp.apply(hg, rstd, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, residual,
-                          eps, backend, self.keep_y)
+    def forward(self, h, norm: RMSNorm, eps: float, backend: str, hg=None, rstd=None):
+        """The residual stream h [M, D] and its RMSNorm -> (h + mlp(norm(h)), rstd of that with `eps`, for the
+        next layer's norm). hg = h * norm.weight and rstd = rstd(h), when given, are taken as made (the
+        o-proj's epilogue makes them), else made here."""
+        if hg is None or rstd is None:
+            with torch.no_grad():
+                hg, rstd = input_norm(h, norm.weight, norm.variance_epsilon)
+        return _Mlp.apply(h, norm.weight, hg, rstd, self.gate_proj.weight, self.up_proj.weight,
+                          self.down_proj.weight, eps, backend, self.keep_y)
 
 
 def _tied(w_gate: torch.Tensor, w_up: torch.Tensor) -> bool:
@@ -498,8 +518,8 @@ class LlamaDecoderLayer(nn.Module):
         return hf
 
     def prebuild(self, tokens: int) -> None:
-        """Build the six kernels this layer launches on `tokens` rows (its four forward GEMMs and the
-        backward's dY and QKV dgrad GEMMs) in one parallel ninja run, or find them in the cache; else the
+        """Build the seven kernels this layer launches on `tokens` rows (its four forward GEMMs and the
+        backward's dY, gate/up dgrad and QKV dgrad GEMMs) in one parallel ninja run, or find them in the cache; else the
         first forward and backward build them one after another. Each gets the config cd.gemm picks at
         its shape."""
         from .runtime import op as runtime
@@ -514,6 +534,7 @@ class LlamaDecoderLayer(nn.Module):
         runtime.prebuild([
             compiled(rms_rope, x, nqkv, d, rstd=f32, pos=f32, inv_freq=f32[:32]),
             compiled(input_norm_grad, x.t(), d, nqkv, x=x, dres=x, gamma=x[0], coef=f32),  # B = W_qkv^T
+            compiled(post_norm_grad, x.t(), d, f, prev=x, x=x, dres=x, gamma=x[0], coef=f32),  # B = W_up^T
             compiled(rms_producer, x, d, nq, residual=x, gamma=x[0], inv_n=1.0, eps=1e-5),
             compiled(rms_swiglu_fwd, x, 2 * f, d, rstd=f32),
             compiled(residual_rms, x, d, f, residual=x, inv_n=1.0, eps=1e-5),
@@ -541,6 +562,6 @@ class LlamaDecoderLayer(nn.Module):
         h, hg, rstd2 = _RmsProducerLinear.apply(attn, self.self_attn.o_proj.weight, xf,
                                                 self.post_attention_layernorm.weight,
                                                 self.post_attention_layernorm.variance_epsilon, self.backend)
-        out, rstd_out = self.mlp(hg, rstd2, h, eps, self.backend)
+        out, rstd_out = self.mlp(h, self.post_attention_layernorm, eps, self.backend, hg, rstd2)
         out = out.view(b, s, d)
         return (out, rstd_out.view(b, s)) if return_rstd else out

@@ -18,7 +18,7 @@ B, S = 2, 300  # M = 600: ragged against every tile size
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
-    """The layer's six kernels in one parallel build (LlamaDecoderLayer.prebuild), as tests/test_gpu.py
+    """The layer's seven kernels in one parallel build (LlamaDecoderLayer.prebuild), as tests/test_gpu.py
     builds its own; one it misses only costs a build on first use."""
     cdnn.LlamaDecoderLayer(gpu_config(), dtype=torch.bfloat16, device="cuda").prebuild(B * S)
 
@@ -42,9 +42,15 @@ def run(layer, x, dy, fn=None):
     return y.detach(), dx, {n: t.clone() for n, t in g.items()}
 
 
-def test_cutlass_matches_reference_bf16():
+@pytest.mark.parametrize("tied", [False, True])
+def test_cutlass_matches_reference_bf16(tied):
+    """tied: gate/up weights as halves of one interleaved buffer (tie_gate_up), so the backward's GEMMs
+    read W_up with a row stride of 2 D (post_norm_grad's B operand among them)."""
     config = gpu_config()
     _, ours = layers(config)
+    if tied:
+        for layer in ours.values():
+            layer.mlp.tie_gate_up()
     torch.manual_seed(1)
     x = torch.randn(B, S, config.hidden_size, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)

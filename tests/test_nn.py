@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig  # noqa: E402
@@ -113,21 +114,55 @@ def test_layer_bf16_within_hf_bf16_error():
         assert our_err < 2 * hf_err + 2e-3, (name, our_err, hf_err)
 
 
+@pytest.mark.parametrize("made", [True, False])
+def test_mlp_differentiates_through_its_norm(made):
+    """LlamaMLP(h, norm): out = h + down(silu(gate(n)) * up(n)), n = RMSNorm(h), and the next norm's rstd;
+    h's, gamma's and the weights' gradients as torch's autograd gives them, whether hg and rstd come made
+    (as the o-proj's epilogue makes them; not differentiated as inputs) or are made inside."""
+    torch.manual_seed(0)
+    config = llama_config()
+    mlp, norm = cdnn.LlamaMLP(config), cdnn.RMSNorm(config.hidden_size, 1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    h = torch.randn(9, config.hidden_size, requires_grad=True)
+    dout, drstd = torch.randn(9, config.hidden_size), torch.randn(9)
+    params = [h, norm.weight, *mlp.parameters()]
+
+    def torch_mlp():
+        n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight
+        out = h + mlp.down_proj(F.silu(mlp.gate_proj(n)) * mlp.up_proj(n))
+        return out, torch.rsqrt(out.pow(2).mean(-1) + 1e-6)
+
+    def ours():
+        made_args = cdnn.input_norm(h.detach(), norm.weight.detach(), 1e-5) if made else ()
+        return mlp(h, norm, 1e-6, "reference", *made_args)
+    results = []
+    for fn in (torch_mlp, ours):
+        out, rstd = fn()
+        results.append((out, rstd, torch.autograd.grad((out, rstd), params, (dout, drstd))))
+    (o1, r1, g1), (o2, r2, g2) = results
+    torch.testing.assert_close(o2, o1, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(r2, r1, rtol=1e-5, atol=1e-5)
+    for a, b in zip(g2, g1):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_frozen_inputs_get_no_gradient_work(monkeypatch):
-    """With the weights frozen, each GEMM's backward does one matmul (the input's), not two: the o-proj's
-    and gate/up's plain, the down projection's the fused dY GEMM (rms_swiglu_grad), the QKV's the fused
-    input_norm_grad GEMM; a frozen MLP input needs neither fused GEMM."""
+    """With the weights frozen, each GEMM's backward does only its input's matmuls: the o-proj's plain, the
+    down projection's the fused dY GEMM (rms_swiglu_grad), gate/up's a plain one and the fused
+    post_norm_grad, the QKV's the fused input_norm_grad; only W_down training needs none of those."""
     config = llama_config()
     ours = cdnn.LlamaDecoderLayer.from_hf(random_hf_layer(config), backend="reference").requires_grad_(False)
     calls, fused = [], []
     real_mm, real_gemm = cdnn._mm, cdnn.cd.gemm
-    backward_eps = (cdnn.rms_swiglu_grad, cdnn.input_norm_grad)
+    backward_eps = (cdnn.rms_swiglu_grad, cdnn.input_norm_grad, cdnn.post_norm_grad)
     monkeypatch.setattr(cdnn, "_mm", lambda *a: calls.append(1) or real_mm(*a))
     monkeypatch.setattr(cdnn.cd, "gemm", lambda a, b, ep, **k: (ep in backward_eps and fused.append(ep.name))
                         or real_gemm(a, b, ep, **k))
     x = torch.randn(2, 7, config.hidden_size, requires_grad=True)
     ours(x).sum().backward()
-    assert len(calls) == 2 and sorted(fused) == ["input_norm_grad", "rms_swiglu_backward_fused"] and x.grad is not None
+    assert len(calls) == 2 and x.grad is not None
+    assert sorted(fused) == ["input_norm_grad", "post_norm_grad", "rms_swiglu_backward_fused"]
     assert all(p.grad is None for p in ours.parameters())
     calls.clear(), fused.clear()
     ours.mlp.down_proj.requires_grad_(True)
@@ -336,7 +371,6 @@ def test_backward_steps_compile_to_the_same_values():
     rstd = torch.rand(m) + 0.5
     cases = [(cdnn._rotate_back, (f32(m, n), rstd, f32(m, 4), f32(m, 4), 8)),
              (cdnn._row_dot, (f32(m, n), f32(m, n))),
-             (cdnn.rms_producer_backward, (None, f32(m, n), f32(m), f32(m, n), rstd, f32(n), 1.0 / n, True)),
              (cdnn.residual_rms_backward, (f32(m, n), f32(m), f32(m, n), rstd, 1.0 / n)),
              (cdnn._swiglu_of_acc, (f32(m, 2 * n), rstd))]
     for step, args in cases:
