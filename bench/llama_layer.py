@@ -226,6 +226,13 @@ def _costliest(prof, top: int) -> list[str]:
     return lines
 
 
+def cuda_mallocs(device) -> int | None:
+    """How many memory segments torch's caching allocator has taken from cudaMalloc so far (None off CUDA)."""
+    if torch.device(device).type != "cuda":
+        return None
+    return torch.cuda.memory_stats(device).get("segment.all.allocated", 0)
+
+
 def synchronize(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -336,6 +343,7 @@ def run_tokens(config, tokens: int, seq: int, iters: int, device="cuda", backend
     progress(f"llama_layer {tokens} tokens: timing {len(timed)} variant calls and {len(parts)} floor parts, "
              + (f"each alone after {sustain_ms:g} ms of its own calls" if sustain_ms else f"{iters} rounds"))
     fns = {**{f"{n} {s}": fn for (n, s), fn in timed.items()}, **{f"floor {p}": fn for p, fn in parts.items()}}
+    mallocs = cuda_mallocs(device)
     if sustain_ms:
         steady = sustained(fns, [()], iters, sustain_ms)
         ms = {name: r["us"] / 1e3 for name, r in steady.items()}
@@ -346,6 +354,9 @@ def run_tokens(config, tokens: int, seq: int, iters: int, device="cuda", backend
                 extra.setdefault(variant, {})[f"{step}_mhz_watts"] = (r["mhz"], r["watts"])
     else:
         ms = {name: us / 1e3 for name, us in round_robin(fns, [()], iters, warmup=0).items()}
+    if mallocs is not None:  # each one can stall the host (and so the GPU): after the warm-up there should be none
+        progress(f"llama_layer {tokens} tokens: cudaMalloc calls by the caching allocator while timing: "
+                 f"{cuda_mallocs(device) - mallocs}")
     part_ms = {p: ms[f"floor {p}"] for p in parts}
     fwd_floor = sum(t for p, t in part_ms.items() if is_forward(p))
     rows = [LayerRow(tokens, FLOOR, fwd_floor, sum(part_ms.values()), None, {"parts_ms": part_ms})]
