@@ -423,12 +423,13 @@ def export_cache(path: Path, part_bytes: int | None = None) -> list[Path]:
     for dest, part in zip(out, parts):
         tmp = dest.with_name(f".{dest.name}.tmp")
         try:
-            with cache_io(dest), tarfile.open(tmp, "w:gz") as tar:
-                for k in part:
-                    for name in PORTABLE:
-                        if (entry_dir(k) / name).is_file():
-                            tar.add(entry_dir(k) / name, arcname=f"{k}/{name}", recursive=False)
-            os.replace(tmp, dest)
+            with cache_io(dest):
+                with tarfile.open(tmp, "w:gz") as tar:
+                    for k in part:
+                        for name in PORTABLE:
+                            if (entry_dir(k) / name).is_file():
+                                tar.add(entry_dir(k) / name, arcname=f"{k}/{name}", recursive=False)
+                os.replace(tmp, dest)
         except BaseException:
             tmp.unlink(missing_ok=True)  # no half-written file left beside the ones asked for
             raise
