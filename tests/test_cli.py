@@ -290,8 +290,12 @@ def test_cache_import_rejects_what_is_not_a_checked_entry(capsys, tmp_path, monk
     (tmp_path / "broken.tar.gz").write_bytes(path.read_bytes()[:100])
     rc, _, err = run(capsys, "cache", "import", str(tmp_path / "broken.tar.gz"))
     assert rc == 2 and "is not a whole gzip'd tar file" in err
+    rc, _, err = run(capsys, "cache", "import", str(tmp_path / "missing.tar.gz"))
+    assert rc == 2 and "cannot read" in err and "missing.tar.gz" in err
     rc, _, err = run(capsys, "cache", "export")
     assert rc == 2 and "export takes one file to write, not 0" in err
+    rc, _, err = run(capsys, "cache", "export", str(tmp_path / "no" / "dir" / "k.tar.gz"))
+    assert rc == 2 and "cannot write" in err and not list((tmp_path / "no").parent.glob(".k.tar.gz.tmp"))
 
 
 def test_every_command_and_option_has_help():

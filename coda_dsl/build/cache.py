@@ -423,15 +423,17 @@ def export_cache(path: Path, part_bytes: int | None = None) -> list[Path]:
     for dest, part in zip(out, parts):
         tmp = dest.with_name(f".{dest.name}.tmp")
         try:
-            with cache_io(dest):
-                with tarfile.open(tmp, "w:gz") as tar:
-                    for k in part:
-                        for name in PORTABLE:
-                            if (entry_dir(k) / name).is_file():
-                                tar.add(entry_dir(k) / name, arcname=f"{k}/{name}", recursive=False)
-                os.replace(tmp, dest)
-        except BaseException:
-            tmp.unlink(missing_ok=True)  # no half-written file left beside the ones asked for
+            with tarfile.open(tmp, "w:gz") as tar:
+                for k in part:
+                    for name in PORTABLE:
+                        if (entry_dir(k) / name).is_file():
+                            tar.add(entry_dir(k) / name, arcname=f"{k}/{name}", recursive=False)
+            os.replace(tmp, dest)
+        except BaseException as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)  # no half-written file left beside the ones asked for
+            if isinstance(e, OSError):
+                raise CacheError(f"cannot write {dest}: {e.strerror or e}") from None
             raise
     return out
 
@@ -452,23 +454,30 @@ def import_cache(paths: list[Path]) -> Imported:
     result = Imported()
     root = make_dir(cache_dir())
     for path in paths:
-        with cache_io(path):
-            try:
-                _unpack(path, result, root)
-            except (tarfile.TarError, EOFError) as e:
-                raise CacheError(f"{path} is not a whole gzip'd tar file of `coda-dsl cache export` ({e})") from None
+        if not Path(path).is_file():
+            raise CacheError(f"cannot read {path}: no such file")
+        try:
+            _unpack(path, result, root)
+        except CacheError:  # the cache's own files (cache_io): the message names the cache
+            raise
+        except (tarfile.TarError, EOFError) as e:
+            raise CacheError(f"{path} is not a whole gzip'd tar file of `coda-dsl cache export` ({e})") from None
+        except OSError as e:
+            raise CacheError(f"cannot read {path}: {e.strerror or e}") from None
     return result
 
 
 def _unpack(path: Path, result: Imported, root: Path) -> None:
-    with tarfile.open(path, "r:gz") as tar, \
-            tempfile.TemporaryDirectory(dir=make_dir(root / ".staging"), prefix="import-") as tmp:
-        held = os.open(tmp, os.O_RDONLY)  # flocked, like a build's staging folder: `cache clear` leaves it be
-        fcntl.flock(held, fcntl.LOCK_EX)
-        try:
-            _commit_members(tar, Path(tmp), result)
-        finally:
-            os.close(held)
+    with tarfile.open(path, "r:gz") as tar:
+        with cache_io(root):
+            staging = tempfile.TemporaryDirectory(dir=make_dir(root / ".staging"), prefix="import-")
+        with staging as tmp:
+            held = os.open(tmp, os.O_RDONLY)  # flocked, like a build's staging folder: `cache clear` leaves it be
+            fcntl.flock(held, fcntl.LOCK_EX)
+            try:
+                _commit_members(tar, Path(tmp), result)
+            finally:
+                os.close(held)
 
 
 def _commit_members(tar: tarfile.TarFile, tmp: Path, result: Imported) -> None:
@@ -507,7 +516,7 @@ def _import_entry(key: str, files: dict[str, Path]) -> str:
     for name, f in files.items():
         if sizes.get(name) != f.stat().st_size or digests.get(name) != _sha256(f):
             return f"{name} does not match the size and SHA-256 its meta.json records"
-    with key_locks([key]):
+    with key_locks([key]), cache_io(entry_dir(key)):
         if check_output(key)[0] is not None:
             return "present"
         commit_entry(key, files, {k: v for k, v in meta.items() if k not in ("key", "files", "sha256")})
