@@ -109,7 +109,7 @@ def _pairs(items: list[str] | None, flag: str) -> dict[str, str]:
 
 def specialization_from_options(ep: Epilogue, ab_dtype: str = "bf16", b_layout: str = "nk",
                    operand_dtypes: dict[str, str] | None = None, consts: dict[str, str | float] | None = None,
-                   config: Config | str | None = None) -> CompiledOp:
+                   config: Config | str | None = None, a_layout: str = "mk") -> CompiledOp:
     """Signature -> plan -> key -> .cu, from options alone (no tensors, no GPU). Every tensor/vector
     operand defaults to ab_dtype and every output to its own dtype or ab_dtype, as in cd.gemm."""
     from .ir.graph import LOAD_KINDS
@@ -120,6 +120,8 @@ def specialization_from_options(ep: Epilogue, ab_dtype: str = "bf16", b_layout: 
         raise CliError(f"--dtype must be bf16 or fp16 (the dtype of A and B), not {ab_dtype!r}")
     if b_layout not in ("nk", "kn"):
         raise CliError(f"--b-layout must be nk or kn, not {b_layout!r}")
+    if a_layout not in ("mk", "km"):
+        raise CliError(f"--a-layout must be mk or km, not {a_layout!r}")
     kinds = {p.name: p.kind for p in ep.params}
     operand_dtypes = dict(operand_dtypes or {})
     for name, dt in operand_dtypes.items():
@@ -151,7 +153,7 @@ def specialization_from_options(ep: Epilogue, ab_dtype: str = "bf16", b_layout: 
         except ValueError as e:
             raise CliError(str(e)) from None
 
-    return CompiledOp.create(ep, signature(ep, ab_dtype, b_layout, dtypes, values, config), values)
+    return CompiledOp.create(ep, signature(ep, ab_dtype, b_layout, dtypes, values, config, a_layout=a_layout), values)
 
 
 def _spec_from_args(args) -> tuple[Epilogue, CompiledOp]:
@@ -160,7 +162,7 @@ def _spec_from_args(args) -> tuple[Epilogue, CompiledOp]:
     if getattr(args, "backward", False):  # the derived backward: an epilogue of its own, consts bound
         ep, consts = _backward_of(ep, consts), {}
     dtypes = _pairs(args.operand_dtype, "--operand-dtype")
-    return ep, specialization_from_options(ep, args.dtype, args.b_layout, dtypes, consts, args.config)
+    return ep, specialization_from_options(ep, args.dtype, args.b_layout, dtypes, consts, args.config, args.a_layout)
 
 
 def _backward_of(ep: Epilogue, consts: dict) -> Epilogue:
@@ -226,7 +228,8 @@ def cmd_explain(args) -> int:
     outs = ([f"D ({plan.d_dtype}, [M, N])"] if plan.d_dtype else []) + [
         f"{n} ({d}, {shapes[k]})" for n, d, k in plan.outputs]
     print(f"  outputs: {', '.join(outs)}")
-    print(f"\n## specialization\n  A/B {sig.ab_dtype}, B layout {sig.b_layout}, config {sig.config.text}")
+    print(f"\n## specialization\n  A/B {sig.ab_dtype}, A layout {sig.a_layout}, B layout {sig.b_layout}, "
+          f"config {sig.config.text}")
     if why:
         print(f"  config for M x N x K = {' x '.join(map(str, args.shape))}: " +
               (f"{args.config} (--config)" if args.config != default(*args.shape)[0].text else why))
@@ -481,6 +484,8 @@ def cmd_bench(args, extra: list[str]) -> int:
 def _target_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", metavar="FILE.py:FUNCTION", help="an epilogue: path/to/file.py:fn or package.module:fn")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"), help="dtype of A and B (default bf16)")
+    p.add_argument("--a-layout", default="mk", choices=("mk", "km"),
+                   help="mk: A is [M, K] row-major (default); km: [K, M] storage (A passed as X.t())")
     p.add_argument("--b-layout", default="nk", choices=("nk", "kn"),
                    help="nk: B is [N, K] like an nn.Linear weight (default); kn: [K, N] storage")
     p.add_argument("--operand-dtype", action="append", metavar="NAME=DTYPE",

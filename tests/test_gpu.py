@@ -148,10 +148,13 @@ def _operands(ep, m, n, dtype, batch=None):
     return make[ep]()
 
 
-# (epilogue, A/B dtype, B layout) of every kernel the suite needs
+# (epilogue, A/B dtype, layout) of every kernel the suite needs; layout: B's ("nk" or "kn"), or
+# "km/<B's>" for A passed as X.t() ([K, M] storage, as a weight gradient's GEMM reads dY^T)
 CASES = [
     (cd.identity, torch.bfloat16, "nk"),
     (cd.identity, torch.bfloat16, "kn"),
+    (cd.identity, torch.bfloat16, "km/nk"),
+    (residual_rms, torch.bfloat16, "km/kn"),
     (cd.identity, torch.float16, "nk"),
     (bias_gelu, torch.bfloat16, "nk"),
     (residual_rms, torch.bfloat16, "nk"),
@@ -193,7 +196,11 @@ CE_KERNELS = [(_forward_epilogue(s, c, logits), torch.bfloat16) for s in (False,
 
 def _ab(m, n, k, dtype, layout, batch=None):
     lead = (batch,) if batch else ()
-    a = _rand(*lead, m, k, dtype=dtype)
+    a_layout, layout = layout.split("/") if "/" in layout else ("mk", layout)
+    if a_layout == "mk":
+        a = _rand(*lead, m, k, dtype=dtype)
+    else:  # [K, M] storage, rows padded to 16 bytes (ragged M), passed transposed
+        a = _rand(*lead, k, -(-m // 8) * 8, dtype=dtype)[..., :m].transpose(-1, -2)
     b = _rand(*lead, n, k, dtype=dtype) if layout == "nk" else _rand(*lead, k, n, dtype=dtype).transpose(-1, -2)
     return a, b
 

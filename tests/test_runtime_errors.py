@@ -279,12 +279,32 @@ def test_layout_valid():
     dtypes = check(a, b)
     assert dtypes == {"residual": "bf16", "bias": "bf16", "scale": "fp32"}
     check(a, torch.randn(K, N).bfloat16().t())  # [K, N] storage passed as W.t(): accepted
+    check(torch.randn(K, 80).bfloat16()[:, :M].t(), b)  # A as [K, M] storage (rows padded to 16 bytes) as X.t()
+    msg = layout_error(torch.randn(K, M).bfloat16().t(), b)  # [K, 77] storage: TMA cannot address its rows
+    assert "A's row stride 77 is not a multiple of 8 elements" in msg
 
 
-def test_layout_a_not_contiguous_in_last_dim():
+def test_layout_a_contiguous_along_neither_dim():
     a, b = ab()
-    msg = layout_error(a.t().contiguous().t(), b)
-    assert names_epilogue(msg) and "A must be contiguous in its last dimension" in msg and "A.contiguous()" in msg
+    msg = layout_error(torch.randn(M, 2 * K).bfloat16()[:, ::2], b)
+    assert names_epilogue(msg) and "A must be contiguous along K ([M, K]) or along M" in msg and "A.contiguous()" in msg
+
+
+def test_a_layout_selects_the_specialization():
+    """A passed as X.t() ([K, M] storage) is another specialization (LayoutA ColumnMajor), same results."""
+    a, b = ab()
+    at = a.t().contiguous().t()
+    call, call_t = runtime._normalize(ep_all, a, b, operands()), runtime._normalize(ep_all, at, b, operands())
+    assert runtime.layouts(call) == ("mk", "nk") and runtime.layouts(call_t) == ("km", "nk")
+    assert runtime.call_key(ep_all, call, {}, None) != runtime.call_key(ep_all, call_t, {}, None)
+    from coda_dsl import cli
+    km = cli.specialization_from_options(ep_all, a_layout="km", operand_dtypes={"scale": "fp32"})
+    mk = cli.specialization_from_options(ep_all, operand_dtypes={"scale": "fp32"})
+    assert "using LayoutA = cutlass::layout::ColumnMajor;" in km.cu_text and km.key != mk.key
+    assert "using LayoutA = cutlass::layout::RowMajor;" in mk.cu_text
+    ops = operands()
+    torch.testing.assert_close(cd.gemm(at, b, ep_all, backend="reference", **ops)["D"],
+                               cd.gemm(a, b, ep_all, backend="reference", **ops)["D"])
 
 
 def test_layout_operand_not_contiguous_in_last_dim():

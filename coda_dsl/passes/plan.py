@@ -102,6 +102,7 @@ class Signature:
     config: Config = Config()
     deterministic: bool = False  # reductions: fixed-order combine instead of atomics
     accumulate: bool = False  # D += epilogue value (D is read through the C operand)
+    a_layout: str = "mk"  # "mk": A is [M, K] K-contiguous; "km": [K, M] storage passed as X.t() (M-contiguous)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,6 +365,6 @@ class Plan:
     def canonical(self) -> str:
         """Canonical text of everything that shapes the generated code (never user-facing names)."""
         s = self.signature
-        return "|".join([s.ab_dtype, s.b_layout, s.config.text, str(self.d_dtype), str(len(self.scalars)),
-                         str(self.reads_d),
+        return "|".join([s.ab_dtype, s.b_layout, *([] if s.a_layout == "mk" else ["a_km"]), s.config.text,
+                         str(self.d_dtype), str(len(self.scalars)), str(self.reads_d),
                          *(n.canonical() for n in self.nodes)])

@@ -185,7 +185,10 @@ def _check_tensors(ep: Epilogue, call: Call, cutlass: bool) -> dict[str, str]:
             raise checks.fail(where, f"operand '{name}' must be contiguous in its last dimension",
                               f"pass {name}.contiguous()")
     if cutlass:
-        checks.tma_layout(where, "A", call.a)
+        if call.a.stride(-1) != 1 and call.a.stride(-2) != 1:
+            raise checks.fail(where, f"A must be contiguous along K ([M, K]) or along M ([K, M] storage passed as "
+                              f"X.t()); its strides are {list(call.a.stride())}", "pass A.contiguous()")
+        checks.tma_layout(where, "A", call.a if call.a.stride(-1) == 1 else call.a.transpose(-1, -2))
         if call.b.stride(-1) != 1 and call.b.stride(-2) != 1:
             raise checks.fail(where, f"B must be contiguous along K ([N, K]) or along N ([K, N] storage passed as "
                               f"W.t()); its strides are {list(call.b.stride())}", "pass B.contiguous()")
@@ -238,7 +241,8 @@ class CompiledOp:
         # (name, torch dtype, shape kind) of D (if stored) and then of what the op receives in `outputs`
         self._outputs = [(name, DTYPES[dt][0], kind) for name, dt, kind in [*d, *plan.outputs]]
         sig = plan.signature  # what a call must match: the kernel reads memory as these types
-        self._expects = (DTYPES[sig.ab_dtype][0], sig.b_layout, sig.operand_dtypes, _consts_key(dict(sig.consts)))
+        self._expects = (DTYPES[sig.ab_dtype][0], (sig.a_layout, sig.b_layout), sig.operand_dtypes,
+                         _consts_key(dict(sig.consts)))
         self._kinds = _facts(epilogue).kinds
         self._checked: dict[tuple, bool] = {}  # call layouts that passed the checks
         self._widened = frozenset(plan.widened)
@@ -329,10 +333,9 @@ class CompiledOp:
         call = _normalize(self.epilogue, A, B, operands, out)
         checks.require_hopper(self._where, call.a.device)
         dtypes = _check_tensors(self.epilogue, call, cutlass=True)
-        got = (call.a.dtype, "nk" if call.b.stride(-1) == 1 else "kn", tuple(sorted(dtypes.items())),
-               _consts_key(call.consts))
+        got = (call.a.dtype, layouts(call), tuple(sorted(dtypes.items())), _consts_key(call.consts))
         if got != self._expects:
-            what = ("A/B dtype", "B layout", "operand dtypes", "cd.Const values")
+            what = ("A/B dtype", "A/B layouts", "operand dtypes", "cd.Const values")
             diff = [f"{w}: compiled for {e}, called with {g}" for w, e, g in zip(what, self._expects, got) if e != g]
             raise checks.fail(self._where, "this op was compiled for other operands (" + "; ".join(diff) + ")",
                               "compile an op for these operands (cd.compile), or call cd.gemm")
@@ -477,10 +480,15 @@ def _output_dtypes(ep: Epilogue, ab: str, out: dict | None) -> tuple[tuple[str, 
 
 def signature(ep: Epilogue, ab: str, b_layout: str, operand_dtypes: dict[str, str], consts: dict[str, float],
               config: Config | None = None, deterministic: bool = False, accumulate: bool = False,
-              out: dict | None = None) -> Signature:
+              out: dict | None = None, a_layout: str = "mk") -> Signature:
     """The one place where a call's options become a Signature, so `coda-dsl emit` shows what cd.gemm builds."""
     return Signature(ab, b_layout, tuple(sorted(operand_dtypes.items())), _output_dtypes(ep, ab, out),
-                     tuple(sorted(consts.items())), config or Config(), deterministic, accumulate)
+                     tuple(sorted(consts.items())), config or Config(), deterministic, accumulate, a_layout)
+
+
+def layouts(call: Call) -> tuple[str, str]:
+    """(A's, B's) memory layout: "mk" / "km" (A passed as X.t()), "nk" (an nn.Linear weight) / "kn"."""
+    return "mk" if call.a.stride(-1) == 1 else "km", "nk" if call.b.stride(-1) == 1 else "kn"
 
 
 def call_key(ep: Epilogue, call: Call, operand_dtypes: dict[str, str], out: dict | None,
@@ -488,7 +496,7 @@ def call_key(ep: Epilogue, call: Call, operand_dtypes: dict[str, str], out: dict
     """What selects a call's specialization, as plain values: the warm path's cache key (a Signature
     is built only on a miss)."""
     outs = tuple((k, v.dtype) for k, v in out.items() if isinstance(v, torch.Tensor)) if out else ()
-    return (ep, call.a.dtype, call.b.stride(-1) == 1, tuple(operand_dtypes.items()), outs,
+    return (ep, call.a.dtype, layouts(call), tuple(operand_dtypes.items()), outs,
             _consts_key(call.consts), deterministic, accumulate)
 
 
@@ -503,9 +511,9 @@ def specialization(ep: Epilogue, call: Call, operand_dtypes: dict[str, str], out
         with _lock:
             op = _ops.get(cache_key)
             if op is None:
-                sig = signature(ep, checks.dtype_of(call.a, _where(ep), "A"),
-                                "nk" if call.b.stride(-1) == 1 else "kn", operand_dtypes, call.consts, config,
-                                deterministic, accumulate, out)
+                a_layout, b_layout = layouts(call)
+                sig = signature(ep, checks.dtype_of(call.a, _where(ep), "A"), b_layout, operand_dtypes, call.consts,
+                                config, deterministic, accumulate, out, a_layout)
                 op = _ops[cache_key] = CompiledOp.create(ep, sig, call.consts)
     return op
 

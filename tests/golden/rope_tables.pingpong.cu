@@ -17,6 +17,7 @@ using namespace cute;
 namespace fusion = cutlass::epilogue::fusion;
 
 using ElementAB = cutlass::bfloat16_t;
+using LayoutA = cutlass::layout::RowMajor;
 using LayoutB = cutlass::layout::ColumnMajor;
 using ElementD = cutlass::bfloat16_t;
 constexpr int AlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
@@ -83,7 +84,7 @@ using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBui
 
 using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
-    ElementAB, cutlass::layout::RowMajor, AlignAB,
+    ElementAB, LayoutA, AlignAB,
     ElementAB, LayoutB, AlignAB,
     float, TileShape, ClusterShape,
     cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,

@@ -17,6 +17,7 @@ using namespace cute;
 namespace fusion = cutlass::epilogue::fusion;
 
 using ElementAB = cutlass::bfloat16_t;
+using LayoutA = cutlass::layout::RowMajor;
 using LayoutB = cutlass::layout::ColumnMajor;
 using ElementD = void;  // the epilogue stores no D
 constexpr int AlignD = 4;  // nominal
@@ -82,7 +83,7 @@ using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBui
 
 using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
-    ElementAB, cutlass::layout::RowMajor, AlignAB,
+    ElementAB, LayoutA, AlignAB,
     ElementAB, LayoutB, AlignAB,
     float, TileShape, ClusterShape,
     cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
