@@ -305,6 +305,10 @@ def test_a_layout_selects_the_specialization():
     ops = operands()
     torch.testing.assert_close(cd.gemm(at, b, ep_all, backend="reference", **ops)["D"],
                                cd.gemm(a, b, ep_all, backend="reference", **ops)["D"])
+    # a 3-D A passed transposed with one 2-D weight: folding L into M would copy A into the other layout
+    a3 = torch.randn(2, K, 80).bfloat16().transpose(-1, -2)
+    with pytest.raises(UnsupportedError, match="needs A contiguous along K"):
+        runtime._fold_batch(cd.identity, runtime._normalize(cd.identity, a3, b, {}))
 
 
 def test_layout_operand_not_contiguous_in_last_dim():

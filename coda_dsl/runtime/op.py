@@ -424,6 +424,10 @@ def _fold_batch(ep: Epilogue, call: Call) -> Call:
     What cannot follow (per-batch column vectors, statistics over m) is refused with the fix."""
     if call.a.dim() != 3 or call.b.dim() != 2:
         return call
+    if call.a.stride(-1) != 1:  # folding would copy A into the other layout than its specialization's
+        raise UnsupportedError(f"{_where(ep)}: a 3-D A passed transposed ([L, K, M] storage) with a 2-D B: the "
+                               "kernel folds L into M, which needs A contiguous along K\n  fix: pass "
+                               "A.contiguous(), or B as [L, N, K]: B.expand(L, -1, -1).contiguous()")
     kinds, cross = _facts(ep).kinds, list(_facts(ep).cross_batch)
     l, m = call.a.shape[0], call.a.shape[1]
     per_batch_n = [n for n, t in call.tensors.items() if kinds[n] == "vec_n" and t.dim() == 2]
