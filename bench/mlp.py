@@ -17,6 +17,10 @@ Shapes are M x F x D (tokens x FFN x hidden). Steps, every variant on the same o
     (what the layer ran before the derived one).
   Floor: the bare cuBLAS dY. torch.compile: torch.mm, then torch.compile of HF's SwiGLU backward over
   separate gate and up tensors.
+- wgrad (backward, not in the default --steps): W_gate's gradient dgate^T @ (h * gamma2), [F, D], as
+  `gain_wgrad`: dgate passed transposed as A, h as B, gamma2 on the columns in the epilogue, so the
+  layer would not need to keep h * gamma2 for its backward. Floor: cuBLAS on the kept h * gamma2 (what
+  the layer does today). torch.compile: (dgate^T @ h) * gamma2.
 Each step also runs coda_dsl's kernel with the identity epilogue at each config: the bare GEMM through
 the same mainloop, so a fused kernel's time splits into the mainloop's gap to cuBLAS and its epilogue's.
 --configs: `default` (the config cd.gemm picks at the shape), runtime/tune.py's named ones, or any config
@@ -38,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 import coda_dsl as cd
-from coda_dsl.library import swiglu_grad
+from coda_dsl.library import gain_wgrad, swiglu_grad
 from coda_dsl.nn import rms_swiglu_fwd, rms_swiglu_grad, rms_swiglu_grad_and_y
 from coda_dsl.passes.plan import Config
 from coda_dsl.runtime.tune import DEFAULT, PINGPONG, PINGPONG_192, default
@@ -87,7 +91,7 @@ class Step:
     want: Callable[[dict], dict]  # operands -> {result name: fp32 PyTorch value}
     results: Callable[[dict, dict], dict]  # (a coda_dsl variant's outputs, operands) -> {result name: value}
     flops: Callable[[int, int, int], int]
-    n_k: Callable[[int, int], tuple[int, int]]  # (F, D) -> the coda_dsl GEMM's N and K
+    mnk: Callable[[int, int, int], tuple[int, int, int]]  # (M, F, D) -> the coda_dsl GEMM's M, N, K
 
 
 def _r(*s) -> torch.Tensor:
@@ -108,6 +112,12 @@ def _dy_inputs(m: int, f: int, d: int) -> dict:
     pre = (rstd[:, None] * acc).to(acc.dtype)
     return {"dout": _r(m, d), "w": _r(d, f), "saved_acc": acc, "pre": pre, "gate": pre[:, 0::2].contiguous(),
             "up": pre[:, 1::2].contiguous(), "rstd": rstd}
+
+
+def _wgrad_inputs(m: int, f: int, d: int) -> dict:
+    """d gate (what the dY GEMM gives), h and gamma2, and h * gamma2 (what the layer keeps today)."""
+    h, gamma = _r(m, d), torch.rand(d, device=DEVICE, dtype=torch.bfloat16) + 0.5
+    return {"dgate": _r(m, f), "h": h, "gamma": gamma, "hg": h * gamma}
 
 
 def _dy_want(o: dict) -> dict:
@@ -138,7 +148,7 @@ STEPS = {
                                        .unflatten(-1, (-1, 2)).unbind(-1))},
         results=lambda out, o: {"y": out["D"]},
         flops=lambda m, f, d: 2 * m * 2 * f * d,
-        n_k=lambda f, d: (2 * f, d)),
+        mnk=lambda m, f, d: (m, 2 * f, d)),
     "dY": Step(
         "cuBLAS dY", "torch.compile (mm + SwiGLU backward)",
         {"rms_swiglu_grad": rms_swiglu_grad, "rms_swiglu_grad + y": rms_swiglu_grad_and_y,
@@ -151,7 +161,21 @@ STEPS = {
         want=_dy_want,
         results=_dy_results,
         flops=lambda m, f, d: 2 * m * f * d,
-        n_k=lambda f, d: (f, d)),
+        mnk=lambda m, f, d: (m, f, d)),
+    "wgrad": Step(
+        "cuBLAS dW_gate = dgate^T @ (h * gamma)", "torch.compile ((dgate^T @ h) * gamma)",
+        {"gain_wgrad": gain_wgrad, "identity": cd.identity},
+        _wgrad_inputs,
+        floor=lambda o: o["dgate"].t() @ o["hg"],
+        compiled=lambda compile: (lambda o, fn=compile(lambda g, h, gamma: (g.t() @ h) * gamma):
+                                  fn(o["dgate"], o["h"], o["gamma"])),
+        coda=lambda ep, config, o: cd.gemm(o["dgate"].t(), (o["h"] if ep is gain_wgrad else o["hg"]).t(), ep,
+                                           config=config, backend=BACKEND,
+                                           **{p.name: o[p.name] for p in ep.params}),
+        want=lambda o: {"dW": (o["dgate"].float().t() @ o["h"].float()) * o["gamma"].float()},
+        results=lambda out, o: {"dW": out["D"]},
+        flops=lambda m, f, d: 2 * m * f * d,
+        mnk=lambda m, f, d: (f, d, m)),
 }
 
 
@@ -160,7 +184,7 @@ def _config(name: str, shape: tuple, step: str):
     m, f, d = shape
     if name not in CONFIGS:
         return Config.parse(name).text
-    return (CONFIGS[name] or default(m, *STEPS[step].n_k(f, d))[0]).text
+    return (CONFIGS[name] or default(*STEPS[step].mnk(m, f, d))[0]).text
 
 
 def variants(step: str, configs: list[str], shape: tuple) -> dict[str, tuple[Callable[[dict], object], bool]]:
@@ -179,7 +203,8 @@ def prebuild(steps: list[str], configs: list[str], todo: list[tuple]) -> None:
     from coda_dsl.runtime import op as runtime
     x, f32 = torch.empty(64, 64, dtype=torch.bfloat16, device=DEVICE), torch.empty(64, device=DEVICE)
     wide = torch.cat((x, x), -1)
-    small = {"gate_up": ((x, x), dict(rstd=f32)), "dY": ((x, x.t()), dict(saved_acc=wide, pre=wide, rstd=f32))}
+    small = {"gate_up": ((x, x), dict(rstd=f32)), "dY": ((x, x.t()), dict(saved_acc=wide, pre=wide, rstd=f32)),
+             "wgrad": ((x.t(), x.t()), dict(gamma=x[0]))}  # A passed transposed: dgate^T
     ops = {(step, name, cfg): cd.compile(ep, *small[step][0], config=cfg,
                                       **{p.name: small[step][1][p.name] for p in ep.params})
            for step in steps for name, ep in STEPS[step].epilogues.items() for c in configs for s in todo

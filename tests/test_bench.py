@@ -275,7 +275,8 @@ def test_mlp_on_fake_gpu(fake_gpu, capsys, monkeypatch):
     assert mlp.main(["--shapes", "32x64x48", "--steps", "dY", "--iters", "2", "--sustained", "5"]) == 0
     out = capsys.readouterr().out
     assert "| MHz | W |" in out and "| 1500 | – |" in out
-    assert mlp.main(["--shapes", "32x64x48", "--configs", "default,cooperative", "--iters", "2"]) == 0
+    assert mlp.main(["--shapes", "32x64x48", "--configs", "default,cooperative", "--iters", "2",
+                     "--steps", ",".join(mlp.STEPS)]) == 0
     out, err = capsys.readouterr()
     assert "| gate_up | 32×64×48 | torch.compile (gate, up GEMMs + SwiGLU) |" in out
     assert "| dY | 32×64×48 | torch.compile (mm + SwiGLU backward) |" in out
@@ -300,8 +301,9 @@ def test_mlp_prebuild_builds_each_kernel_once(monkeypatch):
     monkeypatch.setattr(mlp, "DEVICE", "cpu")
     monkeypatch.setattr(mlp.cd, "compile", lambda ep, a, b, config, **o: built.append((ep, config, tuple(sorted(o)))))
     monkeypatch.setattr(runtime_op, "prebuild", lambda ops: None)
-    mlp.prebuild(["gate_up", "dY"], ["default", "cooperative"], [(8192, 14336, 4096)])
-    assert len(built) == 2 * (2 + 4)  # per config: each step's epilogues and its identity (its own B layout)
+    mlp.prebuild(list(mlp.STEPS), ["default", "cooperative"], [(8192, 14336, 4096)])
+    # per config: each step's epilogues, and its identity (the step's own layouts)
+    assert len(built) == 2 * sum(len(s.epilogues) for s in mlp.STEPS.values())
     assert {ep for ep, _, _ in built} == {ep for s in mlp.STEPS.values() for ep in s.epilogues.values()}
     assert all(o == tuple(sorted(p.name for p in ep.params)) for ep, _, o in built)
 

@@ -45,6 +45,9 @@ EPILOGUES = {
     "rope_tables": (rope.rope_tables, {}),
     "rope_positions": (rope.rope_positions, {}),
     "rms_producer": (rmsnorm.rms_producer, {}),
+    "gain_wgrad": (rmsnorm.gain_wgrad, {}),
+    "input_norm_grad": (nn.input_norm_grad, {}),  # the Llama layer's norm backward steps
+    "post_norm_grad": (nn.post_norm_grad, {}),
     **{f"rms_consumer_{a or 'linear'}": (rmsnorm.rms_consumer(a), {}) for a in rmsnorm._ACTIVATIONS},
     **{f"ce_forward_{int(s)}{int(c is not None)}{int(lg)}": (ce._forward_epilogue(s, c, lg), {})
        for s in (False, True) for c in (None, 30.0) for lg in (False, True)},
@@ -56,13 +59,15 @@ EPILOGUES = {
 VARIANTS = {
     "fp16": dict(ab="fp16"),
     "kn": dict(b_layout="kn"),
+    "km": dict(a_layout="km", b_layout="kn"),  # a weight gradient's dY^T @ X
     "deterministic": dict(deterministic=True),
     "accumulate": dict(accumulate=True),
     "pingpong": dict(config=PINGPONG),
 }
 VARIANT_CASES = {  # which epilogues each variant is rendered for
     "fp16": ["residual_rms", "swiglu", "rope_positions", "rms_producer"],
-    "kn": ["residual_rms", "rope_tables"],
+    "kn": ["residual_rms", "rope_tables", "input_norm_grad", "post_norm_grad"],
+    "km": ["gain_wgrad", "residual_rms"],
     "deterministic": ["rms_producer", "ce_forward_110", "ce_forward_011"],
     "accumulate": ["residual_rms", "leaky_relu", "rms_consumer_silu", "swiglu"],
     "pingpong": ["residual_rms", "swiglu", "rope_tables", "rms_producer", "ce_forward_000"],
@@ -72,10 +77,10 @@ CASES = [(name, None) for name in EPILOGUES] + [(name, v) for v, names in VARIAN
 
 def render(name: str, variant: str | None) -> str:
     ep, consts = EPILOGUES[name]
-    if variant in (None, "fp16", "kn", "pingpong"):  # exactly what `coda-dsl emit` does
+    if variant in (None, "fp16", "kn", "km", "pingpong"):  # exactly what `coda-dsl emit` does
         kw = VARIANTS.get(variant, {})
         return cli.specialization_from_options(ep, kw.get("ab", "bf16"), kw.get("b_layout", "nk"), consts=consts,
-                                           config=kw.get("config")).cu_text
+                                           config=kw.get("config"), a_layout=kw.get("a_layout", "mk")).cu_text
     # emit has no flags for these: the same CompiledOp.create, with the signature cd.gemm would build
     dtypes = {p.name: "bf16" for p in ep.params if p.kind in ("tensor", "vec_m", "vec_n")}
     sig = signature(ep, "bf16", "nk", dtypes, consts, **VARIANTS[variant])

@@ -26,6 +26,14 @@ def rms_producer(acc, residual: cd.Tensor, gamma: cd.VecN, inv_n: cd.Scalar, eps
     }
 
 
+@cd.epilogue
+def gain_wgrad(acc, gamma: cd.VecN):
+    """The weight gradient of a GEMM whose input was x * gamma, from x itself: dW = dY^T @ (x * gamma) =
+    (dY^T @ x) * gamma, as cd.gemm(dY.t(), x.t(), gain_wgrad, gamma=gamma): x * gamma need not be kept
+    for the backward."""
+    return acc * gamma
+
+
 _ACTIVATIONS = {None: lambda x: x, "relu": cd.relu, "silu": cd.silu, "gelu": cd.gelu,
                 "gelu_tanh": lambda x: cd.gelu(x, approximate="tanh")}
 
