@@ -95,8 +95,8 @@ def residual_rms(acc, residual: cd.Tensor, inv_n: cd.Scalar, eps: cd.Scalar):
 # other use, the residual, added: x's whole gradient in the GEMM's one store.
 
 def _norm_backward(dxg, x, dres, gamma, coef):
-    """x's gradient through xg = x * gamma (its rstd scales the next GEMM's rows: coef = d rstd * rstd^3 / D
-    where rstd came from x, else 0) plus dres, the residual's; gamma's gradient summed over the rows."""
+    """x's gradient through xg = x * gamma (its rstd scales the next GEMM's rows: coef = _rstd_coef where
+    rstd came from x, else 0) plus dres, the residual's; gamma's gradient summed over the rows."""
     return {"D": dxg * gamma + dres - coef * x, "dgamma": cd.sum(dxg * x, axis="m")}
 
 
@@ -125,11 +125,16 @@ def _linear_grads(ctx, dacc, a, w, ia: int, iw: int):
     return da, dw
 
 
+def _rstd_coef(drstd, rstd, inv_n: float):
+    """Through rstd = rsqrt(mean(h^2) + eps), d rstd/dh = -rstd^3 h / N: h's gradient gets -coef[m] * h."""
+    return drstd * rstd ** 3 * inv_n
+
+
 def _rstd_grad(dh, drstd, h, rstd, inv_n: float):
-    """dh plus the gradient through rstd = rsqrt(mean(h^2) + eps): d rstd/dh = -rstd^3 h / N."""
+    """dh plus the gradient through h's rstd, in fp32."""
     dh = dh.float() if dh is not None else torch.zeros(h.shape, device=h.device)
     if drstd is not None:
-        dh = dh - (drstd * rstd ** 3 * inv_n)[:, None] * h.float()
+        dh = dh - _rstd_coef(drstd, rstd, inv_n)[:, None] * h.float()
     return dh
 
 
@@ -192,7 +197,7 @@ class _NormRopeLinear(torch.autograd.Function):
         dacc, drstd = rms_rope_backward(dy, y, rstd, pos, head_freq, ctx.rotated)
         dx = dgamma = None
         if need[0] or need[1]:
-            coef = drstd * rstd ** 3 / x.shape[1] if ctx.own_rstd else torch.zeros_like(rstd)
+            coef = _rstd_coef(drstd, rstd, 1.0 / x.shape[1]) if ctx.own_rstd else torch.zeros_like(rstd)
             g = cd.gemm(dacc, w.t(), input_norm_grad, x=x, dres=dres, gamma=gamma, coef=coef, backend=ctx.backend)
             dx = g["D"] if need[0] else None
             dgamma = g["dgamma"].to(gamma.dtype) if need[1] else None
@@ -268,7 +273,7 @@ class _Mlp(torch.autograd.Function):
         if g is not None:
             dgate, dup = g["D_even"], g["D_odd"]  # d(hg @ W_gate^T), d(hg @ W_up^T): [M, F]
             if need[0] or need[1]:
-                coef = g["rstd"] * rstd ** 3 / h.shape[1]
+                coef = _rstd_coef(g["rstd"], rstd, 1.0 / h.shape[1])
                 n = cd.gemm(dup, w_up.t(), post_norm_grad, prev=_mm(dgate, w_gate, h.dtype), x=h, dres=dacc,
                             gamma=gamma, coef=coef, backend=ctx.backend)
                 dh = n["D"] if need[0] else None
