@@ -26,8 +26,8 @@ import coda_dsl as cd
 from coda_dsl.library import cross_entropy as ce
 from coda_dsl.runtime import op as runtime
 
-from .harness import (background, compile_label, compile_mode, fmt, markdown, no_gpu, parser, progress, rel_err,
-                      results_only_on_stdout, save, shapes, time_us)
+from .harness import (background, compile_label, compile_mode, fmt, markdown, no_gpu, parser, peak_mib, progress,
+                      rel_err, results_only_on_stdout, save, shapes, time_us)
 from .harness import command as command_line
 
 SHAPE = (8192, 4096, 128256)  # M tokens, d model width, V vocabulary (Llama-3-8B)
@@ -99,16 +99,6 @@ def _step(loss, step: str):
     return lambda x, w, t: torch.autograd.grad(loss(x, w, t), (x, w))
 
 
-def _peak_mib(fn, args) -> float:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    out = fn(*args)
-    torch.cuda.synchronize()
-    del out
-    return (torch.cuda.max_memory_allocated() - before) / 2**20
-
-
 def run(shapes=SHAPES, iters: int = 10, autotune: bool = False, chunk_rows=()) -> tuple[list[CERow], list[str]]:
     """Every shape, step and variant; returns the rows and one line per failure."""
     built = background(runtime.prebuild, kernels(shapes))  # nothing to do if `python -m bench` built them
@@ -156,7 +146,7 @@ def _run_shape(shape, built, iters: int, autotune: bool, chunk_rows=()) -> tuple
                 elif step in refs:
                     extra["rel_err_vs_eager"] = rel_err(out, refs[step])
                 del out
-                peak = _peak_mib(fn, args)
+                peak = peak_mib(fn, *args)
                 us = time_us(fn, [args], iters, WARMUP)
             except Exception as e:  # noqa: BLE001  keep the other variants' numbers
                 failed.append(f"{name} {step}: {type(e).__name__}: {e}")

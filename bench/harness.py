@@ -108,6 +108,17 @@ def round_robin(variants: dict[str, Callable], sets: list[tuple], iters: int, wa
     return {name: statistics.median(s.elapsed_time(e) * 1e3 for s, e in ev) for name, ev in events.items()}
 
 
+def peak_mib(fn: Callable, *args) -> float:
+    """Peak memory allocated during one fn(*args) beyond what was allocated before it, in MiB."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = fn(*args)
+    torch.cuda.synchronize()
+    del out
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
 def sustained(variants: dict[str, Callable], sets: list[tuple], iters: int, warm_ms: float = 300.0) -> dict[str, dict]:
     """Each variant alone, back to back: warm_ms of its calls, then `iters` timed ones. The GPU's clocks
     settle where that variant's own power draw puts them, as in training, where one mix of kernels runs

@@ -48,8 +48,8 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .harness import (markdown, no_gpu, parser, progress, rel_err, results_only_on_stdout, round_robin, save,
-                      sustained)
+from .harness import (markdown, no_gpu, parser, peak_mib, progress, rel_err, results_only_on_stdout, round_robin,
+                      save, sustained)
 from .harness import command as command_line
 
 CONFIGS = {
@@ -164,17 +164,6 @@ def saved_mib(train_fwd: Callable) -> float:
     held = torch.cuda.memory_allocated() - before
     del out
     return held / 2**20
-
-
-def peak_mib(fn: Callable) -> float:
-    """Peak memory allocated during one fn() beyond what was allocated before it."""
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    out = fn()
-    torch.cuda.synchronize()
-    del out
-    return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
 def profile_kernels(fn: Callable, top: int, timeline: bool = False) -> str:
