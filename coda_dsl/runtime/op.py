@@ -184,15 +184,13 @@ def _check_tensors(ep: Epilogue, call: Call, cutlass: bool) -> dict[str, str]:
         elif t.stride(-1) != 1:
             raise checks.fail(where, f"operand '{name}' must be contiguous in its last dimension",
                               f"pass {name}.contiguous()")
-    if cutlass:
-        if call.a.stride(-1) != 1 and call.a.stride(-2) != 1:
-            raise checks.fail(where, f"A must be contiguous along K ([M, K]) or along M ([K, M] storage passed as "
-                              f"X.t()); its strides are {list(call.a.stride())}", "pass A.contiguous()")
-        checks.tma_layout(where, "A", call.a if call.a.stride(-1) == 1 else call.a.transpose(-1, -2))
-        if call.b.stride(-1) != 1 and call.b.stride(-2) != 1:
-            raise checks.fail(where, f"B must be contiguous along K ([N, K]) or along N ([K, N] storage passed as "
-                              f"W.t()); its strides are {list(call.b.stride())}", "pass B.contiguous()")
-        checks.tma_layout(where, "B", call.b if call.b.stride(-1) == 1 else call.b.transpose(-1, -2))
+    if cutlass:  # the kernel reads either layout of each (see layouts())
+        for name, t, rows, other in (("A", call.a, "M", "X"), ("B", call.b, "N", "W")):
+            if t.stride(-1) != 1 and t.stride(-2) != 1:
+                raise checks.fail(where, f"{name} must be contiguous along K ([{rows}, K]) or along {rows} "
+                                  f"([K, {rows}] storage passed as {other}.t()); its strides are {list(t.stride())}",
+                                  f"pass {name}.contiguous()")
+            checks.tma_layout(where, name, t if t.stride(-1) == 1 else t.transpose(-1, -2))
     return dtypes
 
 
