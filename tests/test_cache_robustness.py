@@ -139,7 +139,7 @@ def test_unwritable_cache_is_a_clear_error(fake, monkeypatch, code, words):
     """A full, read-only or forbidden cache (simulated: root may write anywhere here)."""
     def refuse(dir=None, **kw):
         raise OSError(code, os.strerror(code), str(dir))
-    monkeypatch.setattr(builder.tempfile, "mkdtemp", refuse)
+    monkeypatch.setattr(cache.tempfile, "mkdtemp", refuse)  # the staging folder (cache.staging)
     with pytest.raises(b.CacheError, match=f"kernel cache: .*\\.staging: {words}.*CODA_DSL_CACHE"):
         b.build_units([unit()], log=quiet)
 

@@ -5,7 +5,6 @@ import atexit
 import contextlib
 import ctypes
 import dataclasses
-import fcntl
 import os
 import re
 import shlex
@@ -13,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -22,6 +20,7 @@ from pathlib import Path
 from ..errors import CodaError
 from .cache import (build_key, cache_dir, cache_io, check_output, commit_entry, entry_dir, invalidate, key_locks,
                     make_dir)
+from .cache import staging as staging_folder
 from .tools import Toolchain, compile_command, link_command, ninja_binary, toolchain
 
 
@@ -176,11 +175,7 @@ def _build(units: list[BuildUnit], tc: Toolchain, compile_only: bool, jobs: int 
            log, spec_keys: dict[str, str]) -> None:
     """Build `units` (keyed by build key) in one staging folder, which this process holds a flock on
     while it lives, so that `cache clear` removes only the folders of builds that died."""
-    with cache_io():
-        staging = Path(tempfile.mkdtemp(dir=make_dir(cache_dir() / ".staging")))
-    held = os.open(staging, os.O_RDONLY)
-    fcntl.flock(held, fcntl.LOCK_EX)
-    try:
+    with staging_folder() as staging:
         keys = [u.key for u in units]
         with cache_io():
             for u in units:
@@ -221,9 +216,6 @@ def _build(units: list[BuildUnit], tc: Toolchain, compile_only: bool, jobs: int 
             log(f"coda_dsl: also failed: {e.cu_path} (log: {e.log_path})")
         if failed:
             raise failed[0]
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-        os.close(held)
 
 
 def build_units(units: list[BuildUnit], *, compile_only: bool = False, jobs: int | None = None,

@@ -452,12 +452,11 @@ def import_cache(paths: list[Path]) -> Imported:
     already has complete is left as it is. The cache still looks entries up by build key, so one
     built with another nvcc, CUTLASS or torch is stored but never loaded."""
     result = Imported()
-    root = make_dir(cache_dir())
     for path in paths:
         if not Path(path).is_file():
             raise CacheError(f"cannot read {path}: no such file")
         try:
-            _unpack(path, result, root)
+            _unpack(path, result)
         except CacheError:  # the cache's own files (cache_io): the message names the cache
             raise
         except (tarfile.TarError, EOFError) as e:
@@ -467,17 +466,9 @@ def import_cache(paths: list[Path]) -> Imported:
     return result
 
 
-def _unpack(path: Path, result: Imported, root: Path) -> None:
-    with tarfile.open(path, "r:gz") as tar:
-        with cache_io(root):
-            staging = tempfile.TemporaryDirectory(dir=make_dir(root / ".staging"), prefix="import-")
-        with staging as tmp:
-            held = os.open(tmp, os.O_RDONLY)  # flocked, like a build's staging folder: `cache clear` leaves it be
-            fcntl.flock(held, fcntl.LOCK_EX)
-            try:
-                _commit_members(tar, Path(tmp), result)
-            finally:
-                os.close(held)
+def _unpack(path: Path, result: Imported) -> None:
+    with tarfile.open(path, "r:gz") as tar, staging("import-") as tmp:
+        _commit_members(tar, tmp, result)
 
 
 def _commit_members(tar: tarfile.TarFile, tmp: Path, result: Imported) -> None:
@@ -563,6 +554,22 @@ def clear_cache() -> Cleared:
                 if not staging_in_use(d):
                     _remove(d)
     return result
+
+
+@contextlib.contextmanager
+def staging(prefix: str = "tmp"):
+    """A fresh folder under <cache>/.staging for work that ends in commit_entry (a build, an import), held
+    by a flock while it lives so that `cache clear` removes only the folders of processes that died
+    (staging_in_use); removed at the end."""
+    with cache_io():
+        d = Path(tempfile.mkdtemp(dir=make_dir(cache_dir() / ".staging"), prefix=prefix))
+    held = os.open(d, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+        os.close(held)
 
 
 def staging_in_use(d: Path) -> bool:
