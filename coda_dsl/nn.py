@@ -94,22 +94,25 @@ def residual_rms(acc, residual: cd.Tensor, inv_n: cd.Scalar, eps: cd.Scalar):
 # The layer's two RMSNorms differentiated in the epilogue of the GEMM that makes d(x * gamma), with x's
 # other use, the residual, added: x's whole gradient in the GEMM's one store.
 
-def _norm_backward(dxg, x, dres, gamma, coef):
-    """x's gradient through xg = x * gamma (its rstd scales the next GEMM's rows: coef = _rstd_coef where
-    rstd came from x, else 0) plus dres, the residual's; gamma's gradient summed over the rows."""
-    return {"D": dxg * gamma + dres - coef * x, "dgamma": cd.sum(dxg * x, axis="m")}
+def _norm_backward(dxg, x, dres, gamma, drstd, rstd, inv_n):
+    """x's gradient through xg = x * gamma and through its rstd, which scales the next GEMM's rows
+    (rsqrt(mean(x^2) + eps): d rstd/dx = -rstd^3 x / N; inv_n = 0 where rstd did not come from x), plus
+    dres, the residual's; gamma's gradient summed over the rows."""
+    return {"D": dxg * gamma + dres - drstd * rstd * rstd * rstd * inv_n * x, "dgamma": cd.sum(dxg * x, axis="m")}
 
 
 @cd.epilogue
-def input_norm_grad(acc, x: cd.Tensor, dres: cd.Tensor, gamma: cd.VecN, coef: cd.VecM):
+def input_norm_grad(acc, x: cd.Tensor, dres: cd.Tensor, gamma: cd.VecN, drstd: cd.VecM, rstd: cd.VecM,
+                    inv_n: cd.Scalar):
     """The QKV dgrad GEMM's epilogue: acc = d(x * gamma1) = d acc_qkv @ W_qkv."""
-    return _norm_backward(acc, x, dres, gamma, coef)
+    return _norm_backward(acc, x, dres, gamma, drstd, rstd, inv_n)
 
 
 @cd.epilogue
-def post_norm_grad(acc, prev: cd.Tensor, x: cd.Tensor, dres: cd.Tensor, gamma: cd.VecN, coef: cd.VecM):
+def post_norm_grad(acc, prev: cd.Tensor, x: cd.Tensor, dres: cd.Tensor, gamma: cd.VecN, drstd: cd.VecM,
+                   rstd: cd.VecM, inv_n: cd.Scalar):
     """The gate/up dgrad's second GEMM's epilogue: acc + prev = d up @ W_up + d gate @ W_gate = d(h * gamma2)."""
-    return _norm_backward(acc + prev, x, dres, gamma, coef)
+    return _norm_backward(acc + prev, x, dres, gamma, drstd, rstd, inv_n)
 
 
 # ---------------------------------------------------------------- backward steps (torch ops, fused on CUDA)
@@ -125,16 +128,12 @@ def _linear_grads(ctx, dacc, a, w, ia: int, iw: int):
     return da, dw
 
 
-def _rstd_coef(drstd, rstd, inv_n: float):
-    """Through rstd = rsqrt(mean(h^2) + eps), d rstd/dh = -rstd^3 h / N: h's gradient gets -coef[m] * h."""
-    return drstd * rstd ** 3 * inv_n
-
-
 def _rstd_grad(dh, drstd, h, rstd, inv_n: float):
-    """dh plus the gradient through h's rstd, in fp32."""
+    """dh plus the gradient through rstd = rsqrt(mean(h^2) + eps), d rstd/dh = -rstd^3 h / N, in fp32
+    (as _norm_backward's)."""
     dh = dh.float() if dh is not None else torch.zeros(h.shape, device=h.device)
     if drstd is not None:
-        dh = dh - _rstd_coef(drstd, rstd, inv_n)[:, None] * h.float()
+        dh = dh - (drstd * rstd ** 3 * inv_n)[:, None] * h.float()
     return dh
 
 
@@ -196,9 +195,9 @@ class _NormRopeLinear(torch.autograd.Function):
         head_freq = inv_freq[: ctx.head_dim // 2]  # the first head's, the same for every rotated head
         dacc, drstd = rms_rope_backward(dy, y, rstd, pos, head_freq, ctx.rotated)
         dx = dgamma = None
-        if need[0] or need[1]:
-            coef = _rstd_coef(drstd, rstd, 1.0 / x.shape[1]) if ctx.own_rstd else torch.zeros_like(rstd)
-            g = cd.gemm(dacc, w.t(), input_norm_grad, x=x, dres=dres, gamma=gamma, coef=coef, backend=ctx.backend)
+        if need[0] or need[1]:  # through rstd only where it came from x
+            g = cd.gemm(dacc, w.t(), input_norm_grad, x=x, dres=dres, gamma=gamma, drstd=drstd, rstd=rstd,
+                        inv_n=1.0 / x.shape[1] if ctx.own_rstd else 0.0, backend=ctx.backend)
             dx = g["D"] if need[0] else None
             dgamma = g["dgamma"].to(gamma.dtype) if need[1] else None
         drstd_in = drstd if need[2] and not ctx.own_rstd else None
@@ -273,9 +272,8 @@ class _Mlp(torch.autograd.Function):
         if g is not None:
             dgate, dup = g["D_even"], g["D_odd"]  # d(hg @ W_gate^T), d(hg @ W_up^T): [M, F]
             if need[0] or need[1]:
-                coef = _rstd_coef(g["rstd"], rstd, 1.0 / h.shape[1])
                 n = cd.gemm(dup, w_up.t(), post_norm_grad, prev=_mm(dgate, w_gate, h.dtype), x=h, dres=dacc,
-                            gamma=gamma, coef=coef, backend=ctx.backend)
+                            gamma=gamma, drstd=g["rstd"], rstd=rstd, inv_n=1.0 / h.shape[1], backend=ctx.backend)
                 dh = n["D"] if need[0] else None
                 dgamma = n["dgamma"].to(gamma.dtype) if need[1] else None
             dw_gate = _mm(dgate.t(), hg, w_gate.dtype) if need[4] else None
@@ -538,8 +536,10 @@ class LlamaDecoderLayer(nn.Module):
             return cd.compile(ep, x, b, config=default(tokens, n, k)[0], **operands)
         runtime.prebuild([
             compiled(rms_rope, x, nqkv, d, rstd=f32, pos=f32, inv_freq=f32[:32]),
-            compiled(input_norm_grad, x.t(), d, nqkv, x=x, dres=x, gamma=x[0], coef=f32),  # B = W_qkv^T
-            compiled(post_norm_grad, x.t(), d, f, prev=x, x=x, dres=x, gamma=x[0], coef=f32),  # B = W_up^T
+            compiled(input_norm_grad, x.t(), d, nqkv, x=x, dres=x, gamma=x[0], drstd=f32, rstd=f32,  # B = W_qkv^T
+                     inv_n=1.0),
+            compiled(post_norm_grad, x.t(), d, f, prev=x, x=x, dres=x, gamma=x[0], drstd=f32, rstd=f32,  # B = W_up^T
+                     inv_n=1.0),
             compiled(rms_producer, x, d, nq, residual=x, gamma=x[0], inv_n=1.0, eps=1e-5),
             compiled(rms_swiglu_fwd, x, 2 * f, d, rstd=f32),
             compiled(residual_rms, x, d, f, residual=x, inv_n=1.0, eps=1e-5),
