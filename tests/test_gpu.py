@@ -275,6 +275,10 @@ def test_matches_reference(kernels, case, shape):
     ep, dtype, layout = case
     m, n, k = shape
     a, b = _ab(m, n, k, dtype, layout)
+    if layout.startswith("km") and m % 8:  # A = X.t() is read along M in 16-byte groups
+        with pytest.raises(cd.UnsupportedError, match=f"M = {m} must be a multiple of 8"):
+            cd.gemm(a, b, ep, backend="cutlass", **_operands(ep, m, n, dtype))
+        return
     _check(ep, a, b, _operands(ep, m, n, dtype))
 
 

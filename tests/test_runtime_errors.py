@@ -284,6 +284,22 @@ def test_layout_valid():
     assert "A's row stride 77 is not a multiple of 8 elements" in msg
 
 
+def test_contiguous_dimension_fills_16_byte_groups():
+    """Padded rows let TMA address A = X.t() with M = 77 and B = W.t() with N = 1001, but the mainloop reads
+    their contiguous dimension in whole 16-byte groups: refused before CUTLASS's bare "Invalid status"."""
+    b = torch.randn(N, K).bfloat16()
+    for a, b, along, extent in ((torch.randn(K, 80).bfloat16()[:, :M].t(), b, "M", M),
+                                (torch.randn(M, K).bfloat16(), torch.randn(K, 1008).bfloat16()[:, :1001].t(), "N", 1001)):
+        ops = operands(n=b.shape[0])
+        ops["residual"] = torch.randn(M, 1008).bfloat16()[:, :b.shape[0]]
+        call = runtime._normalize(ep_all, a, b, ops)
+        op = runtime.specialization(ep_all, call, runtime._check_tensors(ep_all, call, cutlass=True), None, None)
+        with pytest.raises(UnsupportedError) as info:
+            op.check_widths(call)
+        msg = str(info.value)
+        assert f"read along {along}" in msg and f"{along} = {extent} must be a multiple of 8" in msg and "fix:" in msg
+
+
 def test_layout_a_contiguous_along_neither_dim():
     a, b = ab()
     msg = layout_error(torch.randn(M, 2 * K).bfloat16()[:, ::2], b)

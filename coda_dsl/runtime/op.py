@@ -262,8 +262,16 @@ class CompiledOp:
         return self
 
     def check_widths(self, call: Call) -> None:
-        """[M, N] outputs are stored with TMA, whose rows are whole 16-byte groups: N must fill them."""
-        n = call.mnkl[1]
+        """TMA moves whole 16-byte groups along a tensor's contiguous dimension: A's and B's (K, or M / N
+        where passed transposed) and N for the [M, N] outputs must fill them."""
+        m, n, k, _ = call.mnkl
+        for name, t, along, extent in (("A", call.a, "M", m), ("B", call.b, "N", n)):
+            along, extent = ("K", k) if t.stride(-1) == 1 else (along, extent)
+            per16 = 16 // t.element_size()
+            if extent % per16:
+                raise UnsupportedError(f"{self._where}: {name} is read along {along} (its contiguous dimension) in "
+                                       f"16-byte groups, so {along} = {extent} must be a multiple of {per16}\n  fix: "
+                                       f"pad {along} to a multiple of {per16}, or use backend='reference'")
         for name, dt, kind in self._outputs:
             per16 = 16 // dt.itemsize
             if kind == "mn" and n % per16:
