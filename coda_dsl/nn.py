@@ -50,7 +50,7 @@ from torch import nn
 
 import coda_dsl as cd
 from .errors import UnsupportedError
-from .library import interleave_gate_up, rms_producer
+from .library import gain_wgrad, interleave_gate_up, rms_producer
 from .library.rope import neox_to_interleaved, rotate
 from .ir.ops import dtype_name
 from .runtime.autograd import forward_epilogue
@@ -128,6 +128,12 @@ def _linear_grads(ctx, dacc, a, w, ia: int, iw: int):
     return da, dw
 
 
+def _gained_wgrad(dacc, x, gamma, dtype: torch.dtype, backend: str) -> torch.Tensor:
+    """d W for acc = (x * gamma) @ W^T from x itself: (dacc^T @ x) * gamma in one GEMM (both operands passed
+    transposed), so that x * gamma, [M, D], need not be kept for the backward."""
+    return cd.gemm(dacc.t(), x.t(), gain_wgrad, gamma=gamma, backend=backend)["D"].to(dtype)
+
+
 def _rstd_grad(dh, drstd, h, rstd, inv_n: float):
     """dh plus the gradient through rstd = rsqrt(mean(h^2) + eps), d rstd/dh = -rstd^3 h / N, in fp32
     (as _norm_backward's)."""
@@ -178,19 +184,20 @@ class _NormRopeLinear(torch.autograd.Function):
     rms_rope's GEMM; inv_freq per column pair (qkv_inv_freq: the first `rotated` columns are heads of
     head_dim columns, each with the same head_dim / 2 frequencies). x also comes back as it is, for the
     layer's residual: its gradient then arrives here too, and the QKV dgrad GEMM's epilogue
-    (input_norm_grad) adds it into x's gradient, where autograd would add the two in a pass of its own."""
+    (input_norm_grad) adds it into x's gradient, where autograd would add the two in a pass of its own.
+    x * gamma is not kept: W's gradient is (dacc^T @ x) * gamma (_gained_wgrad)."""
 
     @staticmethod
     def forward(ctx, x, gamma, rstd_in, w, pos, inv_freq, eps, head_dim, rotated, backend):
         xg, rstd = input_norm(x, gamma, eps, rstd_in)
         y = cd.gemm(xg, w, rms_rope, rstd=rstd, pos=pos, inv_freq=inv_freq, backend=backend)["D"]
-        ctx.save_for_backward(x, gamma, xg, rstd, w, pos, inv_freq, y)
+        ctx.save_for_backward(x, gamma, rstd, w, pos, inv_freq, y)
         ctx.head_dim, ctx.rotated, ctx.own_rstd, ctx.backend = head_dim, rotated, rstd_in is None, backend
         return y, x
 
     @staticmethod
     def backward(ctx, dy, dres):
-        x, gamma, xg, rstd, w, pos, inv_freq, y = ctx.saved_tensors
+        x, gamma, rstd, w, pos, inv_freq, y = ctx.saved_tensors
         need = ctx.needs_input_grad
         head_freq = inv_freq[: ctx.head_dim // 2]  # the first head's, the same for every rotated head
         dacc, drstd = rms_rope_backward(dy, y, rstd, pos, head_freq, ctx.rotated)
@@ -201,7 +208,7 @@ class _NormRopeLinear(torch.autograd.Function):
             dx = g["D"] if need[0] else None
             dgamma = g["dgamma"].to(gamma.dtype) if need[1] else None
         drstd_in = drstd if need[2] and not ctx.own_rstd else None
-        dw = _mm(dacc.t(), xg, w.dtype) if need[3] else None
+        dw = _gained_wgrad(dacc, x, gamma, w.dtype, ctx.backend) if need[3] else None
         return dx, dgamma, drstd_in, dw, None, None, None, None, None, None
 
 
@@ -235,7 +242,7 @@ class _Mlp(torch.autograd.Function):
     and gamma's whole gradients. Its dY = dOut @ W_down carries rms_swiglu_grad in its epilogue, so the
     SwiGLU derivative costs no pass of its own over the saved [M, 2F] accumulator, and d(hg)'s second GEMM
     carries the norm's backward and the residual's gradient (post_norm_grad). It uses the gate and up
-    weights as they are, never the interleaved one (not kept). keep_y: y is kept for W_down's gradient;
+    weights as they are, never the interleaved one (not kept), and keeps h, not hg (_gained_wgrad). keep_y: y is kept for W_down's gradient;
     else the dY epilogue computes it again (rms_swiglu_grad_and_y). The backward frees y and the
     accumulator (its own intermediates, the layer's largest) as soon as it has used them: see _release."""
 
@@ -244,14 +251,14 @@ class _Mlp(torch.autograd.Function):
         r = cd.gemm(hg, gate_up_weight(w_gate, w_up), rms_swiglu_fwd, rstd=rstd, backend=backend)
         inv_n = 1.0 / w_down.shape[0]
         o = cd.gemm(r["D"], w_down, residual_rms, residual=h, inv_n=inv_n, eps=eps, backend=backend)
-        ctx.save_for_backward(h, gamma, hg, rstd, w_gate, w_up, w_down, r["D"] if keep_y else None, r["acc"],
+        ctx.save_for_backward(h, gamma, rstd, w_gate, w_up, w_down, r["D"] if keep_y else None, r["acc"],
                               o["D"], o["rstd"])
         ctx.inv_n, ctx.backend = inv_n, backend
         return o["D"], o["rstd"]
 
     @staticmethod
     def backward(ctx, dout, drstd_out):
-        h, gamma, hg, rstd, w_gate, w_up, w_down, y, acc, out, rstd_out = ctx.saved_tensors
+        h, gamma, rstd, w_gate, w_up, w_down, y, acc, out, rstd_out = ctx.saved_tensors
         _check_unreleased("LlamaMLP", *(t for t in (y, acc) if t is not None))
         need = ctx.needs_input_grad  # h, gamma, (hg, rstd: made, never differentiable), w_gate, w_up, w_down
         dacc = residual_rms_backward(dout, drstd_out, out, rstd_out, ctx.inv_n).to(acc.dtype)  # = d residual
@@ -276,9 +283,9 @@ class _Mlp(torch.autograd.Function):
                             gamma=gamma, drstd=g["rstd"], rstd=rstd, inv_n=1.0 / h.shape[1], backend=ctx.backend)
                 dh = n["D"] if need[0] else None
                 dgamma = n["dgamma"].to(gamma.dtype) if need[1] else None
-            dw_gate = _mm(dgate.t(), hg, w_gate.dtype) if need[4] else None
+            dw_gate = _gained_wgrad(dgate, h, gamma, w_gate.dtype, ctx.backend) if need[4] else None
             del g, dgate  # its memory for dw_up
-            dw_up = _mm(dup.t(), hg, w_up.dtype) if need[5] else None
+            dw_up = _gained_wgrad(dup, h, gamma, w_up.dtype, ctx.backend) if need[5] else None
         return dh, dgamma, None, None, dw_gate, dw_up, dw_down, None, None, None
 
 
@@ -521,10 +528,10 @@ class LlamaDecoderLayer(nn.Module):
         return hf
 
     def prebuild(self, tokens: int) -> None:
-        """Build the seven kernels this layer launches on `tokens` rows (its four forward GEMMs and the
-        backward's dY, gate/up dgrad and QKV dgrad GEMMs) in one parallel ninja run, or find them in the cache; else the
-        first forward and backward build them one after another. Each gets the config cd.gemm picks at
-        its shape."""
+        """Build the kernels this layer launches on `tokens` rows (its four forward GEMMs, the backward's dY,
+        gate/up dgrad and QKV dgrad GEMMs, and the gained weight gradients) in one parallel ninja run, or
+        find them in the cache; else the first forward and backward build them one after another. Each
+        gets the config cd.gemm picks at its shape."""
         from .runtime import op as runtime
         from .runtime.tune import default
         attn, w = self.self_attn, self.self_attn.q_proj.weight
@@ -532,19 +539,20 @@ class LlamaDecoderLayer(nn.Module):
         nq, nqkv = attn.num_heads * attn.head_dim, (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim
         x, f32 = torch.empty(64, 64, dtype=w.dtype, device=w.device), torch.empty(64, device=w.device)
 
-        def compiled(ep, b, n: int, k: int, **operands):  # a small problem: only dtypes and layouts matter
-            return cd.compile(ep, x, b, config=default(tokens, n, k)[0], **operands)
+        def compiled(ep, a, b, mnk: tuple[int, int, int], **operands):  # small: only dtypes and layouts matter
+            return cd.compile(ep, a, b, config=default(*mnk)[0], **operands)
         runtime.prebuild([
-            compiled(rms_rope, x, nqkv, d, rstd=f32, pos=f32, inv_freq=f32[:32]),
-            compiled(input_norm_grad, x.t(), d, nqkv, x=x, dres=x, gamma=x[0], drstd=f32, rstd=f32,  # B = W_qkv^T
-                     inv_n=1.0),
-            compiled(post_norm_grad, x.t(), d, f, prev=x, x=x, dres=x, gamma=x[0], drstd=f32, rstd=f32,  # B = W_up^T
-                     inv_n=1.0),
-            compiled(rms_producer, x, d, nq, residual=x, gamma=x[0], inv_n=1.0, eps=1e-5),
-            compiled(rms_swiglu_fwd, x, 2 * f, d, rstd=f32),
-            compiled(residual_rms, x, d, f, residual=x, inv_n=1.0, eps=1e-5),
-            compiled(rms_swiglu_grad if self.mlp.keep_y else rms_swiglu_grad_and_y, x.t(), f, d,  # B = W_down^T
-                     saved_acc=torch.cat((x, x), -1), rstd=f32)])
+            compiled(rms_rope, x, x, (tokens, nqkv, d), rstd=f32, pos=f32, inv_freq=f32[:32]),
+            compiled(input_norm_grad, x, x.t(), (tokens, d, nqkv), x=x, dres=x, gamma=x[0], drstd=f32,  # B = W_qkv^T
+                     rstd=f32, inv_n=1.0),
+            compiled(post_norm_grad, x, x.t(), (tokens, d, f), prev=x, x=x, dres=x, gamma=x[0],  # B = W_up^T
+                     drstd=f32, rstd=f32, inv_n=1.0),
+            compiled(rms_producer, x, x, (tokens, d, nq), residual=x, gamma=x[0], inv_n=1.0, eps=1e-5),
+            compiled(rms_swiglu_fwd, x, x, (tokens, 2 * f, d), rstd=f32),
+            compiled(residual_rms, x, x, (tokens, d, f), residual=x, inv_n=1.0, eps=1e-5),
+            compiled(rms_swiglu_grad if self.mlp.keep_y else rms_swiglu_grad_and_y, x, x.t(), (tokens, f, d),
+                     saved_acc=torch.cat((x, x), -1), rstd=f32),  # B = W_down^T
+            *(compiled(gain_wgrad, x.t(), x.t(), (m, d, tokens), gamma=x[0]) for m in (nqkv, f))])  # dW = dacc^T @ x
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
                 use_cache: bool = False, position_embeddings=None, *, input_rstd: torch.Tensor | None = None,

@@ -18,7 +18,7 @@ B, S = 2, 300  # M = 600: ragged against every tile size
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
-    """The layer's seven kernels in one parallel build (LlamaDecoderLayer.prebuild), as tests/test_gpu.py
+    """The layer's kernels in one parallel build (LlamaDecoderLayer.prebuild), as tests/test_gpu.py
     builds its own; one it misses only costs a build on first use."""
     cdnn.LlamaDecoderLayer(gpu_config(), dtype=torch.bfloat16, device="cuda").prebuild(B * S)
 
