@@ -122,9 +122,10 @@ def peak_mib(fn: Callable, *args) -> float:
 def sustained(variants: dict[str, Callable], sets: list[tuple], iters: int, warm_ms: float = 300.0) -> dict[str, dict]:
     """Each variant alone, back to back: warm_ms of its calls, then `iters` timed ones. The GPU's clocks
     settle where that variant's own power draw puts them, as in training, where one mix of kernels runs
-    for hours (round_robin instead averages the clocks over all variants). Per variant: µs per call,
-    and the SM clock (MHz) and board power (W) that NVML read while its calls ran, medians of the
-    second half of the samples (None without NVML)."""
+    for hours (round_robin instead averages the clocks over all variants). Per variant: the median µs
+    of its timed calls (each between two CUDA events, so one slow call does not move it), and the SM
+    clock (MHz) and board power (W) that NVML read while they ran, medians of the second half of the
+    samples (None without NVML)."""
     out = {}
     for name, fn in variants.items():
         fn(*sets[0])
@@ -133,20 +134,20 @@ def sustained(variants: dict[str, Callable], sets: list[tuple], iters: int, warm
         fn(*sets[0])
         torch.cuda.synchronize()
         warm = max(1, int(warm_ms / 1e3 / max(time.perf_counter() - t0, 1e-6)))
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for i in range(warm):
             fn(*sets[i % len(sets)])
-        s.record()
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+        events[0].record()
         for i in range(iters):
             fn(*sets[i % len(sets)])
-        e.record()
+            events[i + 1].record()
         samples = []
-        while not e.query():
+        while not events[-1].query():
             samples.append(_clock_and_power())
             time.sleep(0.005)
-        e.synchronize()
+        events[-1].synchronize()
         late = samples[len(samples) // 2:]
-        out[name] = {"us": s.elapsed_time(e) * 1e3 / iters,
+        out[name] = {"us": statistics.median(a.elapsed_time(b) * 1e3 for a, b in zip(events, events[1:])),
                      "mhz": _median([c for c, _ in late]), "watts": _median([w for _, w in late])}
     return out
 
