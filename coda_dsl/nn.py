@@ -527,32 +527,21 @@ class LlamaDecoderLayer(nn.Module):
         hf.load_state_dict(self.state_dict())
         return hf
 
-    def prebuild(self, tokens: int) -> None:
-        """Build the kernels this layer launches on `tokens` rows (its four forward GEMMs, the backward's dY,
-        gate/up dgrad and QKV dgrad GEMMs, and the gained weight gradients) in one parallel ninja run, or
-        find them in the cache; else the first forward and backward build them one after another. Each
-        gets the config cd.gemm picks at its shape."""
-        from .runtime import op as runtime
-        from .runtime.tune import default
-        attn, w = self.self_attn, self.self_attn.q_proj.weight
-        d, f = self.hidden_size, self.mlp.gate_proj.weight.shape[0]
-        nq, nqkv = attn.num_heads * attn.head_dim, (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim
-        x, f32 = torch.empty(64, 64, dtype=w.dtype, device=w.device), torch.empty(64, device=w.device)
+    def prebuild(self, tokens: int) -> int:
+        """Build every kernel a training step of this layer launches on `tokens` rows, in one parallel
+        ninja run, or find them in the cache (cd.prebuild of one forward and backward on random data,
+        whose GEMMs run on the reference backend meanwhile); else the first forward and backward build
+        them one after another. Returns the number of kernels."""
+        p = self.self_attn.q_proj.weight
+        if self.backend == "reference" or p.device.type != "cuda":
+            return 0
+        x = torch.randn(1, tokens, self.hidden_size, device=p.device, dtype=p.dtype, requires_grad=True)
+        wrt = [x, *(q for q in self.parameters() if q.requires_grad)]
 
-        def compiled(ep, a, b, mnk: tuple[int, int, int], **operands):  # small: only dtypes and layouts matter
-            return cd.compile(ep, a, b, config=default(*mnk)[0], **operands)
-        runtime.prebuild([
-            compiled(rms_rope, x, x, (tokens, nqkv, d), rstd=f32, pos=f32, inv_freq=f32[:32]),
-            compiled(input_norm_grad, x, x.t(), (tokens, d, nqkv), x=x, dres=x, gamma=x[0], drstd=f32,  # B = W_qkv^T
-                     rstd=f32, inv_n=1.0),
-            compiled(post_norm_grad, x, x.t(), (tokens, d, f), prev=x, x=x, dres=x, gamma=x[0],  # B = W_up^T
-                     drstd=f32, rstd=f32, inv_n=1.0),
-            compiled(rms_producer, x, x, (tokens, d, nq), residual=x, gamma=x[0], inv_n=1.0, eps=1e-5),
-            compiled(rms_swiglu_fwd, x, x, (tokens, 2 * f, d), rstd=f32),
-            compiled(residual_rms, x, x, (tokens, d, f), residual=x, inv_n=1.0, eps=1e-5),
-            compiled(rms_swiglu_grad if self.mlp.keep_y else rms_swiglu_grad_and_y, x, x.t(), (tokens, f, d),
-                     saved_acc=torch.cat((x, x), -1), rstd=f32),  # B = W_down^T
-            *(compiled(gain_wgrad, x.t(), x.t(), (m, d, tokens), gamma=x[0]) for m in (nqkv, f))])  # dW = dacc^T @ x
+        def step():  # gradients returned, not accumulated into .grad
+            out, rstd = self(x, return_rstd=True)
+            torch.autograd.grad((out, rstd), wrt, (torch.randn_like(out), torch.randn_like(rstd)))
+        return cd.prebuild(step)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
                 use_cache: bool = False, position_embeddings=None, *, input_rstd: torch.Tensor | None = None,

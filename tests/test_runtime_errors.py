@@ -474,6 +474,37 @@ def test_warm_calls_skip_checks_but_not_bad_calls(fake_kernels, monkeypatch):
         assert len(fake_kernels) == n
 
 
+def test_prebuild_of_a_function_builds_what_its_calls_need(fake_kernels, monkeypatch):
+    """cd.prebuild(fn): fn runs once with each call whose kernel is not loaded computed by the reference
+    backend (same results, no launch), and the kernels those calls need are built in one run, each once;
+    later calls launch them. An error inside fn ends the collecting."""
+    builds = []
+    monkeypatch.setattr(runtime.build, "build_units", lambda units, jobs=None: builds.append([u.key for u in units]))
+    a, b = ab()
+    ops = operands()
+
+    def step():
+        d = cd.gemm(a, b, ep_all, backend="cutlass", **ops)["D"]
+        cd.gemm(a, b, ep_all, backend="cutlass", **ops)  # the same kernel: noted once
+        return cd.gemm(d.bfloat16(), b[:, :N].t().contiguous(), cd.identity, backend="cutlass")["D"]
+
+    want = cd.gemm(cd.gemm(a, b, ep_all, backend="reference", **ops)["D"].bfloat16(), b[:, :N].t().contiguous(),
+                   cd.identity, backend="reference")["D"]
+    got = []
+    assert cd.prebuild(lambda: got.append(step())) == 2
+    assert len(builds) == 1 and len(set(builds[0])) == 2 and fake_kernels == []
+    torch.testing.assert_close(got[0], want)
+    step()
+    assert [op.epilogue.name for op, _ in fake_kernels] == ["ep_all", "ep_all", "identity"]
+
+    def fails():
+        cd.gemm(a, b, cd.identity, backend="cutlass")
+        raise ValueError("inside fn")
+    with pytest.raises(ValueError):
+        cd.prebuild(fails)
+    assert runtime._collected is None and len(builds) == 1
+
+
 def test_warm_calls_check_output_aliasing_every_time(fake_kernels):
     a, b = ab()
     ops = operands()

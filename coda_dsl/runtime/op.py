@@ -255,6 +255,10 @@ class CompiledOp:
     def unit(self) -> build.BuildUnit:
         return build.BuildUnit(self.key, self.cu_text, self.op_name)
 
+    @property
+    def loaded(self) -> bool:
+        return self._op is not None
+
     def load(self) -> "CompiledOp":
         """Build (or find in the cache) and load the kernel library."""
         if self._op is None:
@@ -588,6 +592,9 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
         return run_reference(ep, call, out, accumulate)
     folded_out = _fold_batch_out(out, folded)
     op.check_out(folded, folded_out)
+    if _collected is not None and not op.loaded:  # inside prebuild(fn): note the kernel, build it later
+        _collected.setdefault(op.key, op)
+        return run_reference(ep, call, out, accumulate)
     _remember(_warm.setdefault(ep, {}), warm_key, op)
     return _unfold_batch(op.launch(folded, folded_out), folded)
 
@@ -645,9 +652,32 @@ def clear() -> None:
         _warm.clear()
 
 
-def prebuild(ops: list[CompiledOp], jobs: int | None = None) -> None:
-    """Build several specializations in parallel (one ninja run), e.g. before a test or benchmark run."""
+_collected: dict[str, CompiledOp] | None = None  # while prebuild(fn) runs fn: the kernels its calls need
+
+
+def prebuild(what, /, *args, jobs: int | None = None, **kwargs) -> int:
+    """Build kernels before their first calls, in one parallel ninja run (else each first call builds its
+    own, one after another). `what`: a list of CompiledOps (cd.compile's), or a function, which then
+    runs once, what(*args, **kwargs), with every cd.gemm whose kernel is not loaded yet computed by the
+    reference backend instead (same results, slowly) and its kernel noted; those are then built. Run
+    the function on the shapes the real calls will have: they choose each kernel's configuration
+    (e.g. a training step on a real batch, with its backward). Process-wide while it runs, backward
+    threads included. Returns the number of kernels asked for (built or found in the cache)."""
+    global _collected
+    if callable(what):
+        with _lock:
+            if _collected is not None:
+                raise RuntimeError("coda_dsl.prebuild(fn): already collecting kernels (another prebuild(fn) runs)")
+            _collected = {}
+        try:
+            what(*args, **kwargs)
+        finally:
+            with _lock:
+                ops, _collected = list(_collected.values()), None
+    else:
+        ops = list(what)
     build.build_units([op.unit for op in ops], jobs=jobs)
+    return len(ops)
 
 
 _warned_fallback = False
