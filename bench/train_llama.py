@@ -8,6 +8,8 @@ Model: transformers' LlamaModel (embedding, decoder layers, final norm) + a line
 256, 4 heads of 64, 2 KV heads, intermediate 688 (every GEMM N and K a multiple of 8), vocabulary
 512. Variants, each trained with AdamW for --steps steps on the same batches:
 - "HF eager": the model as transformers runs it (SDPA attention), F.cross_entropy on fp32 logits;
+- "HF eager fp32" (bf16 runs only): HF's model in fp32 from the same weights, the precision's truth:
+  the bf16 variants' distances from it and from HF eager show how much of a gap is bf16 rounding;
 - "HF torch.compile" (GPU only; --no-compile skips it): the same under torch.compile (default mode);
 - "coda_dsl": every decoder layer replaced by coda_dsl.nn.LlamaDecoderLayer.from_hf(...) (the norm
   statistic passed from layer to layer), the LM head + loss by coda_dsl.library.linear_cross_entropy.
@@ -39,7 +41,7 @@ SMALL = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head
              vocab_size=512, rope_theta=500000.0, rms_norm_eps=1e-5, attn_implementation="sdpa")
 SUCCESSORS = 4
 WARMUP_STEPS = 10
-HF, COMPILED, CODA = "HF eager", "HF torch.compile", "coda_dsl"
+HF, FP32, COMPILED, CODA = "HF eager", "HF eager fp32", "HF torch.compile", "coda_dsl"
 
 
 def markov_batches(vocab: int, steps: int, batch: int, seq: int, seed: int = 0) -> torch.Tensor:
@@ -162,12 +164,14 @@ def max_diff(a: Curve, b: Curve) -> float:
 
 
 def table(curves: list[Curve]) -> str:
-    ref = curves[0]
-    return markdown(["variant", "final loss", f"max abs(loss − {ref.variant}) over steps", "tokens/s",
+    """A row per variant; with an fp32 run (bf16 training), each one's distance from it too."""
+    ref, truth = curves[0], next((c for c in curves if c.variant == FP32), None)
+    refs = [ref] + ([truth] if truth else [])
+    return markdown(["variant", "final loss", *(f"max abs(loss − {r.variant}) over steps" for r in refs), "tokens/s",
                      "tokens/s vs " + ref.variant],
-                    [[c.variant, f"{c.losses[-1]:.4f}", "–" if c is ref else f"{max_diff(c, ref):.2e}",
+                    [[c.variant, f"{c.losses[-1]:.4f}", *("–" if c is r else f"{max_diff(c, r):.2e}" for r in refs),
                       f"{c.tokens_per_s:.0f}", f"{c.tokens_per_s / ref.tokens_per_s:.2f}×"] for c in curves],
-                    numeric=4)
+                    numeric=3 + len(refs))
 
 
 def plot(curves: list[Curve], path, title: str):
@@ -181,10 +185,12 @@ def plot(curves: list[Curve], path, title: str):
         return None
     fig, (ax, dax) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(2, 1))
     steps = range(1, len(curves[0].losses) + 1)
-    for c, style in zip(curves, ("-", "--", ":")):
-        ax.plot(steps, c.losses, style, label=c.variant)
+    looks = {HF: ("-", "C0"), COMPILED: ("--", "C1"), CODA: (":", "C2"), FP32: ("-.", "C3")}  # a variant's line, in both panels
+    for c in curves:
+        style, color = looks[c.variant]
+        ax.plot(steps, c.losses, style, color=color, label=c.variant)
         if c is not curves[0]:  # the curves overlap: their difference shows the agreement
-            dax.plot(steps, [a - b for a, b in zip(c.losses, curves[0].losses)], style, label=c.variant)
+            dax.plot(steps, [a - b for a, b in zip(c.losses, curves[0].losses)], style, color=color, label=c.variant)
     ax.axhline(math.log(SUCCESSORS), color="gray", lw=0.8, ls="-.", label=f"ln {SUCCESSORS} (best reachable)")
     ax.set(ylabel="loss (next-token cross-entropy)", title=title)
     ax.legend()
@@ -223,6 +229,8 @@ def main(argv=None) -> int:
     init = initial_model(args.layers, args.device, dtype, args.seed)
     batches = markov_batches(init.model.config.vocab_size, args.steps, args.batch, args.seq, args.seed).to(args.device)
     runs = [(HF, lambda: copy.deepcopy(init), False)]
+    if dtype != torch.float32:  # what bf16 itself does to the curve: HF in fp32 from the same weights
+        runs.append((FP32, lambda: copy.deepcopy(init).float(), False))
     if args.device == "cuda" and not args.no_compile:
         runs.append((COMPILED, lambda: copy.deepcopy(init), True))
     runs.append((CODA, lambda: prebuilt(CodaLM(init, args.backend), batches[0]), False))
@@ -234,7 +242,9 @@ def main(argv=None) -> int:
           f"best reachable loss ln {SUCCESSORS} = {math.log(SUCCESSORS):.3f}:\n")
     print(table(curves))
     diffs = {c.variant: max_diff(c, curves[0]) for c in curves[1:]}
-    path = save(curves, "train_llama", command, dtype=str(dtype), max_abs_diff_vs_hf_eager=diffs)
+    truth = {c.variant: max_diff(c, t) for t in curves if t.variant == FP32 for c in curves if c is not t}
+    path = save(curves, "train_llama", command, dtype=str(dtype), max_abs_diff_vs_hf_eager=diffs,
+                **({"max_abs_diff_vs_hf_eager_fp32": truth} if truth else {}))
     png = plot(curves, out_dir() / "train_llama.png", f"{args.layers}-layer Llama, Markov next-token task ({args.device})")
     progress(f"results: {path}" + (f", {png}" if png else ""))
     return 0

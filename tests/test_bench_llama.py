@@ -270,3 +270,11 @@ def test_training_smoke_gpu(tmp_path, monkeypatch):
     assert max(abs(a - b) for a, b in zip(hf["losses"], coda["losses"])) < 0.1
     loss = coda["losses"]
     assert sum(loss[-5:]) / 5 < sum(loss[:5]) / 5 - 0.1  # fp32 on the CPU: 6.31 -> 6.09
+
+
+def test_train_table_measures_each_variant_against_fp32_when_there_is_one():
+    curve = lambda name, losses: tl.Curve(name, losses, 100.0, 0.0)  # noqa: E731
+    curves = [curve(tl.HF, [3.0, 2.0]), curve(tl.FP32, [3.0, 2.01]), curve(tl.CODA, [3.03, 2.0])]
+    rows = {line.split("|")[1].strip(): [x.strip() for x in line.split("|")[2:-1]] for line in tl.table(curves).splitlines()[2:]}
+    assert rows[tl.CODA][:3] == ["2.0000", "3.00e-02", "3.00e-02"] and rows[tl.FP32][1:3] == ["1.00e-02", "–"]
+    assert "HF eager fp32" not in tl.table(curves[::2]).splitlines()[0]  # fp32 training: no such column
