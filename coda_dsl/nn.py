@@ -242,8 +242,9 @@ class _Mlp(torch.autograd.Function):
     and gamma's whole gradients. Its dY = dOut @ W_down carries rms_swiglu_grad in its epilogue, so the
     SwiGLU derivative costs no pass of its own over the saved [M, 2F] accumulator, and d(hg)'s second GEMM
     carries the norm's backward and the residual's gradient (post_norm_grad). It uses the gate and up
-    weights as they are, never the interleaved one (not kept), and keeps h, not hg (_gained_wgrad). keep_y: y is kept for W_down's gradient;
-    else the dY epilogue computes it again (rms_swiglu_grad_and_y). The backward frees y and the
+    weights as they are, never the interleaved one (not kept), and keeps h, not hg (_gained_wgrad).
+    keep_y: y is kept for W_down's gradient; else the dY epilogue computes it again
+    (rms_swiglu_grad_and_y). The backward frees y and the
     accumulator (its own intermediates, the layer's largest) as soon as it has used them: see _release."""
 
     @staticmethod
