@@ -23,7 +23,7 @@ from coda_dsl.library.cross_entropy import (BUFFER_BYTES, _backward_softcap_epil
 from coda_dsl.runtime import op as runtime
 from epilogues import bias_gelu, double_width, pairs_with_full_width_operands, residual_rms, wide_only
 
-swiglu_derived_backward = cd.backward_epilogue(swiglu)  # derived: equals swiglu_backward (test_autodiff)
+swiglu_derived_backward = cd.backward_epilogue(swiglu)  # swiglu_backward without recomputing y
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU; none visible to torch")
@@ -141,7 +141,7 @@ def _operands(ep, m, n, dtype, batch=None):
                               inv_freq=rope_frequencies(2 * n, 128, base=500000.0).cuda()),  # [N]: no pairs
         pairs_with_full_width_operands: lambda: dict(bias=_rand(n, dtype=dtype), rs=_rand(*lead, m, dtype=dtype),
                                                      s=0.7),
-        swiglu_backward: lambda: dict(pre=3 * _rand(*lead, m, 2 * n, dtype=dtype)),
+        swiglu_backward: lambda: dict(saved_acc=3 * _rand(*lead, m, 2 * n, dtype=dtype)),
         swiglu_derived_backward: lambda: dict(saved_acc=3 * _rand(*lead, m, 2 * n, dtype=dtype)),
         double_width: lambda: dict(pre=_rand(*lead, m, 2 * n, dtype=dtype), rs=_rand(*lead, m, dtype=torch.float32)),
     }

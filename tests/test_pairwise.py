@@ -47,10 +47,10 @@ def test_swiglu_backward_matches_autograd():
     (y @ w_down.float().t()).backward(d_out)
     d_out16 = d_out.bfloat16()
     # dY = dOut @ W_down (the GEMM whose epilogue this is): A = dOut [M, D], B = W_down^T as [FF, D]
-    got = cd.gemm(d_out16, w_down.t(), swiglu_backward, pre=pre.detach().bfloat16(), backend="reference")
-    assert got["D"].shape == (M, 2 * FF) and got["y"].shape == (M, FF)
+    got = cd.gemm(d_out16, w_down.t(), swiglu_backward, saved_acc=pre.detach().bfloat16(), backend="reference")
+    assert got["D"].shape == (M, 2 * FF) and got["recomputed_D"].shape == (M, FF)
     assert _rel(got["D"], pre.grad) < 2e-2
-    assert _rel(got["y"], y.detach()) < 1e-2
+    assert _rel(got["recomputed_D"], y.detach()) < 1e-2
 
 
 def _rope_ref(x, angle):  # interleaved (GPT-J) rotation of column pairs
@@ -161,12 +161,13 @@ def test_double_width_lowering():
     from coda_dsl.passes.plan import Pack, Signature, Unpack, WideLoad, WideStore
 
     plan = lower(specialize(swiglu_backward.program, {}),
-                 Signature("bf16", "nk", (("pre", "bf16"),), (("D", "bf16"), ("y", "bf16"))))
-    assert plan.d_dtype is None and ("D", "bf16", "mw") in plan.outputs and ("y", "bf16", "mn") in plan.outputs
+                 Signature("bf16", "nk", (("saved_acc", "bf16"),), (("D", "bf16"), ("recomputed_D", "bf16"))))
+    assert plan.d_dtype is None and ("D", "bf16", "mw") in plan.outputs
+    assert ("recomputed_D", "bf16", "mn") in plan.outputs
     (load,) = [i for i, n in enumerate(plan.nodes) if isinstance(n, WideLoad)]
     halves = [n for n in plan.nodes if isinstance(n, Unpack)]
     assert sorted(n.part for n in halves) == [0, 1] and all(n.children == (load,) for n in halves)
-    assert plan.inputs == ["pre"]
+    assert plan.inputs == ["saved_acc"]
     (store,) = [n for n in plan.nodes if isinstance(n, WideStore)]
     (pack,) = store.children
     assert isinstance(plan.nodes[pack], Pack) and len(plan.nodes[pack].children) == 2
@@ -178,7 +179,7 @@ def test_double_width_lowering():
         assert spelled in src
     with pytest.raises(cd.UnsupportedError, match="32-bit words of two 16-bit values"):
         lower(specialize(swiglu_backward.program, {}),
-              Signature("bf16", "nk", (("pre", "fp32"),), (("D", "bf16"), ("y", "bf16"))))
+              Signature("bf16", "nk", (("saved_acc", "fp32"),), (("D", "bf16"), ("recomputed_D", "bf16"))))
 
 
 @cd.epilogue

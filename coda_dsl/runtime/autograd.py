@@ -136,8 +136,7 @@ def backward_epilogue(epilogue: Epilogue, output: str = "D", split: bool = False
     gradients for their own weights. no_grad: outputs with no incoming gradient (a pre-activation kept for
     the backward, say), which then need no grad_<name> operand. recompute: forward outputs it also
     computes again, as outputs recomputed_<name> (so the forward need not keep them: SwiGLU's y, which
-    W_down's gradient reads). cd.Const values go in `consts`. For SwiGLU this is the hand-written
-    swiglu_backward's D."""
+    W_down's gradient reads). cd.Const values go in `consts`. library.swiglu_backward is SwiGLU's."""
     names = lambda x: (x,) if isinstance(x, str) else tuple(x)  # noqa: E731  a single name, or several
     back = _derive(epilogue, consts, names(no_grad)).back
     return Epilogue.of_program(into_producer(back, output, split, names(recompute)))
