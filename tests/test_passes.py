@@ -436,6 +436,7 @@ def test_every_op_definition_is_complete():
             assert op.parts is not None and op.folder is not None, name
         if op.kind in ("leaf", "reduction"):
             assert op.width_rule is None and not op.fold, name
+        assert (op.leaf_value in ("fetched", "uniform")) == (op.kind == "leaf"), name  # how widths and lowering read it
 
 
 def test_a_new_elementwise_op_is_its_definition_and_spelling(monkeypatch, make_plan):

@@ -42,6 +42,9 @@ class OpDef:
     # built with d's node constructors (passes/autodiff.py); torch's conventions at kinks and ties.
     # None: the op has no derivative yet (autodiff refuses programs that need one)
     grad: Callable | None = None
+    # leaves: "fetched" (read per element by a visitor node of its own: the accumulator, loads, D) or
+    # "uniform" (one value for every column, so any width: scalars, constants, a finished statistic)
+    leaf_value: str | None = None
 
     def apply(self, attr, *args: torch.Tensor) -> torch.Tensor:
         """The reference semantics on fp32 tensors (elementwise and structural ops); on fp64 tensors the
@@ -201,8 +204,8 @@ NODE_OPS: dict[str, OpDef] = {
                         grad=lambda d, _attr, x, y, g: (d.pair(g, 0), d.pair(g, 1))),
     "reduce": OpDef("reduce", 1, "reduction"),
     "finish": OpDef("finish", 1, "reduction"),
-    **{leaf: OpDef(leaf, 0, "leaf") for leaf in ("acc", "load", "prior_d", "scalar", "const", "const_param",
-                                                   "reduced")},
+    **{leaf: OpDef(leaf, 0, "leaf", leaf_value="fetched") for leaf in ("acc", "load", "prior_d")},
+    **{leaf: OpDef(leaf, 0, "leaf", leaf_value="uniform") for leaf in ("scalar", "const", "const_param", "reduced")},
 }
 
 

@@ -26,7 +26,6 @@ from .plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, EvtNode, 
                    WideStore)
 
 _LOAD_NODE = {"tensor": AuxLoad, "vec_n": RowBroadcast, "vec_m": ColBroadcast}
-_FETCHED = ("acc", "load", "prior_d")  # leaves read by a visitor node of their own (see _Lowering.leaf)
 
 
 def validate(program: ir.Program) -> dict[int, Fraction]:
@@ -168,8 +167,10 @@ class _Lowering:
         return steps, even, odd
 
     def fetched(self, n: ir.Node) -> bool:
-        """Is n's value read by a visitor node of its own (see leaf)?"""
-        return n.op in _FETCHED or _wide_half(n, self.width)
+        """Is n's value read by a visitor node of its own (see leaf): a fetched leaf (ir/ops.py), or a half of
+        a 2N-wide operand?"""
+        d = n.definition
+        return (d is not None and d.leaf_value == "fetched") or _wide_half(n, self.width)
 
     def _pairwise(self, root: ir.Node) -> bool:
         """Does this region touch column pairs (pair/interleave, or any half-width value)? Its leaves

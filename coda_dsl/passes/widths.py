@@ -12,9 +12,6 @@ from fractions import Fraction
 from ..errors import EpilogueError
 from ..ir import graph as ir
 
-_ANY = ("scalar", "const", "const_param", "reduced")  # broadcast to any width (and so do VecM loads)
-
-
 WIDTH_SCALE = {"same": 1, "half": Fraction(1, 2), "double": 2}  # a value's width over its inputs', per rule
 
 
@@ -25,8 +22,9 @@ def _rule(n: ir.Node) -> str | None:
 
 
 def any_width(n: ir.Node) -> bool:
-    """Does n broadcast to any width (scalars, constants, VecM loads)?"""
-    return n.op in _ANY or (n.op == "load" and n.attr[0] == "vec_m")
+    """Does n broadcast to any width (the uniform leaves of ir/ops.py: scalars, constants; and VecM loads)?"""
+    d = n.definition
+    return (d is not None and d.leaf_value == "uniform") or (n.op == "load" and n.attr[0] == "vec_m")
 
 
 def infer(program: ir.Program) -> dict[int, Fraction]:
