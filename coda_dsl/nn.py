@@ -533,15 +533,17 @@ class LlamaDecoderLayer(nn.Module):
         ninja run, or find them in the cache (cd.prebuild of one forward and backward on random data,
         whose GEMMs run on the reference backend meanwhile); else the first forward and backward build
         them one after another. Returns the number of kernels."""
+        from .runtime import checks
         p = self.self_attn.q_proj.weight
-        if self.backend == "reference" or p.device.type != "cuda":
-            return 0
+        if self.backend == "reference" or (self.backend == "auto" and not checks.is_hopper(p.device)):
+            return 0  # every GEMM runs on the reference backend: no kernel to build
         x = torch.randn(1, tokens, self.hidden_size, device=p.device, dtype=p.dtype, requires_grad=True)
         wrt = [x, *(q for q in self.parameters() if q.requires_grad)]
 
-        def step():  # gradients returned, not accumulated into .grad
-            out, rstd = self(x, return_rstd=True)
-            torch.autograd.grad((out, rstd), wrt, (torch.randn_like(out), torch.randn_like(rstd)))
+        def step():  # gradients returned, not accumulated into .grad; also when called under no_grad
+            with torch.enable_grad():
+                out, rstd = self(x, return_rstd=True)
+                torch.autograd.grad((out, rstd), wrt, (torch.randn_like(out), torch.randn_like(rstd)))
         return cd.prebuild(step)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,

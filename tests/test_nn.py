@@ -402,3 +402,20 @@ def test_forward_steps_compile_to_the_same_values_and_gradients():
         (outs_e, grads_e), (outs_c, grads_c) = results
         for got, want in zip((*outs_c, *grads_c), (*outs_e, *grads_e)):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_prebuild_builds_the_kernels_of_a_training_step(fake_kernels, monkeypatch):
+    """LlamaDecoderLayer.prebuild: one forward and backward (GEMMs on the reference backend meanwhile) notes
+    every kernel the layer launches; they are built in one run, and no gradient is left in .grad."""
+    from coda_dsl.runtime import op as runtime
+    builds = []
+    monkeypatch.setattr(runtime.build, "build_units", lambda units, jobs=None: builds.append(units))
+    layer = cdnn.LlamaDecoderLayer(llama_config(), backend="cutlass", dtype=torch.bfloat16)
+    with torch.no_grad():  # as a caller might: prebuild still runs the backward
+        n = layer.prebuild(64)
+    names = {op.epilogue.name for op in runtime._ops.values()}
+    assert len(builds) == 1 and n == len(builds[0]) == len(runtime._ops) and fake_kernels == []
+    assert {"rms_rope", "rms_producer", "residual_rms", "input_norm_grad", "post_norm_grad", "gain_wgrad"} <= names
+    assert len(names) == n == 8, names  # one kernel per epilogue at this size (the default config everywhere)
+    assert all(p.grad is None for p in layer.parameters())
+    assert cdnn.LlamaDecoderLayer(llama_config(), backend="reference").prebuild(64) == 0 and len(builds) == 1
