@@ -185,7 +185,7 @@ def plot(curves: list[Curve], path, title: str):
         return None
     fig, (ax, dax) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(2, 1))
     steps = range(1, len(curves[0].losses) + 1)
-    looks = {HF: ("-", "C0"), COMPILED: ("--", "C1"), CODA: (":", "C2"), FP32: ("-.", "C3")}  # a variant's line, in both panels
+    looks = {HF: ("-", "C0"), COMPILED: ("--", "C1"), CODA: (":", "C2"), FP32: ("-.", "C3")}  # in both panels
     for c in curves:
         style, color = looks[c.variant]
         ax.plot(steps, c.losses, style, color=color, label=c.variant)
