@@ -19,8 +19,8 @@ Shapes are M x F x D (tokens x FFN x hidden). Steps, every variant on the same o
   separate gate and up tensors.
 - wgrad (backward, not in the default --steps): W_gate's gradient dgate^T @ (h * gamma2), [F, D], as
   `gain_wgrad`: dgate passed transposed as A, h as B, gamma2 on the columns in the epilogue, so the
-  layer would not need to keep h * gamma2 for its backward. Floor: cuBLAS on the kept h * gamma2 (what
-  the layer does today). torch.compile: (dgate^T @ h) * gamma2.
+  layer need not keep h * gamma2 for its backward (what coda_dsl.nn does). Floor: cuBLAS on a kept
+  h * gamma2 (what the layer did before). torch.compile: (dgate^T @ h) * gamma2.
 Each step also runs coda_dsl's kernel with the identity epilogue at each config: the bare GEMM through
 the same mainloop, so a fused kernel's time splits into the mainloop's gap to cuBLAS and its epilogue's.
 --configs: `default` (the config cd.gemm picks at the shape), runtime/tune.py's named ones, or any config

@@ -53,6 +53,7 @@ from .errors import UnsupportedError
 from .library import gain_wgrad, interleave_gate_up, rms_producer
 from .library.rope import neox_to_interleaved, rotate
 from .ir.ops import dtype_name
+from .runtime import checks
 from .runtime.autograd import forward_epilogue
 from .runtime.reference import evaluate_on
 from .runtime.fused import on_cuda
@@ -134,15 +135,6 @@ def _gained_wgrad(dacc, x, gamma, dtype: torch.dtype, backend: str) -> torch.Ten
     return cd.gemm(dacc.t(), x.t(), gain_wgrad, gamma=gamma, backend=backend)["D"].to(dtype)
 
 
-def _rstd_grad(dh, drstd, h, rstd, inv_n: float):
-    """dh plus the gradient through rstd = rsqrt(mean(h^2) + eps), d rstd/dh = -rstd^3 h / N, in fp32
-    (as _norm_backward's)."""
-    dh = dh.float() if dh is not None else torch.zeros(h.shape, device=h.device)
-    if drstd is not None:
-        dh = dh - (drstd * rstd ** 3 * inv_n)[:, None] * h.float()
-    return dh
-
-
 def rms_rope_backward(dy, y, rstd, pos, head_freq, rotated: int):
     """y = rope(rstd * acc) -> (d acc in dy's dtype, d rstd). The first `rotated` columns are heads of
     2 len(head_freq) columns whose pairs rotate by pos * head_freq; the others pass through. cos/sin
@@ -173,8 +165,10 @@ def _row_dot(a, b):
 
 @on_cuda
 def residual_rms_backward(dout, drstd, out, rstd, inv_n: float):
-    """out = acc + residual, outputs (out, rstd(out)) -> d acc (= d residual), in out's dtype."""
-    return _rstd_grad(dout, drstd, out, rstd, inv_n).to(out.dtype)
+    """out = acc + residual, outputs (out, rstd(out)) -> d acc (= d residual), in out's dtype: dout plus the
+    gradient through rstd = rsqrt(mean(out^2) + eps), d rstd/d out = -rstd^3 out / N, in fp32 (as
+    _norm_backward's)."""
+    return (dout.float() - (drstd * rstd ** 3 * inv_n)[:, None] * out.float()).to(out.dtype)
 
 
 # ---------------------------------------------------------------- one autograd.Function per fused GEMM
@@ -244,8 +238,8 @@ class _Mlp(torch.autograd.Function):
     carries the norm's backward and the residual's gradient (post_norm_grad). It uses the gate and up
     weights as they are, never the interleaved one (not kept), and keeps h, not hg (_gained_wgrad).
     keep_y: y is kept for W_down's gradient; else the dY epilogue computes it again
-    (rms_swiglu_grad_and_y). The backward frees y and the
-    accumulator (its own intermediates, the layer's largest) as soon as it has used them: see _release."""
+    (rms_swiglu_grad_and_y). The backward frees y and the accumulator (its own intermediates, the
+    layer's largest) as soon as it has used them: see _release."""
 
     @staticmethod
     def forward(ctx, h, gamma, hg, rstd, w_gate, w_up, w_down, eps, backend, keep_y):
@@ -533,7 +527,6 @@ class LlamaDecoderLayer(nn.Module):
         ninja run, or find them in the cache (cd.prebuild of one forward and backward on random data,
         whose GEMMs run on the reference backend meanwhile); else the first forward and backward build
         them one after another. Returns the number of kernels."""
-        from .runtime import checks
         p = self.self_attn.q_proj.weight
         if self.backend == "reference" or (self.backend == "auto" and not checks.is_hopper(p.device)):
             return 0  # every GEMM runs on the reference backend: no kernel to build

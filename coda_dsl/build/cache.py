@@ -413,12 +413,14 @@ def export_cache(path: Path, part_bytes: int | None = None) -> list[Path]:
     keys = [k for k in _entry_keys() if check_output(k)[0] is not None]
     base = path.name[:-len(".tar.gz")] if path.name.endswith(".tar.gz") else path.name
     parts: list[list[str]] = [[]]
-    sizes = {k: sum((entry_dir(k) / n).stat().st_size for n in PORTABLE if (entry_dir(k) / n).exists())
-             for k in keys}
-    for k in keys:  # packed by raw size; gzip only shrinks them, so a part stays below part_bytes
-        if part_bytes and parts[-1] and sum(sizes[x] for x in parts[-1]) + sizes[k] > part_bytes:
+    filled = 0  # raw bytes in the last part; gzip only shrinks them, so a part stays below part_bytes
+    for k in keys:
+        size = sum((entry_dir(k) / n).stat().st_size for n in PORTABLE if (entry_dir(k) / n).exists())
+        if part_bytes and parts[-1] and filled + size > part_bytes:
             parts.append([])
+            filled = 0
         parts[-1].append(k)
+        filled += size
     out = [path] if len(parts) == 1 else [path.with_name(f"{base}.part{i}.tar.gz") for i in range(1, len(parts) + 1)]
     for dest, part in zip(out, parts):
         tmp = dest.with_name(f".{dest.name}.tmp")

@@ -53,6 +53,12 @@ class Node:
         return d.kind if d else None
 
     @property
+    def leaf_value(self) -> str | None:
+        """A leaf's "fetched" or "uniform" (ir/ops.py OpDef.leaf_value); None for other nodes."""
+        d = NODE_OPS.get(self.op)
+        return d.leaf_value if d else None
+
+    @property
     def is_leaf(self) -> bool:
         return self.kind == "leaf"
 
@@ -131,10 +137,6 @@ class Output:
     def __post_init__(self):
         if self.dtype is None and reduction_of(self.node) is not None:
             object.__setattr__(self, "dtype", "fp32")  # statistics accumulate and are stored in fp32
-
-    def stored_dtype(self, default: str) -> str:
-        """The dtype the output is stored in: its own, else `default` (A's)."""
-        return self.dtype or default
 
 
 @dataclass(frozen=True)

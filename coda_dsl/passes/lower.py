@@ -169,8 +169,7 @@ class _Lowering:
     def fetched(self, n: ir.Node) -> bool:
         """Is n's value read by a visitor node of its own (see leaf): a fetched leaf (ir/ops.py), or a half of
         a 2N-wide operand?"""
-        d = n.definition
-        return (d is not None and d.leaf_value == "fetched") or _wide_half(n, self.width)
+        return n.leaf_value == "fetched" or _wide_half(n, self.width)
 
     def _pairwise(self, root: ir.Node) -> bool:
         """Does this region touch column pairs (pair/interleave, or any half-width value)? Its leaves

@@ -23,8 +23,7 @@ def _rule(n: ir.Node) -> str | None:
 
 def any_width(n: ir.Node) -> bool:
     """Does n broadcast to any width (the uniform leaves of ir/ops.py: scalars, constants; and VecM loads)?"""
-    d = n.definition
-    return (d is not None and d.leaf_value == "uniform") or (n.op == "load" and n.attr[0] == "vec_m")
+    return n.leaf_value == "uniform" or (n.op == "load" and n.attr[0] == "vec_m")
 
 
 def infer(program: ir.Program) -> dict[int, Fraction]:

@@ -485,7 +485,7 @@ _lock = threading.Lock()
 def _output_dtypes(ep: Epilogue, ab: str, out: dict | None) -> tuple[tuple[str, str], ...]:
     res = []
     for o in ep.program.outputs:
-        d = o.stored_dtype(ab)
+        d = o.dtype or ab
         if out and isinstance(out.get(o.name), torch.Tensor) and o.dtype is None:
             d = checks.dtype_of(out[o.name], _where(ep), f"out['{o.name}']")
         res.append((o.name, d))

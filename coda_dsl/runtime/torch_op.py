@@ -45,8 +45,7 @@ def _(uid, a, b, tensors, numbers, backend, config, deterministic):
         r = ir.reduction_of(o.node)
         if r is not None:  # reduced over n -> [.., M]; over m -> [.., N]; over both -> [..]
             shape = {"n": (*lead, m), "m": (*lead, n), None: tuple(lead)}[r.attr[1]]
-        dtype = o.stored_dtype("")  # "": A's
-        outs.append(a.new_empty(shape, dtype=DTYPES[dtype][0] if dtype else a.dtype))
+        outs.append(a.new_empty(shape, dtype=DTYPES[o.dtype][0] if o.dtype else a.dtype))
     return outs
 
 
