@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     failed = []
     if cases:
         with results_only_on_stdout():
-            ce_kernels = cross_entropy.kernels(args.ce_shape) if with_ce else []  # one parallel build for all
+            ce_kernels = cross_entropy.kernels() if with_ce else []  # one parallel build for all
             rows, ep_failed = epilogues.run(cases, args.shapes, args.autotune, args.iters, args.tune,
                                             args.compile_dynamic, ce_kernels, epilogues.checkpoint(command))
         epilogues.report(rows, ep_failed, command)

@@ -4,11 +4,13 @@ vocabulary (M = 8192 and 16384 tokens) and at V = 32000 and 256000. Per variant:
 the peak memory the call adds, relative to eager PyTorch.
 
     python -m bench.cross_entropy [--shape 8192x4096x128256,...] [--iters 10] [--autotune]
-                                  [--chunk-rows 2048,4096] [--dry-run]
+                                  [--chunk-rows 2048,4096] [--configs CFG,...] [--profile N] [--dry-run]
 
 Variants: eager (bf16 logits cast to fp32, then F.cross_entropy), torch.compile of the same, and
 cd.linear_cross_entropy (by design no fp32 logits), with its default chunk rows and, per --chunk-rows,
-with others ("coda_dsl (chunk R)"). Warnings a variant raises (e.g. coda_dsl
+with others ("coda_dsl (chunk R)"), and per --configs with other tile configurations ("coda_dsl (CFG)",
+a cd.Config's text). --profile N: then one forward+backward of torch.compile and of each coda_dsl
+variant under torch.profiler, its N costliest GPU kernels (stderr). Warnings a variant raises (e.g. coda_dsl
 running on its reference backend) are printed under the table and kept in the JSON.
 """
 from __future__ import annotations
@@ -18,6 +20,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +29,8 @@ import coda_dsl as cd
 from coda_dsl.library import cross_entropy as ce
 from coda_dsl.runtime import op as runtime
 
-from .harness import (background, compile_label, compile_mode, fmt, markdown, no_gpu, parser, peak_mib, progress,
-                      rel_err, results_only_on_stdout, save, shapes, time_us)
+from .harness import (background, compile_label, compile_mode, fmt, markdown, no_gpu, parser, peak_mib,
+                      profile_kernels, progress, rel_err, results_only_on_stdout, save, shapes, time_us)
 from .harness import command as command_line
 
 SHAPE = (8192, 4096, 128256)  # M tokens, d model width, V vocabulary (Llama-3-8B)
@@ -55,32 +58,41 @@ class CERow:
     bench: str = "cross_entropy"
 
 
-def variants(autotune: bool, chunk_rows=()) -> list[str]:
-    return ["eager", compile_label(autotune), "coda_dsl", *(f"coda_dsl (chunk {r})" for r in chunk_rows)]
+def variants(autotune: bool, chunk_rows=(), configs=()) -> dict[str, Callable]:
+    """label -> loss function (x, w, target) -> loss."""
+    return {"eager": eager_loss,
+            compile_label(autotune): torch.compile(eager_loss, mode=compile_mode(autotune), dynamic=False),
+            "coda_dsl": cd.linear_cross_entropy,
+            **{f"coda_dsl (chunk {r})": functools.partial(cd.linear_cross_entropy, chunk_rows=r) for r in chunk_rows},
+            **{f"coda_dsl ({c})": functools.partial(cd.linear_cross_entropy, config=c) for c in configs}}
 
 
-def plan_rows(shapes=SHAPES, autotune=False, chunk_rows=()) -> list[list[str]]:
+def plan_rows(shapes=SHAPES, autotune=False, chunk_rows=(), configs=()) -> list[list[str]]:
     return [["cross_entropy", f"{fmt(s)} (M×d×V)",
-             f"{' and '.join(STEPS)}: {', '.join(variants(autotune, chunk_rows))}"] for s in shapes]
+             f"{' and '.join(STEPS)}: {', '.join(variants(autotune, chunk_rows, configs))}"] for s in shapes]
 
 
-def kernels(shapes=SHAPES) -> list:
-    """The kernels cd.linear_cross_entropy launches with its default options (the same for every
-    shape), rendered for the same parallel build as the other benchmarks' kernels: the statistics-only
-    forward (no grad) and the forward that also stores the logits chunk (with gradients). Best effort:
-    one left out here is built (or falls back to the reference backend, with a warning) at its first call."""
+def kernels(configs=(None,)) -> list:
+    """The kernels cd.linear_cross_entropy launches with its default options and each of `configs`
+    (the same for every shape), rendered for the same parallel build as the other benchmarks' kernels:
+    the statistics-only forward (no grad) and the forward that also stores the logits chunk (with
+    gradients). Best effort: one left out here is built (or falls back to the reference backend, with
+    a warning) at its first call."""
     x = torch.empty(128, 128, device="cuda", dtype=torch.bfloat16)
     target = torch.zeros(128, device="cuda", dtype=torch.int64)
     logits = torch.empty(128, 128, device="cuda", dtype=ce.logits_buffer_dtype(x.dtype))
-    make = {"forward": lambda: cd.compile(ce._forward_epilogue(False, None), x, x, target=target),
-            "forward with logits": lambda: cd.compile(ce._forward_epilogue(False, None, True), x, x, target=target,
-                                                      out={"D": logits})}
     ops = []
-    for name, compile_op in make.items():
-        try:
-            ops.append(compile_op())
-        except Exception as e:  # noqa: BLE001
-            progress(f"cross_entropy: {name} kernel not prebuilt ({type(e).__name__}: {str(e).splitlines()[0]})")
+    for config in configs:
+        config = config or ce.CONFIG
+        make = {"forward": lambda: cd.compile(ce._forward_epilogue(False, None), x, x, target=target, config=config),
+                "forward with logits": lambda: cd.compile(ce._forward_epilogue(False, None, True), x, x, target=target,
+                                                          out={"D": logits}, config=config)}
+        for name, compile_op in make.items():
+            try:
+                ops.append(compile_op())
+            except Exception as e:  # noqa: BLE001
+                progress(f"cross_entropy: {name} kernel ({config}) not prebuilt "
+                         f"({type(e).__name__}: {str(e).splitlines()[0]})")
     return ops
 
 
@@ -99,25 +111,25 @@ def _step(loss, step: str):
     return lambda x, w, t: torch.autograd.grad(loss(x, w, t), (x, w))
 
 
-def run(shapes=SHAPES, iters: int = 10, autotune: bool = False, chunk_rows=()) -> tuple[list[CERow], list[str]]:
+def run(shapes=SHAPES, iters: int = 10, autotune: bool = False, chunk_rows=(), configs=(),
+        profile: int = 0) -> tuple[list[CERow], list[str]]:
     """Every shape, step and variant; returns the rows and one line per failure."""
-    built = background(runtime.prebuild, kernels(shapes))  # nothing to do if `python -m bench` built them
+    # nothing to do if `python -m bench` built them
+    built = background(runtime.prebuild, kernels((None, *configs)))
     rows, failed = [], []
     for shape in shapes:
-        r, f = _run_shape(shape, built, iters, autotune, chunk_rows)
+        r, f = _run_shape(shape, built, iters, autotune, chunk_rows, configs, profile)
         rows, failed = rows + r, failed + [f"{fmt(shape)} {line}" for line in f]
         torch.cuda.empty_cache()  # the next shape's eager logits need the room
     return rows, failed
 
 
-def _run_shape(shape, built, iters: int, autotune: bool, chunk_rows=()) -> tuple[list[CERow], list[str]]:
+def _run_shape(shape, built, iters: int, autotune: bool, chunk_rows=(), configs=(),
+               profile: int = 0) -> tuple[list[CERow], list[str]]:
     m, d, v = shape
     x, w, t = _inputs(m, d, v)
     inputs = {"forward": (x, w, t), "forward+backward": (x.detach().requires_grad_(), w.detach().requires_grad_(), t)}
-    names = variants(autotune, chunk_rows)
-    losses = dict(zip(names, [eager_loss, torch.compile(eager_loss, mode=compile_mode(autotune), dynamic=False),
-                              cd.linear_cross_entropy,
-                              *(functools.partial(cd.linear_cross_entropy, chunk_rows=r) for r in chunk_rows)]))
+    losses = variants(autotune, chunk_rows, configs)
     refs, raw, failed = {}, [], []
     # variant by variant, eager first (the reference), so that torch.compile compiles while nvcc builds
     for name, loss in losses.items():
@@ -154,6 +166,10 @@ def _run_shape(shape, built, iters: int, autotune: bool, chunk_rows=()) -> tuple
             progress(f"cross_entropy {step} {name}: {us / 1e3:.2f} ms, peak +{peak:.0f} MiB, first call {first_s:.1f} s"
                      + "".join(f"\n  warning: {n}" for n in notes))
             raw.append((step, name, us, peak, extra))
+    for name, loss in list(losses.items())[1:] if profile else ():
+        fn, args = _step(loss, "forward+backward"), inputs["forward+backward"]
+        progress(f"cross_entropy {fmt(shape)} forward+backward, {name}, under torch.profiler:\n"
+                 + profile_kernels(lambda: fn(*args), profile))
     return _rows(shape, raw), failed
 
 
@@ -196,15 +212,21 @@ def main(argv=None) -> int:
     p.add_argument("--autotune", action="store_true", help="torch.compile with max-autotune-no-cudagraphs (slow)")
     p.add_argument("--chunk-rows", type=lambda t: [int(r) for r in t.split(",")], default=[],
                    help="also measure cd.linear_cross_entropy with these chunk_rows (comma-separated)")
+    p.add_argument("--configs", type=lambda t: [cd.Config.parse(c).text for c in t.split(",")], default=[],
+                   help="also measure cd.linear_cross_entropy with these tile configurations (comma-separated "
+                        "cd.Config texts, e.g. 128x128x64_c1x1_pingpong)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after the timing, the N costliest GPU kernels of one forward+backward per variant (stderr)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
     args = p.parse_args(argv)
     if args.dry_run:
-        print(markdown(["bench", "shape", "variants"], plan_rows(args.shape, args.autotune, args.chunk_rows)))
+        print(markdown(["bench", "shape", "variants"],
+                       plan_rows(args.shape, args.autotune, args.chunk_rows, args.configs)))
         return 0
     if no_gpu():
         return 1
     with results_only_on_stdout():
-        rows, failed = run(args.shape, args.iters, args.autotune, args.chunk_rows)
+        rows, failed = run(args.shape, args.iters, args.autotune, args.chunk_rows, args.configs, args.profile)
     report(rows, failed, command_line("python -m bench.cross_entropy", argv))
     return 1 if failed else 0
 

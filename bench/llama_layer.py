@@ -48,8 +48,8 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .harness import (markdown, no_gpu, parser, peak_mib, progress, rel_err, results_only_on_stdout, round_robin,
-                      save, sustained)
+from .harness import (markdown, no_gpu, parser, peak_mib, profile_kernels, progress, rel_err, results_only_on_stdout,
+                      round_robin, save, sustained)
 from .harness import command as command_line
 
 CONFIGS = {
@@ -164,55 +164,6 @@ def saved_mib(train_fwd: Callable) -> float:
     held = torch.cuda.memory_allocated() - before
     del out
     return held / 2**20
-
-
-def profile_kernels(fn: Callable, top: int, timeline: bool = False) -> str:
-    """One fn() under torch.profiler: its `top` costliest GPU kernels, a line each, the GPU total, and
-    how long the GPU sat idle between the first kernel and the last (host-bound gaps), with the
-    kernels that waited longest. timeline: then every kernel of a fn() launched right behind another
-    (the host ahead, the GPU under load), in order: its start (ms from the first) and duration."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    lines = _costliest(prof, top)
-    if timeline:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda._sleep(1)  # a marker between the two calls
-            fn()
-            torch.cuda.synchronize()
-        spans = _kernel_spans(prof)
-        marker = max(i for i, (_, _, name) in enumerate(spans) if "spin_kernel" in name)
-        spans = spans[marker + 1:]
-        lines.append(f"every kernel of a call right behind another ({len(spans)}; start and duration in ms):")
-        lines += [f"{(s - spans[0][0]) / 1e3:8.3f} {(e - s) / 1e3:7.3f}  {name[:150]}" for s, e, name in spans]
-    return "\n".join(lines)
-
-
-def _kernel_spans(prof) -> list[tuple[float, float, str]]:
-    """(start, end in µs, name) of each GPU kernel, memset and copy a profile saw, in order."""
-    return sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                  if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
-
-
-def _costliest(prof, top: int) -> list[str]:
-    """profile_kernels' summary lines: the costliest kernels, the GPU total and its idle gaps."""
-    kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
-    kernels.sort(key=lambda e: -e.device_time_total)
-    total = sum(e.device_time_total for e in kernels) / 1e3
-    lines = [f"{e.device_time_total / 1e3:8.3f} ms {e.count:4d}x  {e.key[:150]}" for e in kernels[:top]]
-    spans = _kernel_spans(prof)
-    waits, reach = [], spans[0][1] if spans else 0
-    for start, end, name in spans[1:]:
-        if start > reach:
-            waits.append((start - reach, name))
-        reach = max(reach, end)
-    waits.sort(reverse=True)
-    lines.append(f"{total:8.3f} ms total GPU time; GPU idle {sum(w for w, _ in waits) / 1e3:.3f} ms "
-                 f"between the first and the last kernel, in {len(waits)} gaps; the longest before:")
-    lines += [f"{w / 1e3:8.3f} ms  {name[:150]}" for w, name in waits[:max(3, top // 2)]]
-    return lines
 
 
 def cuda_mallocs(device) -> int | None:

@@ -105,6 +105,27 @@ def test_per_row_loss_recomputes_in_the_backward(monkeypatch):
     assert calls[1:] == [("ce_backward", True)] * 3
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_config_reaches_every_kernel(monkeypatch, reduction):
+    """config= names the tile configuration of every GEMM of the loss (CONFIG by default); a bad one is
+    an error on any backend."""
+    x, w, t = _problem(m=40)
+    seen = []
+    gemm = cd.gemm
+    monkeypatch.setattr(cd, "gemm", lambda a, b, ep, **kw: seen.append(kw["config"]) or gemm(a, b, ep, **kw))
+    want = _torch_loss(x, w, t, reduction=reduction)[0]
+    loss = cd.linear_cross_entropy(x, w, t, reduction=reduction, backend="reference", chunk_rows=16,
+                                   config="128x128x64_c1x1_pingpong")
+    loss.sum().backward()
+    assert seen and set(seen) == {"128x128x64_c1x1_pingpong"}
+    torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-4)
+    seen.clear()
+    cd.linear_cross_entropy(x, w, t, backend="reference")
+    assert seen == [cd.library.cross_entropy.CONFIG]
+    with pytest.raises(cd.CodaError, match="config"):
+        cd.linear_cross_entropy(x, w, t, backend="reference", config="128x128_bogus")
+
+
 def test_no_gradient_wanted_stores_no_logits(monkeypatch):
     """Under no_grad, or when neither x nor W requires grad: one statistics-only GEMM, no D."""
     x, w, t = _problem(m=40)

@@ -38,8 +38,9 @@ import coda_dsl as cd  # the library is written against the public API, like use
 # chunks (384 MiB), 47.7 ms with 2048, 44.6 ms with 4096 (peak 2.1 GiB, 0.18x eager's).
 BUFFER_BYTES = 1 << 30
 _ROW_ALIGN = 128  # chunk rows: a multiple of the GEMM tile's M (and of 8: 16-byte aligned row vectors)
-# The kernels' configuration at every shape: the shape-free default, the one these epilogues (row
-# statistics over V) were measured with; cd.gemm's shape rule was measured on other epilogues.
+# The kernels' configuration at every shape unless linear_cross_entropy(config=) names another: the
+# shape-free default, the one these epilogues (row statistics over V) were measured with; cd.gemm's
+# shape rule was measured on other epilogues.
 CONFIG = cd.Config()
 
 
@@ -125,11 +126,11 @@ def _chunk_buffer(rows: int, v: int, like: torch.Tensor, dtype: torch.dtype) -> 
     return buf[:, :v]
 
 
-def _stats(x, w, safe, smoothing, cap, backend, logits=None) -> dict:
+def _stats(x, w, safe, smoothing, cap, backend, config, logits=None) -> dict:
     """One GEMM: lse, z_target (0 where safe is out of range), z_sum with smoothing; D into `logits`."""
     out = {"D": logits} if logits is not None else None
     return cd.gemm(x, w, _forward_epilogue(smoothing > 0, cap, logits is not None), target=safe, out=out,
-                   backend=backend, config=CONFIG)
+                   backend=backend, config=config)
 
 
 def _split(v: int) -> int:
@@ -172,15 +173,15 @@ def _reduce(loss, valid, count, reduction):
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, target, ignore_index, reduction, smoothing, cap, backend, chunk, need_x, need_w):
+    def forward(ctx, x, w, target, ignore_index, reduction, smoothing, cap, backend, config, chunk, need_x, need_w):
         valid = target != ignore_index
         safe = torch.where(valid, target, -1)  # out of range: take gives 0, the row is masked anyway
         count = valid.sum()
         m, v = x.shape[0], w.shape[0]
         chunk = -(-(chunk or default_chunk_rows(m, v, x.device)) // 8) * 8  # 16-byte aligned row slices
-        ctx.cfg = (reduction, smoothing, cap, backend, chunk)
+        ctx.cfg = (reduction, smoothing, cap, backend, config, chunk)
         if reduction == "none" or not (need_x or need_w):
-            st = _stats(x, w, safe, smoothing, cap, backend)
+            st = _stats(x, w, safe, smoothing, cap, backend, config)
             ctx.save_for_backward(x, w, safe, valid, st["lse"], count)
             return _reduce(_row_loss(st, v, smoothing), valid, count, reduction)
         # gradients now, chunk by chunk: the backward then only scales them
@@ -196,8 +197,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             e = min(m, s + chunk)
             xs, ts, z = x[s:e], safe[s:e], buf[: e - s]
             zt = _tail(xs, wt, cap)
-            st = _merge_tail(_stats(xs, wk, torch.where(ts < vk, ts, -1), smoothing, cap, backend, logits=z),
-                             zt, ts - vk)
+            st = _stats(xs, wk, torch.where(ts < vk, ts, -1), smoothing, cap, backend, config, logits=z)
+            st = _merge_tail(st, zt, ts - vk)
             loss[s:e] = _row_loss(st, v, smoothing)
             fused(z, st["lse"], scale[s:e], ts, smoothing / v, 1.0 - smoothing, cap, x.dtype)
             g = z.view(x.dtype)
@@ -224,9 +225,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             gx, gw = ctx.grads
             ctx.grads = None  # the only reference left is ours: autograd takes the tensors without a copy
             gx, gw = (t.mul_(grad) if t is not None else None for t in (gx, gw))  # in place: no second grad_W
-            return gx, gw, *[None] * 9
+            return gx, gw, *[None] * 10
         x, w, safe, valid, lse, count = ctx.saved_tensors
-        reduction, smoothing, cap, backend, chunk = ctx.cfg
+        reduction, smoothing, cap, backend, config, chunk = ctx.cfg
         m, v = x.shape[0], w.shape[0]
         if reduction == "none":
             scale = grad.float()
@@ -244,7 +245,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             xs, ts, sc, lse_s = x[s:e], safe[s:e], scale[s:e], lse[s:e].contiguous()
             tk = torch.where(ts < vk, ts, -1)
             common = dict(lse=lse_s, scale=sc, uniform=smoothing / v, backend=backend, out={"D": buf[: e - s]},
-                          config=CONFIG)
+                          config=config)
             out = cd.gemm(xs, wk, _backward_softcap_epilogue(cap), target=tk, **common) if cap else \
                 cd.gemm(xs, wk, ce_backward, **common)
             p = out["D"]  # [chunk, V - V % 8]: the logits' gradient, but for the one-hot term
@@ -259,7 +260,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if need_w:
                 grad_w[:vk].addmm_(p.t(), xs)
                 grad_w[vk:].addmm_(gt.t(), xs)
-        return grad_x, grad_w, *[None] * 9
+        return grad_x, grad_w, *[None] * 10
 
 
 def _check_args(x, target, reduction, label_smoothing):
@@ -273,7 +274,8 @@ def _check_args(x, target, reduction, label_smoothing):
 
 def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
                          reduction: str = "mean", label_smoothing: float = 0.0, softcap: float | None = None,
-                         backend: str = "auto", chunk_rows: int | None = None) -> torch.Tensor:
+                         backend: str = "auto", chunk_rows: int | None = None,
+                         config: cd.Config | str | None = None) -> torch.Tensor:
     """F.cross_entropy(x @ w.T, target) without materializing the logits; differentiable in x and w.
 
     x: [M, d], w: [V, d] (the LM head weight), target: [M] int64. Without gradients: O(M) extra
@@ -281,12 +283,13 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
     [chunk_rows, V] logits buffer (default: default_chunk_rows, within BUFFER_BYTES) plus grad_x and
     grad_w; a second backward through the same forward (retain_graph) raises. With "none": the
     backward recomputes the logits per chunk. Only the gradients autograd asks for are computed.
-    (The reference backend forms fp32 logits per chunk.)
+    (The reference backend forms fp32 logits per chunk.) config: the kernels' tile configuration
+    (a cd.Config or its text; default CONFIG).
     """
     _check_args(x, target, reduction, label_smoothing)
     grad = torch.is_grad_enabled()  # Function.forward runs without grad mode: decide here
     return _LinearCrossEntropy.apply(x, w, target, ignore_index, reduction, float(label_smoothing),
-                                     float(softcap) if softcap else None, backend,
+                                     float(softcap) if softcap else None, backend, config or CONFIG,
                                      int(chunk_rows) if chunk_rows else None,
                                      grad and x.requires_grad, grad and w.requires_grad)
 
@@ -305,7 +308,7 @@ def vocab_shard_stats(x: torch.Tensor, w_shard: torch.Tensor, target: torch.Tens
     inside = (target != ignore_index) & (local >= 0) & (local < w_shard.shape[0])
     with torch.no_grad():
         return _stats(x, w_shard, torch.where(inside, local, -1), label_smoothing, float(softcap) if softcap else None,
-                      backend)
+                      backend, CONFIG)
 
 
 def combine_vocab_shards(stats: Sequence[dict[str, torch.Tensor]], target: torch.Tensor, vocab_size: int,
