@@ -4,8 +4,8 @@ where one exists, cuBLASLt's fused epilogue. Same shapes, same run, random data.
     python -m bench.epilogues [--only bias_gelu,...] [--shapes 4096x4096x4096,...] [--autotune] [--dry-run]
 
 Each case has its own shapes (--shapes replaces them all): the generic epilogues run the cubes
-2048-8192 and Llama-3-8B's projections at M = 8192 tokens; swiglu and rope the projection they
-belong to. Shapes are MxNxK: A [M, K], W [N, K].
+2048-8192 and Llama-3-8B's and -70B's projections at M = 8192 tokens; swiglu, geglu and rope the
+projections they belong to. Shapes are MxNxK: A [M, K], W [N, K].
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import coda_dsl as cd
 from coda_dsl.build.cache import build_key, valid_output
-from coda_dsl.library import rope_frequencies, rope_positions, swiglu
+from coda_dsl.library import geglu, rope_frequencies, rope_positions, swiglu
 from coda_dsl.runtime import op as runtime
 from coda_dsl.runtime import tune as tuning
 
@@ -32,6 +32,7 @@ CUBES = tuple((s, s, s) for s in (2048, 4096, 8192))  # M, N, K
 LLAMA3_8B = ((8192, 4096, 4096), (8192, 6144, 4096), (8192, 14336, 4096), (8192, 4096, 14336))  # o, qkv, up, down
 LLAMA3_70B = ((8192, 28672, 8192), (8192, 8192, 28672))  # FFN up, FFN down
 GENERIC = CUBES + LLAMA3_8B + LLAMA3_70B
+GATED = ((8192, 2 * 14336, 4096), (8192, 2 * 28672, 8192))  # gate and up interleaved
 
 
 @cd.epilogue
@@ -75,6 +76,11 @@ def _swiglu_eager(a, w):  # w interleaves gate and up rows
     return F.silu(h[:, 0::2]) * h[:, 1::2]
 
 
+def _geglu_eager(a, w):
+    h = a @ w.t()
+    return F.gelu(h[:, 0::2], approximate="tanh") * h[:, 1::2]
+
+
 def _rope_eager(a, w, pos, inv_freq):
     h = (a @ w.t()).float()
     angle = pos[:, None] * inv_freq[None, :]
@@ -92,10 +98,10 @@ CASES = {
                          lambda a, w, residual: torch.addmm(residual, a, w.t())),
     "residual_sumsq": Case("residual_sumsq", residual_sumsq, lambda m, n: {"residual": _r(m, n)},
                            _residual_sumsq_eager),
-    # pairwise: Llama-3-8B's FFN up projection with gate and up interleaved (N = 2 x 14336), and the
-    # fused QKV projection (N = 3 x 4096, head dim 128)
-    "swiglu": Case("swiglu", swiglu, lambda m, n: {}, _swiglu_eager,
-                   shapes=((8192, 2 * 14336, 4096), (8192, 2 * 28672, 8192))),
+    # pairwise: the FFN up projections of Llama-3-8B and -70B with gate and up interleaved (N = 2 x
+    # 14336, 2 x 28672), and the fused QKV projection (N = 3 x 4096, head dim 128)
+    "swiglu": Case("swiglu", swiglu, lambda m, n: {}, _swiglu_eager, shapes=GATED),
+    "geglu": Case("geglu", geglu, lambda m, n: {}, _geglu_eager, shapes=GATED),
     "rope": Case("rope", rope_positions,
                  lambda m, n: {"pos": torch.arange(m, device="cuda", dtype=torch.float32),
                                "inv_freq": rope_frequencies(n, 128).cuda()}, _rope_eager,

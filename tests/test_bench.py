@@ -41,10 +41,10 @@ def test_dry_run_prints_every_case_shape_and_variant(capsys):
     for name, case in epilogues.CASES.items():
         for s in case.shapes:
             assert f"| {name} | {harness.fmt(s)} |" in out
-    assert "8192×28672×4096" in out and "8192×12288×4096" in out  # swiglu, rope: their own shapes only
-    assert out.count("| swiglu |") == 2 and out.count("cuBLASLt fused") == 9  # bias_gelu only
+    assert "8192×28672×4096" in out and "8192×12288×4096" in out  # gated, rope: their own shapes only
+    assert out.count("| swiglu |") == out.count("| geglu |") == 2 and out.count("cuBLASLt fused") == 9  # bias_gelu only
     assert "| cross_entropy | 8192×4096×128256 (M×d×V) |" in out
-    assert "40 epilogue measurements" in out
+    assert "42 epilogue measurements" in out
 
 
 def test_dry_run_options(capsys):
