@@ -31,6 +31,7 @@ from typing import Sequence
 import torch
 
 import coda_dsl as cd  # the library is written against the public API, like user code
+from coda_dsl.runtime.fused import on_cuda
 
 # The [chunk, V] logits buffer, by default: 4096 rows at V = 128256. Each chunk's grad_x GEMM is
 # [chunk, d] x K = V, whose tiles fill few waves when the chunk is small; measured on the H200 at
@@ -38,10 +39,11 @@ import coda_dsl as cd  # the library is written against the public API, like use
 # chunks (384 MiB), 47.7 ms with 2048, 44.6 ms with 4096 (peak 2.1 GiB, 0.18x eager's).
 BUFFER_BYTES = 1 << 30
 _ROW_ALIGN = 128  # chunk rows: a multiple of the GEMM tile's M (and of 8: 16-byte aligned row vectors)
-# The kernels' configuration at every shape unless linear_cross_entropy(config=) names another: the
-# shape-free default, the one these epilogues (row statistics over V) were measured with; cd.gemm's
-# shape rule was measured on other epilogues.
-CONFIG = cd.Config()
+# The kernels' configuration at every shape unless linear_cross_entropy(config=) names another. H200,
+# M = 8192, d = 4096, V = 128256 (bench.cross_entropy --configs --profile): pingpong 128x128 overlaps
+# one tile's exp-heavy epilogue with the other's mainloop: forward 13.68 ms against 14.57 for the
+# cooperative 128x256 tile and 15.28 for pingpong 128x192; the chunks' logits GEMMs 12.46 ms against 15.04.
+CONFIG = cd.Config((128, 128, 64), (2, 1), "pingpong")
 
 
 def _softcapped(acc, cap):
@@ -104,17 +106,16 @@ def _logit_grad(z: torch.Tensor, lse, scale, target, uniform: float, hot: float,
     return g * (1.0 - (zf * (1.0 / cap)) ** 2) if cap else g
 
 
+@on_cuda
 def _logit_grad_(z: torch.Tensor, lse, scale, target, uniform: float, hot: float, cap: float | None,
                  dtype: torch.dtype) -> None:
     """In place: the logits z [c, V] become their gradient (_logit_grad), in `dtype` over the same bytes.
 
-    Passes over the buffer: 1 when compiled (one fused kernel reads z and stores g into z's
-    storage; checked on CPU's inductor: no temporary); run eagerly (CPU), ~6 with fp32 temporaries."""
+    Passes over the buffer: 1 on CUDA, compiled (one fused kernel reads z and stores g into z's
+    storage; checked on CPU's inductor: no temporary), with static sizes: with every size symbolic
+    (dynamic=True) that kernel ran at a third of the H200's bandwidth (1.99 ms per 4096-row chunk at
+    V = 128256); eagerly (CPU), ~6 passes with fp32 temporaries."""
     z.view(dtype).copy_(_logit_grad(z, lse, scale, target, uniform, hot, cap))
-
-
-# dynamic: one compile for every chunk size and for every uniform/hot value
-_logit_grad_compiled = torch.compile(_logit_grad_, dynamic=True)
 
 
 def _chunk_buffer(rows: int, v: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -192,7 +193,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
         vk = _split(v)
         wk, wt = w[:vk], w[vk:]
         buf = _chunk_buffer(min(chunk, m), vk, x, logits_buffer_dtype(x.dtype))
-        fused = _logit_grad_compiled if x.is_cuda and not torch.compiler.is_compiling() else _logit_grad_
         for s in range(0, m, chunk):
             e = min(m, s + chunk)
             xs, ts, z = x[s:e], safe[s:e], buf[: e - s]
@@ -200,7 +200,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             st = _stats(xs, wk, torch.where(ts < vk, ts, -1), smoothing, cap, backend, config, logits=z)
             st = _merge_tail(st, zt, ts - vk)
             loss[s:e] = _row_loss(st, v, smoothing)
-            fused(z, st["lse"], scale[s:e], ts, smoothing / v, 1.0 - smoothing, cap, x.dtype)
+            _logit_grad_(z, st["lse"], scale[s:e], ts, smoothing / v, 1.0 - smoothing, cap, x.dtype)
             g = z.view(x.dtype)
             gt = _logit_grad(zt, st["lse"], scale[s:e], ts - vk, smoothing / v, 1.0 - smoothing, cap).to(x.dtype)
             if need_x:
@@ -224,7 +224,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                                    "Call linear_cross_entropy again for a second backward")
             gx, gw = ctx.grads
             ctx.grads = None  # the only reference left is ours: autograd takes the tensors without a copy
-            gx, gw = (t.mul_(grad) if t is not None else None for t in (gx, gw))  # in place: no second grad_W
+            # in place (no second grad_W), both in one vectorized launch: t.mul_(grad) with a 0-dim CUDA
+            # grad took the unvectorized broadcast path (2.36 ms for grad_W at V = 128256 on the H200)
+            torch._foreach_mul_([t for t in (gx, gw) if t is not None], grad)
             return gx, gw, *[None] * 10
         x, w, safe, valid, lse, count = ctx.saved_tensors
         reduction, smoothing, cap, backend, config, chunk = ctx.cfg
