@@ -222,6 +222,19 @@ def test_compiled_gradient_step_matches_eager():
     assert _rel(z.view(torch.bfloat16), eager.view(torch.bfloat16)) < 1e-6
 
 
+def test_compiled_scaling_in_place():
+    """The backward's scaling as torch.compile runs it on CUDA (here inductor's CPU backend): in place,
+    grad_x absent (a frozen input) too."""
+    from coda_dsl.library import cross_entropy as ce
+    scale_ = torch.compile(ce._scale_.eager)
+    gx, gw = torch.randn(8, 16).bfloat16(), torch.randn(32, 16).bfloat16()
+    want_x, want_w = gx * 0.5, gw * 0.5
+    scale_(gx, gw, torch.tensor(0.5))
+    assert torch.equal(gx, want_x) and torch.equal(gw, want_w)
+    scale_(None, gw, torch.tensor(2.0))
+    assert torch.equal(gw, want_w * 2)
+
+
 def test_default_chunk_rows():
     """The [rows, V] buffer within BUFFER_BYTES, rows a multiple of 128, as few chunks as that allows,
     balanced; at Llama-3's vocabulary and M = 8192 tokens, 2 chunks of 4096 rows (1 GiB)."""
