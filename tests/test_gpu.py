@@ -17,9 +17,10 @@ import coda_dsl as cd
 from coda_dsl.library import (interleave_gate_up, linear_swiglu, rms_consumer, rms_producer, rmsnorm_linear,
                               rope_frequencies, rope_positions, rope_tables, swiglu, swiglu_backward,
                               swiglu_keep_preactivation)
-from coda_dsl.library.cross_entropy import (BUFFER_BYTES, _backward_softcap_epilogue, _forward_epilogue,
-                                           ce_backward, combine_vocab_shards, default_chunk_rows,
-                                           logits_buffer_dtype, vocab_shard_stats)
+from coda_dsl.library.cross_entropy import CONFIG as CE_CONFIG
+from coda_dsl.library.cross_entropy import (BUFFER_BYTES, _backward_softcap_epilogue, _forward_epilogue, ce_backward,
+                                           combine_vocab_shards, default_chunk_rows, logits_buffer_dtype,
+                                           vocab_shard_stats)
 from coda_dsl.runtime import op as runtime
 from epilogues import bias_gelu, double_width, pairs_with_full_width_operands, residual_rms, wide_only
 
@@ -226,8 +227,8 @@ def kernels():
         x, names = _rand(64, 64, dtype=dtype), {p.name for p in ep.params}
         out = {"D": torch.empty(64, 64, device="cuda", dtype=logits_buffer_dtype(dtype))} if "_logits" in ep.name \
             else None
-        ops.append(cd.compile(ep, x, x, out=out, **{k: v for k, v in dict(target=t, lse=vec, scale=vec,
-                                                                         uniform=0.0).items() if k in names}))
+        ops.append(cd.compile(ep, x, x, out=out, config=CE_CONFIG, **{k: v for k, v in dict(
+            target=t, lse=vec, scale=vec, uniform=0.0).items() if k in names}))  # the config its calls use
     try:
         runtime.prebuild(ops)
     except cd.CodaError as e:  # tests of the kernels that did build still run; the others fail on their own
