@@ -151,6 +151,41 @@ def test_compiled_op_passes_operands_in_the_plans_order(stub, fake_kernels, monk
     assert seen.scalars() == [{"alpha": 2.0, "beta": 3.0}[s] for s in op.plan.scalars]
 
 
+def test_warm_calls_of_one_layout_pass_their_own_pointers_and_scalars(stub, fake_kernels, monkeypatch):
+    """The argument block is packed once per call layout: later calls of that layout, through a kept op
+    and through cd.gemm, still pass their own tensors and scalars; another layout (a transposed B, a
+    batch folded into M) gets its own block; every block equals a fresh pack of the same call."""
+    k, seen = stub
+    monkeypatch.setattr(runtime.CompiledOp, "load", lambda self: setattr(self, "_op", k) or self)
+    packed, pack = [], kmod.Packer.pack
+
+    def recording(self, tensors, scalars, stream, ws):  # (the block sent, a fresh pack of the same call)
+        fresh = kmod.Packer(tensors, len(scalars), self.device, self.workspace_size)
+        packed.append((pack(self, tensors, scalars, stream, ws), pack(fresh, tensors, scalars, stream, ws)))
+        return packed[-1][0]
+    monkeypatch.setattr(kmod.Packer, "pack", recording)
+
+    @cd.epilogue
+    def ep(acc, bias: cd.VecN, alpha: cd.Scalar):
+        return alpha * acc + bias
+
+    bf = dict(dtype=torch.bfloat16)
+    op = cd.compile(ep, torch.randn(64, 32, **bf), torch.randn(16, 32, **bf), bias=torch.randn(16, **bf), alpha=1.0)
+    calls = [(torch.randn(64, 32, **bf), torch.randn(16, 32, **bf), alpha) for alpha in (1.0, -0.0, 7.5)]
+    calls += [(torch.randn(64, 32, **bf), torch.randn(32, 16, **bf).t(), 2.0),  # B transposed: another layout
+              (torch.randn(2, 32, 32, **bf), torch.randn(16, 32, **bf), 3.0)]  # a batch of 2 folded into M
+    kept = [c for c in calls if c[1].stride(-1) == 1]  # a kept op is compiled for one layout of B
+    for via, todo in (("op", kept), ("gemm", calls)):
+        for a, b, alpha in todo:
+            bias = torch.randn(16, **bf)
+            out = op(a, b, bias=bias, alpha=alpha) if via == "op" else \
+                cd.gemm(a, b, ep, backend="cutlass", bias=bias, alpha=alpha)
+            folded = a.reshape(-1, a.shape[-1])
+            assert seen.tensors() == [expected(t) for t in (folded, b, out["D"].reshape(-1, 16), bias)]
+            assert seen.scalars() == [alpha] and str(seen.scalars()[0]) == str(alpha)
+    assert seen.int("launches") == len(kept) + len(calls) and all(got == fresh for got, fresh in packed)
+
+
 def test_library_is_opened_once(stub, tmp_path, monkeypatch):
     """build.library hands out the one handle load_library opened."""
     opened = []

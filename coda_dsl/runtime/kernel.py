@@ -17,22 +17,33 @@ _INT64 = ctypes.c_int64
 _MESSAGE_BYTES = 1024
 
 
+class Packer:
+    """abi.h's block for the calls of one layout: the CallArgs header, a TensorArg per tensor (data
+    pointer, rank, three sizes, three strides; the unused dimensions are zero bytes, the format's
+    padding), then the scalars as doubles. Counts, ranks, sizes and strides are read once; a call
+    fills in only the data pointers, the stream, the workspace and the scalars (one struct.pack)."""
+
+    def __init__(self, tensors: list[torch.Tensor], n_scalars: int, device: int, workspace_size: int):
+        self.device, self.workspace_size = device, workspace_size
+        self._struct = struct.Struct(_format(tuple(t.dim() for t in tensors), n_scalars))
+        self._values = [len(tensors), n_scalars, device, 0, 0, workspace_size]
+        self._pointers = []  # where each tensor's data pointer goes in _values
+        for t in tensors:
+            self._pointers.append(len(self._values))
+            self._values += (0, t.dim(), *t.shape, *t.stride())
+
+    def pack(self, tensors: list[torch.Tensor], scalars: list[float], stream: int, workspace: int) -> bytes:
+        values = self._values.copy()
+        values[3], values[4] = stream, workspace
+        for at, t in zip(self._pointers, tensors):
+            values[at] = t.data_ptr()
+        return self._struct.pack(*values, *scalars)
+
+
 def pack_call(tensors: list[torch.Tensor], scalars: list[float], device: int, stream: int, workspace: int,
               workspace_size: int) -> bytes:
-    """abi.h's block for one call, in one struct.pack: the CallArgs header; a TensorArg per tensor (data
-    pointer, rank, three sizes, three strides; the unused dimensions are zero bytes, the format's
-    padding); the scalars as doubles."""
-    values = [len(tensors), len(scalars), device, stream, workspace, workspace_size]
-    ranks = []
-    for t in tensors:
-        shape = t.shape
-        values.append(t.data_ptr())
-        values.append(len(shape))
-        values += shape
-        values += t.stride()
-        ranks.append(len(shape))
-    values += scalars
-    return struct.pack(_format(tuple(ranks), len(scalars)), *values)
+    """abi.h's block for one call (Packer, for a single call)."""
+    return Packer(tensors, len(scalars), device, workspace_size).pack(tensors, scalars, stream, workspace)
 
 
 @functools.cache
@@ -40,6 +51,15 @@ def _format(ranks: tuple[int, ...], n_scalars: int) -> str:
     if any(r > 3 for r in ranks):
         raise ValueError(f"kernel operands have at most 3 dimensions, got ranks {list(ranks)}")
     return "=6q" + "".join(f"qq{r}q{8 * (3 - r)}x{r}q{8 * (3 - r)}x" for r in ranks) + f"{n_scalars}d"
+
+
+def remember(memo: dict, key, value):
+    """memo[key] = value, returned; a memo of many shapes or layouts is forgotten rather than grown
+    without bound."""
+    if len(memo) >= 1024:
+        memo.clear()
+    memo[key] = value
+    return value
 
 
 def current_stream(device: int) -> int:
@@ -60,28 +80,37 @@ class Kernel:
         self._launch.restype = ctypes.c_int
         self._message = ctypes.create_string_buffer(_MESSAGE_BYTES)
         self._workspace: dict[tuple, int] = {}  # (A's shape, B's shape, device) -> workspace bytes
+        self._packers: dict[tuple, Packer] = {}  # call layout -> its Packer
 
     def _error(self) -> KernelError:
         return KernelError(self._message.value.decode(errors="replace"))
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, d: torch.Tensor | None, inputs: list[torch.Tensor],
-                 scalars: list[float], outputs: list[torch.Tensor]) -> None:
+                 scalars: list[float], outputs: list[torch.Tensor], layout: tuple | None = None) -> None:
+        """layout: a key that fixes every tensor's rank, sizes and strides and the device (the caller's
+        checked call layout): its block is then packed from what its first call read."""
         tensors = [a, b, *inputs, *outputs] if d is None else [a, b, d, *inputs, *outputs]
-        device = a.get_device()
+        packer = self._packers.get(layout) if layout is not None else None
+        if packer is None:
+            packer = self._packer(tensors, scalars)
+            if layout is not None:
+                remember(self._packers, layout, packer)
+        size, device = packer.workspace_size, packer.device
+        # held until the launch is queued: freed after it, the caching allocator reuses it in stream order
+        workspace = torch.empty(size, dtype=torch.uint8, device=a.device) if size else None
+        args = packer.pack(tensors, scalars, current_stream(device), workspace.data_ptr() if size else 0)
+        if self._launch(args, self._message, _MESSAGE_BYTES):
+            raise self._error()
+
+    def _packer(self, tensors: list[torch.Tensor], scalars: list[float]) -> Packer:
+        device = tensors[0].get_device()
         # The workspace depends on the problem's M, N, K, L and the device's SM count, not on strides
         # or pointers: asked once per shape (the launch checks it is large enough).
-        key = (a.shape, b.shape, device)
+        key = (tensors[0].shape, tensors[1].shape, device)
         size = self._workspace.get(key)
         if size is None:
             query, n = pack_call(tensors, scalars, device, 0, 0, 0), _INT64(0)
             if self._size(query, ctypes.byref(n), self._message, _MESSAGE_BYTES):
                 raise self._error()
-            if len(self._workspace) >= 1024:  # many shapes: forget them rather than grow without bound
-                self._workspace.clear()
-            size = self._workspace[key] = n.value
-        # held until the launch is queued: freed after it, the caching allocator reuses it in stream order
-        workspace = torch.empty(size, dtype=torch.uint8, device=a.device) if size else None
-        args = pack_call(tensors, scalars, device, current_stream(device),
-                         workspace.data_ptr() if workspace is not None else 0, size)
-        if self._launch(args, self._message, _MESSAGE_BYTES):
-            raise self._error()
+            size = remember(self._workspace, key, n.value)
+        return Packer(tensors, len(scalars), device, size)

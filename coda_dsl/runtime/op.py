@@ -19,7 +19,7 @@ from ..passes import accumulate_into_d, specialize
 from ..passes.widths import infer as infer_widths, load_widths
 from ..passes.plan import Config, Signature
 from . import checks, reference, tune as tuning
-from .kernel import Kernel
+from .kernel import Kernel, remember
 from .torch_op import register_eager, traced_gemm
 
 BACKENDS = ("auto", "cutlass", "reference")
@@ -131,12 +131,6 @@ def _call_layout(kinds: dict[str, str], a, b, operands: dict, out: dict | None) 
     elif out is not None:
         parts.append(type(out))  # not a dict: the checks refuse it
     return tuple(parts)
-
-
-def _remember(memo: dict, key: tuple, value) -> None:
-    if len(memo) >= 1024:  # layouts of many shapes: forget them rather than grow without bound
-        memo.clear()
-    memo[key] = value
 
 
 _MEANING = {"tensor": "a cd.Tensor has the output's shape: [M, N] (or [L, M, N])",
@@ -299,9 +293,10 @@ class CompiledOp:
             if t is not None:
                 _check_out(self._where, name, t, _SHAPES[kind](lead, m, n), dt, call, tma=kind == "mn")
 
-    def launch(self, call: Call, out: dict | None) -> dict[str, torch.Tensor]:
+    def launch(self, call: Call, out: dict | None, layout: tuple | None = None) -> dict[str, torch.Tensor]:
         """Allocate the outputs not in `out` and launch on the current stream. `call` and `out` are folded
-        and checked (check_out), except for aliasing, which depends on the tensors, not their layouts."""
+        and checked (check_out), except for aliasing, which depends on the tensors, not their layouts.
+        layout: the call's layout (_call_layout), under which the kernel keeps its argument block."""
         m, n, _, l = call.mnkl
         lead = (l,) if call.a.dim() == 3 else ()
         if out and len(out) > 1:
@@ -322,22 +317,22 @@ class CompiledOp:
         plan = self.plan
         inputs = [_input(call.tensors[i], i in self._widened, i in self._wide) for i in plan.inputs]
         self._op(call.a, call.b, written.get("D") if plan.d_dtype else None, inputs,
-                 [call.scalars[s] for s in plan.scalars], [written[o[0]] for o in plan.outputs])
+                 [call.scalars[s] for s in plan.scalars], [written[o[0]] for o in plan.outputs], layout)
         for t, buffer in staged:
             t.copy_(buffer)
         return outs
 
-    def run(self, A, B, operands: dict, out: dict | None) -> dict[str, torch.Tensor]:
-        """Launch a checked call: fold a batch into M, launch, unfold."""
+    def run(self, A, B, operands: dict, out: dict | None, layout: tuple | None = None) -> dict[str, torch.Tensor]:
+        """Launch a checked call (of the call layout `layout`, if known): fold a batch into M, launch, unfold."""
         call = _fold_batch(self.epilogue, _unpack(self._kinds, A, B, operands))
-        return _unfold_batch(self.launch(call, _fold_batch_out(out, call)), call)
+        return _unfold_batch(self.launch(call, _fold_batch_out(out, call), layout), call)
 
     def __call__(self, A, B, /, *, out: dict | None = None, **operands) -> dict[str, torch.Tensor]:
         layout = _call_layout(self._kinds, A, B, operands, out)
         if layout not in self._checked:
             self._check(A, B, operands, out)
-            _remember(self._checked, layout, True)
-        return self.run(A, B, operands, out)
+            remember(self._checked, layout, True)
+        return self.run(A, B, operands, out, layout)
 
     def _check(self, A, B, operands: dict, out: dict | None) -> None:
         call = _normalize(self.epilogue, A, B, operands, out)
@@ -568,7 +563,7 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
     warm_key = (options, _call_layout(_facts(ep).kinds, A, B, operands, out))
     op = _warm.get(ep, {}).get(warm_key)
     if op is not None:
-        return op.run(A, B, operands, out)
+        return op.run(A, B, operands, out, warm_key)
     call = _normalize(ep, A, B, operands, out)
     cfg = _config(ep, config)
     if accumulate and not (out and isinstance(out.get("D"), torch.Tensor)):
@@ -595,7 +590,7 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
     if _collected is not None and not op.loaded:  # inside prebuild(fn): note the kernel, build it later
         _collected.setdefault(op.key, op)
         return run_reference(ep, call, out, accumulate)
-    _remember(_warm.setdefault(ep, {}), warm_key, op)
+    remember(_warm.setdefault(ep, {}), warm_key, op)
     return _unfold_batch(op.launch(folded, folded_out), folded)
 
 
