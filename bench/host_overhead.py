@@ -1,6 +1,6 @@
 """Warm-path host overhead of a call: cache hit, checks, output allocation, argument packing, launch.
 
-    python -m bench.host_overhead                  # on an sm_90 GPU
+    python -m bench.host_overhead                  # on an sm_90 GPU (also: the kernel library's call alone)
     python -m bench.host_overhead --python-only    # anywhere: the Python part, kernel launch stubbed
 
 Tiny shapes keep the GPU idle, so the host is the bottleneck: CPU time per call = wall time of N
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -72,6 +73,30 @@ def _stub_kernels(kernel_call) -> None:
     runtime._choose_config = lambda spec, call, tune, key: runtime.Config()
 
 
+def _launch_only(op, call):
+    """A function that repeats the C++ side of op's launch: the argument block of one call(), captured,
+    sent again through ctypes (no Python checks, packing or allocation; the outputs are overwritten)."""
+    call()  # loads the kernel
+    kernel = op._op
+    blocks, send = [], kernel._launch
+    kernel._launch = lambda block, message, size: blocks.append(block) or send(block, message, size)
+    try:
+        keep = call()  # the outputs stay allocated while the block points at them
+    finally:
+        kernel._launch = send
+    block = blocks[-1]
+    # the block's workspace (abi.h: the fifth int64 of CallArgs) was freed after the call: hold one
+    size = struct.unpack_from("=q", block, 40)[0]
+    workspace = torch.empty(size, dtype=torch.uint8, device=next(iter(keep.values())).device)
+    block = block[:32] + struct.pack("=q", workspace.data_ptr() if size else 0) + block[40:]
+
+    def again():
+        if send(block, kernel._message, 1024):
+            raise RuntimeError(kernel._message.value.decode(errors="replace"))
+    again.keep = (keep, workspace)
+    return again
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.host_overhead", description=__doc__.split("\n")[0])
     p.add_argument("--python-only", action="store_true", help="CPU tensors, kernel launch stubbed out")
@@ -99,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         rows[f"cd.gemm(A, B, epilogue, ...){label}"] = per_call_us(
             lambda: cd.gemm(a, w, bias_relu, backend=backend, bias=bias, alpha=0.5), n)
         rows[f"CompiledOp(A, B, ...){label}"] = per_call_us(lambda: op(a, w, bias=bias, alpha=0.5), n)
+        if hasattr(op._op, "_launch"):  # a library called through ctypes: its coda_launch alone
+            what = "CUTLASS's set-up + launch" if not args.python_only else "ctypes into a no-op library"
+            rows[f"coda_launch alone, one packed block ({what})"] = \
+                per_call_us(_launch_only(op, lambda: op(a, w, bias=bias, alpha=0.5)), n)
     what = "Python µs per call (launch stubbed)" if args.python_only else "host µs per call"
     print(f"| call | {what} |\n|---|---:|")
     for k, v in rows.items():

@@ -329,6 +329,9 @@ def test_host_overhead_python_only_runs_without_a_gpu(monkeypatch, capsys):
     out = capsys.readouterr().out
     for how in ["kernel call stubbed in Python"] + (["ctypes into a no-op library"] if shutil.which("cc") else []):
         assert f"| cd.gemm(A, B, epilogue, ...) ({how}) | 1.0 |" in out and f"| CompiledOp(A, B, ...) ({how}) | 1.0 |" in out
+    if shutil.which("cc"):  # and the library's call alone, with the block of one call
+        assert "| coda_launch alone, one packed block (ctypes into a no-op library) | 1.0 |" in out
+        assert calls.pop() is None
     assert all(isinstance(c, dict) and "D" in c for c in calls)  # each timed call returned its outputs
     runtime.clear()  # its ops hold the stubs
 
