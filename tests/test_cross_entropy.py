@@ -44,6 +44,21 @@ def test_loss_and_grads_match_f_cross_entropy(seed, smoothing, cap, reduction, d
     assert _rel(x.grad, xf.grad) < 1e-2 and _rel(w.grad, wf.grad) < 1e-2
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_vocabulary_a_multiple_of_8_has_no_tail(monkeypatch, reduction):
+    """V % 8 == 0: the kernels cover every column, no fp32 tail is computed; loss and gradients still
+    match F.cross_entropy."""
+    from coda_dsl.library import cross_entropy as ce
+    monkeypatch.setattr(ce, "_tail", lambda *a: pytest.fail("a tail computed for V % 8 == 0"))
+    x, w, t = _problem(v=304)
+    loss = cd.linear_cross_entropy(x, w, t, reduction=reduction, backend="reference", chunk_rows=16)
+    ref, xf, wf = _torch_loss(x, w, t, reduction=reduction)
+    loss.sum().backward()
+    ref.sum().backward()
+    torch.testing.assert_close(loss, ref, rtol=2e-2, atol=2e-2)
+    assert _rel(x.grad, xf.grad) < 2e-2 and _rel(w.grad, wf.grad) < 2e-2
+
+
 def test_grads_match_finite_differences(seed):
     """Analytic gradients vs central differences of the function's own loss (fp32 inputs, differences
     taken in fp64), on a tiny case with every option: independent of F.cross_entropy."""

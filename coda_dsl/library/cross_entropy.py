@@ -158,8 +158,6 @@ def _tail(xs, w_tail, cap) -> torch.Tensor:
 
 def _merge_tail(st: dict, zt: torch.Tensor, t_tail: torch.Tensor) -> dict:
     """Statistics over all V columns from the kernel's (the first V - V % 8) and the tail's logits."""
-    if not zt.shape[1]:
-        return st
     inside = (t_tail >= 0) & (t_tail < zt.shape[1])
     picked = zt.gather(1, t_tail.clamp(0, zt.shape[1] - 1)[:, None])[:, 0]
     out = {"lse": torch.logaddexp(st["lse"], torch.logsumexp(zt, 1)),
@@ -206,20 +204,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for s in range(0, m, chunk):
             e = min(m, s + chunk)
             xs, ts, z = x[s:e], safe[s:e], buf[: e - s]
-            zt = _tail(xs, wt, cap)
             st = _stats(xs, wk, torch.where(ts < vk, ts, -1), smoothing, cap, backend, config, logits=z)
-            st = _merge_tail(st, zt, ts - vk)
+            if vk < v:
+                zt = _tail(xs, wt, cap)
+                st = _merge_tail(st, zt, ts - vk)
             loss[s:e] = _row_loss(st, v, smoothing)
             _logit_grad_(z, st["lse"], scale[s:e], ts, smoothing / v, 1.0 - smoothing, cap, x.dtype)
             g = z.view(x.dtype)
-            gt = _logit_grad(zt, st["lse"], scale[s:e], ts - vk, smoothing / v, 1.0 - smoothing, cap).to(x.dtype)
             if need_x:
                 torch.mm(g, wk, out=gx[s:e])
-                if vk < v:
-                    gx[s:e].addmm_(gt, wt)
             if need_w:
                 gw[:vk].addmm_(g.t(), xs) if s else torch.mm(g.t(), xs, out=gw[:vk])
-                gw[vk:].addmm_(gt.t(), xs) if s else torch.mm(gt.t(), xs, out=gw[vk:])
+            if vk < v:  # the last V % 8 columns, in fp32 (_tail)
+                gt = _logit_grad(zt, st["lse"], scale[s:e], ts - vk, smoothing / v, 1.0 - smoothing, cap).to(x.dtype)
+                if need_x:
+                    gx[s:e].addmm_(gt, wt)
+                if need_w:
+                    gw[vk:].addmm_(gt.t(), xs) if s else torch.mm(gt.t(), xs, out=gw[vk:])
         if need_w and m == 0:
             gw.zero_()
         ctx.grads = (gx, gw)
@@ -262,14 +263,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
             hot = (1 - smoothing) * sc * (out["dz_target"] if cap else (tk >= 0))  # 0: ignored rows, tail targets
             rows = torch.arange(e - s, device=p.device)
             p.index_put_((rows, tk.clamp_min(0)), -hot.to(p.dtype), accumulate=True)  # now all of it
-            gt = _logit_grad(_tail(xs, wt, cap), lse_s, sc, ts - vk, smoothing / v, 1.0 - smoothing, cap).to(x.dtype)
             if need_x:
                 grad_x[s:e] = p @ wk
-                if vk < v:
-                    grad_x[s:e] += gt @ wt
             if need_w:
                 grad_w[:vk].addmm_(p.t(), xs)
-                grad_w[vk:].addmm_(gt.t(), xs)
+            if vk < v:  # the last V % 8 columns, in fp32 (_tail)
+                gt = _logit_grad(_tail(xs, wt, cap), lse_s, sc, ts - vk, smoothing / v, 1.0 - smoothing, cap).to(x.dtype)
+                if need_x:
+                    grad_x[s:e] += gt @ wt
+                if need_w:
+                    grad_w[vk:].addmm_(gt.t(), xs)
         return grad_x, grad_w, *[None] * 10
 
 
