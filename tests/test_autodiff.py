@@ -304,6 +304,19 @@ def test_linear_under_torch_compile_and_checkpointing():
             assert rel_err(g, w) < 1e-6
 
 
+def test_second_order_gradients_raise():
+    """The backward reads the saved accumulator, which has no graph to x or W: a gradient of the gradient
+    would silently miss those paths, so it raises instead."""
+    @cd.epilogue
+    def gelu(acc):
+        return cd.gelu(acc)
+
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(6, 8, requires_grad=True)
+    gx, = torch.autograd.grad(cd.linear(x, w, gelu, backend="reference")["D"].sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        torch.autograd.grad(gx.square().sum(), w)
+
+
 def test_fused_backward_step_equals_the_eager_one():
     """On CUDA the derived program runs through torch.compile (runtime/fused.py); here compiled on the CPU,
     with the operand kinds, a statistic output and column pairs (widths under symbolic shapes)."""

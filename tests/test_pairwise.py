@@ -107,7 +107,7 @@ def test_width_errors_and_odd_n():
             g, u = cd.pairs(acc)
             return g + acc
         cd.gemm(_w(8, 16), _w(8, 16), mixed, backend="reference")
-    with pytest.raises(cd.OperandError, match="even N"):
+    with pytest.raises(cd.OperandError, match="a multiple of 2"):
         cd.gemm(_w(8, 16), _w(7, 16), reglu, backend="reference")
     with pytest.raises(cd.OperandError, match="shape"):  # a cos table must be [M, N/2]
         cd.gemm(_w(8, 16), _w(8, 16), rope_tables, cos=torch.ones(8, 8), sin=torch.ones(8, 8),
@@ -128,6 +128,36 @@ def test_width_errors_and_odd_n():
         with pytest.raises(cd.UnsupportedError, match=r"2N-wide value must be a cd.Tensor operand split"):
             lower(specialize(ep.program, {}), Signature("bf16", "nk", operands,
                                                         tuple((o, "bf16") for o in ep.output_names)))
+
+
+def test_pairs_of_a_half_runs_on_the_reference_backend_only(make_plan):
+    """cd.pairs of a half (N/4 wide): the kernels have no node for it (its column index was lost, giving
+    g1 + g1): refused when lowering; the reference backend computes it, on an N a multiple of 4."""
+    @cd.epilogue
+    def quarters(acc):
+        g, _ = cd.pairs(acc)
+        g1, g2 = cd.pairs(g)
+        return g1 + g2
+
+    with pytest.raises(cd.UnsupportedError, match="cd.pairs of a half"):
+        make_plan(quarters)
+    a, w = torch.randn(8, 16), torch.randn(12, 16)
+    h = a @ w.t()
+    torch.testing.assert_close(cd.gemm(a, w, quarters, backend="reference")["D"], h[:, 0::4] + h[:, 2::4])
+    with pytest.raises(cd.OperandError, match="a multiple of 4"):
+        cd.gemm(a, torch.randn(6, 16), quarters, backend="reference")
+
+
+def test_a_statistic_as_d_is_stored_like_any_statistic(make_plan):
+    """D = cd.sum(acc, axis="n"): an [M] fp32 output, as the reference backend gives it, not a D store."""
+    @cd.epilogue
+    def row_sums(acc):
+        return cd.sum(acc, axis="n")
+
+    plan = make_plan(row_sums)
+    assert plan.d_dtype is None and [(name, kind) for name, _, kind in plan.outputs] == [("D", "m")]
+    a, w = torch.randn(8, 16), torch.randn(12, 16)
+    torch.testing.assert_close(cd.gemm(a, w, row_sums, backend="reference")["D"], (a @ w.t()).sum(1))
 
 
 def test_pairwise_lowering():
@@ -226,5 +256,5 @@ def test_odd_n_is_fine_without_half_width_values():
     got = cd.gemm(a, b, wide_only, pre=pre, backend="reference")["D"]
     acc = a.float() @ b.float().t()
     assert got.shape == (M, 14) and _rel(got[:, 0::2], acc * pre[:, 0::2]) < 1e-2
-    with pytest.raises(cd.OperandError, match="even N"):
+    with pytest.raises(cd.OperandError, match="a multiple of 2"):
         cd.gemm(a, b, swiglu_keep_preactivation, backend="reference")

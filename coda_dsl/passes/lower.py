@@ -47,6 +47,8 @@ def validate(program: ir.Program) -> dict[int, Fraction]:
                                     "backend only")
         if node.op == "reduce" and w.get(id(node.inputs[0]), 1) != 1:
             raise unsupported(node, "reductions of values not N wide run on the reference backend only")
+        if w.get(id(node), 1) < HALF:
+            raise unsupported(node, "cd.pairs of a half (a value N/4 wide) runs on the reference backend only")
         if node.definition is None:
             raise EpilogueError(f"epilogue '{program.name}' ({program.where(node)}): unknown op '{node.op}'")
     return w
@@ -268,8 +270,8 @@ class _Lowering:
             if id(n) in outputs_at and n.op in ("const", "scalar"):
                 self.region(n)
         d_out = program.output("D")
-        if d_out is not None and self.width.get(id(d_out.node), 1) != 1:  # a D not N wide is stored as a tap
-            d_out = None
+        if d_out is not None and (self.width.get(id(d_out.node), 1) != 1 or d_out.node.kind == "reduction"):
+            d_out = None  # a D not N wide, or a statistic, is stored as a tap
         aux = [o for o in program.outputs if o is not d_out]  # D is stored as D unless it became a tap
         out_dtypes = dict(self.sig.output_dtypes)
         outputs = []

@@ -75,6 +75,7 @@ class _Linear(torch.autograd.Function):
         return tuple(outs[o] for o in ep.output_names)  # linear() names them in this order
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the saved accumulator has no graph: no second order
     def backward(ctx, *grads):
         back, names = ctx.derived.back, ctx.names
         x, w, acc, *rest = ctx.saved_tensors

@@ -153,9 +153,11 @@ def _check_tensors(ep: Epilogue, call: Call, cutlass: bool) -> dict[str, str]:
     dtypes = {}
     facts = _facts(ep)
     kinds, widths = facts.kinds, facts.widths
-    if facts.halves and n % 2:
-        raise checks.fail(where, f"N = {n} is odd, but the epilogue works on column pairs (cd.pairs)",
-                          "pairwise ops need an even N (for SwiGLU: interleaved gate/up rows, 2F of them)")
+    if n % facts.pairs:
+        raise checks.fail(where, f"N = {n} is not a multiple of {facts.pairs}, but the epilogue works on column "
+                          f"{'pairs' if facts.pairs == 2 else 'groups of ' + str(facts.pairs)} (cd.pairs)",
+                          f"pairwise ops need N a multiple of {facts.pairs} (for SwiGLU: interleaved gate/up rows, "
+                          "2F of them)")
     for name, kind, axis in facts.extrema:  # like torch.amax: no value of an empty set
         if (m == 0 and axis != "n") or (n == 0 and axis != "m"):
             raise checks.fail(where, f"output '{name}' is a cd.{kind} over axis {axis!r}, which is empty here "
@@ -194,7 +196,7 @@ class _Facts:
 
     kinds: dict[str, str]  # operand name -> kind
     widths: dict[str, Fraction]  # load operands not N wide -> their width over N (passes/widths.py)
-    halves: bool  # some value is N/2 wide (column pairs of the accumulator): N must be even
+    pairs: int  # N must be a multiple of this: 2 if some value is N/2 wide (cd.pairs of the accumulator), ...
     indices: frozenset[str]  # operands cd.take reads as int64 column indices
     cross_batch: tuple[str, ...]  # outputs reduced over m or everything: they cannot fold a batch into M
     extrema: tuple[tuple[str, str, str | None], ...]  # (output, kind, axis) of max/min/amax: undefined if empty
@@ -210,7 +212,7 @@ def _facts(ep: Epilogue) -> _Facts:
         facts = _facts_of[ep] = _Facts(
             kinds={p.name: p.kind for p in ep.params},
             widths={k: w for k, w in load_widths(ep.program).items() if w != 1},
-            halves=any(w < 1 for w in infer_widths(ep.program).values()),
+            pairs=max((w.denominator for w in infer_widths(ep.program).values()), default=1),
             indices=frozenset(n.inputs[1].attr[1] for n in nodes if n.op == "reduce" and REDUCTIONS[n.attr[0]].indexed),
             cross_batch=tuple(o.name for o in ep.program.outputs
                               if (r := ir.reduction_of(o.node)) is not None and r.attr[1] != "n"),
