@@ -284,6 +284,33 @@ def test_vocabulary_shards_combine_to_the_full_loss(seed, smoothing, cap):
         assert _rel(got, whole) < 1e-5
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_targets_out_of_range_raise_on_cpu_and_give_nan_rows(reduction):
+    """A target neither ignore_index nor in [0, V) is an error (F.cross_entropy raises); on CUDA, where
+    checking would synchronize, its row's loss is NaN instead of a wrong number."""
+    from coda_dsl.library import cross_entropy as ce
+    x, w, t = _problem(m=8, v=16)
+    for bad in (16, -5):
+        t[3] = bad
+        with pytest.raises(ValueError, match=f"target {bad} is out of range"):
+            cd.linear_cross_entropy(x, w, t, reduction=reduction, backend="reference")
+    bad = torch.arange(8) == 3  # what _out_of_range returns on CUDA, where it does not raise
+    loss = ce._reduce(torch.ones(8), torch.ones(8, dtype=torch.bool), torch.tensor(8), reduction, bad)
+    assert loss.isnan().tolist() == ([False] * 3 + [True] + [False] * 4 if reduction == "none" else True)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_vocabulary_under_8_columns(reduction):
+    """V < 8: every column is the fp32 tail's, the kernels' share is empty; all three paths still match."""
+    x, w, t = _problem(m=6, v=5)
+    loss = cd.linear_cross_entropy(x, w, t, reduction=reduction, backend="reference")
+    ref, xf, wf = _torch_loss(x, w, t, reduction=reduction)
+    loss.sum().backward()
+    ref.sum().backward()
+    torch.testing.assert_close(loss, ref, rtol=2e-2, atol=2e-2)
+    assert _rel(x.grad, xf.grad) < 2e-2 and _rel(w.grad, wf.grad) < 2e-2
+
+
 def test_bad_arguments():
     x, w, t = _problem(m=4)
     with pytest.raises(ValueError, match="reduction"):

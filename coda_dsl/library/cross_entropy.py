@@ -172,8 +172,18 @@ def _row_loss(st: dict, v: int, smoothing: float) -> torch.Tensor:
     return loss - smoothing * st["z_sum"] / v if smoothing else loss
 
 
-def _reduce(loss, valid, count, reduction):
-    loss = torch.where(valid, loss, torch.zeros_like(loss))
+def _out_of_range(target: torch.Tensor, v: int, ignore_index: int) -> torch.Tensor:
+    """Rows whose target is neither ignore_index nor in [0, V): their loss is NaN (F.cross_entropy raises;
+    so does this on CPU, where the check costs no GPU synchronization)."""
+    bad = (target != ignore_index) & ((target < 0) | (target >= v))
+    if not target.is_cuda and not torch.compiler.is_compiling() and bool(bad.any()):
+        raise ValueError(f"target {int(target[bad][0])} is out of range: targets are class indices in "
+                         f"[0, {v}) or ignore_index ({ignore_index})")
+    return bad
+
+
+def _reduce(loss, valid, count, reduction, bad):
+    loss = torch.where(bad, torch.full_like(loss, float("nan")), torch.where(valid, loss, torch.zeros_like(loss)))
     if reduction == "none":
         return loss
     total = loss.sum()
@@ -183,7 +193,7 @@ def _reduce(loss, valid, count, reduction):
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, target, ignore_index, reduction, smoothing, cap, backend, config, chunk, need_x, need_w):
-        valid = target != ignore_index
+        valid, bad = target != ignore_index, _out_of_range(target, w.shape[0], ignore_index)
         safe = torch.where(valid, target, -1)  # out of range: take gives 0, the row is masked anyway
         count = valid.sum()
         m, v = x.shape[0], w.shape[0]
@@ -192,7 +202,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if reduction == "none" or not (need_x or need_w):
             st = _stats(x, w, safe, smoothing, cap, backend, config)
             ctx.save_for_backward(x, w, safe, valid, st["lse"], count)
-            return _reduce(_row_loss(st, v, smoothing), valid, count, reduction)
+            return _reduce(_row_loss(st, v, smoothing), valid, count, reduction, bad)
         # gradients now, chunk by chunk: the backward then only scales them
         scale = valid.float() / (count.clamp_min(1) if reduction == "mean" else 1)
         loss = torch.empty(m, device=x.device)
@@ -224,7 +234,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if need_w and m == 0:
             gw.zero_()
         ctx.grads = (gx, gw)
-        return _reduce(loss, valid, count, reduction)
+        return _reduce(loss, valid, count, reduction, bad)
 
     @staticmethod
     def backward(ctx, grad):
@@ -261,8 +271,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 cd.gemm(xs, wk, ce_backward, **common)
             p = out["D"]  # [chunk, V - V % 8]: the logits' gradient, but for the one-hot term
             hot = (1 - smoothing) * sc * (out["dz_target"] if cap else (tk >= 0))  # 0: ignored rows, tail targets
-            rows = torch.arange(e - s, device=p.device)
-            p.index_put_((rows, tk.clamp_min(0)), -hot.to(p.dtype), accumulate=True)  # now all of it
+            if vk:  # (V < 8: every column is the tail's)
+                rows = torch.arange(e - s, device=p.device)
+                p.index_put_((rows, tk.clamp_min(0)), -hot.to(p.dtype), accumulate=True)  # now all of it
             if need_x:
                 grad_x[s:e] = p @ wk
             if need_w:
@@ -336,4 +347,5 @@ def combine_vocab_shards(stats: Sequence[dict[str, torch.Tensor]], target: torch
     if label_smoothing:
         total["z_sum"] = torch.stack([s["z_sum"] for s in stats]).sum(0)
     valid = target != ignore_index
-    return _reduce(_row_loss(total, vocab_size, label_smoothing), valid, valid.sum(), reduction)
+    return _reduce(_row_loss(total, vocab_size, label_smoothing), valid, valid.sum(), reduction,
+                   _out_of_range(target, vocab_size, ignore_index))
