@@ -71,6 +71,8 @@ def test_epilogue_passed_by_keyword_is_explained():
     with pytest.raises(OperandError, match=r"the epilogue is positional: cd.gemm\(A, B, ep_all, ...\), "
                                            r"not epilogue=ep_all"):
         cd.gemm(a, b, epilogue=ep_all, **operands())
+    with pytest.raises(OperandError, match=r"the epilogue is positional: cd.linear\(A, B, ep_all, ...\)"):
+        cd.linear(a, b, epilogue=ep_all, **operands())
 
 
 def test_operands_to_an_epilogue_without_any():

@@ -109,6 +109,9 @@ def linear(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, /
     outputs like cd.gemm.
     """
     ep = epilogue or identity
+    if epilogue is None and "epilogue" in operands:  # cd.linear(x, w, epilogue=fn)
+        name = getattr(operands["epilogue"], "name", "fn")
+        raise OperandError(f"cd.linear: the epilogue is positional: cd.linear(A, B, {name}, ...), not epilogue={name}")
     if not isinstance(ep, Epilogue):
         raise TypeError(f"cd.linear: epilogue must be a function decorated with @cd.epilogue, got {ep!r}")
     if not isinstance(A, torch.Tensor) or A.dim() != 2:
