@@ -184,7 +184,10 @@ def _backward_of(ep: Epilogue, consts: dict) -> Epilogue:
 def cmd_emit(args) -> int:
     _, spec = _spec_from_args(args)
     if args.output:
-        Path(args.output).write_text(spec.cu_text)
+        try:
+            Path(args.output).write_text(spec.cu_text)
+        except OSError as e:
+            raise CliError(f"cannot write {args.output}: {e.strerror or e}") from None
         _err(f"wrote {args.output} (key {spec.key}, op coda_dsl::{spec.op_name})")
     else:
         sys.stdout.write(spec.cu_text)
@@ -500,7 +503,20 @@ def _shape(text: str) -> tuple[int, int, int]:
         m, n, k = (int(x) for x in text.lower().split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected MxNxK like 8192x4096x4096, got {text!r}") from None
+    if min(m, n, k) < 1:
+        raise argparse.ArgumentTypeError(f"M, N and K must be positive, got {text!r}")
     return m, n, k
+
+
+def _positive(text: str) -> int:
+    """A positive int, for argparse."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
 
 
 def parser() -> argparse.ArgumentParser:
@@ -557,9 +573,9 @@ def parser() -> argparse.ArgumentParser:
                 "Run the README's residual_rms example on random bf16 data. On an sm_90 GPU it builds (or "
                 "loads) the fused kernel and checks it against the reference backend; elsewhere it runs the "
                 "reference backend on the CPU.")
-    p.add_argument("--m", type=int, default=512, help="rows of A and of the outputs (default 512)")
-    p.add_argument("--n", type=int, default=1024, help="columns of the outputs, rows of B (default 1024)")
-    p.add_argument("--k", type=int, default=256, help="the reduction dimension, columns of A and B (default 256)")
+    p.add_argument("--m", type=_positive, default=512, help="rows of A and of the outputs (default 512)")
+    p.add_argument("--n", type=_positive, default=1024, help="columns of the outputs, rows of B (default 1024)")
+    p.add_argument("--k", type=_positive, default=256, help="the reduction dimension, columns of A and B (default 256)")
 
     # add_help=False: `coda-dsl bench --help` is the benchmark's own help
     command("bench", cmd_bench, "run the benchmarks from a checkout (python -m bench ARGS; bench --help "

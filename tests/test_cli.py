@@ -63,6 +63,8 @@ def test_emit_stdout_and_file(capsys, tmp_path):
     rc, out2, err = run(capsys, "emit", "coda_dsl.examples:residual_rms", "-o", dest)
     assert rc == 0 and out2 == "" and str(dest) in err
     assert dest.read_text() == out
+    rc, _, err = run(capsys, "emit", "coda_dsl.examples:residual_rms", "-o", tmp_path / "missing" / "k.cu")
+    assert rc != 0 and "cannot write" in err and "No such file or directory" in err and "Traceback" not in err
 
 
 def test_emit_from_file(capsys, eps):
@@ -370,8 +372,10 @@ def test_explain_shape_shows_the_default_config_and_why(capsys):
     rc, out, _ = run(capsys, "explain", "coda_dsl.examples:bias_gelu", "--shape", "8192x4096x4096",
                      "--config", "128x128x64_c1x1_cooperative")
     assert "config 128x128x64_c1x1_cooperative\n" in out and "(--config)" in out
-    with pytest.raises(SystemExit):
-        cli.main(["explain", "coda_dsl.examples:bias_gelu", "--shape", "8192x4096"])
+    for bad in (["explain", "coda_dsl.examples:bias_gelu", "--shape", "8192x4096"],
+                ["explain", "coda_dsl.examples:bias_gelu", "--shape", "0x4096x4096"], ["demo", "--m", "-4"]):
+        with pytest.raises(SystemExit):  # argparse's usage error, not a traceback from deeper down
+            cli.main(bad)
 
 
 def test_explain_and_emit_backward(capsys):
