@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import coda_dsl as cd
-from .errors import UnsupportedError
+from .errors import OperandError, UnsupportedError
 from .library import gain_wgrad, interleave_gate_up, rms_producer
 from .library.rope import neox_to_interleaved, rotate
 from .ir.ops import dtype_name
@@ -306,9 +306,25 @@ def _check_unreleased(where: str, *saved: torch.Tensor) -> None:
                            "first one freed the activations it saved. Run the forward again for a second backward")
 
 
-def flat_inputs(x: torch.Tensor, position_ids, input_rstd):
+def _check_inputs(x, hidden_size: int, position_ids, input_rstd) -> None:
+    """The layer's arguments, with what they should be (shape errors deep in the layer name none)."""
+    where = "LlamaDecoderLayer"
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != hidden_size:
+        got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise OperandError(f"{where}: hidden_states must be [batch, seq, {hidden_size}], got {got}")
+    b, s = x.shape[:2]
+    if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[1] != s
+                                     or position_ids.shape[0] not in (1, b)):
+        raise OperandError(f"{where}: position_ids must be [{b}, {s}] or [1, {s}], got {list(position_ids.shape)}")
+    if input_rstd is not None and tuple(input_rstd.shape) != (b, s):
+        raise OperandError(f"{where}: input_rstd must be [{b}, {s}] (a previous layer's return_rstd=True), "
+                           f"got {list(input_rstd.shape)}")
+
+
+def flat_inputs(x: torch.Tensor, position_ids, input_rstd, hidden_size: int):
     """[B, S, D] hidden states -> (x as [B*S, D], fp32 positions [B*S] (default 0..S-1 per row),
-    input_rstd flattened to [B*S] or None)."""
+    input_rstd flattened to [B*S] or None), checked first."""
+    _check_inputs(x, hidden_size, position_ids, input_rstd)
     b, s, d = x.shape
     if position_ids is None:
         position_ids = torch.arange(s, device=x.device, dtype=torch.float32)[None]  # exact below 2^24
@@ -552,9 +568,9 @@ class LlamaDecoderLayer(nn.Module):
         if cache is not None or use_cache or kwargs.get("past_key_values") is not None:
             raise UnsupportedError("coda_dsl.nn.LlamaDecoderLayer: no KV cache (training layer); pass cache=None")
         x = hidden_states
+        xf, pos, rstd = flat_inputs(x, position_ids, input_rstd, self.hidden_size)
         b, s, d = x.shape
         eps = self.input_layernorm.variance_epsilon
-        xf, pos, rstd = flat_inputs(x, position_ids, input_rstd)
         # gamma1 on the activation side: the previous layer's epilogue does not know this layer's gamma
         attn, xf = self.self_attn(xf, self.input_layernorm, rstd, pos, b, self.backend)
         h, hg, rstd2 = _RmsProducerLinear.apply(attn, self.self_attn.o_proj.weight, xf,

@@ -136,9 +136,9 @@ class TPLlamaDecoderLayer(LlamaDecoderLayer):
         group, backend = self.tp_mesh.get_group(), self.backend
         attn, mlp = self.self_attn, self.mlp
         x = hidden_states
+        xf, pos, rstd = flat_inputs(x, position_ids, input_rstd, self.hidden_size)
         b, s, d = x.shape
         eps = self.input_layernorm.variance_epsilon
-        xf, pos, rstd = flat_inputs(x, position_ids, input_rstd)
         xg, rstd = _CopyToTP.apply(group, *input_norm(xf, _local(self.input_layernorm.weight), eps, rstd))
         # column-parallel QKV: this rank's whole heads, rstd + RoPE fused in the epilogue
         hd, nh, nkv = attn.head_dim, self._tp_heads, self._tp_kv_heads

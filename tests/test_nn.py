@@ -332,6 +332,15 @@ def test_refusals():
         cdnn.LlamaDecoderLayer(llama_config(attention_bias=True))
     with pytest.raises(cd.UnsupportedError, match="hidden_act"):
         cdnn.LlamaDecoderLayer(llama_config(hidden_act="gelu"))
+    d = config.hidden_size
+    for bad, what in (((4, d), r"hidden_states must be \[batch, seq, %d\], got \[4, %d\]" % (d, d)),
+                      ((1, 4, d + 1), "hidden_states must be"),
+                      ((1, 4, d), r"position_ids must be \[1, 4\] or \[1, 4\], got \[1, 5\]"),
+                      ((1, 4, d), r"input_rstd must be \[1, 4\]")):
+        kw = {"position_ids": torch.arange(5)[None]} if "position_ids" in what else \
+            {"input_rstd": torch.ones(4)} if "input_rstd" in what else {}
+        with pytest.raises(cd.OperandError, match=what):
+            ours(torch.randn(*bad), **kw)
 
 
 def _eager_and_wrapped_grads(wrap):
