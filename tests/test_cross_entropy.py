@@ -317,6 +317,10 @@ def test_bad_arguments():
         cd.linear_cross_entropy(x, w, t, reduction="avg", backend="reference")
     with pytest.raises(ValueError, match="int64"):
         cd.linear_cross_entropy(x, w, t.int(), backend="reference")
+    with pytest.raises(ValueError, match=r"x must be \[M, d\] \(flatten a batch"):
+        cd.linear_cross_entropy(x[None], w, t[None], backend="reference")
+    with pytest.raises(ValueError, match="chunk_rows must be a positive"):
+        cd.linear_cross_entropy(x, w, t, chunk_rows=-8, backend="reference")
 
 
 def test_logsumexp_and_take_semantics():

@@ -292,6 +292,9 @@ def _check_args(x, target, reduction, label_smoothing):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', not {reduction!r}")
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be [M, d] (flatten a batch: x.flatten(0, -2), target.flatten()), got "
+                         f"{list(x.shape)}")
     if target.dtype != torch.int64 or target.shape != x.shape[:1]:
         raise ValueError(f"target must be int64 of shape [{x.shape[0]}], got {target.dtype} {list(target.shape)}")
 
@@ -311,6 +314,8 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
     (a cd.Config or its text; default CONFIG).
     """
     _check_args(x, target, reduction, label_smoothing)
+    if chunk_rows is not None and not int(chunk_rows) > 0:
+        raise ValueError(f"chunk_rows must be a positive number of rows, got {chunk_rows}")
     grad = torch.is_grad_enabled()  # Function.forward runs without grad mode: decide here
     return _LinearCrossEntropy.apply(x, w, target, ignore_index, reduction, float(label_smoothing),
                                      float(softcap) if softcap else None, backend, config or CONFIG,
