@@ -544,3 +544,35 @@ def test_operand_named_like_a_gemm_argument_is_rejected_or_usable():
     x, w, r = torch.randn(4, 8), torch.randn(6, 8), torch.randn(4, 6)
     out = cd.gemm(x, w, ep, A=r, backend="reference")["D"]  # or usable
     torch.testing.assert_close(out, x @ w.T + r)
+
+
+@pytest.mark.parametrize("body, message", [
+    (lambda acc: acc // 2, "//, % or divmod"), (lambda acc: acc % 2, "//, % or divmod"),
+    (lambda acc: round(acc), "round()"), (lambda acc: 2 ** acc, "2 \\*\\* x is not supported"),
+    (lambda acc: acc @ acc, "@ of a traced value"), (lambda acc: acc[0], "indexing of a traced value"),
+    (lambda acc: (acc > 0) & (acc < 1), "&, \\|, \\^ or ~"),
+    (lambda acc: cd.sum(acc, axis="n").then(3), "then\\(\\) takes a function"),
+], ids=["floordiv", "mod", "round", "rpow", "matmul", "getitem", "and", "then"])
+def test_python_operators_without_a_meaning_say_so(body, message):
+    """Operators an epilogue cannot express are refused while tracing, with the line and a fix, not a raw
+    TypeError from Python."""
+    with pytest.raises(cd.EpilogueError, match=message):
+        cd.epilogue(body, name="bad")
+
+
+def test_parameters_an_epilogue_cannot_take():
+    def pow_by_scalar(acc, s: cd.Scalar):
+        return acc ** s
+
+    def keyword_only(acc, *, s: cd.Scalar):
+        return acc * s
+
+    def with_default(acc, s: cd.Scalar = 1.0):
+        return acc * s
+
+    for fn, message in ((pow_by_scalar, "takes a Python number p"), (keyword_only, "keyword-only parameter 's'"),
+                        (with_default, "parameter 's' has a default value")):
+        with pytest.raises(cd.EpilogueError, match=message):
+            cd.epilogue(fn)
+    with pytest.raises(TypeError, match="cd.epilogue decorates a function"):
+        cd.epilogue(3)

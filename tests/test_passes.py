@@ -343,8 +343,12 @@ def test_config_roundtrip_and_validation():
     assert Config.parse(cfg.text) == cfg
     with pytest.raises(ValueError, match="pingpong"):
         Config(tile=(64, 128, 64))
-    with pytest.raises(ValueError, match="at most 4"):
+    with pytest.raises(ValueError, match="1 to 4 CTAs"):
         Config(cluster=(4, 2))
+    with pytest.raises(ValueError, match="1 to 4 CTAs"):
+        Config(cluster=(0, 1))
+    with pytest.raises(ValueError, match="positive multiple of 64"):
+        Config((0, 0, 0), (1, 1), "pingpong")
     with pytest.raises(ValueError, match="bad config"):
         Config.parse("128x128")
 

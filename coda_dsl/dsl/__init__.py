@@ -60,7 +60,9 @@ def epilogue(fn: Callable | None = None, *, name: str | None = None):
     Returns "D": value, or a dict of named outputs (D plus any auxiliary outputs and reductions).
     """
     if fn is None:
-        return lambda f: Epilogue(f, name)
+        return lambda f: epilogue(f, name=name)
+    if not callable(fn):
+        raise TypeError(f"cd.epilogue decorates a function, not {fn!r}: @cd.epilogue\ndef f(acc, ...): ...")
     return Epilogue(fn, name)
 
 

@@ -112,6 +112,9 @@ class Value:
     def __ne__(self, o): return apply("ne", self, o)  # type: ignore[override]
 
     def __pow__(self, p):
+        if isinstance(p, Value):
+            raise fail("x ** p takes a Python number p (it picks square, sqrt or rsqrt while tracing), not a "
+                       "traced value, cd.Scalar or cd.Const", "use cd.exp(p * cd.log(x)) for x > 0")
         if p == 2:
             return apply("square", self)
         if p == 0.5:
@@ -119,6 +122,27 @@ class Value:
         if p == -0.5:
             return apply("rsqrt", self)
         raise fail(f"x ** {p!r} is not supported", "use x * x, cd.sqrt(x), cd.rsqrt(x) or cd.exp(p * cd.log(x))")
+
+    def __rpow__(self, base):
+        raise fail(f"{base!r} ** x is not supported", "use cd.exp(x * math.log(base)) (math.log of the number)")
+
+    def _not_elementwise(symbol: str, fix: str):  # noqa: N805  (a helper run while the class is built)
+        def refuse(self, *args):
+            raise fail(f"{symbol} of a traced value is not supported", fix)
+        return refuse
+
+    __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = __divmod__ = _not_elementwise(
+        "//, % or divmod", "write it with cd.where and the ops coda_dsl has (see help(coda_dsl))")
+    __matmul__ = __rmatmul__ = _not_elementwise(
+        "@", "an epilogue is elementwise over the GEMM's output: the GEMM itself is cd.gemm(A, B)")
+    __getitem__ = _not_elementwise(
+        "indexing", "a traced value is one element of [M, N]: g, u = cd.pairs(x) takes adjacent column pairs, "
+        "cd.VecN / cd.VecM operands give per-column / per-row values")
+    __round__ = __trunc__ = __floor__ = __ceil__ = _not_elementwise(
+        "round(), math.trunc/floor/ceil", "keep the value as it is, or write it with cd.where")
+    __and__ = __rand__ = __or__ = __ror__ = __xor__ = __rxor__ = __invert__ = _not_elementwise(
+        "&, |, ^ or ~", "combine conditions with cd.where(c1, c2, False) / cd.where(c1, True, c2)")
+    del _not_elementwise
 
     __hash__ = object.__hash__
 
@@ -197,6 +221,9 @@ class Reduction(Value):
         constants, not [M, N] values or other reductions."""
         if self.node.op == "finish":
             raise fail(".then() was already applied to this reduction", "compose both steps in one function")
+        if not callable(fn):
+            raise fail(f".then() takes a function of the statistic, not {fn!r}",
+                       "e.g. .then(lambda s: cd.rsqrt(s * inv_n + eps))")
         result = fn(Value(ir.reduced()))
         node = lift(result)
         bad = [n.op for n in ir.topo_order([node]) if n.op in ("acc", "load", "reduce")]
@@ -328,9 +355,16 @@ def signature_params(fn: Callable, reserved: set[str]) -> tuple[str, tuple[ir.Pa
     params = []
     for pname in names[1:]:
         p = sig.parameters[pname]
-        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             raise EpilogueError(f"epilogue '{fn.__name__}' ({defined_at}): *args/**kwargs are not supported "
                                 f"('{pname}')")
+        if p.kind == p.KEYWORD_ONLY:
+            raise EpilogueError(f"epilogue '{fn.__name__}' ({defined_at}): keyword-only parameter '{pname}' "
+                                f"is not supported\n  fix: list it before the '*', as an ordinary parameter")
+        if p.default is not p.empty:
+            raise EpilogueError(f"epilogue '{fn.__name__}' ({defined_at}): parameter '{pname}' has a default "
+                                f"value, which a call would not use (every operand is passed to cd.gemm)\n  fix: "
+                                f"remove the default, or make it a constant in the body")
         kind = types.kind_of(ann.get(pname, inspect.Parameter.empty))
         if kind is None:
             got = ann.get(pname, None)
