@@ -738,7 +738,9 @@ def test_bad_arguments_are_operand_errors(fake_kernels, backend):
     call(a, b, two_outputs, out=good, residual=r)  # valid: this layout is now warm
     cases = [
         (dict(deterministic=[1]), "deterministic must be True or False"),
+        (dict(deterministic=1), "deterministic must be True or False"),
         (dict(accumulate="yes"), "accumulate must be True or False"),
+        (dict(tune="x"), "tune must be True or False"),
         (dict(config="garbage"), "bad config 'garbage'"),
         (dict(config="128x256x64_c2x1_bogus"), "schedule must be"),
         (dict(out={"D": torch.empty(N, dtype=torch.bfloat16).expand(M, N)}), "stride 0"),

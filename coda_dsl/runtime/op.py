@@ -410,7 +410,7 @@ def _check_distinct(where: str, out: dict) -> None:
 
 
 def _flag(ep: Epilogue, name: str, value) -> None:
-    if value not in (True, False):
+    if not isinstance(value, bool):  # 1 or "yes" would pass `in (True, False)` or truthiness
         raise OperandError(f"{_where(ep)}: {name} must be True or False, not {value!r}")
 
 
@@ -560,7 +560,9 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
         raise OperandError(f"{_where(ep)}: config must be a cd.Config or its string form, not {config!r}")
     _flag(ep, "deterministic", deterministic)
     _flag(ep, "accumulate", accumulate)
-    tune = _tuning if tune is None else bool(tune)
+    if tune is not None:
+        _flag(ep, "tune", tune)
+    tune = _tuning if tune is None else tune
     options = (backend, config, deterministic, accumulate, tune)
     warm_key = (options, _call_layout(_facts(ep).kinds, A, B, operands, out))
     op = _warm.get(ep, {}).get(warm_key)
