@@ -81,6 +81,13 @@ def fail(message: str, fix: str = "") -> EpilogueError:
     return EpilogueError(where + message + (f"\n  fix: {fix}" if fix else ""))
 
 
+def _refused(symbol: str, fix: str) -> Callable:
+    """A Python operator an epilogue cannot express: tracing it is an EpilogueError with `fix`."""
+    def refuse(self, *args):
+        raise fail(f"{symbol} of a traced value is not supported", fix)
+    return refuse
+
+
 class Value:
     """A traced [M, N] (or reduced) value. Supports the arithmetic of ir/ops.py."""
 
@@ -126,23 +133,17 @@ class Value:
     def __rpow__(self, base):
         raise fail(f"{base!r} ** x is not supported", "use cd.exp(x * math.log(base)) (math.log of the number)")
 
-    def _not_elementwise(symbol: str, fix: str):  # noqa: N805  (a helper run while the class is built)
-        def refuse(self, *args):
-            raise fail(f"{symbol} of a traced value is not supported", fix)
-        return refuse
-
-    __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = __divmod__ = _not_elementwise(
+    __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = __divmod__ = _refused(
         "//, % or divmod", "write it with cd.where and the ops coda_dsl has (see help(coda_dsl))")
-    __matmul__ = __rmatmul__ = _not_elementwise(
+    __matmul__ = __rmatmul__ = _refused(
         "@", "an epilogue is elementwise over the GEMM's output: the GEMM itself is cd.gemm(A, B)")
-    __getitem__ = _not_elementwise(
+    __getitem__ = _refused(
         "indexing", "a traced value is one element of [M, N]: g, u = cd.pairs(x) takes adjacent column pairs, "
         "cd.VecN / cd.VecM operands give per-column / per-row values")
-    __round__ = __trunc__ = __floor__ = __ceil__ = _not_elementwise(
+    __round__ = __trunc__ = __floor__ = __ceil__ = _refused(
         "round(), math.trunc/floor/ceil", "keep the value as it is, or write it with cd.where")
-    __and__ = __rand__ = __or__ = __ror__ = __xor__ = __rxor__ = __invert__ = _not_elementwise(
+    __and__ = __rand__ = __or__ = __ror__ = __xor__ = __rxor__ = __invert__ = _refused(
         "&, |, ^ or ~", "combine conditions with cd.where(c1, c2, False) / cd.where(c1, True, c2)")
-    del _not_elementwise
 
     __hash__ = object.__hash__
 
