@@ -6,7 +6,8 @@
 # 3. GPU tests, 4. a smoke benchmark. Logs and JSON go to $OUT (default /tmp/coda_out).
 # A machine whose disk does not persist can start from an earlier run's kernels and pass its own on:
 #   CODA_KERNELS="k.part1.tar.gz k.part2.tar.gz": imported first (coda-dsl cache import);
-#   CODA_EXPORT=$OUT/k.tar.gz: every built kernel exported at the end, in parts of 15 MB.
+#   CODA_EXPORT=$OUT/k.tar.gz: every built kernel exported at the end, in parts of 50 MB of kernel files
+#   (about 13 MB gzipped: the whole suite's kernels in 3 parts, for callers that take few files back).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/coda_out}; mkdir -p "$OUT"; export OUT
@@ -38,5 +39,5 @@ fi
 for d in "$CODA_DSL_CACHE"/failed/*/; do
   [ -f "$d/build.log" ] && { echo "=== $d"; head -c 60000 "$d/build.log"; } >> "$OUT/failed_builds.log"
 done
-[ -n "${CODA_EXPORT:-}" ] && { python3 -m coda_dsl cache export "$CODA_EXPORT" --part-mb 15 || rc=1; }
+[ -n "${CODA_EXPORT:-}" ] && { python3 -m coda_dsl cache export "$CODA_EXPORT" --part-mb 50 || rc=1; }
 exit $rc
