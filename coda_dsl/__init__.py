@@ -29,6 +29,8 @@ x ** 2 / 0.5 / -0.5 and the comparisons < <= > >= == !=, which give 1.0 or 0.0):
     column pairs  cd.pairs(x) -> (even, odd), cd.interleave(a, b)
 math.*, numpy and torch functions cannot take traced values: use the cd. functions above.
 
+Glue around the GEMMs: cd.on_cuda(fn) runs a function of torch ops compiled (fused) on CUDA tensors.
+
 Library: cd.linear_cross_entropy (more in coda_dsl.library). Errors: cd.CodaError and its subclasses
 cd.EpilogueError, cd.OperandError, cd.UnsupportedError (cd.SharedMemoryError), cd.KernelError. The
 README's DSL reference has the details.
@@ -48,6 +50,7 @@ _LAZY = {
                 "tanh", "where"),
     "passes.plan": ("Config",),
     "runtime": ("CompiledOp", "backward_epilogue", "compile", "gemm", "linear", "prebuild", "set_tuning"),
+    "runtime.fused": ("on_cuda",),
     "library": ("linear_cross_entropy",),
 }
 _DTYPES = ("bfloat16", "float16", "float32")  # torch's, under the names cd.cast accepts

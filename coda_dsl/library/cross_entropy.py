@@ -31,7 +31,6 @@ from typing import Sequence
 import torch
 
 import coda_dsl as cd  # the library is written against the public API, like user code
-from coda_dsl.runtime.fused import on_cuda
 
 # The [chunk, V] logits buffer, by default: 4096 rows at V = 128256. Measured on the H200 at M = 8192,
 # d = 4096 (bench.cross_entropy --chunk-rows --profile): forward+backward 52.8 ms with 1536-row chunks
@@ -106,7 +105,7 @@ def _logit_grad(z: torch.Tensor, lse, scale, target, uniform: float, hot: float,
     return g * (1.0 - (zf * (1.0 / cap)) ** 2) if cap else g
 
 
-@on_cuda
+@cd.on_cuda
 def _logit_grad_(z: torch.Tensor, lse, scale, target, uniform: float, hot: float, cap: float | None,
                  dtype: torch.dtype) -> None:
     """In place: the logits z [c, V] become their gradient (_logit_grad), in `dtype` over the same bytes.
@@ -118,7 +117,7 @@ def _logit_grad_(z: torch.Tensor, lse, scale, target, uniform: float, hot: float
     z.view(dtype).copy_(_logit_grad(z, lse, scale, target, uniform, hot, cap))
 
 
-@on_cuda
+@cd.on_cuda
 def _scale_(gx: torch.Tensor | None, gw: torch.Tensor | None, grad: torch.Tensor) -> None:
     """gx and gw times the incoming gradient, in place (no second grad_W). Compiled on CUDA: eagerly,
     a multiply by a 0-dim CUDA tensor takes the unvectorized broadcast path, and so does

@@ -14,14 +14,14 @@ import weakref
 
 import torch
 
-from ..dsl import Epilogue, identity
+from ..dsl import Epilogue
 from ..errors import OperandError
 from ..ir import graph as ir
 from ..ir.ops import dtype_name
 from ..passes import specialize
 from ..passes.autodiff import GRAD, SAVED, Backward, derive, into_producer
 from . import fused, reference
-from .op import gemm
+from .op import epilogue_of, gemm
 
 ACC_OUTPUT = "acc"  # the forward's extra output: its accumulator (derive() refuses operands of that name)
 
@@ -108,12 +108,7 @@ def linear(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, /
     statistics it cannot differentiate yet (cd.max/min/amax/take) raise UnsupportedError. Returns the
     outputs like cd.gemm.
     """
-    ep = epilogue or identity
-    if epilogue is None and "epilogue" in operands:  # cd.linear(x, w, epilogue=fn)
-        name = getattr(operands["epilogue"], "name", "fn")
-        raise OperandError(f"cd.linear: the epilogue is positional: cd.linear(A, B, {name}, ...), not epilogue={name}")
-    if not isinstance(ep, Epilogue):
-        raise TypeError(f"cd.linear: epilogue must be a function decorated with @cd.epilogue, got {ep!r}")
+    ep = epilogue_of("cd.linear", epilogue, operands)
     if not isinstance(A, torch.Tensor) or A.dim() != 2:
         raise OperandError("cd.linear: A must be a 2-D tensor [M, K]; flatten a batch into rows: A.flatten(0, -2)")
     names = tuple(k for k, v in operands.items() if isinstance(v, torch.Tensor))

@@ -409,6 +409,18 @@ def _check_distinct(where: str, out: dict) -> None:
             seen[storage] = name
 
 
+def epilogue_of(api: str, epilogue, operands: dict) -> Epilogue:
+    """The epilogue a call of `api` (cd.gemm, cd.linear) runs: identity if none; an epilogue passed by
+    keyword, or anything not an @cd.epilogue, is explained."""
+    if epilogue is None and "epilogue" in operands:  # cd.gemm(x, w, epilogue=fn)
+        name = getattr(operands["epilogue"], "name", "fn")
+        raise OperandError(f"{api}: the epilogue is positional: {api}(A, B, {name}, ...), not epilogue={name}")
+    ep = epilogue or identity
+    if not isinstance(ep, Epilogue):
+        raise TypeError(f"{api}: epilogue must be a function decorated with @cd.epilogue, got {ep!r}")
+    return ep
+
+
 def _flag(ep: Epilogue, name: str, value) -> None:
     if not isinstance(value, bool):  # 1 or "yes" would pass `in (True, False)` or truthiness
         raise OperandError(f"{_where(ep)}: {name} must be True or False, not {value!r}")
@@ -543,12 +555,7 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
     by default a configuration tuned earlier on this device for this kind of shape, else a good
     default; tune=True (or set_tuning(True)) measures the candidates now and records the winner.
     """
-    ep = epilogue or identity
-    if epilogue is None and "epilogue" in operands:  # cd.gemm(x, w, epilogue=fn)
-        name = getattr(operands["epilogue"], "name", "fn")
-        raise OperandError(f"cd.gemm: the epilogue is positional: cd.gemm(A, B, {name}, ...), not epilogue={name}")
-    if not isinstance(ep, Epilogue):
-        raise TypeError(f"cd.gemm: epilogue must be a function decorated with @cd.epilogue, got {ep!r}")
+    ep = epilogue_of("cd.gemm", epilogue, operands)
     if backend not in BACKENDS:
         raise OperandError(f"{_where(ep)}: backend must be one of {BACKENDS}, not {backend!r}")
     if torch.compiler.is_compiling():
