@@ -118,11 +118,32 @@ def _gradcheck(program, values=None, consts=None, frozen=()):
     assert torch.autograd.gradcheck(Forward.apply, leaves, eps=1e-6, atol=1e-5, rtol=1e-4)
 
 
+def _gradcheck_linear(program, values=None, frozen=()):
+    """torch.autograd.gradcheck, in fp64 on the reference backend, of cd.linear with the program as its
+    epilogue: the public path (forward with the saved accumulator and statistics, the derived backward,
+    dacc @ W and dacc^T x) against finite differences in x, W and every tensor operand. cd.Scalar
+    values are numbers there (no gradient); `frozen` operands are held constant."""
+    ep = cd.Epilogue.of_program(program)
+    x, w = torch.randn(M, 3, dtype=torch.float64), torch.randn(N, 3, dtype=torch.float64)
+    values = values or _inputs(program)[1]
+    numbers = {k: float(v) for k, v in values.items() if v.dim() == 0}
+    fixed = {k: v for k, v in values.items() if k in frozen}
+    names = [k for k in values if k not in numbers and k not in frozen]
+
+    def f(x, w, *tensors):
+        outs = cd.linear(x, w, ep, backend="reference", **numbers, **fixed, **dict(zip(names, tensors)))
+        return tuple(outs.values())
+
+    leaves = [x.requires_grad_(), w.requires_grad_(), *(values[k].requires_grad_() for k in names)]
+    assert torch.autograd.gradcheck(f, leaves, eps=1e-6, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("op", [o for o in OPS.values() if o.arity <= 2 and o.name not in ("abs", "relu")],
                          ids=lambda o: o.name)
 def test_every_op_passes_gradcheck(op):
     """Each op's derivative rule, with an operand of each kind, against finite differences in fp64 (abs
-    and relu left out: their kink is where finite differences disagree with any subgradient)."""
+    and relu left out: their kink is where finite differences disagree with any subgradient): the derived
+    program alone, and through cd.linear on the reference backend."""
     guard = {"log": lambda x: ir.compute("add", ir.compute("square", x), ir.const(1.5)),
              "sqrt": lambda x: ir.compute("add", ir.compute("square", x), ir.const(1.5)),
              "rsqrt": lambda x: ir.compute("add", ir.compute("square", x), ir.const(1.5))}.get(op.name, lambda x: x)
@@ -132,7 +153,9 @@ def test_every_op_passes_gradcheck(op):
         args = (guard(h),) if op.arity == 1 else (guard(h), ir.compute("sub", leaf, ir.acc()))
         if op.name == "div":
             args = (args[0], ir.compute("add", ir.compute("square", args[1]), ir.const(1.0)))
-        _gradcheck(ir.Program(op.name, (ir.Param(name, kind),), (ir.Output("D", ir.compute(op.name, *args), None),)))
+        program = ir.Program(op.name, (ir.Param(name, kind),), (ir.Output("D", ir.compute(op.name, *args), None),))
+        _gradcheck(program)
+        _gradcheck_linear(program)
 
 
 def test_library_and_statistics_pass_gradcheck():
@@ -145,11 +168,11 @@ def test_library_and_statistics_pass_gradcheck():
         return {"D": h, "rstd": cd.sum(h * h, axis="n").then(lambda s: cd.rsqrt(s * 0.125 + 1e-3)),
                 "lse": cd.logsumexp(h, axis="n"), "cols": cd.sum(h, axis="m"), "all": cd.sum(h, axis=None)}
 
-    _gradcheck(swiglu.program)
-    _gradcheck(rope_positions.program, values={"pos": torch.arange(M, dtype=torch.float64) * 3.0,
-                                               "inv_freq": torch.rand(N // 2, dtype=torch.float64)},
-               frozen=("pos", "inv_freq"))
-    _gradcheck(stats.program)
+    rope_values = {"pos": torch.arange(M, dtype=torch.float64) * 3.0, "inv_freq": torch.rand(N // 2, dtype=torch.float64)}
+    for check in (_gradcheck, _gradcheck_linear):
+        check(swiglu.program)
+        check(rope_positions.program, values=dict(rope_values), frozen=("pos", "inv_freq"))
+        check(stats.program)
 
 
 def test_where_and_comparisons_pass_gradients_only_through_the_chosen_value():

@@ -163,6 +163,27 @@ def test_unsupported_operand_dtype():
     assert "operand 'bias'" in msg and "float64" in msg and "fix:" in msg
 
 
+def test_fp64_runs_on_the_reference_backend_in_fp64():
+    """fp64 A and B (as torch.autograd.gradcheck passes them): math and every output in fp64, a reduction
+    too; an fp64 operand beside bf16 A/B, or fp64 on the cutlass path, is refused with the fix."""
+    @cd.epilogue
+    def with_stat(acc, residual: cd.Tensor, bias: cd.VecN, scale: cd.VecM, alpha: cd.Scalar):
+        h = acc * scale + bias + alpha * residual
+        return {"D": h, "ss": cd.sum(h * h, axis="n")}
+    a, b = ab(dtype=torch.float64)
+    ops = operands(torch.float64)
+    got = cd.gemm(a, b, with_stat, backend="reference", **ops)
+    want = (a @ b.t()) * ops["scale"][:, None].double() + ops["bias"] + 0.5 * ops["residual"]
+    assert got["D"].dtype == got["ss"].dtype == torch.float64
+    torch.testing.assert_close(got["D"], want, rtol=1e-12, atol=1e-12)  # fp64, not rounded through fp32
+    torch.testing.assert_close(got["ss"], want.square().sum(1), rtol=1e-12, atol=1e-10)
+    a16, b16 = ab()
+    msg = error_of(OperandError, a16, b16, ep_all, **{**operands(), "residual": ops["residual"]})
+    assert "operand 'residual' is torch.float64" in msg and "A and B in fp64" in msg
+    msg = error_of(OperandError, a, b, ep_all, out={"D": torch.empty(M, N)}, **ops)
+    assert "out['D']" in msg and "torch.float64" in msg
+
+
 def test_unsupported_ab_dtype():
     msg = error_of(OperandError, torch.ones(M, K, dtype=torch.int32), torch.ones(N, K, dtype=torch.int32), ep_all,
                    **operands())
@@ -274,6 +295,12 @@ def offset_view(shape, dtype=torch.bfloat16):
     base = torch.empty(n + 8, dtype=dtype)
     assert base.data_ptr() % 16 == 0
     return base[1:n + 1].view(shape).normal_()
+
+
+def test_fp64_is_refused_by_the_cutlass_path():
+    a, b = ab(dtype=torch.float64)
+    assert "A is torch.float64" in layout_error(a, b, **operands(torch.float64))
+    assert "operand 'bias' is torch.float64" in layout_error(*ab(), **{**operands(), "bias": torch.randn(N).double()})
 
 
 def test_layout_valid():

@@ -35,7 +35,8 @@ class _Derived:
 
     def _backward(self, acc: torch.Tensor, operands: dict, out_dtypes: dict) -> dict[str, torch.Tensor]:
         """The gradients, in out_dtypes (name -> dtype name)."""
-        return reference.evaluate_on(self.back.program, acc.float(), operands, out_dtypes)
+        return reference.evaluate_on(self.back.program, acc if acc.dtype == torch.float64 else acc.float(),
+                                     operands, out_dtypes)
 
 
 # epilogue -> {consts: _Derived}
@@ -85,9 +86,10 @@ class _Linear(torch.autograd.Function):
                     **{SAVED + o: t for o, t in zip(back.saved, saved)},
                     **{GRAD + o: (g if g is not None else torch.zeros((), device=x.device)) for o, g in outs.items()
                        if o in back.grads}}
+        fp64 = x.dtype == torch.float64  # the reference backend's gradcheck precision: gradients stay fp64
         if acc is None:  # the derivative does not read the accumulator: any tensor of its shape will do
-            acc = torch.zeros(x.shape[0], w.shape[0], device=x.device)
-        out_dtypes = {"acc": dtype_name(x.dtype), **{n: dtype_name(t.dtype) for n, t in zip(names, tensors)}}
+            acc = torch.zeros(x.shape[0], w.shape[0], device=x.device, dtype=torch.float64 if fp64 else torch.float32)
+        out_dtypes = {} if fp64 else {"acc": dtype_name(x.dtype), **{n: dtype_name(t.dtype) for n, t in zip(names, tensors)}}
         got = ctx.derived.backward(acc, operands, out_dtypes)
         dacc = got.get("acc")
         need_x, need_w = ctx.needs_input_grad[4:6]

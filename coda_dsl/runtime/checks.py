@@ -8,17 +8,28 @@ import torch
 from ..errors import OperandError, UnsupportedError
 from ..ir.ops import INDEX_DTYPE, TORCH_TO_DTYPE
 
+# fp64 inputs: the reference backend's math and outputs stay in fp64 (what torch.autograd.gradcheck
+# needs); no kernel reads them
+REFERENCE_FP64 = "fp64"
+
 
 def fail(where: str, message: str, fix: str = "") -> OperandError:
     return OperandError(f"{where}: {message}" + (f"\n  fix: {fix}" if fix else ""))
 
 
-def dtype_of(t: torch.Tensor, where: str, name: str, index: bool = False) -> str:
+def dtype_of(t: torch.Tensor, where: str, name: str, index: bool = False, fp64: bool = False) -> str:
+    """The dtype name of a tensor the call reads; fp64 (REFERENCE_FP64) where the reference backend runs."""
     if index:
         if t.dtype != torch.int64:
             raise fail(where, f"{name} holds column indices for cd.take and must be torch.int64, not {t.dtype}",
                        f"pass {name.split()[-1]}.long()")
         return INDEX_DTYPE
+    if t.dtype == torch.float64:
+        if fp64:
+            return REFERENCE_FP64
+        raise fail(where, f"{name} is torch.float64: kernels compute in fp32; fp64 is for the reference backend "
+                   "with A and B in fp64 (as torch.autograd.gradcheck needs)",
+                   "cast it to torch.float32, or pass A and B in fp64 with backend='reference'")
     d = TORCH_TO_DTYPE.get(t.dtype)
     if d is None:
         raise fail(where, f"{name} has dtype {t.dtype}", "use torch.bfloat16, torch.float16 or torch.float32")

@@ -142,7 +142,7 @@ def _check_tensors(ep: Epilogue, call: Call, cutlass: bool) -> dict[str, str]:
     """Shapes, devices and (for the cutlass backend) layouts; returns operand dtypes."""
     where = _where(ep)
     m, n, k, l = call.mnkl
-    ab = checks.dtype_of(call.a, where, "A")
+    ab = checks.dtype_of(call.a, where, "A", fp64=not cutlass)
     if call.b.dtype != call.a.dtype:
         raise checks.fail(where, f"A is {call.a.dtype} but B is {call.b.dtype}", "use one dtype for A and B")
     if cutlass and ab not in ("bf16", "fp16"):
@@ -168,7 +168,8 @@ def _check_tensors(ep: Epilogue, call: Call, cutlass: bool) -> dict[str, str]:
         wn = int(n * widths[name]) if name in widths else n  # pairwise epilogues read N/2-wide operands
         shape = {"tensor": (m, wn), "vec_n": (wn,), "vec_m": (m,)}[kinds[name]]
         checks.tensor(where, f"operand '{name}'", t, shape, dev, _MEANING[kinds[name]], batch)
-        dtypes[name] = checks.dtype_of(t, where, f"operand '{name}'", index=name in facts.indices)
+        dtypes[name] = checks.dtype_of(t, where, f"operand '{name}'", index=name in facts.indices,
+                                       fp64=ab == checks.REFERENCE_FP64)
         if not cutlass:
             continue
         if kinds[name] == "tensor" and t.dim() == 2 and call.b.dim() == 3:
@@ -701,9 +702,11 @@ def _cutlass_available(device: torch.device) -> bool:
 
 
 def run_reference(ep: Epilogue, call: Call, out: dict | None, accumulate: bool = False):
-    ab = checks.dtype_of(call.a, _where(ep), "A")
+    ab = checks.dtype_of(call.a, _where(ep), "A", fp64=True)
     program = specialize(ep.program, call.consts)
-    out_dtypes = dict(_output_dtypes(ep, ab, out))
+    # fp64 A and B: every output in fp64, the math's precision (None keeps it)
+    out_dtypes = {o.name: None for o in ep.program.outputs} if ab == checks.REFERENCE_FP64 else \
+        dict(_output_dtypes(ep, ab, out))
     operands = {**call.tensors, **call.scalars}
     if accumulate:
         program = accumulate_into_d(program)

@@ -1,7 +1,8 @@
 """The reference backend: the IR evaluated with PyTorch ops in fp32. It defines the semantics.
 
 Runs on any device. Outputs are cast like the kernel casts them: tensors to their output dtype,
-reductions kept in fp32.
+reductions kept in fp32. With A and B in fp64 (no kernel takes them) the math and every output stay
+in fp64, for torch.autograd.gradcheck.
 """
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from ..passes.widths import WIDTH_SCALE, infer as infer_widths
 PRIOR_D_OPERAND = "<D>"  # the operands key the leaf `prior_d` (D before the kernel) is read from (never an identifier)
 
 def accumulator(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """fp32 A @ B^T (b is [N, K] or [L, N, K]), computed in full fp32 (no TF32)."""
+    """fp32 A @ B^T (b is [N, K] or [L, N, K]), computed in full fp32 (no TF32); fp64 for fp64 A and B."""
+    if a.dtype == torch.float64:
+        return torch.matmul(a, b.transpose(-1, -2))
     return torch.matmul(a.float(), b.float().transpose(-1, -2))
 
 
