@@ -42,7 +42,8 @@ def main(argv=None) -> int:
         with results_only_on_stdout():
             ce_kernels = cross_entropy.kernels() if with_ce else []  # one parallel build for all
             rows, ep_failed = epilogues.run(cases, args.shapes, args.autotune, args.iters, args.tune,
-                                            args.compile_dynamic, ce_kernels, epilogues.checkpoint(command))
+                                            args.compile_dynamic, ce_kernels, epilogues.checkpoint(command),
+                                            args.config)
         epilogues.report(rows, ep_failed, command)
         failed += ep_failed
     if with_ce:

@@ -29,7 +29,7 @@ import coda_dsl as cd
 from coda_dsl.library import cross_entropy as ce
 from coda_dsl.runtime import op as runtime
 
-from .harness import (background, compile_label, compile_mode, fmt, markdown, no_gpu, parser, peak_mib,
+from .harness import (background, compile_label, compile_mode, config_text, fmt, markdown, no_gpu, parser, peak_mib,
                       profile_kernels, progress, rel_err, results_only_on_stdout, round_robin, save, shapes)
 from .harness import command as command_line
 
@@ -219,7 +219,7 @@ def main(argv=None) -> int:
     p.add_argument("--autotune", action="store_true", help="torch.compile with max-autotune-no-cudagraphs (slow)")
     p.add_argument("--chunk-rows", type=lambda t: [int(r) for r in t.split(",")], default=[],
                    help="also measure cd.linear_cross_entropy with these chunk_rows (comma-separated)")
-    p.add_argument("--configs", type=lambda t: [cd.Config.parse(c).text for c in t.split(",")], default=[],
+    p.add_argument("--configs", type=lambda t: [config_text(c) for c in t.split(",")], default=[],
                    help="also measure cd.linear_cross_entropy with these tile configurations (comma-separated "
                         "cd.Config texts, e.g. 128x128x64_c1x1_pingpong)")
     p.add_argument("--profile", type=int, default=0, metavar="N",

@@ -24,8 +24,9 @@ from coda_dsl.library import geglu, rope_frequencies, rope_positions, swiglu
 from coda_dsl.runtime import op as runtime
 from coda_dsl.runtime import tune as tuning
 
-from .harness import (FLOOR, Row, background, compile_label, compile_mode, fmt, markdown, no_gpu, out_dir, parser,
-                      progress, rel_err, results_only_on_stdout, rotation, round_robin, save, shapes, subset, table)
+from .harness import (FLOOR, Row, background, compile_label, compile_mode, config_text, fmt, markdown, no_gpu,
+                      out_dir, parser, progress, rel_err, results_only_on_stdout, rotation, round_robin, save, shapes,
+                      subset, table)
 from .harness import command as command_line
 
 CUBES = tuple((s, s, s) for s in (2048, 4096, 8192))  # M, N, K
@@ -130,11 +131,11 @@ def plan_rows(cases: list[Case], shapes=None, autotune=False, dynamic=False) -> 
     return [[c.name, fmt(s), ", ".join(_variants(c, None, None, label))] for c, s in plan(cases, shapes)]
 
 
-def kernels(todo: list[tuple[Case, tuple]]) -> dict:
-    """Each (case, shape)'s kernel in the configuration cd.gemm picks for that shape untuned, rendered
-    but not built (runtime.prebuild builds them all in one ninja run)."""
+def kernels(todo: list[tuple[Case, tuple]], config: str | None = None) -> dict:
+    """Each (case, shape)'s kernel in `config`, else the configuration cd.gemm picks for that shape untuned,
+    rendered but not built (runtime.prebuild builds them all in one ninja run)."""
     a, w = _r(256, 256), _r(256, 256)
-    return {(c.name, s): cd.compile(c.epilogue, a, w, config=tuning.default(*s)[0], **c.operands(256, 256))
+    return {(c.name, s): cd.compile(c.epilogue, a, w, config=config or tuning.default(*s)[0], **c.operands(256, 256))
             for c, s in todo}
 
 
@@ -173,12 +174,13 @@ def _compile_all(todo, autotune: bool, dynamic: bool, failed: list[str]) -> dict
 
 
 def run(cases: list[Case], shapes=None, autotune=False, iters=50, tune=False, dynamic=False, also_build=(),
-        checkpoint: Callable | None = None) -> tuple[list[Row], list[str]]:
+        checkpoint: Callable | None = None, config: str | None = None) -> tuple[list[Row], list[str]]:
     """Measure every (case, shape); returns the rows and one line per failure. also_build: more
     kernels (another benchmark's) for the same parallel build. checkpoint(rows, failed) after each
-    shape, so that a run stopped by a time limit still leaves its numbers."""
+    shape, so that a run stopped by a time limit still leaves its numbers. config: one configuration
+    for every kernel instead of each shape's default."""
     todo = plan(cases, shapes)
-    ops = kernels(todo)
+    ops = kernels(todo, config)
     # nvcc (one core per kernel, in subprocesses) builds while torch.compile works in this thread
     built = background(runtime.prebuild, [*ops.values(), *also_build])
     failed: list[str] = []
@@ -264,7 +266,11 @@ def add_args(p: argparse.ArgumentParser, only=tuple(CASES)) -> None:
     p.add_argument("--autotune", action="store_true", help="torch.compile with max-autotune-no-cudagraphs (slow)")
     p.add_argument("--compile-dynamic", action="store_true",
                    help="torch.compile once per case with dynamic shapes instead of once per shape (faster)")
-    p.add_argument("--tune", action="store_true", help="coda_dsl with configurations tuned per shape")
+    chosen = p.add_mutually_exclusive_group()
+    chosen.add_argument("--tune", action="store_true", help="coda_dsl with configurations tuned per shape")
+    chosen.add_argument("--config", type=config_text, metavar="CFG",
+                   help="coda_dsl in this configuration (e.g. 128x128x64_c2x1_pingpong) at every shape, instead "
+                        "of each shape's default: a mainloop's cost apart from its epilogue's")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
 
 
@@ -282,7 +288,7 @@ def main(argv=None) -> int:
     command = command_line("python -m bench.epilogues", argv)
     with results_only_on_stdout():
         rows, failed = run(cases, args.shapes, args.autotune, args.iters, args.tune, args.compile_dynamic,
-                           checkpoint=checkpoint(command))
+                           checkpoint=checkpoint(command), config=args.config)
     report(rows, failed, command)
     return 1 if failed else 0
 

@@ -225,6 +225,15 @@ def shapes(text: str) -> list[tuple[int, int, int]]:
     return [shape(s) for s in text.split(",")]
 
 
+def config_text(text: str) -> str:
+    """An argparse type: a cd.Config's text (e.g. 128x128x64_c2x1_pingpong), checked."""
+    import coda_dsl as cd
+    try:
+        return cd.Config.parse(text).text
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def subset(choices) -> Callable[[str], list[str]]:
     """An argparse type: a comma-separated subset of `choices`."""
     def parse(text: str) -> list[str]:

@@ -210,8 +210,9 @@ def fake_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(epilogues, "rotation", lambda make, nbytes: [make(), make()])
     monkeypatch.setattr(epilogues, "_r", lambda *s: torch.randn(*s, dtype=torch.bfloat16))
     monkeypatch.setattr(epilogues.runtime, "prebuild", lambda ops: None)
-    monkeypatch.setattr(epilogues, "kernels", lambda todo: {
-        (c.name, s): lambda a, w, ep=c.epilogue, **o: cd.gemm(a, w, ep, backend="reference", **o) for c, s in todo})
+    monkeypatch.setattr(epilogues, "kernels", lambda todo, config=None: {
+        (c.name, s): lambda a, w, ep=c.epilogue, cfg=config, **o: cd.gemm(a, w, ep, backend="reference", config=cfg, **o)
+        for c, s in todo})
     monkeypatch.setattr(cross_entropy, "kernels", lambda configs=(None,): [])
     monkeypatch.setattr(cross_entropy, "_inputs", lambda m, d, v: (
         torch.randn(m, d, dtype=torch.bfloat16), torch.randn(v, d, dtype=torch.bfloat16) * d ** -0.5,
@@ -241,6 +242,23 @@ def test_whole_run_on_fake_gpu(fake_gpu, capsys):
     assert [(r["step"], r["variant"]) for r in ce] == [(s, v) for s in cross_entropy.STEPS
                                                       for v in ("eager", "torch.compile", "coda_dsl")]
     assert all(r["extra"]["rel_err_vs_eager"] < 2e-2 for r in ce if r["variant"] != "eager")
+
+
+def test_one_config_for_every_kernel_on_fake_gpu(fake_gpu, monkeypatch):
+    """--config reaches every coda_dsl kernel (the fake's kernels run cd.gemm with it); a bad one is refused."""
+    seen = []
+    gemm = cd.gemm
+    monkeypatch.setattr(epilogues, "no_gpu", lambda: False)
+    monkeypatch.setattr(cd, "gemm", lambda *a, config=None, **k: seen.append(config) or gemm(*a, config=config, **k))
+    assert epilogues.main(["--only", "identity", "--shapes", "64x128x32", "--iters", "2",
+                           "--config", "128x128x64_c2x1_pingpong"]) == 0
+    assert seen and set(seen) == {"128x128x64_c2x1_pingpong"}
+    with pytest.raises(SystemExit) as e:
+        epilogues.main(["--config", "128x128", "--dry-run"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        epilogues.main(["--config", "128x128x64_c2x1_pingpong", "--tune", "--dry-run"])  # one or the other
+    assert e.value.code == 2
 
 
 def test_cross_entropy_other_chunk_rows_on_fake_gpu(fake_gpu, capsys, monkeypatch):
