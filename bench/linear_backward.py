@@ -4,10 +4,14 @@ two backward GEMMs), against the same PyTorch layer in eager and under torch.com
 floor: the three bare cuBLAS GEMMs (x @ W^T, dacc @ W, dacc^T @ x).
 
     python -m bench.linear_backward [--only bias_gelu,swiglu,residual_sumsq] [--shapes 8192x14336x4096]
-                                    [--iters 30] [--dry-run]
+                                    [--with-dy] [--iters 30] [--dry-run]
 
 Each timed call is forward + backward (torch.autograd.grad of every output, with fixed random incoming
 gradients, for x, W and the tensor operands). Ratios are time / the three GEMMs' time: lower is better.
+
+--with-dy: also each step with the GEMM that produces D's incoming gradient, dY = G @ V^T (as the layer
+above's backward does), against four bare GEMMs. There coda_dsl has the choice cd.linear lacks: the
+derived backward epilogue (cd.backward_epilogue) runs in dY's GEMM, so dacc costs no pass of its own.
 """
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ import torch.nn.functional as F
 
 import coda_dsl as cd
 from coda_dsl.library import swiglu
+from coda_dsl.passes.autodiff import GRAD
+from coda_dsl.runtime.autograd import forward_epilogue
 
 from .epilogues import bias_gelu, residual_sumsq
 from .harness import (Row, fmt, markdown, no_gpu, parser, progress, results_only_on_stdout, rotation, round_robin,
@@ -28,6 +34,8 @@ from .harness import command as command_line
 
 SHAPES = [(8192, 14336, 4096)]  # the issue's target shape: Llama-3-8B's MLP width
 FLOOR = "3 cuBLAS GEMMs (floor)"
+FLOOR_DY = "4 cuBLAS GEMMs (floor, with dY's)"
+IN_DY = "coda_dsl, dacc in dY's GEMM"
 
 
 @dataclass(frozen=True)
@@ -67,12 +75,16 @@ def _step(forward: Callable) -> Callable:
     return step
 
 
-def _inputs(case: Case, m: int, n: int, k: int) -> tuple:
+def _inputs(case: Case, m: int, n: int, k: int, with_dy: bool = False) -> tuple:
+    """x, W, the operands, the incoming gradients; with_dy: also G [M, K] and V [N_D, K] whose product is
+    D's incoming gradient (the inputs of the GEMM that produces it)."""
     x, w = _r(m, k), (_r(n, k, grad=False) * k ** -0.5).requires_grad_()
     operands = case.operands(m, n)
     outs = _layer(case)(x, w, **operands)
     dys = {name: torch.randn_like(t) for name, t in outs.items()}
-    return x, w, operands, dys
+    if not with_dy:
+        return x, w, operands, dys
+    return x, w, operands, dys, _r(m, k, grad=False), _r(outs["D"].shape[1], k, grad=False) * k ** -0.5
 
 
 def _gemms(x, w, operands, dys):
@@ -80,38 +92,69 @@ def _gemms(x, w, operands, dys):
     return acc @ w, acc.t() @ x  # the backward GEMMs' shapes: dacc is [M, N] like acc
 
 
-def measure(name: str, shape: tuple, iters: int) -> list[Row]:
+def _with_dy(step: Callable) -> Callable:
+    """step, after dY's GEMM: D's incoming gradient is G @ V^T."""
+    return lambda x, w, operands, dys, g, v: step(x, w, operands, {**dys, "D": g @ v.t()})
+
+
+def _in_dy(case: Case) -> Callable:
+    """Forward + backward with the derived backward epilogue in dY's GEMM: the forward kernel keeps its
+    accumulator; dY's GEMM then outputs dacc (its D) and the operands' gradients; then dacc @ W, dacc^T x."""
+    forward, backward = forward_epilogue(case.epilogue), cd.backward_epilogue(case.epilogue)
+
+    def step(x, w, operands, dys, g, v):
+        acc = cd.gemm(x, w, forward, **operands)["acc"]
+        grads = cd.gemm(g, v, backward, saved_acc=acc, **operands,
+                        **{GRAD + k: dy for k, dy in dys.items() if k != "D"})
+        dacc = grads["D"]
+        return (dacc @ w, dacc.t() @ x, *(grads[k] for k in operands))
+    return step
+
+
+def measure(name: str, shape: tuple, iters: int, with_dy: bool = False) -> list[Row]:
     case, (m, n, k) = CASES[name], shape
-    sets = rotation(lambda: _inputs(case, m, n, k), 2 * (m * k + n * k + 2 * m * n))
+    sets = rotation(lambda: _inputs(case, m, n, k, with_dy), 2 * ((2 if with_dy else 1) * (m * k + n * k) + 2 * m * n))
     ours = _step(lambda x, w, **ops: cd.linear(x, w, case.epilogue, **ops))
     variants = {FLOOR: _gemms, "coda_dsl cd.linear": ours, "eager": _step(_layer(case)),
                 "torch.compile": _step(torch.compile(_layer(case)))}
+    floor = FLOOR
+    if with_dy:
+        variants = {FLOOR_DY: lambda x, w, operands, dys, g, v: (g @ v.t(), *_gemms(x, w, operands, dys)),
+                    IN_DY: _in_dy(case), **{label: _with_dy(fn) for label, fn in variants.items() if label != FLOOR}}
+        floor = FLOOR_DY
     ref = variants["eager"](*sets[0])
     for label, fn in variants.items():
         progress(f"linear_backward: {name} {fmt(shape)}: {label}")
         got = fn(*sets[0])  # builds / compiles outside the timing
-        if label != FLOOR:
+        if label != floor:
             err = max(((g.float() - r.float()).norm() / r.float().norm()).item() for g, r in zip(got, ref))
             if err > 3e-2:
                 progress(f"  {label}: gradients differ from eager by {err:.1e}")
     times = round_robin(variants, sets, iters)
-    flops = 3 * 2 * m * n * k
-    return [Row("linear_backward/" + name, fmt(shape), label, us, flops / us / 1e6, us / times[FLOOR])
-            for label, us in times.items()]
+    flops = 3 * 2 * m * n * k + (2 * m * sets[0][5].shape[0] * k if with_dy else 0)
+    bench = f"linear_backward/{name}" + (" +dY" if with_dy else "")
+    return [Row(bench, fmt(shape), label, us, flops / us / 1e6, us / times[floor]) for label, us in times.items()]
 
 
-def prebuild(todo: list[tuple[str, tuple]]) -> None:
+def prebuild(todo: list[tuple[str, tuple]], with_dy: bool = False) -> None:
     """cd.linear's forward kernels (the epilogue plus its saved accumulator), with the configs cd.gemm
-    picks at each shape, in one parallel ninja run instead of one by one at their first calls."""
+    picks at each shape, and with_dy the backward epilogues in dY's GEMM, in one parallel ninja run
+    instead of one by one at their first calls."""
     from coda_dsl.runtime import op as runtime
-    from coda_dsl.runtime.autograd import forward_epilogue
     from coda_dsl.runtime.tune import default
     ops = []
     for name, (m, n, k) in todo:
         case = CASES[name]
-        x = _r(64, 64, grad=False)  # a small problem: only dtypes and layouts matter
-        operands = {key: v.detach() for key, v in case.operands(64, 64).items()}
-        ops.append(cd.compile(forward_epilogue(case.epilogue), x, x, config=default(m, n, k)[0], **operands))
+        x, w, operands, dys, *gv = _inputs(case, 64, 64, 64, with_dy)  # small: only dtypes and layouts matter
+        operands = {key: v.detach() for key, v in operands.items()}
+        ops.append(cd.compile(forward_epilogue(case.epilogue), x.detach(), w.detach(), config=default(m, n, k)[0],
+                              **operands))
+        if with_dy:
+            g, v = gv
+            acc = (x @ w.t()).detach()
+            n_d = dys["D"].shape[1] * n // 64  # the real problem's dY width
+            ops.append(cd.compile(cd.backward_epilogue(case.epilogue), g, v, config=default(m, n_d, k)[0],
+                                  saved_acc=acc, **operands, **{GRAD + k: dy for k, dy in dys.items() if k != "D"}))
     runtime.prebuild(ops)
 
 
@@ -120,21 +163,27 @@ def main(argv=None) -> int:
     p.add_argument("--only", type=subset(list(CASES)), default=list(CASES), help="epilogues, comma-separated")
     p.add_argument("--shapes", type=shapes, default=SHAPES, help="MxNxK,... (default %(default)s)")
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--with-dy", action="store_true",
+                   help="also with dY's GEMM, where the derived backward epilogue can run (against 4 GEMMs)")
     p.add_argument("--dry-run", action="store_true", help="print what would be measured, then exit")
     args = p.parse_args(argv)
     todo = [(name, s) for name in args.only for s in args.shapes]
     if args.dry_run:
         print(markdown(["epilogue", "shape (M×N×K)", "variants"],
-                       [[name, fmt(s), f"{FLOOR}, coda_dsl cd.linear, eager, torch.compile"] for name, s in todo]))
+                       [[name, fmt(s), f"{FLOOR}, coda_dsl cd.linear, eager, torch.compile"
+                         + (f"; {FLOOR_DY}, {IN_DY}, the same with dY's GEMM" if args.with_dy else "")]
+                        for name, s in todo]))
         return 0
     if no_gpu():
         return 1
     rows = []
     with results_only_on_stdout():
-        prebuild(todo)
+        prebuild(todo, args.with_dy)
         for name, s in todo:
             rows += measure(name, s, args.iters)
-    print(markdown(["epilogue", "shape (M×N×K)", "variant", "fwd+bwd (µs)", "TFLOP/s", "× 3 GEMMs"],
+            if args.with_dy:
+                rows += measure(name, s, args.iters, with_dy=True)
+    print(markdown(["epilogue", "shape (M×N×K)", "variant", "fwd+bwd (µs)", "TFLOP/s", "× floor"],
                    [[r.bench.split("/")[1], r.shape, r.variant, f"{r.us:.0f}", f"{r.tflops:.0f}", f"{r.vs_gemm:.3f}"]
                     for r in rows], numeric=3))
     save(rows, "linear_backward", command_line("python -m bench.linear_backward", argv))

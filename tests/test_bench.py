@@ -204,7 +204,7 @@ def fake_gpu(monkeypatch, tmp_path):
         monkeypatch.setattr(mod, "round_robin", lambda variants, sets, iters, warmup=2:
                             {name: time_us(fn, sets) for name, fn in variants.items()})
     monkeypatch.setattr(linear_backward, "no_gpu", lambda: False)
-    monkeypatch.setattr(linear_backward, "prebuild", lambda todo: None)
+    monkeypatch.setattr(linear_backward, "prebuild", lambda todo, with_dy=False: None)
     monkeypatch.setattr(linear_backward, "rotation", lambda make, nbytes: [make(), make()])
     monkeypatch.setattr(linear_backward, "_r", lambda *s, grad=True: torch.randn(*s).bfloat16().requires_grad_(grad))
     monkeypatch.setattr(epilogues, "rotation", lambda make, nbytes: [make(), make()])
@@ -272,14 +272,34 @@ def test_cross_entropy_other_chunk_rows_on_fake_gpu(fake_gpu, capsys, monkeypatc
 def test_linear_backward_on_fake_gpu(fake_gpu, capsys):
     assert linear_backward.main(["--dry-run"]) == 0
     assert "| swiglu | 8192×14336×4096 |" in capsys.readouterr().out
-    assert linear_backward.main(["--shapes", "64x128x32", "--iters", "2"]) == 0
+    assert linear_backward.main(["--shapes", "64x128x32", "--iters", "2", "--with-dy"]) == 0
     out, err = capsys.readouterr()
     for name in linear_backward.CASES:
         for variant in (linear_backward.FLOOR, "coda_dsl cd.linear", "eager", "torch.compile"):
             assert f"| {name} | 64×128×32 | {variant} |" in out
-    assert "differ" not in err  # cd.linear's gradients agree with eager PyTorch's
+        for variant in (linear_backward.FLOOR_DY, linear_backward.IN_DY, "coda_dsl cd.linear", "torch.compile"):
+            assert f"| {name} +dY | 64×128×32 | {variant} |" in out
+    # cd.linear's gradients, and those of the backward epilogue in dY's GEMM, agree with eager PyTorch's
+    assert "differ" not in err
     rows = json.loads((fake_gpu / "linear_backward.json").read_text())["rows"]
-    assert len(rows) == 12 and all(r["vs_gemm"] > 0 for r in rows)
+    assert len(rows) == 12 + 15 and all(r["vs_gemm"] > 0 for r in rows)
+
+
+def test_linear_backward_prebuild_compiles_what_the_steps_call(monkeypatch):
+    """prebuild(with_dy=True) compiles, for each case, the forward kernel and the backward epilogue in dY's
+    GEMM with operands those epilogues accept (checked here by running them on the reference backend)."""
+    compiled, built = [], []
+
+    def compile_(ep, a, b, config=None, **operands):
+        cd.gemm(a, b, ep, backend="reference", **operands)  # operand names, kinds and shapes fit the epilogue
+        compiled.append((ep.name, config))
+    monkeypatch.setattr(linear_backward, "_r", lambda *s, grad=True: torch.randn(*s).bfloat16().requires_grad_(grad))
+    monkeypatch.setattr(cd, "compile", compile_)
+    monkeypatch.setattr("coda_dsl.runtime.op.prebuild", lambda ops: built.append(ops))
+    linear_backward.prebuild([(name, (8192, 14336, 4096)) for name in linear_backward.CASES], with_dy=True)
+    assert len(compiled) == 2 * len(linear_backward.CASES) and len(built) == 1
+    assert {name for name, _ in compiled} == {f"{c}{suffix}" for c in linear_backward.CASES
+                                              for suffix in ("", "_backward_fused")}
 
 
 def test_mlp_on_fake_gpu(fake_gpu, capsys, monkeypatch):
