@@ -162,10 +162,24 @@ void launch(typename Gemm::Arguments& args, void* ws, size_t ws_size, Call const
     if (ws_size > 0) check_cuda(cudaMemsetAsync(ws, 0, ws_size, call.stream), op_name, "workspace memset");
   }
   auto params = Kernel::to_underlying_arguments(args, ws);
-  cutlass::Status status = Gemm::run(params, call.stream);
-  if (status != cutlass::Status::kSuccess)
-    fail(op_name, ": kernel launch failed (", cutlassGetStatusString(status), "): ",
-         cudaGetErrorString(cudaGetLastError()));
+  // The launch Gemm::run makes, less its per-launch cudaFuncSetAttribute (non-portable cluster sizes:
+  // ours are at most 2x2, portable) and driver-version checks: one cudaLaunchKernelExC.
+  using Cluster = typename Kernel::DispatchPolicy::ClusterShape;
+  cudaLaunchAttribute cluster[1];
+  cluster[0].id = cudaLaunchAttributeClusterDimension;
+  cluster[0].val.clusterDim = {unsigned(cute::size<0>(Cluster{})), unsigned(cute::size<1>(Cluster{})),
+                               unsigned(cute::size<2>(Cluster{}))};
+  static_assert(cute::size(Cluster{}) <= 8, "a cluster of more than 8 CTAs needs cudaFuncAttributeNonPortableClusterSizeAllowed");
+  cudaLaunchConfig_t config{};
+  config.gridDim = Kernel::get_grid_shape(params);
+  config.blockDim = Kernel::get_block_shape();
+  config.dynamicSmemBytes = Kernel::SharedStorageSize;
+  config.stream = call.stream;
+  config.attrs = cluster;
+  config.numAttrs = cute::size(Cluster{}) > 1 ? 1 : 0;  // a 1x1x1 cluster launches as a plain grid, as in CUTLASS
+  void* kernel_params[] = {&params};
+  check_cuda(cudaLaunchKernelExC(&config, reinterpret_cast<void const*>(cutlass::device_kernel<Kernel>), kernel_params),
+             op_name, "kernel launch");
 }
 
 }  // namespace coda
