@@ -352,6 +352,41 @@ def test_linear_matches_autograd_of_the_reference(reduction_output):
         assert rel_err(t.grad, g) < 1e-5, f"d{name}"  # fp32, two summation orders: norm-wise
 
 
+def test_linear_leaves_out_outputs_the_loss_does_not_use():
+    """An output with no incoming gradient adds nothing, not 0 * f'(x): sqrt's derivative is NaN where
+    acc < 0, and D's gradient must stay finite and right."""
+    @cd.epilogue
+    def f(acc):
+        return {"D": acc * 2.0, "root": cd.sqrt(acc)}
+    x, w = torch.randn(6, 4, requires_grad=True), torch.randn(5, 4)
+    cd.linear(x, w, f, backend="reference")["D"].sum().backward()
+    torch.testing.assert_close(x.grad, 2.0 * w.sum(0).expand(6, 4))
+
+
+def test_linear_keeps_outputs_named_like_its_saved_values_apart():
+    """An output named 'acc' is the user's own when the derivative does not read the accumulator; where it
+    does (or an output is named saved_<statistic>), the clash is refused with the fix."""
+    @cd.epilogue
+    def linear_acc(acc):
+        return {"D": acc * 2.0, "acc": acc}
+
+    @cd.epilogue
+    def gelu_acc(acc):
+        return {"D": cd.gelu(acc), "acc": acc}
+
+    @cd.epilogue
+    def saved(acc):
+        return {"s": cd.sum(acc * acc, axis="n").then(cd.rsqrt), "saved_s": cd.sum(acc, axis="n")}
+    x, w = torch.randn(6, 4, requires_grad=True), torch.randn(5, 4)
+    out = cd.linear(x, w, linear_acc, backend="reference")
+    torch.testing.assert_close(out["acc"], x.detach() @ w.t())
+    (out["D"].sum() + out["acc"].sum()).backward()
+    torch.testing.assert_close(x.grad, 3.0 * w.sum(0).expand(6, 4))
+    for ep, name in ((gelu_acc, "acc"), (saved, "saved_s")):
+        with pytest.raises(cd.OperandError, match=f"output named '{name}'.*rename"):
+            cd.linear(x, w, ep, backend="reference")
+
+
 def test_linear_swiglu_trains_only_what_requires_grad():
     from coda_dsl.library import swiglu
     x, w = torch.randn(20, 16), torch.randn(32, 16, requires_grad=True)
@@ -369,8 +404,11 @@ def test_linear_refuses_what_it_cannot_differentiate():
     @cd.epilogue
     def f(acc):
         return {"D": acc, "m": cd.max(acc, axis="n")}
+    x = torch.randn(4, 8, requires_grad=True)
     with pytest.raises(UnsupportedError, match="cd.max"):
-        cd.linear(torch.randn(4, 8), torch.randn(8, 8), f, backend="reference")
+        cd.linear(x, torch.randn(8, 8), f, backend="reference")
+    with torch.no_grad():  # no gradient wanted: the plain fused GEMM, nothing derived
+        assert cd.linear(x, torch.randn(8, 8), f, backend="reference")["m"].shape == (4,)
     with pytest.raises(cd.OperandError, match="2-D"):
         cd.linear(torch.randn(2, 4, 8), torch.randn(8, 8), backend="reference")
 

@@ -284,6 +284,19 @@ def test_vocabulary_shards_combine_to_the_full_loss(seed, smoothing, cap):
         assert _rel(got, whole) < 1e-5
 
 
+def test_combining_shards_checks_its_arguments():
+    from coda_dsl.library.cross_entropy import combine_vocab_shards, vocab_shard_stats
+    x, w, t = _problem(m=8, v=20)
+    parts = [vocab_shard_stats(x, w[:10], t, 0, backend="reference"), vocab_shard_stats(x, w[10:], t, 10,
+                                                                                       backend="reference")]
+    for kwargs, match in (({"reduction": "avg"}, "reduction"), ({"label_smoothing": 0.1}, "z_sum"),
+                          ({"label_smoothing": 1.5}, "label_smoothing")):
+        with pytest.raises(ValueError, match=match):
+            combine_vocab_shards(parts, t, 20, **kwargs)
+    with pytest.raises(ValueError, match="got none"):
+        combine_vocab_shards([], t, 20)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_targets_out_of_range_raise_on_cpu_and_give_nan_rows(reduction):
     """A target neither ignore_index nor in [0, V) is an error (F.cross_entropy raises); on CUDA, where

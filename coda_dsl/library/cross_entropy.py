@@ -286,11 +286,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_x, grad_w, *[None] * 10
 
 
-def _check_args(x, target, reduction, label_smoothing):
+def _check_options(reduction, label_smoothing):
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', not {reduction!r}")
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+
+
+def _check_args(x, target, reduction, label_smoothing):
+    _check_options(reduction, label_smoothing)
     if x.dim() != 2:
         raise ValueError(f"x must be [M, d] (flatten a batch: x.flatten(0, -2), target.flatten()), got "
                          f"{list(x.shape)}")
@@ -344,6 +348,12 @@ def combine_vocab_shards(stats: Sequence[dict[str, torch.Tensor]], target: torch
                          reduction: str = "mean") -> torch.Tensor:
     """The loss from every shard's vocab_shard_stats, as linear_cross_entropy over the whole
     vocabulary (vocab_size columns) would give it; the same max / sum-exp steps as the all-reduces."""
+    _check_options(reduction, label_smoothing)
+    if not stats:
+        raise ValueError("stats: one vocab_shard_stats result per shard, got none")
+    if label_smoothing and any("z_sum" not in s for s in stats):
+        raise ValueError(f"label_smoothing={label_smoothing}: every shard's stats need 'z_sum'; pass the same "
+                         "label_smoothing to vocab_shard_stats")
     lse = torch.stack([s["lse"] for s in stats])
     top = lse.amax(0)
     total = {"lse": top + torch.log(torch.exp(lse - top).sum(0)),

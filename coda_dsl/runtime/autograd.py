@@ -49,9 +49,11 @@ def _derive(ep: Epilogue, consts: dict, no_grad: tuple[str, ...] = ()) -> _Deriv
     if key not in per_ep:
         back = derive(specialize(ep.program, consts), no_grad)
         p, forward = ep.program, ep
-        if back.uses_acc and p.output(ACC_OUTPUT):
-            raise OperandError(f"cd.linear: epilogue '{ep.name}' has an output named '{ACC_OUTPUT}', the name "
-                               "its saved accumulator takes: rename that output")
+        taken = [name for name in ([ACC_OUTPUT] if back.uses_acc else []) + [SAVED + o for o in back.unfinished]
+                 if p.output(name)]
+        if taken:
+            raise OperandError(f"cd.linear: epilogue '{ep.name}' has an output named '{taken[0]}', the name the "
+                               "forward kernel gives a value the backward reads: rename that output")
         extra = ((ir.Output(ACC_OUTPUT, ir.acc(), None),) if back.uses_acc else ()) + tuple(
             ir.Output(SAVED + o, ir.reduction_of(p.output(o).node), None) for o in back.unfinished)
         if extra:
@@ -69,28 +71,32 @@ class _Linear(torch.autograd.Function):
         derived = _derive(ep, consts)
         back = derived.back
         outs = gemm(x, w, derived.forward, **options, **operands)
-        acc = outs.pop(ACC_OUTPUT, None)
+        acc = outs.pop(ACC_OUTPUT) if back.uses_acc else None
         statistics = [outs.pop(SAVED + o) if o in back.unfinished else outs[o] for o in back.saved]
-        ctx.derived, ctx.names, ctx.numbers = derived, names, numbers
+        ctx.ep, ctx.consts, ctx.derived, ctx.names, ctx.numbers = ep, consts, derived, names, numbers
         ctx.save_for_backward(x, w, acc, *tensors, *statistics)
+        # an output the loss does not use gets None, not zeros: its derivative is left out of the backward,
+        # where 0 * f'(x) would still be NaN at f's singular points (sqrt at 0, log at 0, ...)
+        ctx.set_materialize_grads(False)
         return tuple(outs[o] for o in ep.output_names)  # linear() names them in this order
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # the saved accumulator has no graph: no second order
     def backward(ctx, *grads):
-        back, names = ctx.derived.back, ctx.names
+        names = ctx.names
+        unused = tuple(o for o, g in zip(ctx.ep.output_names, grads) if g is None)
+        derived = _derive(ctx.ep, ctx.consts, unused) if unused else ctx.derived
+        back = derived.back  # reads a subset of what the full derivative saved
         x, w, acc, *rest = ctx.saved_tensors
         tensors, saved = rest[:len(names)], rest[len(names):]
-        outs = dict(zip(back.grads, grads))  # the forward's outputs, in its order
         operands = {**dict(zip(names, tensors)), **ctx.numbers,
-                    **{SAVED + o: t for o, t in zip(back.saved, saved)},
-                    **{GRAD + o: (g if g is not None else torch.zeros((), device=x.device)) for o, g in outs.items()
-                       if o in back.grads}}
+                    **{SAVED + o: t for o, t in zip(ctx.derived.back.saved, saved)},
+                    **{GRAD + o: g for o, g in zip(ctx.ep.output_names, grads) if g is not None}}
         fp64 = x.dtype == torch.float64  # the reference backend's gradcheck precision: gradients stay fp64
         if acc is None:  # the derivative does not read the accumulator: any tensor of its shape will do
             acc = torch.zeros(x.shape[0], w.shape[0], device=x.device, dtype=torch.float64 if fp64 else torch.float32)
         out_dtypes = {} if fp64 else {"acc": dtype_name(x.dtype), **{n: dtype_name(t.dtype) for n, t in zip(names, tensors)}}
-        got = ctx.derived.backward(acc, operands, out_dtypes)
+        got = derived.backward(acc, operands, out_dtypes)
         dacc = got.get("acc")
         need_x, need_w = ctx.needs_input_grad[4:6]
         grad_x = dacc @ w if need_x and dacc is not None else None
@@ -114,6 +120,10 @@ def linear(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, /
     if not isinstance(A, torch.Tensor) or A.dim() != 2:
         raise OperandError("cd.linear: A must be a 2-D tensor [M, K]; flatten a batch into rows: A.flatten(0, -2)")
     names = tuple(k for k, v in operands.items() if isinstance(v, torch.Tensor))
+    tensors = (A, B, *(operands[k] for k in names))
+    if not torch.is_grad_enabled() or not any(getattr(t, "requires_grad", False) for t in tensors):
+        # nothing to differentiate: the plain fused GEMM (no accumulator kept, no derivative needed)
+        return gemm(A, B, ep, backend=backend, config=config, **operands)
     numbers = {k: v for k, v in operands.items() if not isinstance(v, torch.Tensor)}
     options = {"backend": backend, "config": config}
     outs = _Linear.apply(ep, names, numbers, options, A, B, *(operands[k] for k in names))
