@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 # use them, so that `coda-dsl --help` answers at once.
 from . import build
 from .build import ToolchainError
-from .errors import CodaError
+from .errors import CodaError, UnsupportedError
 
 if TYPE_CHECKING:
     from .dsl import Epilogue
@@ -156,11 +156,17 @@ def specialization_from_options(ep: Epilogue, ab_dtype: str = "bf16", b_layout: 
     return CompiledOp.create(ep, signature(ep, ab_dtype, b_layout, dtypes, values, config, a_layout=a_layout), values)
 
 
-def _spec_from_args(args) -> tuple[Epilogue, CompiledOp]:
+def _epilogue_from_args(args) -> tuple[Epilogue, dict]:
+    """The epilogue the command works on (its derived backward with --backward), and the --const values."""
     ep = load_epilogue(args.target)
     consts = _pairs(args.const, "--const")
     if getattr(args, "backward", False):  # the derived backward: an epilogue of its own, consts bound
         ep, consts = _backward_of(ep, consts), {}
+    return ep, consts
+
+
+def _spec_from_args(args, epilogue: tuple[Epilogue, dict] | None = None) -> tuple[Epilogue, CompiledOp]:
+    ep, consts = epilogue or _epilogue_from_args(args)
     dtypes = _pairs(args.operand_dtype, "--operand-dtype")
     return ep, specialization_from_options(ep, args.dtype, args.b_layout, dtypes, consts, args.config, args.a_layout)
 
@@ -208,7 +214,13 @@ def cmd_explain(args) -> int:
         from .runtime.tune import default
         config, why = default(*args.shape)
         args.config = args.config or config.text
-    ep, spec = _spec_from_args(args)
+    ep, consts = _epilogue_from_args(args)
+    try:
+        ep, spec = _spec_from_args(args, (ep, consts))
+    except UnsupportedError as e:  # no kernel for it: still show the program, then why
+        print(f"# epilogue {ep.name} ({ep.defined_at})\n\n## IR\n{format_program(ep.program)}")
+        print(f"\n## no kernel: it runs on the reference backend only\n  {e}")
+        return 1
     plan, sig = spec.plan, spec.plan.signature
     print(f"# epilogue {ep.name} ({ep.defined_at})")
     consts = ", ".join(f"{k}={v:g}" for k, v in sig.consts)

@@ -564,9 +564,13 @@ class LlamaDecoderLayer(nn.Module):
         return_rstd=True; computed here when None. return_rstd: also return this output's rstd."""
         if attention_mask is not None:
             raise UnsupportedError("coda_dsl.nn.LlamaDecoderLayer: attention is causal only; pass "
-                                   "attention_mask=None (no padding or packed-sequence masks yet)")
+                                   "attention_mask=None (no padding or packed-sequence masks yet). In a transformers "
+                                   "model, use attn_implementation='sdpa' (its default), which passes None for a "
+                                   "causal batch; 'eager' passes the causal mask as a tensor")
         if cache is not None or use_cache or kwargs.get("past_key_values") is not None:
-            raise UnsupportedError("coda_dsl.nn.LlamaDecoderLayer: no KV cache (training layer); pass cache=None")
+            raise UnsupportedError("coda_dsl.nn.LlamaDecoderLayer: no KV cache (a training layer). In a transformers "
+                                   "model, call it with use_cache=False (or set model.config.use_cache = False); "
+                                   "called directly, pass no cache")
         x = hidden_states
         xf, pos, rstd = flat_inputs(x, position_ids, input_rstd, self.hidden_size)
         b, s, d = x.shape

@@ -86,6 +86,14 @@ def test_explain_half_width_output(capsys):
     assert rc == 0 and "[M, N/2]" in out and "coda::PairStore" in out
 
 
+def test_explain_without_a_kernel_still_shows_the_program(capsys):
+    """RoPE's derived backward sums N/2-wide values into its operands' gradients: no kernel lowers that,
+    and explain says so after the IR (exit 1)."""
+    rc, out, _ = run(capsys, "explain", "coda_dsl.library:rope_positions", "--backward")
+    assert rc == 1 and "## IR" in out and "out inv_freq" in out
+    assert "## no kernel: it runs on the reference backend only" in out and "not N wide" in out
+
+
 def test_options_change_key(capsys, eps):
     def key(*opts):
         rc, out, err = run(capsys, "explain", f"{eps}:scaled", *opts)

@@ -59,25 +59,32 @@ def test_vocabulary_a_multiple_of_8_has_no_tail(monkeypatch, reduction):
     assert _rel(x.grad, xf.grad) < 2e-2 and _rel(w.grad, wf.grad) < 2e-2
 
 
-def test_grads_match_finite_differences(seed):
-    """Analytic gradients vs central differences of the function's own loss (fp32 inputs, differences
-    taken in fp64), on a tiny case with every option: independent of F.cross_entropy."""
-    x, w, t = _problem(m=6, d=5, v=13, dtype=torch.float32)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_grads_match_finite_differences(seed, reduction):
+    """In fp64 (the reference backend keeps it), on a tiny case with every option: the gradients computed
+    in the forward ("mean", "sum") and by the recomputing backward ("none", through torch.autograd.gradcheck)
+    against central differences of the function's own loss, independent of F.cross_entropy. (gradcheck
+    runs a backward twice, which "mean" and "sum" refuse: they hand out gradients made in the forward.)"""
+    x, w, t = _problem(m=6, d=5, v=13, dtype=torch.float64)
     t[1] = -100
-    opts = dict(label_smoothing=0.1, softcap=3.0, backend="reference", chunk_rows=4)
-    f = lambda x_, w_: cd.linear_cross_entropy(x_, w_, t, **opts).double()  # noqa: E731
+    x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    opts = dict(label_smoothing=0.1, softcap=3.0, backend="reference", chunk_rows=4, reduction=reduction)
+    f = lambda x_, w_: cd.linear_cross_entropy(x_, w_, t, **opts)  # noqa: E731
+    if reduction == "none":
+        assert torch.autograd.gradcheck(f, (x, w))
+        return
     f(x, w).backward()
-    h = 1e-2
-    for p, grad, other in ((x, x.grad, w), (w, w.grad, x)):
-        fd = torch.zeros(p.shape, dtype=torch.float64)
+    h = 1e-6
+    for p, other in ((x, w), (w, x)):
+        fd = torch.zeros_like(p)
         for i in range(p.numel()):
+            e = torch.zeros_like(p).view(-1)
+            e[i] = h
+            e = e.view(p.shape)
             with torch.no_grad():
-                e = torch.zeros_like(p).view(-1)
-                e[i] = h
-                e = e.view(p.shape)
-                args = lambda q: (q, other) if p is x else (other, q)  # noqa: E731
-                fd.view(-1)[i] = (f(*args(p + e)) - f(*args(p - e))) / (2 * h)
-        assert _rel(grad, fd) < 2e-3
+                plus, minus = (f(p + e, other), f(p - e, other)) if p is x else (f(other, p + e), f(other, p - e))
+            fd.view(-1)[i] = (plus - minus) / (2 * h)
+        torch.testing.assert_close(p.grad, fd, rtol=1e-5, atol=1e-7)
 
 
 def _count_gemms(monkeypatch):

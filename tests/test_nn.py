@@ -320,6 +320,23 @@ def test_llama3_rope_scaling_matches_hf():
     assert rel_err(ours(x, position_ids=pid), hf_forward(hf, config, x, pid)) < 1e-5
 
 
+def test_in_a_transformers_model():
+    """Swapped into HF's LlamaModel: equal outputs with use_cache=False; the default (a KV cache) is refused
+    with that fix, not computed wrongly."""
+    from transformers import LlamaModel
+    config = llama_config(attn_implementation="sdpa", num_hidden_layers=2, vocab_size=50)
+    torch.manual_seed(0)
+    hf = LlamaModel(config)
+    ours = LlamaModel(config)
+    ours.load_state_dict(hf.state_dict())
+    for i, layer in enumerate(ours.layers):
+        ours.layers[i] = cdnn.LlamaDecoderLayer.from_hf(layer, backend="reference")
+    ids = torch.randint(0, 50, (2, 7))
+    assert rel_err(ours(ids, use_cache=False).last_hidden_state, hf(ids, use_cache=False).last_hidden_state) < 1e-5
+    with pytest.raises(cd.UnsupportedError, match="use_cache=False"):
+        ours(ids)
+
+
 def test_refusals():
     config = llama_config()
     ours = cdnn.LlamaDecoderLayer(config, backend="reference")

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import coda_dsl as cd
-from coda_dsl.library import (geglu, interleave_gate_up, linear_swiglu, neox_to_interleaved_rows, reglu,
-                              rope_frequencies, rope_positions, rope_tables, swiglu_backward,
+from coda_dsl.library import (geglu, interleave_gate_up, linear_swiglu, neox_to_interleaved, neox_to_interleaved_rows,
+                              reglu, rope_frequencies, rope_positions, rope_tables, swiglu_backward,
                               swiglu_keep_preactivation)
 from epilogues import rel_err as _rel
 
@@ -70,6 +70,19 @@ def test_rope_tables_and_positions_agree_with_a_standard_rope():
     by_tables = cd.gemm(x, w, rope_tables, cos=torch.cos(angle), sin=torch.sin(angle), backend="reference")["D"]
     by_positions = cd.gemm(x, w, rope_positions, pos=pos, inv_freq=inv, backend="reference")["D"]
     assert _rel(by_tables, ref) < 1e-2 and _rel(by_positions, ref) < 1e-2
+
+
+def test_rope_helpers_refuse_odd_heads_and_partial_heads():
+    with pytest.raises(ValueError, match="even"):
+        neox_to_interleaved(torch.zeros(24, 4), 5)
+    with pytest.raises(ValueError, match="whole number of heads"):
+        neox_to_interleaved(torch.zeros(24, 4), 16)
+    with pytest.raises(ValueError, match="even"):
+        neox_to_interleaved_rows(3, 7)
+    with pytest.raises(ValueError, match="even"):
+        rope_frequencies(24, 7)
+    with pytest.raises(ValueError, match="odd"):
+        rope_frequencies(23, 8)
 
 
 def test_rope_passes_v_through_and_neox_permutation_keeps_scores():

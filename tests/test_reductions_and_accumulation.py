@@ -92,6 +92,17 @@ def test_accumulate_reference(dtype):
         cd.gemm(a, b, scaled, alpha=1.0, accumulate=True, backend="reference")
 
 
+def test_accumulate_into_a_reduction_as_d_is_refused():
+    @cd.epilogue
+    def row_sum(acc):
+        return cd.sum(acc, axis="n")
+    a, b = _ab()
+    t = torch.ones(37)
+    with pytest.raises(cd.EpilogueError, match="D is a reduction.*\n  fix:"):
+        cd.gemm(a, b, row_sum, out={"D": t}, accumulate=True, backend="reference")
+    assert torch.equal(t, torch.ones(37))  # refused before anything was written
+
+
 def test_accumulate_lowers_to_a_source_fetch(make_plan):
     @cd.epilogue
     def plain(acc):

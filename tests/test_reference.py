@@ -103,6 +103,18 @@ ELEMENTWISE = {
 }
 
 
+def test_outputs_are_new_tensors_even_when_an_operand_is_returned():
+    """As the kernel's outputs are: writing into one must not change the caller's operand."""
+    @cd.epilogue
+    def passthrough(acc, r: cd.Tensor):
+        return {"D": acc, "r_out": r}
+    a, b, r = torch.randn(4, 8), torch.randn(6, 8), torch.randn(4, 6)
+    out = cd.gemm(a, b, passthrough, r=r, backend="reference")
+    assert torch.equal(out["r_out"], r)
+    out["r_out"].zero_()
+    assert r.abs().sum() > 0
+
+
 def test_elementwise_table_covers_every_op():
     assert set(ELEMENTWISE) == set(OPS)
 

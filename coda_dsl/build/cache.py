@@ -46,8 +46,9 @@ class LockTimeoutError(CacheError):
     """Waited longer than CODA_DSL_LOCK_TIMEOUT for another process's build of the same kernel."""
 
 
-def cache_error(e: OSError, path=None) -> CacheError:
-    """A clear CacheError for an OSError met on a cache path: what is wrong there and what to do."""
+def cache_error(e: OSError, path=None, root: bool = False) -> CacheError:
+    """A clear CacheError for an OSError met on a cache path (root: the cache directory itself, which
+    `coda-dsl cache clear` cannot fix): what is wrong there and what to do."""
     where = str(path or e.filename or "the kernel cache")
     code = e.errno
     if code == errno.ENOTDIR:
@@ -56,7 +57,8 @@ def cache_error(e: OSError, path=None) -> CacheError:
     elif code in (errno.EEXIST, errno.EISDIR):
         what = "is a directory where a file belongs" if code == errno.EISDIR else \
             "exists and is not a directory"
-        fix = "remove it (`coda-dsl cache clear` removes such debris)"
+        fix = "remove it, or set CODA_DSL_CACHE to a directory" if root else \
+            "remove it (`coda-dsl cache clear` removes such debris)"
     elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
         what = "read-only file system" if code == errno.EROFS else "permission denied"
         fix = ("make it writable (a cache shared by a group must be group-writable or setgid: see README, "
@@ -121,7 +123,7 @@ def cache_dir() -> Path:
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as e:  # the user chose this place: say what is wrong with it rather than go elsewhere
-            raise CacheError(f"CODA_DSL_CACHE={env}: {cache_error(e, e.filename or root)}") from None
+            raise CacheError(f"CODA_DSL_CACHE={env}: {cache_error(e, e.filename or root, root=True)}") from None
         return root
     xdg = os.environ.get("XDG_CACHE_HOME")
     root = (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "coda_dsl"

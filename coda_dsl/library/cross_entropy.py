@@ -204,7 +204,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             return _reduce(_row_loss(st, v, smoothing), valid, count, reduction, bad)
         # gradients now, chunk by chunk: the backward then only scales them
         scale = valid.float() / (count.clamp_min(1) if reduction == "mean" else 1)
-        loss = torch.empty(m, device=x.device)
+        loss = torch.empty(m, device=x.device, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
         gx = torch.empty_like(x) if need_x else None
         gw = torch.empty_like(w) if need_w else None  # in w's dtype: each chunk's GEMM sums in fp32
         vk = _split(v)

@@ -32,10 +32,18 @@ def rope_positions(acc, pos: cd.VecM, inv_freq: cd.VecN):
     return rotate(acc, cd.cos(angle), cd.sin(angle))
 
 
+def _check_head_dim(head_dim: int) -> None:
+    if not (isinstance(head_dim, int) and head_dim > 0 and head_dim % 2 == 0):
+        raise ValueError(f"head_dim must be a positive even number (it holds rotation pairs), got {head_dim!r}")
+
+
 def neox_to_interleaved(w: torch.Tensor, head_dim: int) -> torch.Tensor:
     """w's rows (heads of head_dim) in the order that turns half-split (i, i + d/2) rotation pairs into
     adjacent ones, as a [heads, d/2, 2, ...] view (no copy): W_q and W_k so permuted, with rope_*, give
     the NeoX/Llama rotation (up to the same permutation of q and k)."""
+    _check_head_dim(head_dim)
+    if w.shape[0] % head_dim:
+        raise ValueError(f"w has {w.shape[0]} rows, not a whole number of heads of head_dim {head_dim}")
     return w.unflatten(0, (-1, 2, head_dim // 2)).transpose(1, 2)
 
 
@@ -47,6 +55,9 @@ def neox_to_interleaved_rows(n_heads: int, head_dim: int) -> torch.Tensor:
 def rope_frequencies(n_cols: int, head_dim: int, base: float = 10000.0, rotate_cols: int | None = None):
     """inv_freq [n_cols / 2] for rope_positions: per head, 1 / base^(2i / head_dim); pairs at or after
     `rotate_cols` (e.g. V of a fused QKV) get 0, i.e. no rotation."""
+    _check_head_dim(head_dim)
+    if n_cols % 2:
+        raise ValueError(f"n_cols = {n_cols} is odd: RoPE turns column pairs")
     i = torch.arange(n_cols // 2) % (head_dim // 2)
     inv = 1.0 / base ** (2.0 * i / head_dim)
     if rotate_cols is not None:

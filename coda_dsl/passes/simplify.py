@@ -50,6 +50,10 @@ def accumulate_into_d(program: ir.Program) -> ir.Program:
     d = program.output("D")
     if d is None:
         raise EpilogueError(f"epilogue '{program.name}' ({program.defined_at}) has no D output to accumulate into")
+    if ir.reduction_of(d.node) is not None:
+        raise EpilogueError(f"epilogue '{program.name}' ({program.defined_at}): its D is a reduction; accumulate=True "
+                            "adds an [M, N] D into out['D'] as the tiles store it\n  fix: add the reduction's result "
+                            "yourself (t += cd.gemm(...)['D'])")
     value = d.node.inputs[0] if d.node.op == "cast" else d.node  # the sum is rounded once, when stored
     outputs = tuple(ir.Output("D", ir.compute("add", ir.prior_d(), value), o.dtype) if o.name == "D" else o
                     for o in program.outputs)

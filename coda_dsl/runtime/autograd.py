@@ -85,8 +85,8 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, *grads):
         names = ctx.names
         unused = tuple(o for o, g in zip(ctx.ep.output_names, grads) if g is None)
+        # without the unused outputs: it reads a subset of what the full derivative had saved
         derived = _derive(ctx.ep, ctx.consts, unused) if unused else ctx.derived
-        back = derived.back  # reads a subset of what the full derivative saved
         x, w, acc, *rest = ctx.saved_tensors
         tensors, saved = rest[:len(names)], rest[len(names):]
         operands = {**dict(zip(names, tensors)), **ctx.numbers,
