@@ -105,7 +105,7 @@ def _in_dy(case: Case) -> Callable:
     def step(x, w, operands, dys, g, v):
         acc = cd.gemm(x, w, forward, **operands)["acc"]
         grads = cd.gemm(g, v, backward, saved_acc=acc, **operands,
-                        **{GRAD + k: dy for k, dy in dys.items() if k != "D"})
+                        **{GRAD + o: dy for o, dy in dys.items() if o != "D"})
         dacc = grads["D"]
         return (dacc @ w, dacc.t() @ x, *(grads[k] for k in operands))
     return step
@@ -113,7 +113,8 @@ def _in_dy(case: Case) -> Callable:
 
 def measure(name: str, shape: tuple, iters: int, with_dy: bool = False) -> list[Row]:
     case, (m, n, k) = CASES[name], shape
-    sets = rotation(lambda: _inputs(case, m, n, k, with_dy), 2 * ((2 if with_dy else 1) * (m * k + n * k) + 2 * m * n))
+    gemm_inputs = (2 if with_dy else 1) * (m * k + n * k)  # x, W (and G, V)
+    sets = rotation(lambda: _inputs(case, m, n, k, with_dy), 2 * (gemm_inputs + 2 * m * n))
     ours = _step(lambda x, w, **ops: cd.linear(x, w, case.epilogue, **ops))
     variants = {FLOOR: _gemms, "coda_dsl cd.linear": ours, "eager": _step(_layer(case)),
                 "torch.compile": _step(torch.compile(_layer(case)))}
@@ -154,7 +155,7 @@ def prebuild(todo: list[tuple[str, tuple]], with_dy: bool = False) -> None:
             acc = (x @ w.t()).detach()
             n_d = dys["D"].shape[1] * n // 64  # the real problem's dY width
             ops.append(cd.compile(cd.backward_epilogue(case.epilogue), g, v, config=default(m, n_d, k)[0],
-                                  saved_acc=acc, **operands, **{GRAD + k: dy for k, dy in dys.items() if k != "D"}))
+                                  saved_acc=acc, **operands, **{GRAD + o: dy for o, dy in dys.items() if o != "D"}))
     runtime.prebuild(ops)
 
 

@@ -95,7 +95,8 @@ class _Linear(torch.autograd.Function):
         fp64 = x.dtype == torch.float64  # the reference backend's gradcheck precision: gradients stay fp64
         if acc is None:  # the derivative does not read the accumulator: any tensor of its shape will do
             acc = torch.zeros(x.shape[0], w.shape[0], device=x.device, dtype=torch.float64 if fp64 else torch.float32)
-        out_dtypes = {} if fp64 else {"acc": dtype_name(x.dtype), **{n: dtype_name(t.dtype) for n, t in zip(names, tensors)}}
+        out_dtypes = {} if fp64 else {"acc": dtype_name(x.dtype),
+                                      **{n: dtype_name(t.dtype) for n, t in zip(names, tensors)}}
         got = derived.backward(acc, operands, out_dtypes)
         dacc = got.get("acc")
         need_x, need_w = ctx.needs_input_grad[4:6]
