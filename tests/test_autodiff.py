@@ -121,17 +121,16 @@ def _gradcheck(program, values=None, consts=None, frozen=()):
 def _gradcheck_linear(program, values=None, frozen=()):
     """torch.autograd.gradcheck, in fp64 on the reference backend, of cd.linear with the program as its
     epilogue: the public path (forward with the saved accumulator and statistics, the derived backward,
-    dacc @ W and dacc^T x) against finite differences in x, W and every tensor operand. cd.Scalar
-    values are numbers there (no gradient); `frozen` operands are held constant."""
+    dacc @ W and dacc^T x) against finite differences in x, W and every operand, cd.Scalars as 0-d
+    tensors; `frozen` operands are held constant."""
     ep = cd.Epilogue.of_program(program)
     x, w = torch.randn(M, 3, dtype=torch.float64), torch.randn(N, 3, dtype=torch.float64)
     values = values or _inputs(program)[1]
-    numbers = {k: float(v) for k, v in values.items() if v.dim() == 0}
     fixed = {k: v for k, v in values.items() if k in frozen}
-    names = [k for k in values if k not in numbers and k not in frozen]
+    names = [k for k in values if k not in frozen]
 
     def f(x, w, *tensors):
-        outs = cd.linear(x, w, ep, backend="reference", **numbers, **fixed, **dict(zip(names, tensors)))
+        outs = cd.linear(x, w, ep, backend="reference", **fixed, **dict(zip(names, tensors)))
         return tuple(outs.values())
 
     leaves = [x.requires_grad_(), w.requires_grad_(), *(values[k].requires_grad_() for k in names)]

@@ -66,7 +66,7 @@ def _derive(ep: Epilogue, consts: dict, no_grad: tuple[str, ...] = ()) -> _Deriv
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ep, names, numbers, options, x, w, *tensors):
-        operands = {**dict(zip(names, tensors)), **numbers}
+        operands = {**dict(zip(names, tensors)), **numbers}  # numbers last: a learnt cd.Scalar's value
         consts = {p.name: operands[p.name] for p in ep.params if p.kind == "const"}
         derived = _derive(ep, consts)
         back = derived.back
@@ -112,20 +112,24 @@ def linear(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, /
     """cd.gemm(A, B, epilogue, **operands) with autograd: a trainable linear layer with its epilogue.
 
     A is [M, K] (flatten a batch into rows), B is [N, K] (an nn.Linear weight). Gradients flow to A, B and
-    every cd.Tensor / cd.VecN / cd.VecM operand passed as a tensor; cd.Scalar and cd.Const values are
-    numbers and get none. The epilogue's backward is derived automatically (coda_dsl.passes.autodiff):
-    statistics it cannot differentiate yet (cd.max/min/amax/take) raise UnsupportedError. Returns the
-    outputs like cd.gemm.
+    every cd.Tensor / cd.VecN / cd.VecM operand passed as a tensor, and to a cd.Scalar passed as a 0-d
+    tensor (its value is read to the host for the kernel: on CUDA one synchronization per call); a
+    cd.Scalar given as a number, and cd.Const values, get none. The epilogue's backward is derived
+    automatically (coda_dsl.passes.autodiff): statistics it cannot differentiate yet (cd.max/min/amax/take)
+    raise UnsupportedError. Returns the outputs like cd.gemm.
     """
     ep = epilogue_of("cd.linear", epilogue, operands)
     if not isinstance(A, torch.Tensor) or A.dim() != 2:
         raise OperandError("cd.linear: A must be a 2-D tensor [M, K]; flatten a batch into rows: A.flatten(0, -2)")
     names = tuple(k for k, v in operands.items() if isinstance(v, torch.Tensor))
+    # a cd.Scalar given as a 0-d tensor (to learn it): the kernel takes its value, the tensor its gradient
+    values = {p.name: float(operands[p.name]) for p in ep.params if p.kind == "scalar"
+              and isinstance(operands.get(p.name), torch.Tensor) and operands[p.name].numel() == 1}
     tensors = (A, B, *(operands[k] for k in names))
     if not torch.is_grad_enabled() or not any(getattr(t, "requires_grad", False) for t in tensors):
         # nothing to differentiate: the plain fused GEMM (no accumulator kept, no derivative needed)
-        return gemm(A, B, ep, backend=backend, config=config, **operands)
-    numbers = {k: v for k, v in operands.items() if not isinstance(v, torch.Tensor)}
+        return gemm(A, B, ep, backend=backend, config=config, **{**operands, **values})
+    numbers = {**{k: v for k, v in operands.items() if not isinstance(v, torch.Tensor)}, **values}
     options = {"backend": backend, "config": config}
     outs = _Linear.apply(ep, names, numbers, options, A, B, *(operands[k] for k in names))
     return dict(zip(ep.output_names, outs))
