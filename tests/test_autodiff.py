@@ -412,24 +412,28 @@ def test_linear_refuses_what_it_cannot_differentiate():
         cd.linear(torch.randn(2, 4, 8), torch.randn(8, 8), backend="reference")
 
 
-def test_linear_under_torch_compile_and_checkpointing():
-    """torch.compile(fullgraph=True) traces cd.linear with no graph break, and activation checkpointing
-    recomputes it: both give the eager gradients."""
+@pytest.mark.parametrize("uses", [("D",), ("D", "rstd")])
+def test_linear_under_torch_compile_and_checkpointing(uses):
+    """torch.compile(fullgraph=True) traces cd.linear with no graph break, also as the epilogue's first use
+    (its derivation is run, not traced), and activation checkpointing recomputes it: both give the eager
+    gradients, with every output in the loss or one left unused."""
     from torch.utils.checkpoint import checkpoint
 
     @cd.epilogue
-    def bias_gelu(acc, bias: cd.VecN):
-        return cd.gelu(acc + bias, approximate="tanh")
+    def bias_gelu_rstd(acc, bias: cd.VecN):
+        h = cd.gelu(acc + bias, approximate="tanh")
+        return {"D": h, "rstd": cd.sum(h * h, axis="n").then(lambda s: cd.rsqrt(s + 1.0))}
 
     def loss(x, w, b):
-        return cd.linear(x, w, bias_gelu, backend="reference", bias=b)["D"].square().sum()
+        outs = cd.linear(x, w, bias_gelu_rstd, backend="reference", bias=b)
+        return sum(outs[name].square().sum() for name in uses)
 
     leaves = (torch.randn(16, 32, requires_grad=True), torch.randn(24, 32, requires_grad=True),
               torch.randn(24, requires_grad=True))
-    want = torch.autograd.grad(loss(*leaves), leaves)
     compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
-    for got in (torch.autograd.grad(compiled(*leaves), leaves),
-                torch.autograd.grad(checkpoint(loss, *leaves, use_reentrant=False), leaves)):
+    first = torch.autograd.grad(compiled(*leaves), leaves)  # before any eager call
+    want = torch.autograd.grad(loss(*leaves), leaves)
+    for got in (first, torch.autograd.grad(checkpoint(loss, *leaves, use_reentrant=False), leaves)):
         for g, w in zip(got, want):
             assert rel_err(g, w) < 1e-6
 

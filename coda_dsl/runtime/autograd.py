@@ -63,12 +63,31 @@ def _derive(ep: Epilogue, consts: dict, no_grad: tuple[str, ...] = ()) -> _Deriv
     return per_ep[key]
 
 
+# _derived_key's results: key -> _Derived, for the process's life (a plain dict: Dynamo reads it, and
+# not a weak one; one small entry per epilogue, consts and unused outputs that cd.linear has run)
+_by_key: dict[str, _Derived] = {}
+
+
+@torch.compiler.assume_constant_result  # inside torch.compile: run while tracing, never traced (a pass
+def _derived_key(uid: str, consts: tuple, no_grad: tuple[str, ...]) -> str:  # over the IR), the key a constant
+    """_derive of the epilogue named uid, filed in _by_key under the key returned."""
+    derived = _derive(Epilogue.by_uid(uid), dict(consts), no_grad)
+    key = f"{uid}|{consts!r}|{no_grad!r}"
+    _by_key[key] = derived
+    return key
+
+
+def _derived_for(ep: Epilogue, consts: dict, no_grad: tuple[str, ...] = ()) -> _Derived:
+    """_derive, in a form torch.compile(fullgraph=True) traces: the derivation itself is not traced."""
+    return _by_key[_derived_key(ep.uid, tuple(sorted(consts.items())), no_grad)]
+
+
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ep, names, numbers, options, x, w, *tensors):
         operands = {**dict(zip(names, tensors)), **numbers}  # numbers last: a learnt cd.Scalar's value
         consts = {p.name: operands[p.name] for p in ep.params if p.kind == "const"}
-        derived = _derive(ep, consts)
+        derived = _derived_for(ep, consts)
         back = derived.back
         outs = gemm(x, w, derived.forward, **options, **operands)
         acc = outs.pop(ACC_OUTPUT) if back.uses_acc else None
@@ -86,7 +105,7 @@ class _Linear(torch.autograd.Function):
         names = ctx.names
         unused = tuple(o for o, g in zip(ctx.ep.output_names, grads) if g is None)
         # without the unused outputs: it reads a subset of what the full derivative had saved
-        derived = _derive(ctx.ep, ctx.consts, unused) if unused else ctx.derived
+        derived = _derived_for(ctx.ep, ctx.consts, unused) if unused else ctx.derived
         x, w, acc, *rest = ctx.saved_tensors
         tensors, saved = rest[:len(names)], rest[len(names):]
         operands = {**dict(zip(names, tensors)), **ctx.numbers,
