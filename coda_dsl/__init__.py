@@ -12,6 +12,7 @@ Defining and running epilogues:
     cd.epilogue           decorator: traces fn(acc, operand: kind, ...) into an epilogue
     cd.gemm(A, B, ep, **operands)   runs it: {output name: tensor} (the epilogue is positional)
     cd.linear(A, B, ep, **operands) the same with autograd: its backward derived from the epilogue
+    cd.backward_epilogue(ep)        that derived backward as the epilogue of the GEMM producing dY
     cd.compile, cd.prebuild, cd.set_tuning, cd.CompiledOp, cd.Config   building and tuning kernels
     cd.identity           the epilogue D = acc
 

@@ -168,7 +168,11 @@ def _epilogue_from_args(args) -> tuple[Epilogue, dict]:
 def _spec_from_args(args, epilogue: tuple[Epilogue, dict] | None = None) -> tuple[Epilogue, CompiledOp]:
     ep, consts = epilogue or _epilogue_from_args(args)
     dtypes = _pairs(args.operand_dtype, "--operand-dtype")
-    return ep, specialization_from_options(ep, args.dtype, args.b_layout, dtypes, consts, args.config, args.a_layout)
+    config = args.config
+    if args.shape and not config:  # the configuration cd.gemm would pick, untuned, for this shape
+        from .runtime.tune import default
+        config = default(*args.shape)[0].text
+    return ep, specialization_from_options(ep, args.dtype, args.b_layout, dtypes, consts, config, args.a_layout)
 
 
 def _backward_of(ep: Epilogue, consts: dict) -> Epilogue:
@@ -209,11 +213,6 @@ def cmd_explain(args) -> int:
     from .codegen.cpp import functor as cpp_functor
     from .codegen.evt import node as cpp_node
     from .ir import format_program
-    why = None
-    if args.shape:  # the configuration cd.gemm would pick, untuned, for this shape (unless --config)
-        from .runtime.tune import default
-        config, why = default(*args.shape)
-        args.config = args.config or config.text
     ep, consts = _epilogue_from_args(args)
     try:
         ep, spec = _spec_from_args(args, (ep, consts))
@@ -245,9 +244,10 @@ def cmd_explain(args) -> int:
     print(f"  outputs: {', '.join(outs)}")
     print(f"\n## specialization\n  A/B {sig.ab_dtype}, A layout {sig.a_layout}, B layout {sig.b_layout}, "
           f"config {sig.config.text}")
-    if why:
+    if args.shape:
+        from .runtime.tune import default
         print(f"  config for M x N x K = {' x '.join(map(str, args.shape))}: " +
-              (f"{args.config} (--config)" if args.config != default(*args.shape)[0].text else why))
+              (f"{args.config} (--config)" if args.config else default(*args.shape)[1]))
     print(f"  key {spec.key}  (op coda_dsl::{spec.op_name})")
     try:  # the cache entry also depends on the toolchain; explaining needs none
         print(f"  build key {build.build_key(spec.key)}  (its cache entry with this toolchain)")
@@ -507,6 +507,8 @@ def _target_options(p: argparse.ArgumentParser) -> None:
                    help=f"dtype of a tensor/vector operand ({'|'.join(DTYPE_NAMES)}; default: --dtype); repeatable")
     p.add_argument("--const", action="append", metavar="NAME=VALUE", help="value of a cd.Const parameter; repeatable")
     p.add_argument("--config", metavar="TILE_CLUSTER_SCHEDULE", help=f"kernel config (default {DEFAULT_CONFIG})")
+    p.add_argument("--shape", type=_shape, metavar="MxNxK",
+                   help="the configuration cd.gemm picks for this problem size untuned (unless --config)")
 
 
 def _shape(text: str) -> tuple[int, int, int]:
@@ -554,8 +556,6 @@ def parser() -> argparse.ArgumentParser:
                 "functors, operand bindings) and the specialization key that names its kernel in the cache.")
     _target_options(p)
     p.add_argument("--backward", action="store_true", help="the epilogue's derived backward instead (cd.linear)")
-    p.add_argument("--shape", type=_shape, metavar="MxNxK",
-                   help="use (and explain) the configuration cd.gemm picks for this problem size untuned")
 
     p = command("build", cmd_build, "build an epilogue's kernel into the cache",
                 "Build one specialization of an epilogue's kernel (nvcc, then link) into the cache, so that "

@@ -17,7 +17,7 @@ reference backend in the test suite; CUDA + NCCL with the cutlass backend on GPU
   fp32) BEFORE the residual add and the next RMSNorm's statistics, which therefore run in torch on this
   path (the single-GPU layer fuses them into the GEMM epilogue, where the sum is whole).
 - **Vocabulary-parallel cross-entropy** (`vocab_parallel_cross_entropy`): each rank holds rows of the LM
-  head, computes its shard's (lse, target logit) partials with `library.vocab_shard_stats` (no logits
+  head, computes its shard's (lse, target logit) partials with `library.cross_entropy.vocab_shard_stats` (no logits
   stored), and the partials are combined by all-reduces (max, then sum of exp); the backward recomputes
   the shard's logits per chunk with the `ce_backward` epilogue and all-reduces grad_x.
 

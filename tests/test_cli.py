@@ -386,6 +386,17 @@ def test_explain_shape_shows_the_default_config_and_why(capsys):
             cli.main(bad)
 
 
+def test_emit_and_build_take_the_shapes_config(capsys, monkeypatch):
+    """--shape gives emit and build the kernel cd.gemm would load for that shape (not the shape-free default)."""
+    rc, out, _ = run(capsys, "emit", "coda_dsl.examples:bias_gelu", "--shape", "8192x6144x4096")
+    assert rc == 0 and "KernelTmaWarpSpecializedPingpong" in out and "Shape<_128, _192, _64>" in out
+    built = []
+    monkeypatch.setattr(cli.build, "build_units", lambda units, **kw: built.extend(units) or ["x.so"])
+    monkeypatch.setattr(cli.build.cache, "read_meta", lambda key: None)
+    rc, _, _ = run(capsys, "build", "coda_dsl.examples:bias_gelu", "--shape", "8192x6144x4096")
+    assert rc == 0 and "Shape<_128, _192, _64>" in built[0].cu_text
+
+
 def test_explain_and_emit_backward(capsys):
     """The derived backward is an ordinary epilogue: explain lists its IR and plan, emit its .cu."""
     rc, out, _ = run(capsys, "explain", "coda_dsl.examples:bias_gelu", "--backward")

@@ -611,7 +611,8 @@ register_eager(gemm)  # what the torch.compile custom op runs
 
 def compile(epilogue: Epilogue, A, B, /, *, out: dict | None = None, config: Config | str | None = None,
             deterministic: bool = False, accumulate: bool = False, **operands) -> CompiledOp:  # noqa: A001
-    """Build (or load from cache) the kernel for these operands' dtypes and layouts; returns the op."""
+    """The specialization (CompiledOp) for these operands' dtypes and layouts: rendered now, built (or
+    found in the cache) at its first call, op.load(), or cd.prebuild([op, ...]) with others in parallel."""
     call = _normalize(epilogue, A, B, operands, out)
     config = _config(epilogue, config)
     _flag(epilogue, "deterministic", deterministic)
