@@ -115,7 +115,8 @@ def specialization_from_options(ep: Epilogue, ab_dtype: str = "bf16", b_layout: 
     from .ir.graph import LOAD_KINDS
     from .ir.ops import DTYPES
     from .passes.plan import Config
-    from .runtime.op import CompiledOp, signature
+    from .ir.ops import INDEX_DTYPE
+    from .runtime.op import CompiledOp, index_operands, signature
     if ab_dtype not in ("bf16", "fp16"):
         raise CliError(f"--dtype must be bf16 or fp16 (the dtype of A and B), not {ab_dtype!r}")
     if b_layout not in ("nk", "kn"):
@@ -123,15 +124,19 @@ def specialization_from_options(ep: Epilogue, ab_dtype: str = "bf16", b_layout: 
     if a_layout not in ("mk", "km"):
         raise CliError(f"--a-layout must be mk or km, not {a_layout!r}")
     kinds = {p.name: p.kind for p in ep.params}
+    indices = index_operands(ep)
     operand_dtypes = dict(operand_dtypes or {})
     for name, dt in operand_dtypes.items():
         if kinds.get(name) not in LOAD_KINDS:
             loads = [n for n, k in kinds.items() if k in LOAD_KINDS]
             raise CliError(f"--operand-dtype {name}: epilogue '{ep.name}' has no tensor/vector operand "
                            f"{name!r} (it has: {', '.join(loads) or 'none'})")
+        if name in indices:
+            raise CliError(f"--operand-dtype {name}: '{name}' holds cd.take's column indices, always int64")
         if dt not in DTYPES:
             raise CliError(f"--operand-dtype {name}={dt}: dtype must be one of {', '.join(DTYPES)}")
-    dtypes = {n: operand_dtypes.get(n, ab_dtype) for n, k in kinds.items() if k in LOAD_KINDS}
+    dtypes = {n: INDEX_DTYPE if n in indices else operand_dtypes.get(n, ab_dtype)
+              for n, k in kinds.items() if k in LOAD_KINDS}
 
     values = {}
     for name, v in (consts or {}).items():

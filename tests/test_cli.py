@@ -386,6 +386,22 @@ def test_explain_shape_shows_the_default_config_and_why(capsys):
             cli.main(bad)
 
 
+def test_cd_take_indices_are_int64_in_the_cli_as_in_cd_gemm():
+    """The CLI's specialization of an epilogue with cd.take is the one cd.gemm makes (indices int64, not
+    --dtype), so `coda-dsl build` builds the kernel a call will load."""
+    from coda_dsl.runtime import op as runtime
+
+    @cd.epilogue
+    def pick(acc, target: cd.VecM):
+        return {"D": acc, "t": cd.take(acc, target)}
+    a, b = torch.randn(64, 32).bfloat16(), torch.randn(48, 32).bfloat16()
+    call = runtime._normalize(pick, a, b, {"target": torch.zeros(64, dtype=torch.int64)}, None)
+    by_gemm = runtime.specialization(pick, call, runtime._check_tensors(pick, call, cutlass=True), None, None)
+    assert cli.specialization_from_options(pick, "bf16").key == by_gemm.key
+    with pytest.raises(cli.CliError, match="always int64"):
+        cli.specialization_from_options(pick, "bf16", operand_dtypes={"target": "fp32"})
+
+
 def test_emit_and_build_take_the_shapes_config(capsys, monkeypatch):
     """--shape gives emit and build the kernel cd.gemm would load for that shape (not the shape-free default)."""
     rc, out, _ = run(capsys, "emit", "coda_dsl.examples:bias_gelu", "--shape", "8192x6144x4096")

@@ -222,6 +222,11 @@ def _facts(ep: Epilogue) -> _Facts:
     return facts
 
 
+def index_operands(ep: Epilogue) -> frozenset[str]:
+    """The operands cd.take reads as int64 column indices (their dtype is INDEX_DTYPE, never a choice)."""
+    return _facts(ep).indices
+
+
 class CompiledOp:
     """One built specialization of an epilogue. Call it like cd.gemm, without the epilogue argument."""
 
