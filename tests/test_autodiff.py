@@ -410,6 +410,11 @@ def test_linear_refuses_what_it_cannot_differentiate():
         assert cd.linear(x, torch.randn(8, 8), f, backend="reference")["m"].shape == (4,)
     with pytest.raises(cd.OperandError, match="2-D"):
         cd.linear(torch.randn(2, 4, 8), torch.randn(8, 8), backend="reference")
+    for option in ({"out": {"D": torch.empty(4, 8)}}, {"accumulate": True}):
+        with pytest.raises(cd.OperandError, match="autograd cannot record"):
+            cd.linear(x, torch.randn(8, 8), backend="reference", **option)
+    y = cd.linear(x, torch.randn(8, 8), backend="reference", deterministic=True, tune=False)["D"]
+    assert y.requires_grad  # cd.gemm's options reach the forward kernel; autograd still records
 
 
 @pytest.mark.parametrize("uses", [("D",), ("D", "rstd")])

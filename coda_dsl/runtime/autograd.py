@@ -127,7 +127,7 @@ class _Linear(torch.autograd.Function):
 
 
 def linear(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, /, *, backend: str = "auto",
-           config=None, **operands) -> dict[str, torch.Tensor]:
+           config=None, deterministic: bool = False, tune: bool | None = None, **operands) -> dict[str, torch.Tensor]:
     """cd.gemm(A, B, epilogue, **operands) with autograd: a trainable linear layer with its epilogue.
 
     A is [M, K] (flatten a batch into rows), B is [N, K] (an nn.Linear weight). Gradients flow to A, B and
@@ -135,9 +135,14 @@ def linear(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, /
     tensor (its value is read to the host for the kernel: on CUDA one synchronization per call); a
     cd.Scalar given as a number, and cd.Const values, get none. The epilogue's backward is derived
     automatically (coda_dsl.passes.autodiff): statistics it cannot differentiate yet (cd.max/min/amax/take)
-    raise UnsupportedError. Returns the outputs like cd.gemm.
+    raise UnsupportedError. backend, config, deterministic and tune are cd.gemm's, for the forward kernel.
+    Returns the outputs like cd.gemm.
     """
     ep = epilogue_of("cd.linear", epilogue, operands)
+    for name in ("out", "accumulate"):
+        if name in operands:
+            raise OperandError(f"cd.linear: {name}= writes outputs in place, which autograd cannot record; "
+                               "cd.linear allocates its outputs (use cd.gemm for this)")
     if not isinstance(A, torch.Tensor) or A.dim() != 2:
         raise OperandError("cd.linear: A must be a 2-D tensor [M, K]; flatten a batch into rows: A.flatten(0, -2)")
     names = tuple(k for k, v in operands.items() if isinstance(v, torch.Tensor))
@@ -147,9 +152,10 @@ def linear(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, /
     tensors = (A, B, *(operands[k] for k in names))
     if not torch.is_grad_enabled() or not any(getattr(t, "requires_grad", False) for t in tensors):
         # nothing to differentiate: the plain fused GEMM (no accumulator kept, no derivative needed)
-        return gemm(A, B, ep, backend=backend, config=config, **{**operands, **values})
+        return gemm(A, B, ep, backend=backend, config=config, deterministic=deterministic, tune=tune,
+                    **{**operands, **values})
     numbers = {**{k: v for k, v in operands.items() if not isinstance(v, torch.Tensor)}, **values}
-    options = {"backend": backend, "config": config}
+    options = {"backend": backend, "config": config, "deterministic": deterministic, "tune": tune}
     outs = _Linear.apply(ep, names, numbers, options, A, B, *(operands[k] for k in names))
     return dict(zip(ep.output_names, outs))
 
