@@ -68,8 +68,10 @@ def _derive(ep: Epilogue, consts: dict, no_grad: tuple[str, ...] = ()) -> _Deriv
 _by_key: dict[str, _Derived] = {}
 
 
-@torch.compiler.assume_constant_result  # inside torch.compile: run while tracing, never traced (a pass
-def _derived_key(uid: str, consts: tuple, no_grad: tuple[str, ...]) -> str:  # over the IR), the key a constant
+# Inside torch.compile this runs while Dynamo traces, and is not traced itself (a pass over the IR that
+# creates epilogues); its result, a string, becomes a constant of the graph.
+@torch.compiler.assume_constant_result
+def _derived_key(uid: str, consts: tuple, no_grad: tuple[str, ...]) -> str:
     """_derive of the epilogue named uid, filed in _by_key under the key returned."""
     derived = _derive(Epilogue.by_uid(uid), dict(consts), no_grad)
     key = f"{uid}|{consts!r}|{no_grad!r}"
@@ -112,8 +114,9 @@ class _Linear(torch.autograd.Function):
                     **{SAVED + o: t for o, t in zip(ctx.derived.back.saved, saved)},
                     **{GRAD + o: g for o, g in zip(ctx.ep.output_names, grads) if g is not None}}
         fp64 = x.dtype == torch.float64  # the reference backend's gradcheck precision: gradients stay fp64
-        if acc is None:  # the derivative does not read the accumulator: any tensor of its shape will do
-            acc = torch.zeros(x.shape[0], w.shape[0], device=x.device, dtype=torch.float64 if fp64 else torch.float32)
+        if acc is None:  # the derivative does not read the accumulator: its shape and dtype, no memory
+            acc = torch.zeros((), device=x.device, dtype=torch.float64 if fp64 else torch.float32).expand(
+                x.shape[0], w.shape[0])
         out_dtypes = {} if fp64 else {"acc": dtype_name(x.dtype),
                                       **{n: dtype_name(t.dtype) for n, t in zip(names, tensors)}}
         got = derived.backward(acc, operands, out_dtypes)
