@@ -362,6 +362,20 @@ def test_linear_leaves_out_outputs_the_loss_does_not_use():
     torch.testing.assert_close(x.grad, 2.0 * w.sum(0).expand(6, 4))
 
 
+def test_a_scalar_read_by_then_is_not_learnt_silently():
+    """Its gradient through .then is not derived, so none is: a 0-d tensor that wants one is refused,
+    a number (or a tensor without requires_grad) runs."""
+    @cd.epilogue
+    def f(acc, s: cd.Scalar):
+        return {"D": acc * s, "st": cd.sum(acc, axis="n").then(lambda q: q * s)}
+    x, w = torch.randn(6, 4, requires_grad=True), torch.randn(5, 4)
+    with pytest.raises(UnsupportedError, match="cd.Scalar 's' inside .then"):
+        cd.linear(x, w, f, backend="reference", s=torch.tensor(0.7, requires_grad=True))
+    out = cd.linear(x, w, f, backend="reference", s=torch.tensor(0.7))
+    out["D"].sum().backward()
+    torch.testing.assert_close(x.grad, 0.7 * w.sum(0).expand(6, 4))
+
+
 def test_linear_keeps_outputs_named_like_its_saved_values_apart():
     """An output named 'acc' is the user's own when the derivative does not read the accumulator; where it
     does (or an output is named saved_<statistic>), the clash is refused with the fix."""
@@ -517,6 +531,12 @@ def test_backward_epilogue_fuses_into_the_producer_gemm():
     assert rel_err(got["D"], acc.grad) < 1e-5 and rel_err(got["bias"], bias.grad) < 1e-5
     with pytest.raises(UnsupportedError, match="nothing to fuse"):
         cd.backward_epilogue(bias_gelu, output="nope")
+
+    @cd.epilogue
+    def row_lse(acc):
+        return cd.logsumexp(acc)
+    with pytest.raises(UnsupportedError, match="is a reduction.*nothing to fuse"):
+        cd.backward_epilogue(row_lse)
     from coda_dsl.runtime.autograd import forward_epilogue  # what cd.linear's forward kernel runs
     assert forward_epilogue(bias_gelu).output_names == ("D", "acc")
 

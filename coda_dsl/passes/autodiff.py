@@ -12,8 +12,9 @@ derivative needs (`saved_<output>`), computes the gradients of acc and of every 
 cd.Const operands, comparisons and int64 indices get none. Each op's rule lives in its definition
 (ir/ops.py: OpDef.grad, ReduceDef.grad); this pass only walks the graph backwards and sums adjoints.
 A statistic finished by .then(f) passes back dy * f'(s), with s the statistic before f (`saved_<output>`,
-which the forward kernel then also outputs); scalars read by f get no gradient (a per-row quantity
-that an epilogue cannot sum into one number).
+which the forward kernel then also outputs); a cd.Scalar that f reads gets no gradient at all, not
+even from the rest of the program (f's part is a per-row quantity that an epilogue cannot sum into
+one number): Backward.ungraded names them.
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ class Backward:
     unfinished: tuple[str, ...]  # those of `saved` under a .then: the forward must output them as saved_<name>
     uses_acc: bool  # reads the forward's accumulator (else only the operands and gradients)
     forward: ir.Program  # the (specialized) forward it was derived from
+    ungraded: tuple[str, ...] = ()  # cd.Scalars read by a .then: no gradient output, though one exists
 
 
 def _add(a: ir.Node | None, b: ir.Node) -> ir.Node:
@@ -152,7 +154,8 @@ def derive(program: ir.Program, no_grad: tuple[str, ...] = ()) -> Backward:
     uses = {n.op for n in ir.topo_order([o.node for o in outputs])}
     backward = ir.Program(f"{program.name}_backward", tuple(p for p in program.params if p.kind != "const")
                           + tuple(params), tuple(outputs), program.defined_at, program.locations)
-    return Backward(backward, tuple(grads), tuple(saved), tuple(unfinished), "acc" in uses, program)
+    ungraded = tuple(p.name for p in program.params if p.name in finishing_scalars)
+    return Backward(backward, tuple(grads), tuple(saved), tuple(unfinished), "acc" in uses, program, ungraded)
 
 
 SAVED_ACC = SAVED + "acc"  # the forward's accumulator, an operand of the fused backward
@@ -177,6 +180,9 @@ def into_producer(back: Backward, output: str = "D", split: bool = False, recomp
     if output not in back.grads or program.output("acc") is None:
         raise UnsupportedError(f"{where}: nothing to fuse: the forward has no output '{output}' with a "
                                "gradient, or no accumulator gradient")
+    if ir.reduction_of(back.forward.output(output).node) is not None:
+        raise UnsupportedError(f"{where}: output '{output}' is a reduction, whose gradient is a vector, not the "
+                               "[M, N] accumulator of a producing GEMM: nothing to fuse into")
     grad = ir.load("tensor", GRAD + output)
     swap = _rebuilder({id(ir.acc()): ir.load("tensor", SAVED_ACC), id(grad): ir.acc()})
     params = tuple(ir.Param(SAVED_ACC, "tensor") if p.name == GRAD + output else p for p in program.params)

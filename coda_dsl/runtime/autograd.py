@@ -15,7 +15,7 @@ import weakref
 import torch
 
 from ..dsl import Epilogue
-from ..errors import OperandError
+from ..errors import OperandError, UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import dtype_name
 from ..passes import specialize
@@ -91,6 +91,9 @@ class _Linear(torch.autograd.Function):
         consts = {p.name: operands[p.name] for p in ep.params if p.kind == "const"}
         derived = _derived_for(ep, consts)
         back = derived.back
+        if learnt := [n for i, n in enumerate(names) if n in back.ungraded and ctx.needs_input_grad[6 + i]]:
+            raise UnsupportedError(f"cd.linear: epilogue '{ep.name}' reads cd.Scalar '{learnt[0]}' inside .then(...), "
+                                   "where its gradient is not derived\n  fix: pass it as a number (no gradient)")
         outs = gemm(x, w, derived.forward, **options, **operands)
         acc = outs.pop(ACC_OUTPUT) if back.uses_acc else None
         statistics = [outs.pop(SAVED + o) if o in back.unfinished else outs[o] for o in back.saved]
