@@ -174,6 +174,35 @@ def test_library_and_statistics_pass_gradcheck():
         check(stats.program)
 
 
+def test_row_and_scalar_operands_in_pairwise_math_pass_gradcheck():
+    """A cd.VecM or cd.Scalar has no width: read where values are N/2 or 2N wide (or at several widths), its
+    gradient sums its adjoints over the columns it met there (found by a fuzzer: 2x too large, or crashes)."""
+    @cd.epilogue
+    def row_stat_of_a_half(acc, r: cd.VecM):
+        g, u = cd.pairs(acc)
+        return {"D": g * u, "st": cd.sum(r + g, axis="n")}
+
+    @cd.epilogue
+    def total_of_a_half(acc, r: cd.VecM):
+        return {"D": cd.relu(acc), "st": cd.sum(r + cd.pairs(acc)[0], axis=None)}
+
+    @cd.epilogue
+    def shared_at_three_widths(acc, r: cd.VecM, s: cd.Scalar):
+        t = cd.tanh(r) * s
+        return {"D": t + acc, "h": cd.pairs(acc)[1] * t, "st": cd.sum(cd.interleave(acc, acc) * t, axis="n")}
+    r = torch.randn(M, dtype=torch.float64)
+    for ep in (row_stat_of_a_half, total_of_a_half, shared_at_three_widths):
+        values = {"r": r.clone()} if ep is not shared_at_three_widths else {"r": r.clone(), "s": torch.tensor(0.7)}
+        _gradcheck_linear(ep.program, values={k: v.double() for k, v in values.items()})
+
+    @cd.epilogue
+    def even_columns_plus(acc, s: cd.Scalar):  # linear in acc: nothing in the derivative fixes dy's width
+        return cd.pairs(acc)[0] + s
+    with pytest.raises(UnsupportedError, match="N/2 wide, but nothing in its derivative"):
+        cd.linear(torch.randn(4, 3, requires_grad=True), torch.randn(8, 3), even_columns_plus, backend="reference",
+                  s=0.5)
+
+
 def test_where_and_comparisons_pass_gradients_only_through_the_chosen_value():
     @cd.epilogue
     def f(acc, t: cd.Tensor):

@@ -72,6 +72,27 @@ def test_rope_tables_and_positions_agree_with_a_standard_rope():
     assert _rel(by_tables, ref) < 1e-2 and _rel(by_positions, ref) < 1e-2
 
 
+def test_uniform_values_meet_every_width():
+    """A value the same in every column (of constants, scalars, VecM operands) fits any width, also when one
+    such value is shared by math of two widths; alone as an output it is N wide (found by a fuzzer)."""
+    x, w, r = _w(M, D), _w(16, D), torch.randn(M)
+
+    @cd.epilogue
+    def shared(acc, c: cd.Const):
+        return {"D": cd.abs(c) + cd.pairs(acc)[0], "y": cd.abs(c) + acc}
+
+    @cd.epilogue
+    def row_value(acc, r: cd.VecM):
+        return {"D": cd.abs(r), "y": cd.interleave(acc, acc) + cd.abs(r), "z": cd.pairs(cd.tanh(r))[0]}
+    acc = x.float() @ w.float().t()
+    got = cd.gemm(x, w, shared, c=-0.3, backend="reference")
+    assert _rel(got["D"], 0.3 + acc[:, 0::2]) < 1e-2 and _rel(got["y"], 0.3 + acc) < 1e-2
+    got = cd.gemm(x, w, row_value, r=r, backend="reference")
+    assert got["D"].shape == (M, 16) and torch.allclose(got["D"].float(), r.abs()[:, None].expand(M, 16), rtol=1e-2)
+    assert _rel(got["y"], torch.stack([acc, acc], -1).flatten(-2) + r.abs()[:, None]) < 1e-2
+    assert torch.allclose(got["z"].float(), torch.tanh(r)[:, None].expand(M, 16), atol=1e-2)
+
+
 def test_rope_helpers_refuse_odd_heads_and_partial_heads():
     with pytest.raises(ValueError, match="even"):
         neox_to_interleaved(torch.zeros(24, 4), 5)

@@ -19,11 +19,12 @@ one number): Backward.ungraded names them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 
 from ..errors import UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import REDUCTIONS
-from .widths import any_width, infer as infer_widths
+from .widths import WIDTH_SCALE, any_width, infer as infer_widths, uniform, width_text
 
 GRAD, SAVED = "grad_", "saved_"  # parameter names of the incoming gradients and of saved statistics
 _VEC_OF_AXIS = {"n": "vec_m", "m": "vec_n", None: "scalar"}  # the gradient of a statistic over `axis`
@@ -66,8 +67,35 @@ def _add(a: ir.Node | None, b: ir.Node) -> ir.Node:
     return b if a is None else ir.compute("add", a, b)
 
 
-def _backprop(order: list[ir.Node], adjoint: dict[int, ir.Node], program: ir.Program) -> None:
-    """Adjoints of `order`'s nodes (topological) from those given, by each op's rule, in place."""
+def _into_uniform(program: ir.Program):
+    """(node, input, its adjoint by the rule, node's adjoint) -> the adjoint the input receives. A uniform
+    input (passes/widths.py: a scalar, constant or VecM value, the same in every column) has no width: its
+    adjoints from values of several widths are summed, and a VecM or Scalar operand's gradient is their
+    sum over N columns. So an adjoint entering it where it is read w·N wide is put in N-column form
+    first, with the same column sum: a uniform one times w, an N/2-wide one interleaved with zeros, a
+    2N-wide one's halves added. A pair half of a uniform value is that value: its adjoint passes as is."""
+    nodes = list(ir.walk(program))
+    free, widths = uniform(nodes), infer_widths(program)
+
+    def into(node: ir.Node, x: ir.Node, gx: ir.Node, g: ir.Node) -> ir.Node:
+        if id(x) not in free:
+            return gx
+        if id(node) in free:
+            return g if node.op == "pair" else gx
+        w = widths.get(id(node), Fraction(1)) / WIDTH_SCALE[node.definition.width_rule]  # x's width as read here
+        if w != 1 and id(gx) in uniform(ir.topo_order([gx])):
+            return ir.compute("mul", gx, ir.const(float(w)))
+        while w < 1:
+            gx, w = ir.interleave(gx, ir.const(0.0)), w * 2
+        while w > 1:
+            gx, w = ir.compute("add", ir.pair(gx, 0), ir.pair(gx, 1)), w / 2
+        return gx
+    return into
+
+
+def _backprop(order: list[ir.Node], adjoint: dict[int, ir.Node], program: ir.Program, into=None) -> None:
+    """Adjoints of `order`'s nodes (topological) from those given, by each op's rule, in place; into:
+    _into_uniform's adjustment of what enters a uniform value."""
     for node in reversed(order):
         g = adjoint.get(id(node))
         if g is None or node.is_leaf or node.kind == "reduction":
@@ -77,7 +105,7 @@ def _backprop(order: list[ir.Node], adjoint: dict[int, ir.Node], program: ir.Pro
             raise UnsupportedError(f"{program.where(node)}: '{node.op}' has no derivative yet")
         for x, gx in zip(node.inputs, definition.grad(_d, node.attr, node.inputs, node, g)):
             if gx is not None:
-                adjoint[id(x)] = _add(adjoint.get(id(x)), gx)
+                adjoint[id(x)] = _add(adjoint.get(id(x)), into(node, x, gx, g) if into else gx)
 
 
 def _rebuilder(swap: dict[int, ir.Node], make=lambda n, inputs: ir.Node(n.op, inputs, n.attr)):
@@ -140,7 +168,7 @@ def derive(program: ir.Program, no_grad: tuple[str, ...] = ()) -> Backward:
                 unfinished.append(o.name)
         x = r.inputs[0]
         adjoint[id(x)] = _add(adjoint.get(id(x)), rule(_d, x, s, dy))
-    _backprop(ir.topo_order([o.node for o in program.outputs]), adjoint, program)
+    _backprop(ir.topo_order([o.node for o in program.outputs]), adjoint, program, _into_uniform(program))
     outputs = []
     acc_grad = adjoint.get(id(ir.acc()))
     if acc_grad is not None:
@@ -154,6 +182,16 @@ def derive(program: ir.Program, no_grad: tuple[str, ...] = ()) -> Backward:
     uses = {n.op for n in ir.topo_order([o.node for o in outputs])}
     backward = ir.Program(f"{program.name}_backward", tuple(p for p in program.params if p.kind != "const")
                           + tuple(params), tuple(outputs), program.defined_at, program.locations)
+    # Each incoming gradient has its output's width; the backward program must say so by itself (its values
+    # are laid out by passes/widths.infer alone): where only linear column pairs lead from an N/2- or
+    # 2N-wide output to the accumulator, nothing in it does.
+    forward, back = infer_widths(program), infer_widths(backward)
+    for o in program.outputs:
+        leaf = next((n for n in ir.walk(backward) if n.op == "load" and n.attr[1] == GRAD + o.name), None)
+        if leaf is not None and back.get(id(leaf), Fraction(1)) != forward.get(id(o.node), Fraction(1)):
+            raise UnsupportedError(f"{where}: output '{o.name}' is {width_text(forward[id(o.node)])} wide, but nothing "
+                                   "in its derivative ties that width to the accumulator (only linear column "
+                                   "pairs lead back to it): its derivative is not supported yet")
     ungraded = tuple(p.name for p in program.params if p.name in finishing_scalars)
     return Backward(backward, tuple(grads), tuple(saved), tuple(unfinished), "acc" in uses, program, ungraded)
 

@@ -3,7 +3,9 @@
 Pairwise ops change widths: `cd.pairs(x)` gives two values of half x's width (even and odd
 columns); `cd.interleave(a, b)` one of twice theirs. Elementwise ops need equal widths. An operand's
 width follows from what it is combined with (a cos table combined with a pair half is N/2 wide);
-operands combined with nothing of known width are N wide. Scalars and constants fit any width.
+operands combined with nothing of known width are N wide. Uniform values, the same in every column of
+a row (scalars, constants, VecM operands and elementwise math or pair halves of only those), fit any
+width and get none: one such value may meet values of several widths.
 """
 from __future__ import annotations
 
@@ -26,9 +28,22 @@ def any_width(n: ir.Node) -> bool:
     return n.leaf_value == "uniform" or (n.op == "load" and n.attr[0] == "vec_m")
 
 
+def uniform(nodes: list[ir.Node]) -> set[int]:
+    """ids of the uniform values among `nodes` (topologically ordered): any_width leaves, and elementwise
+    ops or pair halves whose inputs are all uniform."""
+    out: set[int] = set()
+    for n in nodes:
+        rule = _rule(n)
+        if (n.is_leaf and any_width(n)) or (rule in ("same", "half") and all(id(i) in out for i in n.inputs)):
+            out.add(id(n))
+    return out
+
+
 def infer(program: ir.Program) -> dict[int, Fraction]:
-    """id(node) -> width (as a fraction of N) for every node with columns; loads keyed as well."""
+    """id(node) -> width (as a fraction of N) for every node with columns but uniform ones; loads keyed as
+    well."""
     nodes = [n for n in ir.walk(program)]
+    free = uniform(nodes)
     width: dict[int, Fraction] = {id(ir.acc()): Fraction(1)}
     load_of = {id(n): n for n in nodes if n.op == "load"}
 
@@ -42,7 +57,7 @@ def infer(program: ir.Program) -> dict[int, Fraction]:
             width[key] = w
             return True
         if old != w:
-            raise fail(node, f"a value {_name(old)} wide meets one {_name(w)} wide")
+            raise fail(node, f"a value {width_text(old)} wide meets one {width_text(w)} wide")
         return False
 
     changed = True
@@ -50,9 +65,9 @@ def infer(program: ir.Program) -> dict[int, Fraction]:
         changed = False
         for n in nodes:
             rule = _rule(n)
-            if rule is None:
+            if rule is None or id(n) in free:
                 continue
-            ins = [i for i in n.inputs if not any_width(i)]
+            ins = [i for i in n.inputs if id(i) not in free]
             if rule == "half":
                 (x,) = n.inputs
                 if id(x) in width:
@@ -81,14 +96,14 @@ def infer(program: ir.Program) -> dict[int, Fraction]:
         changed = False
         for n in nodes:
             rule = _rule(n)
-            if rule is None or id(n) in width:
+            if rule is None or id(n) in width or id(n) in free:
                 continue
-            ins = [width.get(id(i)) for i in n.inputs if not any_width(i)]
+            ins = [width.get(id(i)) for i in n.inputs if id(i) not in free]
             if ins and all(w is not None for w in ins):
                 w = ins[0] * WIDTH_SCALE[rule]
                 changed |= unify(n, id(n), w)
     for n in nodes:
-        if n.op == "reduce" and id(n.inputs[0]) not in width and not any_width(n.inputs[0]):
+        if n.op == "reduce" and id(n.inputs[0]) not in width and id(n.inputs[0]) not in free:
             width[id(n.inputs[0])] = Fraction(1)
     return width
 
@@ -99,6 +114,7 @@ def load_widths(program: ir.Program) -> dict[str, Fraction]:
     return {n.attr[1]: widths.get(id(n), Fraction(1)) for n in ir.walk(program) if n.op == "load"}
 
 
-def _name(w: Fraction) -> str:
+def width_text(w: Fraction) -> str:
+    """N, N/2, 2·N: a width for messages."""
     return "N" if w == 1 else f"{w}·N" if w.denominator == 1 else f"N/{w.denominator}" if w.numerator == 1 \
         else f"{w}·N"

@@ -153,7 +153,7 @@ def linear(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, /
         raise OperandError("cd.linear: A must be a 2-D tensor [M, K]; flatten a batch into rows: A.flatten(0, -2)")
     names = tuple(k for k, v in operands.items() if isinstance(v, torch.Tensor))
     # a cd.Scalar given as a 0-d tensor (to learn it): the kernel takes its value, the tensor its gradient
-    values = {p.name: float(operands[p.name]) for p in ep.params if p.kind == "scalar"
+    values = {p.name: float(operands[p.name].detach()) for p in ep.params if p.kind == "scalar"
               and isinstance(operands.get(p.name), torch.Tensor) and operands[p.name].numel() == 1}
     tensors = (A, B, *(operands[k] for k in names))
     if not torch.is_grad_enabled() or not any(getattr(t, "requires_grad", False) for t in tensors):

@@ -6,6 +6,8 @@ in fp64, for torch.autograd.gradcheck.
 """
 from __future__ import annotations
 
+from fractions import Fraction
+
 import torch
 
 from ..ir import graph as ir
@@ -76,7 +78,8 @@ def _evaluate(nodes, values: dict, operands: dict, acc: torch.Tensor, widths: di
             done = _evaluate(ir.topo_order([node.attr]), {id(ir.reduced()): args[0]}, operands, acc, widths)
             v = done[id(node.attr)]
         elif node.kind == "structural":  # on operands expanded to their widths (constants and vectors)
-            ws = [widths[id(i)] if id(i) in widths else widths[id(node)] / WIDTH_SCALE[node.definition.width_rule]
+            here = widths.get(id(node), Fraction(1))  # a uniform value has none: any width will do
+            ws = [widths[id(i)] if id(i) in widths else here / WIDTH_SCALE[node.definition.width_rule]
                   for i in node.inputs]
             v = node.definition.apply(node.attr, *(_full(x, acc, w) for x, w in zip(args, ws)))
         else:
