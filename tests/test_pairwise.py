@@ -93,6 +93,22 @@ def test_uniform_values_meet_every_width():
     assert torch.allclose(got["z"].float(), torch.tanh(r)[:, None].expand(M, 16), atol=1e-2)
 
 
+def test_a_cast_interleave_is_the_interleave_of_casts():
+    """cd.cast(cd.interleave(a, b)) rounds each half: it specializes to the same kernel as the stored form
+    cd.interleave(cd.cast(a), cd.cast(b)) (it was refused as 2N-wide math)."""
+    from coda_dsl import cli
+
+    @cd.epilogue
+    def outer(acc):
+        return {"D": acc, "w": cd.cast(cd.interleave(acc, acc * 2.0), cd.bfloat16)}
+
+    @cd.epilogue
+    def inner(acc):
+        return {"D": acc, "w": cd.interleave(cd.cast(acc, cd.bfloat16), cd.cast(acc * 2.0, cd.bfloat16))}
+    keys = [cli.specialization_from_options(ep, "bf16").key for ep in (outer, inner)]
+    assert keys[0] == keys[1]
+
+
 def test_rope_helpers_refuse_odd_heads_and_partial_heads():
     with pytest.raises(ValueError, match="even"):
         neox_to_interleaved(torch.zeros(24, 4), 5)

@@ -1,4 +1,5 @@
-"""Binding compile-time constants and folding constant subexpressions.
+"""Binding compile-time constants and folding constant subexpressions (and moving a cast of an
+interleave onto its halves).
 
 Common subexpressions need no pass: IR nodes are hash-consed (ir/graph.py).
 """
@@ -21,6 +22,8 @@ def _fold(node: ir.Node, memo: dict[int, ir.Node], consts: dict[str, float], pro
         inputs = tuple(_fold(i, memo, consts, program) for i in node.inputs)
         attr = _fold(node.attr, memo, consts, program) if node.op == "finish" else node.attr
         out = ir.Node(node.op, inputs, attr)
+        if node.op == "cast" and inputs[0].op == "interleave":  # the rounding of each half: the form kernels store
+            out = ir.interleave(*(ir.Node("cast", (half,), attr) for half in inputs[0].inputs))
         op = node.definition
         if op is not None and op.fold and all(i.op == "const" for i in inputs):
             try:
