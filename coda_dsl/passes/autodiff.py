@@ -188,10 +188,11 @@ def derive(program: ir.Program, no_grad: tuple[str, ...] = ()) -> Backward:
     forward, back = infer_widths(program), infer_widths(backward)
     for o in program.outputs:
         leaf = next((n for n in ir.walk(backward) if n.op == "load" and n.attr[1] == GRAD + o.name), None)
-        if leaf is not None and back.get(id(leaf), Fraction(1)) != forward.get(id(o.node), Fraction(1)):
-            raise UnsupportedError(f"{where}: output '{o.name}' is {width_text(forward[id(o.node)])} wide, but nothing "
-                                   "in its derivative ties that width to the accumulator (only linear column "
-                                   "pairs lead back to it): its derivative is not supported yet")
+        want = forward.get(id(o.node), Fraction(1))
+        if leaf is not None and back.get(id(leaf), Fraction(1)) != want:
+            raise UnsupportedError(f"{where}: output '{o.name}' is {width_text(want)} wide, but nothing in its "
+                                   "derivative ties that width to the accumulator (only linear column pairs lead "
+                                   "back to it): its derivative is not supported yet")
     ungraded = tuple(p.name for p in program.params if p.name in finishing_scalars)
     return Backward(backward, tuple(grads), tuple(saved), tuple(unfinished), "acc" in uses, program, ungraded)
 
