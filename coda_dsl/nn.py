@@ -370,6 +370,10 @@ def rope_inv_freq(config) -> torch.Tensor:
     if rope_type == "default":
         base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    if rope_type in ("dynamic", "longrope"):  # HF recomputes these frequencies from the sequence length
+        raise UnsupportedError(f"coda_dsl.nn: rope_type {rope_type!r} changes its frequencies with the sequence "
+                               "length at run time; the layer's are fixed at load (e.g. 'default', 'llama3', "
+                               "'linear')")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
     if scaling != 1.0:

@@ -238,7 +238,8 @@ class _VocabParallelCE(torch.autograd.Function):
                         backend=backend)["D"]
             rows = torch.arange(e - s, device=x.device)
             hot = ((1 - smoothing) * sc * hot_rows[s:e]).to(p.dtype)
-            p.index_put_((rows, local[s:e].clamp(0, max(v - 1, 0))), -hot, accumulate=True)
+            if v:  # a rank may hold no rows of the head (V < world size): no one-hot term here
+                p.index_put_((rows, local[s:e].clamp(0, v - 1)), -hot, accumulate=True)
             grad_x[s:e] = p @ w
             if grad_w is not None:
                 grad_w.addmm_(p.t(), xs)

@@ -277,6 +277,15 @@ def _vocab_ce_rank(rank, mesh):
         assert_close(ws.grad.full_tensor(), w.grad, f"grad_W ({case})")
     with pytest.raises(cd.UnsupportedError, match="must be a DTensor sharded by rows"):
         vocab_parallel_cross_entropy(x0, w0, target)
+    # a one-row head: rank 1 holds none of it (it deadlocked the backward's all-reduce)
+    x, w1 = x0.clone().requires_grad_(), w0[:1].clone().requires_grad_()
+    t1 = torch.zeros(m, dtype=torch.long)
+    cd.linear_cross_entropy(x, w1, t1, backend="reference").backward()
+    xs = x0.clone().requires_grad_()
+    ws = torch.nn.Parameter(distribute_tensor(w0[:1].clone(), mesh, [Shard(0)]))
+    vocab_parallel_cross_entropy(xs, ws, t1, backend="reference").backward()
+    assert_close(xs.grad, x.grad, "grad_x (a rank without rows)")
+    assert_close(ws.grad.full_tensor(), w1.grad, "grad_W (a rank without rows)")
 
 
 def test_vocab_parallel_cross_entropy_matches_linear_cross_entropy():

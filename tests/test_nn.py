@@ -338,6 +338,10 @@ def test_in_a_transformers_model():
 
 
 def test_refusals():
+    for rope_type in ("dynamic",):  # frequencies that follow the sequence length: not fixed at load
+        with pytest.raises(cd.UnsupportedError, match="changes its frequencies"):
+            cdnn.LlamaDecoderLayer(llama_config(rope_parameters={"rope_type": rope_type, "factor": 2.0,
+                                                                 "rope_theta": 1e4}))
     config = llama_config()
     ours = cdnn.LlamaDecoderLayer(config, backend="reference")
     x = torch.randn(1, 4, config.hidden_size)
