@@ -224,6 +224,27 @@ def test_config(make_plan):
     assert "max_swizzle_size = 8;" in ping and "StreamK" not in ping and "coda::launch<Gemm>(" in ping
 
 
+@pytest.mark.parametrize("text", ["128x256x64_c2x1x1_cooperative", "128x256x64_x2x1_cooperative",
+                                  "128x256x64_c+2x1_cooperative", "128x256x64_c2x1_cooperative_rm_rn",
+                                  "128x256x64_c2x1_cooperative_streamk_streamk", "128x256x64_c2x1_pingpong_e64x0"])
+def test_config_text_is_checked(text):
+    """Every accepted text prints back as itself; the rest is a ValueError naming the form (no silent
+    normalizing, no ZeroDivisionError)."""
+    with pytest.raises(ValueError, match="bad config"):
+        Config.parse(text)
+
+
+def test_config_fields_are_checked():
+    for kw in (dict(cluster=(2, 1, 5)), dict(epilogue_tile=(128, 0)), dict(epilogue_tile=(128, 64, 1)),
+               dict(tile=(128.0, 256, 64)), dict(swizzle=True)):
+        with pytest.raises(ValueError):
+            Config(**kw)
+    c = Config(tile=[128, 256, 64])  # a list is its tuple: hashable, and prints as the default
+    assert hash(c) == hash(Config()) and Config.parse(c.text) == c
+    for text in ("128x256x64_c2x1_cooperative", "64x128x64_c1x2_pingpong_e64x64_rm_s4_streamk"):
+        assert Config.parse(text).text == text
+
+
 def test_scheduler_options(make_plan):
     _, src = emit(make_plan, bias_gelu, config=Config(raster="m", swizzle=2, scheduler="streamk"))
     assert "args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::AlongM;" in src

@@ -29,6 +29,11 @@ def test_records_persist_and_are_found(cache_root, monkeypatch):
     assert tuning.recorded(dev, canonical, tuning.DEFAULT, (120, 250, 300, 1)) == best
     (cache_root / "tuned.json").write_text("{not json")  # a corrupt record file means: tune again
     assert tuning.recorded(dev, canonical, tuning.DEFAULT, (120, 250, 300, 1)) is None
+    key = tuning.record_key(canonical, tuning.DEFAULT, 100, 200, 300, 1)
+    for damaged in ("[]", '{"FakeGPU|sm90": []}', '{"FakeGPU|sm90": {"%s": "x"}}' % key,
+                    '{"FakeGPU|sm90": {"%s": {"config": "garbage"}}}' % key):  # JSON, but not records
+        (cache_root / "tuned.json").write_text(damaged)
+        assert tuning.recorded(dev, canonical, tuning.DEFAULT, (120, 250, 300, 1)) is None, damaged
 
 
 def test_tune_uses_a_record_without_building(cache_root, monkeypatch):
@@ -92,3 +97,15 @@ def test_clear_forgets_specializations_choices_and_warm_entries(fake_kernels, mo
     public_runtime.clear()
     cd.gemm(a, b, backend="cutlass")
     assert len(looked_up) == 2 and cd.compile(cd.identity, a, b) is not op
+
+
+def test_tuning_switches_are_booleans(monkeypatch):
+    """set_tuning("false") and CODA_DSL_TUNE=off must not turn tuning on (truthy strings)."""
+    with pytest.raises(cd.OperandError, match="True or False"):
+        cd.set_tuning("false")
+    for value, expected in (("1", True), ("on", True), ("TRUE", True), ("off", False), ("false", False), ("", False)):
+        monkeypatch.setenv("CODA_DSL_TUNE", value)
+        assert runtime._env_tuning() is expected, value
+    monkeypatch.setenv("CODA_DSL_TUNE", "maybe")
+    with pytest.warns(UserWarning, match="tuning stays off"):
+        assert runtime._env_tuning() is False

@@ -31,6 +31,15 @@ class Config:
     scheduler: str = "persistent"  # or "streamk"
 
     def __post_init__(self):
+        def ints(name: str, value, count: int) -> tuple[int, ...]:
+            if not (isinstance(value, (tuple, list)) and len(value) == count
+                    and all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+                raise ValueError(f"{name} must be {count} integers, not {value!r}")
+            return tuple(value)
+        object.__setattr__(self, "tile", ints("tile", self.tile, 3))  # a list is taken as its tuple
+        object.__setattr__(self, "cluster", ints("cluster", self.cluster, 2))
+        if self.epilogue_tile is not None:
+            object.__setattr__(self, "epilogue_tile", ints("epilogue_tile", self.epilogue_tile, 2))
         m, n, k = self.tile
         if self.schedule not in ("cooperative", "pingpong"):
             raise ValueError(f"schedule must be 'cooperative' or 'pingpong', not {self.schedule!r}")
@@ -42,12 +51,12 @@ class Config:
             raise ValueError(f"cluster {self.cluster}: 1 to 4 CTAs, each side at least 1")
         if self.epilogue_tile is not None:
             em, en = self.epilogue_tile
-            if em != (128 if self.schedule == "cooperative" else 64) or en % 16 or n % en:
+            if em != (128 if self.schedule == "cooperative" else 64) or en <= 0 or en % 16 or n % en:
                 raise ValueError(f"epilogue tile {self.epilogue_tile}: M must be 128 (cooperative) or 64 "
                                  f"(pingpong), N a multiple of 16 dividing the tile's {n}")
         if self.raster not in ("auto", "m", "n"):
             raise ValueError(f"raster must be 'auto', 'm' or 'n', not {self.raster!r}")
-        if self.swizzle not in (1, 2, 4, 8):
+        if isinstance(self.swizzle, bool) or self.swizzle not in (1, 2, 4, 8):
             raise ValueError(f"swizzle must be 1, 2, 4 or 8, not {self.swizzle!r}")
         if self.scheduler not in ("persistent", "streamk"):
             raise ValueError(f"scheduler must be 'persistent' or 'streamk', not {self.scheduler!r}")
@@ -71,19 +80,28 @@ class Config:
         """'128x256x64_c2x1_cooperative[_e128x64][_rm|_rn][_s1|_s2|_s4][_streamk]' -> Config (the inverse of .text)."""
         try:
             tile, cluster, schedule, *rest = text.split("_")
-            ints = lambda s: tuple(int(x) for x in s.split("x"))  # noqa: E731
+
+            def ints(s: str) -> tuple[int, ...]:
+                if not all(x.isdigit() for x in s.split("x")):
+                    raise ValueError(f"{s!r} is not numbers joined by x")
+                return tuple(int(x) for x in s.split("x"))
+            if cluster[:1] != "c":
+                raise ValueError(f"the cluster part is c<M>x<N>, not {cluster!r}")
             extra: dict = {}
             for part in rest:
                 if part == "streamk":
-                    extra["scheduler"] = part
-                elif part[0] == "e" and "epilogue_tile" not in extra:
-                    extra["epilogue_tile"] = ints(part[1:])
+                    key, value = "scheduler", part
+                elif part[:1] == "e":
+                    key, value = "epilogue_tile", ints(part[1:])
                 elif part in ("rm", "rn"):
-                    extra["raster"] = part[1]
-                elif part[0] == "s" and part[1:].isdigit():
-                    extra["swizzle"] = int(part[1:])
+                    key, value = "raster", part[1]
+                elif part[:1] == "s" and part[1:].isdigit():
+                    key, value = "swizzle", int(part[1:])
                 else:
                     raise ValueError(f"unknown part {part!r}")
+                if key in extra:
+                    raise ValueError(f"two {key} parts")
+                extra[key] = value
             return Config(ints(tile), ints(cluster[1:]), schedule, **extra)  # type: ignore[arg-type]
         except (ValueError, TypeError, IndexError) as e:
             raise ValueError(f"bad config {text!r}: expected e.g. 128x256x64_c2x1_cooperative or "

@@ -627,7 +627,18 @@ def compile(epilogue: Epilogue, A, B, /, *, out: dict | None = None, config: Con
     return specialization(epilogue, call, dtypes, out, config, deterministic, accumulate)
 
 
-_tuning = os.environ.get("CODA_DSL_TUNE", "") not in ("", "0")
+def _env_tuning() -> bool:
+    """CODA_DSL_TUNE: 1/true/yes/on, or 0/false/no/off (or unset); anything else is off, with a warning."""
+    value = os.environ.get("CODA_DSL_TUNE", "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value not in ("", "0", "false", "no", "off"):
+        warnings.warn(f"coda_dsl: CODA_DSL_TUNE={value!r} is not 1/true/yes/on or 0/false/no/off: tuning stays off",
+                      stacklevel=2)
+    return False
+
+
+_tuning = _env_tuning()
 # (call key, shape bucket) -> (config, whether it was measured on this device)
 _configs: dict[tuple, tuple[Config, bool]] = {}
 # cd.gemm's warm path: epilogue -> {(call options, call layout): the op that call checked and chose}
@@ -637,7 +648,9 @@ _warm: dict[Epilogue, dict[tuple, CompiledOp]] = {}
 def set_tuning(enabled: bool) -> None:
     """Tune every specialization on first use of a shape bucket (like tune=True on each call)."""
     global _tuning
-    _tuning = bool(enabled)
+    if not isinstance(enabled, bool):  # "false" would be truthy
+        raise OperandError(f"coda_dsl.set_tuning: enabled must be True or False, not {enabled!r}")
+    _tuning = enabled
 
 
 def _choose_config(spec, call: Call, tune: bool, key: tuple) -> Config:

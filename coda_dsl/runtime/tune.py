@@ -77,9 +77,11 @@ def _records_path() -> Path:
 
 def _load() -> dict:
     try:
-        return json.loads(_records_path().read_text())
+        records = json.loads(_records_path().read_text())
     except (OSError, ValueError):
         return {}  # none yet, or unreadable: tuning again is the safe answer
+    # {device: {record key: {"config": text, ...}}}; what is not that shape is read as no record
+    return {dev: per for dev, per in records.items() if isinstance(per, dict)} if isinstance(records, dict) else {}
 
 
 def _store(device: str, key: str, config: Config, times: dict[str, float]) -> None:
@@ -98,7 +100,10 @@ def record_key(canonical: str, config: Config, m: int, n: int, k: int, l: int) -
 
 def recorded(device: torch.device, canonical: str, config: Config, mnkl) -> Config | None:
     entry = _load().get(device_key(device), {}).get(record_key(canonical, config, *mnkl))
-    return Config.parse(entry["config"]) if entry else None
+    try:
+        return Config.parse(entry["config"]) if entry else None
+    except (TypeError, KeyError, ValueError):  # a damaged record: tuning again is the safe answer
+        return None
 
 
 def tune(make_op, launch, device: torch.device, mnkl, log=None) -> Config:
