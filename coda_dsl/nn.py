@@ -313,6 +313,9 @@ def _check_inputs(x, hidden_size: int, position_ids, input_rstd) -> None:
         got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise OperandError(f"{where}: hidden_states must be [batch, seq, {hidden_size}], got {got}")
     b, s = x.shape[:2]
+    if position_ids is not None and not isinstance(position_ids, torch.Tensor):
+        raise OperandError(f"{where}: position_ids must be a tensor [{b}, {s}] or [1, {s}], got "
+                           f"{type(position_ids).__name__}")
     if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[1] != s
                                      or position_ids.shape[0] not in (1, b)):
         raise OperandError(f"{where}: position_ids must be [{b}, {s}] or [1, {s}], got {list(position_ids.shape)}")
@@ -399,7 +402,8 @@ def qkv_weight(wq, wk, wv, head_dim: int) -> torch.Tensor:
 
 def causal_attention(qkv: torch.Tensor, batch: int, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
     """[M, (heads + 2 kv_heads) head_dim] rotated q, k and v -> causal SDPA (GQA) output [M, heads head_dim]."""
-    split = lambda t: t.unflatten(0, (batch, -1)).unflatten(-1, (-1, head_dim)).transpose(1, 2)  # noqa: E731
+    seq = qkv.shape[0] // max(batch, 1)  # not -1: a batch of 0 has no rows to infer it from
+    split = lambda t: t.unflatten(0, (batch, seq)).unflatten(-1, (-1, head_dim)).transpose(1, 2)  # noqa: E731
     q, k, v = (split(t) for t in qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1))
     o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=head_dim ** -0.5, enable_gqa=heads != kv_heads)
     return o.transpose(1, 2).flatten(-2).flatten(0, 1)
@@ -535,11 +539,12 @@ class LlamaDecoderLayer(nn.Module):
         return self.load_state_dict(state_dict, strict=strict)
 
     def to_hf(self):
-        """A transformers LlamaDecoderLayer with these weights (eager attention)."""
+        """A transformers LlamaDecoderLayer with these weights (eager attention); a tensor-parallel layer's
+        (DTensor) weights are gathered whole."""
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer as HFLayer
         w = self.self_attn.q_proj.weight
         hf = HFLayer(self.config, self.layer_idx).to(dtype=w.dtype, device=w.device)
-        hf.load_state_dict(self.state_dict())
+        hf.load_state_dict({k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in self.state_dict().items()})
         return hf
 
     def prebuild(self, tokens: int) -> int:

@@ -228,6 +228,8 @@ def _tp_rank(rank, mesh):
     assert set(sd) == set(ref.state_dict())
     for n, t in ref.state_dict().items():
         assert_close(sd[n].full_tensor(), t, n)
+    for n, t in tp.to_hf().state_dict().items():  # gathered whole, under HF's names
+        assert_close(t, ref.state_dict()[n], f"to_hf {n}")
 
     # bf16: the tensor-parallel layer's error against fp32 is within twice the unsharded bf16 layer's
     l32 = random_layer(config)

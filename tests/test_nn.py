@@ -337,6 +337,16 @@ def test_in_a_transformers_model():
         ours(ids)
 
 
+def test_empty_batch_and_position_ids_not_a_tensor():
+    layer = cdnn.LlamaDecoderLayer(llama_config(), backend="reference")
+    x = torch.randn(0, 7, 64, requires_grad=True)
+    y = layer(x)
+    y.sum().backward()
+    assert y.shape == x.grad.shape == (0, 7, 64)
+    with pytest.raises(cd.OperandError, match="position_ids must be a tensor"):
+        layer(torch.randn(1, 3, 64), position_ids=[[0, 1, 2]])
+
+
 def test_refusals():
     for rope_type in ("dynamic",):  # frequencies that follow the sequence length: not fixed at load
         with pytest.raises(cd.UnsupportedError, match="changes its frequencies"):
