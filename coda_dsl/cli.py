@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 # use them, so that `coda-dsl --help` answers at once.
 from . import build
 from .build import ToolchainError
-from .errors import CodaError, UnsupportedError
+from .errors import CodaError, SharedMemoryError, UnsupportedError
 
 if TYPE_CHECKING:
     from .dsl import Epilogue
@@ -221,6 +221,8 @@ def cmd_explain(args) -> int:
     ep, consts = _epilogue_from_args(args)
     try:
         ep, spec = _spec_from_args(args, (ep, consts))
+    except SharedMemoryError:  # another config would build: its message names one
+        raise
     except UnsupportedError as e:  # no kernel for it: still show the program, then why
         print(f"# epilogue {ep.name} ({ep.defined_at})\n\n## IR\n{format_program(ep.program)}")
         print(f"\n## no kernel: it runs on the reference backend only\n  {e}")

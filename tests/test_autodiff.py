@@ -196,6 +196,12 @@ def test_row_and_scalar_operands_in_pairwise_math_pass_gradcheck():
         _gradcheck_linear(ep.program, values={k: v.double() for k, v in values.items()})
 
     @cd.epilogue
+    def column_sums_of_a_half(acc):  # a statistic's dy is a vector: the width check leaves it alone
+        g, u = cd.pairs(acc)
+        return {"D": g * u, "cols": cd.sum(g * u, axis="m"), "tot": cd.sum(g, axis="m").then(cd.tanh)}
+    _gradcheck_linear(column_sums_of_a_half.program, values={})
+
+    @cd.epilogue
     def even_columns_plus(acc, s: cd.Scalar):  # linear in acc: nothing in the derivative fixes dy's width
         return cd.pairs(acc)[0] + s
     with pytest.raises(UnsupportedError, match="N/2 wide, but nothing in its derivative"):
@@ -391,6 +397,29 @@ def test_linear_leaves_out_outputs_the_loss_does_not_use():
     torch.testing.assert_close(x.grad, 2.0 * w.sum(0).expand(6, 4))
 
 
+def test_leaving_out_an_output_never_breaks_the_backward():
+    """With D unused, h's derivative alone leaves dy's width open: the full derivative runs, with zeros."""
+    @cd.epilogue
+    def f(acc):
+        g, u = cd.pairs(acc)
+        return {"D": g * u, "h": g * 2.0}
+    x, w = torch.randn(6, 4, requires_grad=True), torch.randn(8, 4)
+    cd.linear(x, w, f, backend="reference")["h"].sum().backward()
+    torch.testing.assert_close(x.grad, 2.0 * w[0::2].sum(0).expand(6, 4))
+
+
+def test_learnt_scalars_are_0d_tensors_of_any_float_dtype():
+    @cd.epilogue
+    def f(acc, s: cd.Scalar):
+        return acc * s
+    x, w = torch.randn(6, 4, requires_grad=True), torch.randn(5, 4)
+    s = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)  # beside fp32 x
+    cd.linear(x, w, f, backend="reference", s=s)["D"].sum().backward()
+    assert s.grad.dtype == torch.float64 and torch.allclose(s.grad.float(), (x @ w.t()).sum().detach())
+    with pytest.raises(cd.OperandError, match="scalar 's' was given as a tensor"):
+        cd.linear(x, w, f, backend="reference", s=torch.tensor([0.5], requires_grad=True))
+
+
 def test_a_scalar_read_by_then_is_not_learnt_silently():
     """Its gradient through .then is not derived, so none is: a 0-d tensor that wants one is refused,
     a number (or a tensor without requires_grad) runs."""
@@ -566,6 +595,13 @@ def test_backward_epilogue_fuses_into_the_producer_gemm():
         return cd.logsumexp(acc)
     with pytest.raises(UnsupportedError, match="is a reduction.*nothing to fuse"):
         cd.backward_epilogue(row_lse)
+
+    @cd.epilogue
+    def gated_by_a_row_value(acc, r: cd.VecM):  # a computed uniform factor narrows like a leaf one
+        g, u = cd.pairs(acc)
+        return cd.silu(g) * u * cd.tanh(r)
+    from coda_dsl import cli
+    assert cli.specialization_from_options(cd.backward_epilogue(gated_by_a_row_value), "bf16").cu_text
     from coda_dsl.runtime.autograd import forward_epilogue  # what cd.linear's forward kernel runs
     assert forward_epilogue(bias_gelu).output_names == ("D", "acc")
 

@@ -31,7 +31,8 @@ def test_records_persist_and_are_found(cache_root, monkeypatch):
     assert tuning.recorded(dev, canonical, tuning.DEFAULT, (120, 250, 300, 1)) is None
     key = tuning.record_key(canonical, tuning.DEFAULT, 100, 200, 300, 1)
     for damaged in ("[]", '{"FakeGPU|sm90": []}', '{"FakeGPU|sm90": {"%s": "x"}}' % key,
-                    '{"FakeGPU|sm90": {"%s": {"config": "garbage"}}}' % key):  # JSON, but not records
+                    '{"FakeGPU|sm90": {"%s": {"config": "garbage"}}}' % key,
+                    '{"FakeGPU|sm90": {"%s": {"config": 5}}}' % key):  # JSON, but not records
         (cache_root / "tuned.json").write_text(damaged)
         assert tuning.recorded(dev, canonical, tuning.DEFAULT, (120, 250, 300, 1)) is None, damaged
 

@@ -24,7 +24,7 @@ from fractions import Fraction
 from ..errors import UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import REDUCTIONS
-from .widths import WIDTH_SCALE, any_width, infer as infer_widths, uniform, width_text
+from .widths import WIDTH_SCALE, infer as infer_widths, uniform, width_text
 
 GRAD, SAVED = "grad_", "saved_"  # parameter names of the incoming gradients and of saved statistics
 _VEC_OF_AXIS = {"n": "vec_m", "m": "vec_n", None: "scalar"}  # the gradient of a statistic over `axis`
@@ -187,8 +187,11 @@ def derive(program: ir.Program, no_grad: tuple[str, ...] = ()) -> Backward:
     # 2N-wide output to the accumulator, nothing in it does.
     forward, back = infer_widths(program), infer_widths(backward)
     for o in program.outputs:
+        r = ir.reduction_of(o.node)
+        if r is not None and r.attr[1] != "m":  # a row or total statistic's dy is the same in every column
+            continue
         leaf = next((n for n in ir.walk(backward) if n.op == "load" and n.attr[1] == GRAD + o.name), None)
-        want = forward.get(id(o.node), Fraction(1))
+        want = forward.get(id(o.node if r is None else r.inputs[0]), Fraction(1))  # a column sum's: its input's
         if leaf is not None and back.get(id(leaf), Fraction(1)) != want:
             raise UnsupportedError(f"{where}: output '{o.name}' is {width_text(want)} wide, but nothing in its "
                                    "derivative ties that width to the accumulator (only linear column pairs lead "
@@ -270,7 +273,7 @@ def _narrower(widths: dict):
             return ir.Node(n.op, inputs, n.attr)
         if n.op == "pair":
             return halves(inputs[0])[n.attr]
-        if n.kind == "elementwise" and all(wide(i) or any_width(i) for i in inputs):
+        if n.kind == "elementwise" and all(wide(i) or id(i) in uniform(ir.topo_order([i])) for i in inputs):
             return ir.interleave(*(ir.Node(n.op, tuple(halves(i)[k] for i in inputs), n.attr) for k in (0, 1)))
         if n.op == "reduce" and n.attr[0] == "sum" and n.attr[1] in ("n", None) and len(inputs) == 1:
             return ir.Node(n.op, (ir.compute("add", *halves(inputs[0])),), n.attr)

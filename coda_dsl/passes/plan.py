@@ -79,6 +79,8 @@ class Config:
     def parse(text: str) -> "Config":
         """'128x256x64_c2x1_cooperative[_e128x64][_rm|_rn][_s1|_s2|_s4][_streamk]' -> Config (the inverse of .text)."""
         try:
+            if not isinstance(text, str):
+                raise ValueError(f"a config text is a string, not {type(text).__name__}")
             tile, cluster, schedule, *rest = text.split("_")
 
             def ints(s: str) -> tuple[int, ...]:

@@ -98,9 +98,11 @@ class _Linear(torch.autograd.Function):
         acc = outs.pop(ACC_OUTPUT) if back.uses_acc else None
         statistics = [outs.pop(SAVED + o) if o in back.unfinished else outs[o] for o in back.saved]
         ctx.ep, ctx.consts, ctx.derived, ctx.names, ctx.numbers = ep, consts, derived, names, numbers
+        ctx.outputs = {o: (outs[o].shape, outs[o].dtype) for o in ep.output_names}
         ctx.save_for_backward(x, w, acc, *tensors, *statistics)
         # an output the loss does not use gets None, not zeros: its derivative is left out of the backward,
-        # where 0 * f'(x) would still be NaN at f's singular points (sqrt at 0, log at 0, ...)
+        # where 0 * f'(x) would still be NaN at f's singular points (sqrt at 0, log at 0, ...). (Under
+        # torch.compile, AOTAutograd passes zeros instead.)
         ctx.set_materialize_grads(False)
         return tuple(outs[o] for o in ep.output_names)  # linear() names them in this order
 
@@ -108,20 +110,26 @@ class _Linear(torch.autograd.Function):
     @torch.autograd.function.once_differentiable  # the saved accumulator has no graph: no second order
     def backward(ctx, *grads):
         names = ctx.names
-        unused = tuple(o for o, g in zip(ctx.ep.output_names, grads) if g is None)
-        # without the unused outputs: it reads a subset of what the full derivative had saved
-        derived = _derived_for(ctx.ep, ctx.consts, unused) if unused else ctx.derived
+        grads = dict(zip(ctx.ep.output_names, grads))
         x, w, acc, *rest = ctx.saved_tensors
+        derived = ctx.derived
+        if unused := tuple(o for o, g in grads.items() if g is None):
+            try:  # without the unused outputs: it reads a subset of what the full derivative had saved
+                derived = _derived_for(ctx.ep, ctx.consts, unused)
+            except UnsupportedError:  # (its widths may then be open): the full one, with zeros for them
+                grads.update({o: torch.zeros((), dtype=ctx.outputs[o][1], device=x.device).expand(ctx.outputs[o][0])
+                              for o in unused})
         tensors, saved = rest[:len(names)], rest[len(names):]
         operands = {**dict(zip(names, tensors)), **ctx.numbers,
                     **{SAVED + o: t for o, t in zip(ctx.derived.back.saved, saved)},
-                    **{GRAD + o: g for o, g in zip(ctx.ep.output_names, grads) if g is not None}}
+                    **{GRAD + o: g for o, g in grads.items() if g is not None}}
         fp64 = x.dtype == torch.float64  # the reference backend's gradcheck precision: gradients stay fp64
         if acc is None:  # the derivative does not read the accumulator: its shape and dtype, no memory
             acc = torch.zeros((), device=x.device, dtype=torch.float64 if fp64 else torch.float32).expand(
                 x.shape[0], w.shape[0])
+        # (a learnt cd.Scalar's gradient keeps the math's dtype: autograd casts it to the scalar's)
         out_dtypes = {} if fp64 else {"acc": dtype_name(x.dtype),
-                                      **{n: dtype_name(t.dtype) for n, t in zip(names, tensors)}}
+                                      **{n: dtype_name(t.dtype) for n, t in zip(names, tensors) if t.dim()}}
         got = derived.backward(acc, operands, out_dtypes)
         dacc = got.get("acc")
         need_x, need_w = ctx.needs_input_grad[4:6]
@@ -154,7 +162,11 @@ def linear(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, /
     names = tuple(k for k, v in operands.items() if isinstance(v, torch.Tensor))
     # a cd.Scalar given as a 0-d tensor (to learn it): the kernel takes its value, the tensor its gradient
     values = {p.name: float(operands[p.name].detach()) for p in ep.params if p.kind == "scalar"
-              and isinstance(operands.get(p.name), torch.Tensor) and operands[p.name].numel() == 1}
+              and isinstance(operands.get(p.name), torch.Tensor) and operands[p.name].dim() == 0}
+    if values and torch.compiler.is_compiling():
+        raise OperandError(f"cd.linear: cd.Scalar {sorted(values)} given as a tensor inside torch.compile: the "
+                           "kernel needs its value as a number, which a traced tensor is not\n  fix: pass a number, "
+                           "or learn it outside the compiled region")
     tensors = (A, B, *(operands[k] for k in names))
     if not torch.is_grad_enabled() or not any(getattr(t, "requires_grad", False) for t in tensors):
         # nothing to differentiate: the plain fused GEMM (no accumulator kept, no derivative needed)

@@ -163,7 +163,7 @@ void launch(typename Gemm::Arguments& args, void* ws, size_t ws_size, Call const
   }
   auto params = Kernel::to_underlying_arguments(args, ws);
   // The launch Gemm::run makes, less its per-launch cudaFuncSetAttribute (non-portable cluster sizes:
-  // ours are at most 2x2, portable) and driver-version checks: one cudaLaunchKernelExC.
+  // ours have at most 4 CTAs, portable): one cudaLaunchKernelExC.
   using Cluster = typename Kernel::DispatchPolicy::ClusterShape;
   cudaLaunchAttribute cluster[1];
   cluster[0].id = cudaLaunchAttributeClusterDimension;
@@ -178,8 +178,10 @@ void launch(typename Gemm::Arguments& args, void* ws, size_t ws_size, Call const
   config.attrs = cluster;
   config.numAttrs = cute::size(Cluster{}) > 1 ? 1 : 0;  // a 1x1x1 cluster launches as a plain grid, as in CUTLASS
   void* kernel_params[] = {&params};
-  check_cuda(cudaLaunchKernelExC(&config, reinterpret_cast<void const*>(cutlass::device_kernel<Kernel>), kernel_params),
-             op_name, "kernel launch");
+  cudaError_t launched = cudaLaunchKernelExC(&config, reinterpret_cast<void const*>(cutlass::device_kernel<Kernel>),
+                                             kernel_params);
+  if (launched != cudaSuccess) (void)cudaGetLastError();  // reported here, not again by the next check
+  check_cuda(launched, op_name, "kernel launch");
 }
 
 }  // namespace coda
