@@ -475,11 +475,16 @@ def test_linear_refuses_what_it_cannot_differentiate():
     @cd.epilogue
     def f(acc):
         return {"D": acc, "m": cd.max(acc, axis="n")}
-    x = torch.randn(4, 8, requires_grad=True)
-    with pytest.raises(UnsupportedError, match="cd.max"):
-        cd.linear(x, torch.randn(8, 8), f, backend="reference")
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, 8)
+    out = cd.linear(x, w, f, backend="reference")  # a statistic with no derivative is computed ...
+    out["D"].sum().backward()  # ... and trains what does not depend on it (an fp8 scale's amax, say)
+    torch.testing.assert_close(x.grad, w.sum(0).expand(4, 8))
+    with pytest.raises(UnsupportedError, match="depends on output 'm', a cd.max"):
+        cd.linear(x, w, f, backend="reference")["m"].sum().backward()
+    with pytest.raises(Exception, match="'m' is a cd.max, which has no derivative yet"):  # compiled: at once
+        torch.compile(lambda x: cd.linear(x, w, f, backend="reference")["D"], fullgraph=True, backend="aot_eager")(x)
     with torch.no_grad():  # no gradient wanted: the plain fused GEMM, nothing derived
-        assert cd.linear(x, torch.randn(8, 8), f, backend="reference")["m"].shape == (4,)
+        assert cd.linear(x, w, f, backend="reference")["m"].shape == (4,)
     with pytest.raises(cd.OperandError, match="2-D"):
         cd.linear(torch.randn(2, 4, 8), torch.randn(8, 8), backend="reference")
     for option in ({"out": {"D": torch.empty(4, 8)}}, {"accumulate": True}):

@@ -17,7 +17,7 @@ import torch
 from ..dsl import Epilogue
 from ..errors import OperandError, UnsupportedError
 from ..ir import graph as ir
-from ..ir.ops import dtype_name
+from ..ir.ops import REDUCTIONS, dtype_name
 from ..passes import specialize
 from ..passes.autodiff import GRAD, SAVED, Backward, derive, into_producer
 from . import fused, reference
@@ -89,7 +89,13 @@ class _Linear(torch.autograd.Function):
     def forward(ctx, ep, names, numbers, options, x, w, *tensors):
         operands = {**dict(zip(names, tensors)), **numbers}  # numbers last: a learnt cd.Scalar's value
         consts = {p.name: operands[p.name] for p in ep.params if p.kind == "const"}
-        derived = _derived_for(ep, consts)
+        # statistics with no derivative yet (cd.max/min/amax/take, e.g. an fp8 scale's amax) are computed, and
+        # refused only if a gradient reaches them; inside torch.compile, where an unused output's gradient is
+        # zeros rather than None, that cannot be told apart: there they are refused at once
+        frozen = () if torch.compiler.is_compiling() else tuple(
+            o.name for o in ep.program.outputs
+            if (r := ir.reduction_of(o.node)) is not None and REDUCTIONS[r.attr[0]].grad is None)
+        derived = _derived_for(ep, consts, frozen)
         back = derived.back
         if learnt := [n for i, n in enumerate(names) if n in back.ungraded and ctx.needs_input_grad[6 + i]]:
             raise UnsupportedError(f"cd.linear: epilogue '{ep.name}' reads cd.Scalar '{learnt[0]}' inside .then(...), "
@@ -97,7 +103,8 @@ class _Linear(torch.autograd.Function):
         outs = gemm(x, w, derived.forward, **options, **operands)
         acc = outs.pop(ACC_OUTPUT) if back.uses_acc else None
         statistics = [outs.pop(SAVED + o) if o in back.unfinished else outs[o] for o in back.saved]
-        ctx.ep, ctx.consts, ctx.derived, ctx.names, ctx.numbers = ep, consts, derived, names, numbers
+        ctx.ep, ctx.consts, ctx.derived, ctx.frozen = ep, consts, derived, frozen
+        ctx.names, ctx.numbers = names, numbers
         ctx.outputs = {o: (outs[o].shape, outs[o].dtype) for o in ep.output_names}
         ctx.save_for_backward(x, w, acc, *tensors, *statistics)
         # an output the loss does not use gets None, not zeros: its derivative is left out of the backward,
@@ -111,6 +118,11 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, *grads):
         names = ctx.names
         grads = dict(zip(ctx.ep.output_names, grads))
+        if used := [o for o in ctx.frozen if grads[o] is not None]:
+            kind = ir.reduction_of(ctx.ep.program.output(used[0]).node).attr[0]
+            raise UnsupportedError(f"cd.linear: epilogue '{ctx.ep.name}': the loss depends on output '{used[0]}', a "
+                                   f"cd.{kind}, which has no derivative yet\n  fix: use it detached "
+                                   f"(out['{used[0]}'].detach()), or compute it outside the epilogue")
         x, w, acc, *rest = ctx.saved_tensors
         derived = ctx.derived
         if unused := tuple(o for o, g in grads.items() if g is None):
@@ -148,9 +160,10 @@ def linear(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, /
     every cd.Tensor / cd.VecN / cd.VecM operand passed as a tensor, and to a cd.Scalar passed as a 0-d
     tensor (its value is read to the host for the kernel: on CUDA one synchronization per call); a
     cd.Scalar given as a number, and cd.Const values, get none. The epilogue's backward is derived
-    automatically (coda_dsl.passes.autodiff): statistics it cannot differentiate yet (cd.max/min/amax/take)
-    raise UnsupportedError. backend, config, deterministic and tune are cd.gemm's, for the forward kernel.
-    Returns the outputs like cd.gemm.
+    automatically (coda_dsl.passes.autodiff): statistics it cannot differentiate yet
+    (cd.max/min/amax/take) are computed, and raise UnsupportedError if the loss depends on them.
+    backend, config, deterministic and tune are cd.gemm's, for the forward kernel. Returns the outputs
+    like cd.gemm.
     """
     ep = epilogue_of("cd.linear", epilogue, operands)
     for name in ("out", "accumulate"):
