@@ -186,11 +186,12 @@ def derive(program: ir.Program, no_grad: tuple[str, ...] = ()) -> Backward:
     # are laid out by passes/widths.infer alone): where only linear column pairs lead from an N/2- or
     # 2N-wide output to the accumulator, nothing in it does.
     forward, back = infer_widths(program), infer_widths(backward)
+    loads = {n.attr[1]: n for n in ir.walk(backward) if n.op == "load"}
     for o in program.outputs:
         r = ir.reduction_of(o.node)
         if r is not None and r.attr[1] != "m":  # a row or total statistic's dy is the same in every column
             continue
-        leaf = next((n for n in ir.walk(backward) if n.op == "load" and n.attr[1] == GRAD + o.name), None)
+        leaf = loads.get(GRAD + o.name)
         want = forward.get(id(o.node if r is None else r.inputs[0]), Fraction(1))  # a column sum's: its input's
         if leaf is not None and back.get(id(leaf), Fraction(1)) != want:
             raise UnsupportedError(f"{where}: output '{o.name}' is {width_text(want)} wide, but nothing in its "

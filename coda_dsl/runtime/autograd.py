@@ -10,7 +10,6 @@ grad_x = dacc @ W and grad_W = dacc^T x.
 """
 from __future__ import annotations
 
-import weakref
 
 import torch
 
@@ -39,14 +38,18 @@ class _Derived:
                                      operands, out_dtypes)
 
 
-# epilogue -> {consts: _Derived}
-_derived: "weakref.WeakKeyDictionary[Epilogue, dict]" = weakref.WeakKeyDictionary()
+# key (_key) -> _Derived, for the process's life: a plain dict, since Dynamo reads it (a weak one it cannot);
+# one small entry per epilogue, consts and outputs without a gradient that a derivative was asked for
+_derived: dict[str, _Derived] = {}
+
+
+def _key(uid: str, consts: dict, no_grad: tuple[str, ...]) -> str:
+    return f"{uid}|{sorted((k, repr(v)) for k, v in consts.items())}|{sorted(no_grad)}"
 
 
 def _derive(ep: Epilogue, consts: dict, no_grad: tuple[str, ...] = ()) -> _Derived:
-    key = (tuple(sorted((k, repr(v)) for k, v in consts.items())), tuple(sorted(no_grad)))
-    per_ep = _derived.setdefault(ep, {})
-    if key not in per_ep:
+    key = _key(ep.uid, consts, no_grad)
+    if key not in _derived:
         back = derive(specialize(ep.program, consts), no_grad)
         p, forward = ep.program, ep
         taken = [name for name in ([ACC_OUTPUT] if back.uses_acc else []) + [SAVED + o for o in back.unfinished]
@@ -59,29 +62,22 @@ def _derive(ep: Epilogue, consts: dict, no_grad: tuple[str, ...] = ()) -> _Deriv
         if extra:
             forward = Epilogue.of_program(ir.Program(p.name, p.params, (*p.outputs, *extra), p.defined_at,
                                                      p.locations))
-        per_ep[key] = _Derived(forward, back)
-    return per_ep[key]
-
-
-# _derived_key's results: key -> _Derived, for the process's life (a plain dict: Dynamo reads it, and
-# not a weak one; one small entry per epilogue, consts and unused outputs that cd.linear has run)
-_by_key: dict[str, _Derived] = {}
+        _derived[key] = _Derived(forward, back)
+    return _derived[key]
 
 
 # Inside torch.compile this runs while Dynamo traces, and is not traced itself (a pass over the IR that
 # creates epilogues); its result, a string, becomes a constant of the graph.
 @torch.compiler.assume_constant_result
 def _derived_key(uid: str, consts: tuple, no_grad: tuple[str, ...]) -> str:
-    """_derive of the epilogue named uid, filed in _by_key under the key returned."""
-    derived = _derive(Epilogue.by_uid(uid), dict(consts), no_grad)
-    key = f"{uid}|{consts!r}|{no_grad!r}"
-    _by_key[key] = derived
-    return key
+    """_derive of the epilogue named uid; returns its key in _derived."""
+    _derive(Epilogue.by_uid(uid), dict(consts), no_grad)
+    return _key(uid, dict(consts), no_grad)
 
 
 def _derived_for(ep: Epilogue, consts: dict, no_grad: tuple[str, ...] = ()) -> _Derived:
     """_derive, in a form torch.compile(fullgraph=True) traces: the derivation itself is not traced."""
-    return _by_key[_derived_key(ep.uid, tuple(sorted(consts.items())), no_grad)]
+    return _derived[_derived_key(ep.uid, tuple(sorted(consts.items())), no_grad)]
 
 
 class _Linear(torch.autograd.Function):
