@@ -15,6 +15,7 @@ Finish:   finish(reduce) applies attr, an expression over the leaf `reduced` (pl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Iterator
 
 from .ops import NODE_OPS, REDUCTIONS, OpDef
@@ -143,6 +144,9 @@ class Output:
 class Param:
     name: str
     kind: str  # tensor | vec_m | vec_n | scalar | const
+    # a tensor's or VecN's columns over N, where the program declares it (a derived backward's incoming
+    # gradients have their outputs' widths); None: inferred from what it meets (passes/widths.py)
+    width: Fraction | None = None
 
 
 @dataclass

@@ -18,13 +18,13 @@ one number): Backward.ungraded names them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
 from ..errors import UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import REDUCTIONS
-from .widths import WIDTH_SCALE, infer as infer_widths, uniform, width_text
+from .widths import WIDTH_SCALE, infer as infer_widths, uniform
 
 GRAD, SAVED = "grad_", "saved_"  # parameter names of the incoming gradients and of saved statistics
 _VEC_OF_AXIS = {"n": "vec_m", "m": "vec_n", None: "scalar"}  # the gradient of a statistic over `axis`
@@ -135,11 +135,14 @@ def derive(program: ir.Program, no_grad: tuple[str, ...] = ()) -> Backward:
                                    f"('acc', '{GRAD}*', '{SAVED}*'): rename it to differentiate the epilogue")
     adjoint: dict[int, ir.Node] = {}
     params, grads, saved, unfinished, finishing_scalars = [], [], [], [], set()
+    # Each incoming gradient is as wide as its output (a column statistic's: as its input): declared, since
+    # nothing in the backward need tie it to the accumulator (cd.pairs(acc)[0] + s: dy -> interleave(dy, 0))
+    forward_widths = infer_widths(program)
     for o in (o for o in program.outputs if o.name not in no_grad):
         r = ir.reduction_of(o.node)
         if r is None:
             grads.append(o.name)
-            params.append(ir.Param(GRAD + o.name, "tensor"))
+            params.append(ir.Param(GRAD + o.name, "tensor", forward_widths.get(id(o.node), Fraction(1))))
             adjoint[id(o.node)] = _add(adjoint.get(id(o.node)), ir.load("tensor", GRAD + o.name))
             continue
         kind, axis = r.attr
@@ -149,8 +152,9 @@ def derive(program: ir.Program, no_grad: tuple[str, ...] = ()) -> Backward:
         vec = _VEC_OF_AXIS[axis]
         leaf = (lambda name: ir.scalar(name)) if vec == "scalar" else (lambda name: ir.load(vec, name))
         dy, s = leaf(GRAD + o.name), leaf(SAVED + o.name)  # s: the statistic (before .then)
+        width = forward_widths.get(id(r.inputs[0]), Fraction(1)) if vec == "vec_n" else None
         grads.append(o.name)
-        params.append(ir.Param(GRAD + o.name, vec))
+        params.append(ir.Param(GRAD + o.name, vec, width))
         if o.node.op == "finish":  # dy * f'(s): f's own graph, backwards, over s
             f = o.node.attr
             order = ir.topo_order([f])
@@ -163,7 +167,7 @@ def derive(program: ir.Program, no_grad: tuple[str, ...] = ()) -> Backward:
             dy = _rebuilder({id(ir.reduced()): s})(dy)
         if kind == "logsumexp" or o.node.op == "finish":  # the derivative reads the statistic
             saved.append(o.name)
-            params.append(ir.Param(SAVED + o.name, vec))
+            params.append(ir.Param(SAVED + o.name, vec, width))
             if o.node.op == "finish":
                 unfinished.append(o.name)
         x = r.inputs[0]
@@ -182,21 +186,6 @@ def derive(program: ir.Program, no_grad: tuple[str, ...] = ()) -> Backward:
     uses = {n.op for n in ir.topo_order([o.node for o in outputs])}
     backward = ir.Program(f"{program.name}_backward", tuple(p for p in program.params if p.kind != "const")
                           + tuple(params), tuple(outputs), program.defined_at, program.locations)
-    # Each incoming gradient has its output's width; the backward program must say so by itself (its values
-    # are laid out by passes/widths.infer alone): where only linear column pairs lead from an N/2- or
-    # 2N-wide output to the accumulator, nothing in it does.
-    forward, back = infer_widths(program), infer_widths(backward)
-    loads = {n.attr[1]: n for n in ir.walk(backward) if n.op == "load"}
-    for o in program.outputs:
-        r = ir.reduction_of(o.node)
-        if r is not None and r.attr[1] != "m":  # a row or total statistic's dy is the same in every column
-            continue
-        leaf = loads.get(GRAD + o.name)
-        want = forward.get(id(o.node if r is None else r.inputs[0]), Fraction(1))  # a column sum's: its input's
-        if leaf is not None and back.get(id(leaf), Fraction(1)) != want:
-            raise UnsupportedError(f"{where}: output '{o.name}' is {width_text(want)} wide, but nothing in its "
-                                   "derivative ties that width to the accumulator (only linear column pairs lead "
-                                   "back to it): its derivative is not supported yet")
     ungraded = tuple(p.name for p in program.params if p.name in finishing_scalars)
     return Backward(backward, tuple(grads), tuple(saved), tuple(unfinished), "acc" in uses, program, ungraded)
 
@@ -228,7 +217,10 @@ def into_producer(back: Backward, output: str = "D", split: bool = False, recomp
                                "[M, N] accumulator of a producing GEMM: nothing to fuse into")
     grad = ir.load("tensor", GRAD + output)
     swap = _rebuilder({id(ir.acc()): ir.load("tensor", SAVED_ACC), id(grad): ir.acc()})
-    params = tuple(ir.Param(SAVED_ACC, "tensor") if p.name == GRAD + output else p for p in program.params)
+    # widths are over the accumulator's: now dy's, which is the forward's times dy's width
+    w = next(p.width for p in program.params if p.name == GRAD + output)
+    params = tuple(ir.Param(SAVED_ACC, "tensor", 1 / w) if p.name == GRAD + output
+                   else replace(p, width=p.width / w) if p.width is not None else p for p in program.params)
     swapped = tuple(ir.Output("D" if o.name == "acc" else o.name, swap(o.node), o.dtype) for o in program.outputs)
     for name in dict.fromkeys(recompute):
         o = back.forward.output(name)

@@ -3,7 +3,8 @@
 Pairwise ops change widths: `cd.pairs(x)` gives two values of half x's width (even and odd
 columns); `cd.interleave(a, b)` one of twice theirs. Elementwise ops need equal widths. An operand's
 width follows from what it is combined with (a cos table combined with a pair half is N/2 wide);
-operands combined with nothing of known width are N wide. Uniform values, the same in every column of
+operands combined with nothing of known width are N wide, unless the program declares theirs
+(ir.Param.width). Uniform values, the same in every column of
 a row (scalars, constants, VecM operands and elementwise math or pair halves of only those), fit any
 width and get none: one such value may meet values of several widths.
 """
@@ -45,6 +46,7 @@ def infer(program: ir.Program) -> dict[int, Fraction]:
     nodes = [n for n in ir.walk(program)]
     free = uniform(nodes)
     width: dict[int, Fraction] = {id(ir.acc()): Fraction(1)}
+    width.update({id(ir.load(p.kind, p.name)): p.width for p in program.params if p.width is not None})
     load_of = {id(n): n for n in nodes if n.op == "load"}
 
     def fail(node: ir.Node, what: str) -> EpilogueError:

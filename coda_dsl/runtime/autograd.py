@@ -101,7 +101,6 @@ class _Linear(torch.autograd.Function):
         statistics = [outs.pop(SAVED + o) if o in back.unfinished else outs[o] for o in back.saved]
         ctx.ep, ctx.consts, ctx.derived, ctx.frozen = ep, consts, derived, frozen
         ctx.names, ctx.numbers = names, numbers
-        ctx.outputs = {o: (outs[o].shape, outs[o].dtype) for o in ep.output_names}
         ctx.save_for_backward(x, w, acc, *tensors, *statistics)
         # an output the loss does not use gets None, not zeros: its derivative is left out of the backward,
         # where 0 * f'(x) would still be NaN at f's singular points (sqrt at 0, log at 0, ...). (Under
@@ -122,11 +121,8 @@ class _Linear(torch.autograd.Function):
         x, w, acc, *rest = ctx.saved_tensors
         derived = ctx.derived
         if unused := tuple(o for o, g in grads.items() if g is None):
-            try:  # without the unused outputs: it reads a subset of what the full derivative had saved
-                derived = _derived_for(ctx.ep, ctx.consts, unused)
-            except UnsupportedError:  # (its widths may then be open): the full one, with zeros for them
-                grads.update({o: torch.zeros((), dtype=ctx.outputs[o][1], device=x.device).expand(ctx.outputs[o][0])
-                              for o in unused})
+            # without the unused outputs: it reads a subset of what the full derivative had saved
+            derived = _derived_for(ctx.ep, ctx.consts, unused)
         tensors, saved = rest[:len(names)], rest[len(names):]
         operands = {**dict(zip(names, tensors)), **ctx.numbers,
                     **{SAVED + o: t for o, t in zip(ctx.derived.back.saved, saved)},
