@@ -158,7 +158,7 @@ def specialization_from_options(ep: Epilogue, ab_dtype: str = "bf16", b_layout: 
         except ValueError as e:
             raise CliError(str(e)) from None
 
-    return CompiledOp.create(ep, signature(ep, ab_dtype, b_layout, dtypes, values, config, a_layout=a_layout), values)
+    return CompiledOp.create(ep, signature(ep, ab_dtype, b_layout, dtypes, values, config, a_layout=a_layout))
 
 
 def _epilogue_from_args(args) -> tuple[Epilogue, dict]:

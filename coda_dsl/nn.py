@@ -306,12 +306,18 @@ def _check_unreleased(where: str, *saved: torch.Tensor) -> None:
                            "first one freed the activations it saved. Run the forward again for a second backward")
 
 
-def _check_inputs(x, hidden_size: int, position_ids, input_rstd) -> None:
+def _check_inputs(x, hidden_size: int, dtype: torch.dtype, position_ids, input_rstd) -> None:
     """The layer's arguments, with what they should be (shape errors deep in the layer name none)."""
     where = "LlamaDecoderLayer"
     if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != hidden_size:
         got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise OperandError(f"{where}: hidden_states must be [batch, seq, {hidden_size}], got {got}")
+    if torch.is_autocast_enabled(x.device.type):  # its GEMMs would meet autocast's casts of some operands only
+        raise UnsupportedError(f"{where}: torch.autocast is not supported (no fp32-master / bf16-compute mode)\n  "
+                               "fix: run the layer outside autocast, in the dtype to compute in: layer.to(torch.bfloat16)")
+    if x.dtype != dtype:
+        raise OperandError(f"{where}: hidden_states are {x.dtype} but the layer's weights are {dtype}\n  fix: cast one "
+                           f"of them: hidden_states.to({dtype}), or layer.to({x.dtype})")
     b, s = x.shape[:2]
     if position_ids is not None and not isinstance(position_ids, torch.Tensor):
         raise OperandError(f"{where}: position_ids must be a tensor [{b}, {s}] or [1, {s}], got "
@@ -324,10 +330,23 @@ def _check_inputs(x, hidden_size: int, position_ids, input_rstd) -> None:
                            f"got {list(input_rstd.shape)}")
 
 
-def flat_inputs(x: torch.Tensor, position_ids, input_rstd, hidden_size: int):
-    """[B, S, D] hidden states -> (x as [B*S, D], fp32 positions [B*S] (default 0..S-1 per row),
-    input_rstd flattened to [B*S] or None), checked first."""
-    _check_inputs(x, hidden_size, position_ids, input_rstd)
+def check_training_call(where: str, attention_mask, cache, use_cache, kwargs: dict) -> None:
+    """A decoder layer's call as training makes it: causal attention, no KV cache."""
+    if attention_mask is not None:
+        raise UnsupportedError(f"coda_dsl: {where}: attention is causal only; pass attention_mask=None (no padding or "
+                               "packed-sequence masks yet). In a transformers model, use attn_implementation='sdpa' "
+                               "(its default), which passes None for a causal batch; 'eager' passes the causal mask "
+                               "as a tensor")
+    if cache is not None or use_cache or kwargs.get("past_key_values") is not None:
+        raise UnsupportedError(f"coda_dsl: {where}: no KV cache (a training layer). In a transformers model, call it "
+                               "with use_cache=False (or set model.config.use_cache = False); called directly, pass "
+                               "no cache")
+
+
+def flat_inputs(x: torch.Tensor, position_ids, input_rstd, hidden_size: int, dtype: torch.dtype):
+    """[B, S, D] hidden states (of the weights' dtype) -> (x as [B*S, D], fp32 positions [B*S] (default
+    0..S-1 per row), input_rstd flattened to [B*S] or None), checked first."""
+    _check_inputs(x, hidden_size, dtype, position_ids, input_rstd)
     b, s, d = x.shape
     if position_ids is None:
         position_ids = torch.arange(s, device=x.device, dtype=torch.float32)[None]  # exact below 2^24
@@ -400,12 +419,15 @@ def qkv_weight(wq, wk, wv, head_dim: int) -> torch.Tensor:
     return torch.cat((neox_to_interleaved(wq, head_dim), neox_to_interleaved(wk, head_dim), v)).flatten(0, 2)
 
 
-def causal_attention(qkv: torch.Tensor, batch: int, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
-    """[M, (heads + 2 kv_heads) head_dim] rotated q, k and v -> causal SDPA (GQA) output [M, heads head_dim]."""
+def causal_attention(qkv: torch.Tensor, batch: int, heads: int, kv_heads: int, head_dim: int,
+                     dropout: float = 0.0) -> torch.Tensor:
+    """[M, (heads + 2 kv_heads) head_dim] rotated q, k and v -> causal SDPA (GQA) output [M, heads head_dim],
+    with dropout on the attention weights (config.attention_dropout, in training as HF applies it)."""
     seq = qkv.shape[0] // max(batch, 1)  # not -1: a batch of 0 has no rows to infer it from
     split = lambda t: t.unflatten(0, (batch, seq)).unflatten(-1, (-1, head_dim)).transpose(1, 2)  # noqa: E731
     q, k, v = (split(t) for t in qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1))
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=head_dim ** -0.5, enable_gqa=heads != kv_heads)
+    o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=head_dim ** -0.5,
+                                       enable_gqa=heads != kv_heads)
     return o.transpose(1, 2).flatten(-2).flatten(0, 1)
 
 
@@ -416,6 +438,7 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.attention_dropout = float(getattr(config, "attention_dropout", 0.0))
         d, hd = config.hidden_size, self.head_dim
         self.q_proj = _linear(d, self.num_heads * hd, dtype, device)
         self.k_proj = _linear(d, self.num_kv_heads * hd, dtype, device)
@@ -439,7 +462,8 @@ class LlamaAttention(nn.Module):
         rotated = (self.num_heads + self.num_kv_heads) * self.head_dim
         qkv, residual = _NormRopeLinear.apply(x, norm.weight, rstd, w, pos, self.qkv_inv_freq, norm.variance_epsilon,
                                               self.head_dim, rotated, backend)
-        return causal_attention(qkv, batch, self.num_heads, self.num_kv_heads, self.head_dim), residual
+        dropout = self.attention_dropout if self.training else 0.0
+        return causal_attention(qkv, batch, self.num_heads, self.num_kv_heads, self.head_dim, dropout), residual
 
 
 class LlamaMLP(nn.Module):
@@ -571,17 +595,9 @@ class LlamaDecoderLayer(nn.Module):
         RoPE is computed from them in the QKV epilogue (position_embeddings is ignored).
         input_rstd [B, S] (fp32): rsqrt(mean(x^2) + eps) of the input, as a previous layer returns it with
         return_rstd=True; computed here when None. return_rstd: also return this output's rstd."""
-        if attention_mask is not None:
-            raise UnsupportedError("coda_dsl.nn.LlamaDecoderLayer: attention is causal only; pass "
-                                   "attention_mask=None (no padding or packed-sequence masks yet). In a transformers "
-                                   "model, use attn_implementation='sdpa' (its default), which passes None for a "
-                                   "causal batch; 'eager' passes the causal mask as a tensor")
-        if cache is not None or use_cache or kwargs.get("past_key_values") is not None:
-            raise UnsupportedError("coda_dsl.nn.LlamaDecoderLayer: no KV cache (a training layer). In a transformers "
-                                   "model, call it with use_cache=False (or set model.config.use_cache = False); "
-                                   "called directly, pass no cache")
+        check_training_call(type(self).__name__, attention_mask, cache, use_cache, kwargs)
         x = hidden_states
-        xf, pos, rstd = flat_inputs(x, position_ids, input_rstd, self.hidden_size)
+        xf, pos, rstd = flat_inputs(x, position_ids, input_rstd, self.hidden_size, self.self_attn.q_proj.weight.dtype)
         b, s, d = x.shape
         eps = self.input_layernorm.variance_epsilon
         # gamma1 on the activation side: the previous layer's epilogue does not know this layer's gamma

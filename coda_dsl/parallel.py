@@ -37,8 +37,8 @@ from .errors import UnsupportedError
 from .library import interleave_gate_up
 from .library.cross_entropy import (_check_args, ce_backward, combine_vocab_shards, default_chunk_rows,
                                     vocab_shard_stats)
-from .nn import (LlamaDecoderLayer, causal_attention, flat_inputs, input_norm, input_rms, qkv_inv_freq, qkv_weight,
-                 rms_rope, rms_swiglu, rope_inv_freq)
+from .nn import (LlamaDecoderLayer, causal_attention, check_training_call, flat_inputs, input_norm, input_rms,
+                 qkv_inv_freq, qkv_weight, rms_rope, rms_swiglu, rope_inv_freq)
 
 
 # ---------------------------------------------------------------- FSDP2
@@ -130,13 +130,11 @@ class TPLlamaDecoderLayer(LlamaDecoderLayer):
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
                 use_cache: bool = False, position_embeddings=None, *, input_rstd: torch.Tensor | None = None,
                 return_rstd: bool = False, **kwargs):
-        if attention_mask is not None or cache is not None or use_cache:
-            raise UnsupportedError("coda_dsl.parallel.TPLlamaDecoderLayer: causal attention without a KV cache only; "
-                                   "pass attention_mask=None, cache=None")
+        check_training_call(type(self).__name__, attention_mask, cache, use_cache, kwargs)
         group, backend = self.tp_mesh.get_group(), self.backend
         attn, mlp = self.self_attn, self.mlp
         x = hidden_states
-        xf, pos, rstd = flat_inputs(x, position_ids, input_rstd, self.hidden_size)
+        xf, pos, rstd = flat_inputs(x, position_ids, input_rstd, self.hidden_size, attn.q_proj.weight.dtype)
         b, s, d = x.shape
         eps = self.input_layernorm.variance_epsilon
         xg, rstd = _CopyToTP.apply(group, *input_norm(xf, _local(self.input_layernorm.weight), eps, rstd))
@@ -145,7 +143,7 @@ class TPLlamaDecoderLayer(LlamaDecoderLayer):
         w_qkv = qkv_weight(*(_local(p.weight) for p in (attn.q_proj, attn.k_proj, attn.v_proj)), hd)
         inv_freq = self._tp_inv_freq.to(x.device)
         qkv = cd.linear(xg, w_qkv, rms_rope, rstd=rstd, pos=pos, inv_freq=inv_freq, backend=backend)["D"]
-        o = causal_attention(qkv, b, nh, nkv, hd)
+        o = causal_attention(qkv, b, nh, nkv, hd, attn.attention_dropout if attn.training else 0.0)
         # row-parallel o_proj: reduce, then the residual add and the post-attention norm's statistics, from
         # the fp32 sum as the fused epilogue (rms_producer) takes them
         h32 = self._row_parallel(o, attn.o_proj.weight, group) + xf.float()

@@ -19,7 +19,7 @@ from .passes.plan import Plan, Signature
 
 
 @dataclass(frozen=True)
-class Kernel:
+class Rendered:
     """One specialization, rendered (not built)."""
 
     program: ir.Program  # specialized: constants bound and folded
@@ -29,16 +29,16 @@ class Kernel:
     op_name: str  # its name in C++ and in its messages: coda_dsl::<op_name>
 
 
-def plan(program: ir.Program, sig: Signature, consts: dict[str, float]) -> tuple[ir.Program, Plan]:
-    """The specialized program and its EVT plan."""
-    program = specialize(program, consts)
+def plan(program: ir.Program, sig: Signature) -> tuple[ir.Program, Plan]:
+    """The specialized program (with the signature's cd.Const values) and its EVT plan."""
+    program = specialize(program, dict(sig.consts))
     if sig.accumulate:
         program = accumulate_into_d(program)
     return program, lower(program, sig)
 
 
-def kernel(program: ir.Program, sig: Signature, consts: dict[str, float]) -> Kernel:
+def render(program: ir.Program, sig: Signature) -> Rendered:
     """plan(), then the key and the rendered .cu."""
-    program, p = plan(program, sig, consts)
+    program, p = plan(program, sig)
     key = build.specialization_key(p.canonical)
-    return Kernel(program, p, key, codegen.render(p, key, program.defined_at), codegen.op_name(key))
+    return Rendered(program, p, key, codegen.render(p, key, program.defined_at), codegen.op_name(key))

@@ -39,7 +39,7 @@ def rel():
 def make_plan():
     """make_plan(ep, consts={}, **signature options) -> the lowered Plan."""
     def make(ep, consts=None, **kw):
-        return pipeline.plan(ep.program, signature_for(ep, consts=consts, **kw), consts or {})[1]
+        return pipeline.plan(ep.program, signature_for(ep, consts=consts, **kw))[1]
     return make
 
 

@@ -460,6 +460,23 @@ def test_linear_keeps_outputs_named_like_its_saved_values_apart():
             cd.linear(x, w, ep, backend="reference")
 
 
+def test_gemm_has_no_derivative_on_any_backend():
+    """cd.gemm's reference backend computes with torch ops, but its gradient is not offered: the kernel and
+    torch.compile's custom op have none, so training code written on the CPU would lose it on the GPU."""
+    @cd.epilogue
+    def f(acc, bias: cd.VecN):
+        return cd.gelu(acc + bias)
+    x, w, b = torch.randn(6, 4, requires_grad=True), torch.randn(8, 4), torch.randn(8)
+    y = cd.gemm(x, w, f, backend="reference", bias=b)["D"]
+    with pytest.raises(UnsupportedError, match="cd.gemm has no derivative.*\n.*cd.linear"):
+        y.sum().backward()
+    with pytest.raises(cd.OperandError, match="out= with inputs that require grad"):
+        cd.gemm(x, w, f, backend="reference", bias=b, out={"D": torch.empty(6, 8)})
+    with torch.no_grad():
+        assert not cd.gemm(x, w, f, backend="reference", bias=b)["D"].requires_grad
+    torch.testing.assert_close(y, cd.linear(x, w, f, backend="reference", bias=b)["D"])
+
+
 def test_linear_swiglu_trains_only_what_requires_grad():
     from coda_dsl.library import swiglu
     x, w = torch.randn(20, 16), torch.randn(32, 16, requires_grad=True)
@@ -483,6 +500,13 @@ def test_linear_refuses_what_it_cannot_differentiate():
     torch.testing.assert_close(x.grad, w.sum(0).expand(4, 8))
     with pytest.raises(UnsupportedError, match="depends on output 'm', a cd.max"):
         cd.linear(x, w, f, backend="reference")["m"].sum().backward()
+
+    @cd.epilogue
+    def picked(acc, idx: cd.VecM):  # cd.take's int64 indices: an operand with no gradient (fp32 x: not fp64's path)
+        return {"D": acc * 2.0, "picked": cd.take(acc, idx, axis="n")}
+    x.grad = None
+    cd.linear(x, w, picked, backend="reference", idx=torch.randint(0, 8, (4,)))["D"].sum().backward()
+    torch.testing.assert_close(x.grad, 2.0 * w.sum(0).expand(4, 8))
     with pytest.raises(Exception, match="'m' is a cd.max, which has no derivative yet"):  # compiled: at once
         torch.compile(lambda x: cd.linear(x, w, f, backend="reference")["D"], fullgraph=True, backend="aot_eager")(x)
     with torch.no_grad():  # no gradient wanted: the plain fused GEMM, nothing derived

@@ -84,7 +84,7 @@ def render(name: str, variant: str | None) -> str:
     # emit has no flags for these: the same CompiledOp.create, with the signature cd.gemm would build
     dtypes = {p.name: "bf16" for p in ep.params if p.kind in ("tensor", "vec_m", "vec_n")}
     sig = signature(ep, "bf16", "nk", dtypes, consts, **VARIANTS[variant])
-    return CompiledOp.create(ep, sig, consts).cu_text
+    return CompiledOp.create(ep, sig).cu_text
 
 
 @pytest.mark.parametrize("name, variant", CASES, ids=[f"{n}-{v}" if v else n for n, v in CASES])

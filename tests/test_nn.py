@@ -374,6 +374,33 @@ def test_refusals():
             ours(torch.randn(*bad), **kw)
 
 
+def test_attention_dropout_in_training_as_hf_applies_it():
+    config = llama_config(attention_dropout=0.5, attn_implementation="sdpa")  # HF's SDPA: the same dropout RNG use
+    hf = random_hf_layer(config)
+    ours = cdnn.LlamaDecoderLayer.from_hf(hf, backend="reference")
+    x, pos = torch.randn(2, 9, config.hidden_size), positions(2, 9, False)
+    for train in (True, False):
+        hf.train(train), ours.train(train)
+        torch.manual_seed(1)
+        want = hf(x, position_ids=pos, position_embeddings=LlamaRotaryEmbedding(config)(x, pos))
+        want = want[0] if isinstance(want, tuple) else want
+        torch.manual_seed(1)
+        got = ours(x, position_ids=pos)
+        assert rel_err(got, want) < 1e-5
+        torch.manual_seed(2)
+        assert (ours(x, position_ids=pos) != got).any() == train  # a new mask per call in training only
+
+
+def test_inputs_of_another_dtype_and_autocast_are_refused():
+    ours = cdnn.LlamaDecoderLayer(llama_config(), backend="reference")  # fp32 weights
+    x = torch.randn(1, 4, 64, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(cd.OperandError, match=r"(?s)hidden_states are torch.bfloat16 but the layer's weights are "
+                                              r"torch.float32.*layer.to\(torch.bfloat16\)"):
+        ours(x)  # its backward would mix them (HF's promotes to fp32)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(cd.UnsupportedError, match="autocast"):
+        ours(x.float())
+
+
 def _eager_and_wrapped_grads(wrap):
     """(dx, grads) of the layer called eagerly, and called through wrap(layer)(x)."""
     config = llama_config()

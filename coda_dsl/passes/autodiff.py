@@ -27,6 +27,7 @@ from ..ir.ops import REDUCTIONS
 from .widths import WIDTH_SCALE, infer as infer_widths, uniform
 
 GRAD, SAVED = "grad_", "saved_"  # parameter names of the incoming gradients and of saved statistics
+ACC = "acc"  # the backward's output dL/dacc; cd.linear's forward kernel outputs its accumulator by this name
 _VEC_OF_AXIS = {"n": "vec_m", "m": "vec_n", None: "scalar"}  # the gradient of a statistic over `axis`
 _SUM_AXIS = {"vec_n": "m", "vec_m": "n", "scalar": None}  # how an operand's adjoint is reduced to its shape
 
@@ -130,9 +131,9 @@ def derive(program: ir.Program, no_grad: tuple[str, ...] = ()) -> Backward:
                                f"({', '.join(o.name for o in program.outputs)})")
     kinds = {p.name: p.kind for p in program.params}
     for name in kinds:
-        if name.startswith((GRAD, SAVED)) or name == "acc":
+        if name.startswith((GRAD, SAVED)) or name == ACC:
             raise UnsupportedError(f"{where}: operand '{name}' clashes with the backward's names "
-                                   f"('acc', '{GRAD}*', '{SAVED}*'): rename it to differentiate the epilogue")
+                                   f"('{ACC}', '{GRAD}*', '{SAVED}*'): rename it to differentiate the epilogue")
     adjoint: dict[int, ir.Node] = {}
     params, grads, saved, unfinished, finishing_scalars = [], [], [], [], set()
     # Each incoming gradient is as wide as its output (a column statistic's: as its input): declared, since
@@ -176,7 +177,7 @@ def derive(program: ir.Program, no_grad: tuple[str, ...] = ()) -> Backward:
     outputs = []
     acc_grad = adjoint.get(id(ir.acc()))
     if acc_grad is not None:
-        outputs.append(ir.Output("acc", acc_grad, None))
+        outputs.append(ir.Output(ACC, acc_grad, None))
     for p in program.params:
         leaf = ir.scalar(p.name) if p.kind == "scalar" else ir.load(p.kind, p.name) if p.kind != "const" else None
         g = adjoint.get(id(leaf)) if leaf is not None else None
@@ -190,7 +191,7 @@ def derive(program: ir.Program, no_grad: tuple[str, ...] = ()) -> Backward:
     return Backward(backward, tuple(grads), tuple(saved), tuple(unfinished), "acc" in uses, program, ungraded)
 
 
-SAVED_ACC = SAVED + "acc"  # the forward's accumulator, an operand of the fused backward
+SAVED_ACC = SAVED + ACC  # the forward's accumulator, an operand of the fused backward
 
 
 RECOMPUTED = "recomputed_"  # output names of forward outputs computed again by the fused backward
@@ -209,7 +210,7 @@ def into_producer(back: Backward, output: str = "D", split: bool = False, recomp
     need not keep them for the backward (e.g. SwiGLU's y, an operand of W_down's gradient)."""
     program = back.program
     where = f"epilogue '{program.name}' ({program.defined_at})"
-    if output not in back.grads or program.output("acc") is None:
+    if output not in back.grads or program.output(ACC) is None:
         raise UnsupportedError(f"{where}: nothing to fuse: the forward has no output '{output}' with a "
                                "gradient, or no accumulator gradient")
     if ir.reduction_of(back.forward.output(output).node) is not None:
@@ -221,7 +222,7 @@ def into_producer(back: Backward, output: str = "D", split: bool = False, recomp
     w = next(p.width for p in program.params if p.name == GRAD + output)
     params = tuple(ir.Param(SAVED_ACC, "tensor", 1 / w) if p.name == GRAD + output
                    else replace(p, width=p.width / w) if p.width is not None else p for p in program.params)
-    swapped = tuple(ir.Output("D" if o.name == "acc" else o.name, swap(o.node), o.dtype) for o in program.outputs)
+    swapped = tuple(ir.Output("D" if o.name == ACC else o.name, swap(o.node), o.dtype) for o in program.outputs)
     for name in dict.fromkeys(recompute):
         o = back.forward.output(name)
         if o is None or ir.reduction_of(o.node) is not None or o.node.is_leaf:

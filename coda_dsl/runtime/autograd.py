@@ -18,11 +18,9 @@ from ..errors import OperandError, UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import REDUCTIONS, dtype_name
 from ..passes import specialize
-from ..passes.autodiff import GRAD, SAVED, Backward, derive, into_producer
+from ..passes.autodiff import ACC, GRAD, SAVED, Backward, derive, into_producer
 from . import fused, reference
 from .op import epilogue_of, gemm
-
-ACC_OUTPUT = "acc"  # the forward's extra output: its accumulator (derive() refuses operands of that name)
 
 class _Derived:
     """An epilogue's forward with its accumulator as an output (when the derivative reads it), and the
@@ -52,12 +50,12 @@ def _derive(ep: Epilogue, consts: dict, no_grad: tuple[str, ...] = ()) -> _Deriv
     if key not in _derived:
         back = derive(specialize(ep.program, consts), no_grad)
         p, forward = ep.program, ep
-        taken = [name for name in ([ACC_OUTPUT] if back.uses_acc else []) + [SAVED + o for o in back.unfinished]
+        taken = [name for name in ([ACC] if back.uses_acc else []) + [SAVED + o for o in back.unfinished]
                  if p.output(name)]
         if taken:
             raise OperandError(f"cd.linear: epilogue '{ep.name}' has an output named '{taken[0]}', the name the "
                                "forward kernel gives a value the backward reads: rename that output")
-        extra = ((ir.Output(ACC_OUTPUT, ir.acc(), None),) if back.uses_acc else ()) + tuple(
+        extra = ((ir.Output(ACC, ir.acc(), None),) if back.uses_acc else ()) + tuple(
             ir.Output(SAVED + o, ir.reduction_of(p.output(o).node), None) for o in back.unfinished)
         if extra:
             forward = Epilogue.of_program(ir.Program(p.name, p.params, (*p.outputs, *extra), p.defined_at,
@@ -97,7 +95,7 @@ class _Linear(torch.autograd.Function):
             raise UnsupportedError(f"cd.linear: epilogue '{ep.name}' reads cd.Scalar '{learnt[0]}' inside .then(...), "
                                    "where its gradient is not derived\n  fix: pass it as a number (no gradient)")
         outs = gemm(x, w, derived.forward, **options, **operands)
-        acc = outs.pop(ACC_OUTPUT) if back.uses_acc else None
+        acc = outs.pop(ACC) if back.uses_acc else None
         statistics = [outs.pop(SAVED + o) if o in back.unfinished else outs[o] for o in back.saved]
         ctx.ep, ctx.consts, ctx.derived, ctx.frozen = ep, consts, derived, frozen
         ctx.names, ctx.numbers = names, numbers
@@ -131,11 +129,12 @@ class _Linear(torch.autograd.Function):
         if acc is None:  # the derivative does not read the accumulator: its shape and dtype, no memory
             acc = torch.zeros((), device=x.device, dtype=torch.float64 if fp64 else torch.float32).expand(
                 x.shape[0], w.shape[0])
-        # (a learnt cd.Scalar's gradient keeps the math's dtype: autograd casts it to the scalar's)
-        out_dtypes = {} if fp64 else {"acc": dtype_name(x.dtype),
-                                      **{n: dtype_name(t.dtype) for n, t in zip(names, tensors) if t.dim()}}
+        # (a learnt cd.Scalar's gradient keeps the math's dtype: autograd casts it to the scalar's; cd.take's
+        # int64 indices get none)
+        out_dtypes = {} if fp64 else {ACC: dtype_name(x.dtype), **{n: dtype_name(t.dtype) for n, t in
+                                                                    zip(names, tensors) if t.dim() and t.is_floating_point()}}
         got = derived.backward(acc, operands, out_dtypes)
-        dacc = got.get("acc")
+        dacc = got.get(ACC)
         need_x, need_w = ctx.needs_input_grad[4:6]
         grad_x = dacc @ w if need_x and dacc is not None else None
         grad_w = dacc.t() @ x if need_w and dacc is not None else None

@@ -191,6 +191,15 @@ def _check_tensors(ep: Epilogue, call: Call, cutlass: bool) -> dict[str, str]:
     return dtypes
 
 
+def _check_call(ep: Epilogue, call: Call, out: dict | None, cutlass: bool, accumulate: bool) -> dict[str, str]:
+    """The checks of a normalized call (cd.gemm's, cd.compile's, a CompiledOp's); returns operand dtypes."""
+    if accumulate and not (out and isinstance(out.get("D"), torch.Tensor)):
+        raise checks.fail(_where(ep), "accumulate=True adds into an existing D", "pass it as out={'D': tensor}")
+    if cutlass:
+        checks.require_hopper(_where(ep), call.a.device)
+    return _check_tensors(ep, call, cutlass)
+
+
 @dataclass(frozen=True)
 class _Facts:
     """What every call of an epilogue needs to know about it, derived once (not on the call path)."""
@@ -230,10 +239,10 @@ def index_operands(ep: Epilogue) -> frozenset[str]:
 class CompiledOp:
     """One built specialization of an epilogue. Call it like cd.gemm, without the epilogue argument."""
 
-    def __init__(self, epilogue: Epilogue, kernel: pipeline.Kernel):
+    def __init__(self, epilogue: Epilogue, rendered: pipeline.Rendered):
         self.epilogue = epilogue
         self.program, self.plan, self.key, self.cu_text, self.op_name = (
-            kernel.program, kernel.plan, kernel.key, kernel.cu_text, kernel.op_name)
+            rendered.program, rendered.plan, rendered.key, rendered.cu_text, rendered.op_name)
         plan = self.plan
         self._op = None
         self._where = _where(epilogue)
@@ -249,9 +258,9 @@ class CompiledOp:
         self._wide = frozenset(plan.wide)
 
     @classmethod
-    def create(cls, epilogue: Epilogue, sig: Signature, consts: dict[str, float]) -> "CompiledOp":
+    def create(cls, epilogue: Epilogue, sig: Signature) -> "CompiledOp":
         """The pipeline up to the rendered .cu (no build yet: see load())."""
-        return cls(epilogue, pipeline.kernel(epilogue.program, sig, consts))
+        return cls(epilogue, pipeline.render(epilogue.program, sig))
 
     @property
     def unit(self) -> build.BuildUnit:
@@ -344,16 +353,13 @@ class CompiledOp:
 
     def _check(self, A, B, operands: dict, out: dict | None) -> None:
         call = _normalize(self.epilogue, A, B, operands, out)
-        checks.require_hopper(self._where, call.a.device)
-        dtypes = _check_tensors(self.epilogue, call, cutlass=True)
+        dtypes = _check_call(self.epilogue, call, out, cutlass=True, accumulate=self.plan.reads_d)
         got = (call.a.dtype, layouts(call), tuple(sorted(dtypes.items())), _consts_key(call.consts))
         if got != self._expects:
             what = ("A/B dtype", "A/B layouts", "operand dtypes", "cd.Const values")
             diff = [f"{w}: compiled for {e}, called with {g}" for w, e, g in zip(what, self._expects, got) if e != g]
             raise checks.fail(self._where, "this op was compiled for other operands (" + "; ".join(diff) + ")",
                               "compile an op for these operands (cd.compile), or call cd.gemm")
-        if self.plan.reads_d and not (out and isinstance(out.get("D"), torch.Tensor)):
-            raise checks.fail(self._where, "this op accumulates into D (accumulate=True)", "pass out={'D': tensor}")
         call = _fold_batch(self.epilogue, call)
         self.check_widths(call)
         self.check_out(call, _fold_batch_out(out, call))
@@ -383,14 +389,16 @@ _SHAPES = {"mn": lambda lead, m, n: (*lead, m, n), "mh": lambda lead, m, n: (*le
            "m": lambda lead, m, n: (*lead, m), "n": lambda lead, m, n: (*lead, n), "": lambda lead, m, n: lead}
 
 
-def _check_out(where: str, name: str, t: torch.Tensor, shape, dtype, call: Call, tma: bool = True) -> None:
+def _check_out(where: str, name: str, t: torch.Tensor, shape, dtype, call: Call, tma: bool | None = True) -> None:
+    """A preallocated output; tma: its layout as the kernel stores it (TMA rows, or a vector; None: any)."""
     if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
         got = f"{list(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
         raise checks.fail(where, f"out['{name}'] is {got}, expected {list(shape)} {dtype}")
     if t.device != call.a.device:
         raise checks.fail(where, f"out['{name}'] is on {t.device}, A on {call.a.device}")
     checks.output(where, f"out['{name}']", t)
-    (checks.tma_layout if tma else checks.vector)(where, f"out['{name}']", t)
+    if tma is not None:
+        (checks.tma_layout if tma else checks.vector)(where, f"out['{name}']", t)
 
 
 def _check_alias(where: str, name: str, t: torch.Tensor, call: Call) -> None:
@@ -543,7 +551,7 @@ def specialization(ep: Epilogue, call: Call, operand_dtypes: dict[str, str], out
                 a_layout, b_layout = layouts(call)
                 sig = signature(ep, checks.dtype_of(call.a, _where(ep), "A"), b_layout, operand_dtypes, call.consts,
                                 config, deterministic, accumulate, out, a_layout)
-                op = _ops[cache_key] = CompiledOp.create(ep, sig, call.consts)
+                op = _ops[cache_key] = CompiledOp.create(ep, sig)
     return op
 
 
@@ -576,19 +584,48 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
     if tune is not None:
         _flag(ep, "tune", tune)
     tune = _tuning if tune is None else tune
-    options = (backend, config, deterministic, accumulate, tune)
+    if not (torch.is_grad_enabled() and _requires_grad(A, B, operands)):  # what autograd does not record
+        return _gemm(ep, A, B, out, (backend, config, deterministic, accumulate, tune), operands)
+    if out:  # as torch's own ops with out=
+        raise OperandError(f"{_where(ep)}: out= with inputs that require grad: autograd cannot record writes "
+                           "into given tensors\n  fix: call cd.linear(A, B, epilogue, ...) to train, or run under "
+                           "torch.no_grad()")
+    with torch.no_grad():  # (the reference backend's graph would not be the kernel's derivative either)
+        outs = _gemm(ep, A, B, None, (backend, config, deterministic, accumulate, tune), operands)
+    inputs = [t for t in (A, B, *operands.values()) if isinstance(t, torch.Tensor) and t.requires_grad]
+    return dict(zip(outs, _NoDerivative.apply(_where(ep), len(outs), *outs.values(), *inputs)))
+
+
+def _requires_grad(A, B, operands: dict) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in (A, B, *operands.values()))
+
+
+class _NoDerivative(torch.autograd.Function):
+    """cd.gemm's outputs when autograd records the call: a backward through them raises, on every backend
+    (the kernel has no derivative, nor has torch.compile's custom op; cd.linear derives one)."""
+
+    @staticmethod
+    def forward(ctx, where: str, n: int, *outs_and_inputs):
+        ctx.where = where
+        return tuple(o.detach() for o in outs_and_inputs[:n])  # inputs only to link the outputs to them
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise UnsupportedError(f"{ctx.where}: cd.gemm has no derivative\n  fix: call cd.linear(A, B, epilogue, ...) "
+                               "for a trainable layer (its backward is derived), or detach what needs none")
+
+
+def _gemm(ep: Epilogue, A, B, out: dict | None, options: tuple, operands: dict) -> dict[str, torch.Tensor]:
+    """cd.gemm's eager path: warm (a call layout seen before) or checked, specialized and launched."""
+    backend, config, deterministic, accumulate, tune = options
     warm_key = (options, _call_layout(_facts(ep).kinds, A, B, operands, out))
     op = _warm.get(ep, {}).get(warm_key)
     if op is not None:
         return op.run(A, B, operands, out, warm_key)
     call = _normalize(ep, A, B, operands, out)
     cfg = _config(ep, config)
-    if accumulate and not (out and isinstance(out.get("D"), torch.Tensor)):
-        raise checks.fail(_where(ep), "accumulate=True adds into an existing tensor: pass it as out={'D': t}")
     use_cutlass = backend == "cutlass" or (backend == "auto" and _cutlass_available(call.a.device))
-    if backend == "cutlass":
-        checks.require_hopper(_where(ep), call.a.device)
-    dtypes = _check_tensors(ep, call, cutlass=use_cutlass)
+    dtypes = _check_call(ep, call, out, use_cutlass, accumulate)
     if not use_cutlass:
         return run_reference(ep, call, out, accumulate)
     key = call_key(ep, call, dtypes, out, deterministic, accumulate)
@@ -600,7 +637,7 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
     except UnsupportedError as e:
         if backend == "cutlass":
             raise
-        warnings.warn(f"coda_dsl: running on the reference backend (slow): {e}", stacklevel=2)
+        warnings.warn(f"coda_dsl: running on the reference backend (slow): {e}", stacklevel=3)
         return run_reference(ep, call, out, accumulate)
     folded_out = _fold_batch_out(out, folded)
     op.check_out(folded, folded_out)
@@ -622,8 +659,8 @@ def compile(epilogue: Epilogue, A, B, /, *, out: dict | None = None, config: Con
     config = _config(epilogue, config)
     _flag(epilogue, "deterministic", deterministic)
     _flag(epilogue, "accumulate", accumulate)
-    checks.require_hopper(_where(epilogue), call.a.device)  # as cd.gemm(backend="cutlass"): never a useless build
-    dtypes = _check_tensors(epilogue, call, cutlass=True)
+    # as cd.gemm(backend="cutlass"): never a useless build
+    dtypes = _check_call(epilogue, call, out, cutlass=True, accumulate=accumulate)
     return specialization(epilogue, call, dtypes, out, config, deterministic, accumulate)
 
 
@@ -716,7 +753,7 @@ def _cutlass_available(device: torch.device) -> bool:
     if not _warned_fallback:
         _warned_fallback = True
         warnings.warn(f"coda_dsl: no sm_90 GPU for tensors on {device}; running epilogues on the (slow) reference "
-                      "backend. Pass backend='reference' to silence this.", stacklevel=3)
+                      "backend. Pass backend='reference' to silence this.", stacklevel=4)
     return False
 
 
@@ -740,11 +777,7 @@ def run_reference(ep: Epilogue, call: Call, out: dict | None, accumulate: bool =
             if name not in res:
                 raise OperandError(f"{_where(ep)}: out has '{name}', which is not an output of the epilogue "
                                    f"({list(res)})")
-            r = res[name]
-            if not isinstance(t, torch.Tensor) or t.shape != r.shape or t.dtype != r.dtype or t.device != r.device:
-                got = f"{list(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise checks.fail(_where(ep), f"out['{name}'] is {got}, expected {list(r.shape)} {r.dtype} on {r.device}")
-            checks.output(_where(ep), f"out['{name}']", t)
+            _check_out(_where(ep), name, t, res[name].shape, res[name].dtype, call, tma=None)
         _check_distinct(_where(ep), out)
         for name, t in out.items():
             t.copy_(res[name])

@@ -29,8 +29,9 @@ def _operands(ep: Epilogue, tensors: list, numbers: list) -> dict:
 def _gemm(uid: str, a: torch.Tensor, b: torch.Tensor, tensors: list[torch.Tensor], numbers: list[float],
           backend: str, config: str, deterministic: bool) -> list[torch.Tensor]:
     ep = Epilogue.by_uid(uid)
-    res = _eager_gemm(a, b, ep, backend=backend, config=config or None, deterministic=deterministic,
-                      **_operands(ep, tensors, numbers))
+    with torch.no_grad():  # an op's implementation: autograd is torch.compile's affair (it has no formula here)
+        res = _eager_gemm(a, b, ep, backend=backend, config=config or None, deterministic=deterministic,
+                          **_operands(ep, tensors, numbers))
     return [res[name] for name in ep.output_names]
 
 
