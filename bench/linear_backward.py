@@ -102,6 +102,7 @@ def _in_dy(case: Case) -> Callable:
     accumulator; dY's GEMM then outputs dacc (its D) and the operands' gradients; then dacc @ W, dacc^T x."""
     forward, backward = forward_epilogue(case.epilogue), cd.backward_epilogue(case.epilogue)
 
+    @torch.no_grad()  # as inside a layer's autograd.Function: cd.gemm is not recorded
     def step(x, w, operands, dys, g, v):
         acc = cd.gemm(x, w, forward, **operands)["acc"]
         grads = cd.gemm(g, v, backward, saved_acc=acc, **operands,

@@ -11,7 +11,6 @@ import importlib
 import importlib.util
 import os
 import platform
-import shlex
 import shutil
 import subprocess
 import sys
@@ -355,6 +354,16 @@ def _probe(fn):
         return None, str(e)
 
 
+def _probe_row(row, what: str, fn, fix: str, describe) -> object:
+    """One doctor row from a probe: ok with describe(value), or FAIL with the probe's message and `fix`."""
+    value, err = _probe(fn)
+    if err:
+        row("FAIL", what, err, fix)
+    else:
+        row("ok", what, describe(value))
+    return value
+
+
 def torch_cuda_problem() -> str | None:
     """Why kernels cannot run with the installed torch (a CPU-only build), else None. The one
     check behind doctor's torch line; the real-nvcc compile tests skip with its message."""
@@ -379,25 +388,13 @@ def cmd_doctor(args) -> int:
         row("FAIL", "torch", problem, "install a CUDA build of torch (https://pytorch.org/get-started/locally/)")
     else:
         row("ok", "torch", f"{torch.__version__}, CUDA {torch.version.cuda} build")
-    nvcc, err = _probe(tools._find_nvcc)
-    if nvcc:
-        version, err = _probe(lambda: tools._nvcc_version(nvcc[0]))
-    if err:
-        row("FAIL", "nvcc", err, "install the CUDA toolkit 12.4+ and set CUDA_HOME")
-    else:
-        row("ok", "nvcc", f"{nvcc[0]} ({version}; CUDA_HOME {nvcc[1]})")
-    cutlass, err = _probe(tools._find_cutlass)
-    if err:
-        row("FAIL", "CUTLASS", err, "pip install nvidia-cutlass")
-    else:
-        row("ok", "CUTLASS", f"{cutlass[1]} headers in {cutlass[0][0]}")
-    ninja, err = _probe(tools.ninja_binary)
-    if err:
-        row("FAIL", "ninja", err, "pip install ninja")
-    else:
-        v = subprocess.run([ninja, "--version"], capture_output=True, text=True).stdout.strip()
-        row("ok", "ninja", f"{ninja} ({v})")
-    cxx = shlex.split(os.environ.get("CXX", "c++"))[0]  # what build/tools.py links with
+    _probe_row(row, "nvcc", lambda: (nv := tools.find_nvcc()) + (tools.nvcc_version(nv[0]),),
+               "install the CUDA toolkit 12.4+ and set CUDA_HOME", lambda n: f"{n[0]} ({n[2]}; CUDA_HOME {n[1]})")
+    _probe_row(row, "CUTLASS", tools.find_cutlass, "pip install nvidia-cutlass",
+               lambda c: f"{c[1]} headers in {c[0][0]}")
+    version = lambda tool: subprocess.run([tool, "--version"], capture_output=True, text=True).stdout.strip()  # noqa: E731
+    _probe_row(row, "ninja", tools.ninja_binary, "pip install ninja", lambda n: f"{n} ({version(n)})")
+    cxx = tools.linker()[0]
     if shutil.which(cxx):
         row("ok", "c++", f"{shutil.which(cxx)} (links the kernel libraries)")
     else:

@@ -84,7 +84,7 @@ def test_cutlass_checkouts_are_keyed_by_location(tmp_path, monkeypatch):
         (inc / "cutlass.h").write_text("")
         (inc / "version.h").write_text("#define CUTLASS_MAJOR 4\n#define CUTLASS_MINOR 2\n#define CUTLASS_PATCH 0\n")
         monkeypatch.setenv("CODA_DSL_CUTLASS_DIR", str(tmp_path / name))
-        versions.append(tcmod._find_cutlass()[1])
+        versions.append(tcmod.find_cutlass()[1])
     assert versions[0] != versions[1]
 
 
@@ -94,7 +94,7 @@ def test_cuda_home_comes_first(tmp_path, monkeypatch):
     nvcc.write_text("#!/bin/sh\n")
     nvcc.chmod(0o755)
     monkeypatch.setenv("CUDA_HOME", str(tmp_path))
-    assert tcmod._find_nvcc() == (str(nvcc), str(tmp_path))
+    assert tcmod.find_nvcc() == (str(nvcc), str(tmp_path))
 
 
 def test_atomic_write_is_world_readable(tmp_path):
@@ -301,7 +301,7 @@ def test_toolchain_error_without_cutlass(cache_root, monkeypatch, tmp_path):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "cutlass_library" else real(name, *a))
-    monkeypatch.setattr(tcmod, "_find_nvcc", lambda: ("/fake/nvcc", "/fake"))
+    monkeypatch.setattr(tcmod, "find_nvcc", lambda: ("/fake/nvcc", "/fake"))
     monkeypatch.setenv("CODA_DSL_CUTLASS_DIR", str(tmp_path / "nowhere"))
     with pytest.raises(b.ToolchainError, match="CUTLASS headers not found"):
         b.toolchain()

@@ -396,7 +396,7 @@ def test_cuda_home_that_has_no_nvcc_is_an_error(monkeypatch):
     monkeypatch.setenv("CUDA_HOME", "/nonexistent")
     with pytest.raises(b.ToolchainError, match="CUDA_HOME=/nonexistent, but /nonexistent/bin/nvcc is not an "
                                                "executable: point CUDA_HOME at a CUDA toolkit"):
-        tcmod._find_nvcc()
+        tcmod.find_nvcc()
 
 
 def test_broken_nvcc_shows_its_own_error(tmp_path):
@@ -405,4 +405,4 @@ def test_broken_nvcc_shows_its_own_error(tmp_path):
     nvcc.chmod(0o755)
     with pytest.raises(b.ToolchainError, match=r"failed \(exit code 127\): nvcc: error while loading shared "
                                                r"libraries: libnvvm.so.4"):
-        tcmod._nvcc_version(str(nvcc))
+        tcmod.nvcc_version(str(nvcc))

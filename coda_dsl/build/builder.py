@@ -4,7 +4,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
-import dataclasses
 import os
 import re
 import shlex
@@ -26,7 +25,7 @@ from .tools import Toolchain, compile_command, link_command, ninja_binary, toolc
 
 @dataclass
 class BuildUnit:
-    key: str     # specialization key (cache.specialization_key); the entry is under its build key
+    key: str     # specialization key (cache.specialization_key); the entry is under its build_key()
     cu_text: str  # the full .cu
     op_name: str = ""  # the kernel's name in its messages (coda_dsl::<op_name>); informational here
 
@@ -151,18 +150,18 @@ def _first_error(*texts: str) -> str:
     return tails[-1] if tails else "(no compiler output)"
 
 
-def _fail(unit: BuildUnit, udir: Path, ninja_out: str, compile_only: bool) -> BuildError:
-    """Keep the failing kernel.cu and log under failed/<key>/ (paths in the log rewritten to point there)."""
-    dest = cache_dir() / "failed" / unit.key
+def _fail(bkey: str, udir: Path, ninja_out: str, compile_only: bool) -> BuildError:
+    """Keep the failing kernel.cu and log under failed/<build key>/ (paths in the log rewritten to point there)."""
+    dest = cache_dir() / "failed" / bkey
     shutil.rmtree(dest, ignore_errors=True)
-    make_dir(make_dir(cache_dir() / "failed") / unit.key)
+    make_dir(make_dir(cache_dir() / "failed") / bkey)
     src = dest / "kernel.cu"
     shutil.copyfile(udir / "kernel.cu", src)
     try:
         text = (udir / "build.log").read_text(errors="replace")
     except OSError:
         text = ""
-    text = text.replace(f"{unit.key}/kernel.cu", str(src))
+    text = text.replace(f"{bkey}/kernel.cu", str(src))
     if not text.strip():  # the tool never ran (ninja itself failed): its output is the log
         text = ninja_out
     (dest / "build.log").write_text(text)
@@ -171,16 +170,17 @@ def _fail(unit: BuildUnit, udir: Path, ninja_out: str, compile_only: bool) -> Bu
                       action="c++ failed to link" if linked else "nvcc failed to compile")
 
 
-def _build(units: list[BuildUnit], tc: Toolchain, compile_only: bool, jobs: int | None, verbose: bool,
-           log, spec_keys: dict[str, str]) -> None:
-    """Build `units` (keyed by build key) in one staging folder, which this process holds a flock on
-    while it lives, so that `cache clear` removes only the folders of builds that died."""
+def _build(units: list[BuildUnit], bkeys: dict[str, str], tc: Toolchain, compile_only: bool, jobs: int | None,
+           verbose: bool, log) -> None:
+    """Build `units` (each in the folder of its build key, bkeys[unit.key]) in one staging folder, which
+    this process holds a flock on while it lives, so that `cache clear` removes only the folders of
+    builds that died."""
     with staging_folder() as staging:
-        keys = [u.key for u in units]
+        keys = [bkeys[u.key] for u in units]
         with cache_io():
-            for u in units:
-                (staging / u.key).mkdir()
-                (staging / u.key / "kernel.cu").write_text(u.cu_text)
+            for u, k in zip(units, keys):
+                (staging / k).mkdir()
+                (staging / k / "kernel.cu").write_text(u.cu_text)
             (staging / "build.ninja").write_text(_ninja_file(tc, keys, compile_only))
         jobs = jobs or _default_jobs(len(units))
         n = len(units)
@@ -198,14 +198,14 @@ def _build(units: list[BuildUnit], tc: Toolchain, compile_only: bool, jobs: int 
                     log(f"--- {k}/build.log ---\n{(staging / k / 'build.log').read_text(errors='replace')}")
         failed = []
         with cache_io():
-            for u in units:
-                udir = staging / u.key
+            for u, k in zip(units, keys):
+                udir = staging / k
                 if not (udir / out_name).exists():
-                    failed.append(_fail(u, udir, ninja_out, compile_only))
+                    failed.append(_fail(k, udir, ninja_out, compile_only))
                     continue
                 names = ["kernel.cu", "build.log", "kernel.o"] + ([] if compile_only else ["kernel.so"])
-                commit_entry(u.key, {f: udir / f for f in names if (udir / f).exists()},
-                             {"op_name": u.op_name, "specialization_key": spec_keys[u.key], "pid": os.getpid(),
+                commit_entry(k, {f: udir / f for f in names if (udir / f).exists()},
+                             {"op_name": u.op_name, "specialization_key": u.key, "pid": os.getpid(),
                               "created": time.time(), "build_seconds": round(time.monotonic() - t0, 1),
                               "toolchain": {"nvcc": tc.nvcc_version, "cutlass": tc.cutlass_version,
                                             "torch": tc.torch_version}})
@@ -225,17 +225,18 @@ def build_units(units: list[BuildUnit], *, compile_only: bool = False, jobs: int
     tc = toolchain()
     out_name = "kernel.o" if compile_only else "kernel.so"
     bkeys = {u.key: build_key(u.key) for u in units}
-    unique = [dataclasses.replace(u, key=bkeys[u.key]) for u in {u.key: u for u in units}.values()]
-    with key_locks([u.key for u in unique], {u.key: u.label for u in unique}, log):
+    unique = list({u.key: u for u in units}.values())
+    with key_locks([bkeys[u.key] for u in unique], {bkeys[u.key]: u.label for u in unique}, log):
         todo = []
         for u in unique:
-            path, problem = check_output(u.key, out_name)
+            path, problem = check_output(bkeys[u.key], out_name)
             if path is None:
                 if problem:
-                    log(f"coda_dsl: warning: cache entry {entry_dir(u.key)} is damaged ({problem}): rebuilding it")
+                    log(f"coda_dsl: warning: cache entry {entry_dir(bkeys[u.key])} is damaged ({problem}): "
+                        "rebuilding it")
                 todo.append(u)
         if todo:
-            _build(todo, tc, compile_only, jobs, verbose, log, {v: k for k, v in bkeys.items()})
+            _build(todo, bkeys, tc, compile_only, jobs, verbose, log)
     return [entry_dir(bkeys[u.key]) / out_name for u in units]
 
 

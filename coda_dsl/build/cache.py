@@ -331,22 +331,18 @@ def _lock(path: Path, label: str = "", log=None):
     timeout, start, told = lock_timeout(), time.monotonic(), False
     while True:
         fd = _open_lock(path)
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                waited = time.monotonic() - start
-                if waited > timeout:
-                    os.close(fd)
-                    raise LockTimeoutError(
-                        f"gave up after {waited:.0f} s waiting for the build of {label or path.stem} held by "
-                        f"{_holder(path)} (lock {path}): if that process is stuck, end it; or set "
-                        "CODA_DSL_LOCK_TIMEOUT (seconds) to wait longer") from None
-                if log and not told and waited >= WAIT_NOTICE_S:
-                    told = True
-                    log(f"coda_dsl: waiting for the build of {label or path.stem} held by {_holder(path)}")
-                time.sleep(0.1)
+        while not _try_flock(fd):
+            waited = time.monotonic() - start
+            if waited > timeout:
+                os.close(fd)
+                raise LockTimeoutError(
+                    f"gave up after {waited:.0f} s waiting for the build of {label or path.stem} held by "
+                    f"{_holder(path)} (lock {path}): if that process is stuck, end it; or set "
+                    "CODA_DSL_LOCK_TIMEOUT (seconds) to wait longer")
+            if log and not told and waited >= WAIT_NOTICE_S:
+                told = True
+                log(f"coda_dsl: waiting for the build of {label or path.stem} held by {_holder(path)}")
+            time.sleep(0.1)
         # clear_cache may have unlinked the file while we waited: then our lock guards nothing.
         try:
             if os.fstat(fd).st_ino == os.stat(path).st_ino:
@@ -536,10 +532,7 @@ def clear_cache() -> Cleared:
             lock = root / f"{key}.lock"
             if lock.exists() and not lock.is_file():  # debris no process can hold
                 _remove(lock)
-            try:
-                fd = os.open(lock, os.O_RDONLY | os.O_CREAT, 0o644)
-            except PermissionError:
-                fd = os.open(lock, os.O_RDONLY)
+            fd = _open_lock(lock)
             try:
                 if not _try_flock(fd):  # a build holds it: its entry is kept, and said so
                     result.busy.append(f"{key} ({_holder(lock)})")

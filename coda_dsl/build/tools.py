@@ -33,7 +33,7 @@ class Toolchain:
     csrc_include: str
 
 
-def _find_nvcc() -> tuple[str, str]:
+def find_nvcc() -> tuple[str, str]:
     """(nvcc path, CUDA home)."""
     looked = []
     var = next((v for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)), None)
@@ -71,7 +71,7 @@ def _nvcc_top(nvcc: str) -> Path | None:
     return Path(m.group(1).strip()).resolve() if m else None
 
 
-def _nvcc_version(nvcc: str) -> str:
+def nvcc_version(nvcc: str) -> str:
     try:
         run = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError) as e:
@@ -92,7 +92,7 @@ def _header_version(include: Path) -> str:
     return ".".join(m.group(1) for m in parts) if all(parts) else "unknown"
 
 
-def _find_cutlass() -> tuple[list[str], str]:
+def find_cutlass() -> tuple[list[str], str]:
     """(include dirs, version). The wheel's package is located, not imported (importing it is slow)."""
     override = os.environ.get("CODA_DSL_CUTLASS_DIR")
     if override:
@@ -120,10 +120,10 @@ def _find_cutlass() -> tuple[list[str], str]:
 
 @functools.cache
 def toolchain() -> Toolchain:
-    nvcc, cuda_home = _find_nvcc()
-    cutlass_include, cutlass_version = _find_cutlass()
+    nvcc, cuda_home = find_nvcc()
+    cutlass_include, cutlass_version = find_cutlass()
     import torch
-    return Toolchain(nvcc=nvcc, cuda_home=cuda_home, nvcc_version=_nvcc_version(nvcc),
+    return Toolchain(nvcc=nvcc, cuda_home=cuda_home, nvcc_version=nvcc_version(nvcc),
                      cutlass_include=cutlass_include, cutlass_version=cutlass_version,
                      torch_version=torch.__version__, csrc_include=str(csrc_dir()))
 
@@ -170,9 +170,14 @@ def compile_command(tc: Toolchain) -> list[str]:
             *(f"-I{d}" for d in includes)]
 
 
+def linker() -> list[str]:
+    """The command that links kernel libraries: $CXX, else c++."""
+    return shlex.split(os.environ.get("CXX", "c++"))
+
+
 def link_command(tc: Toolchain) -> tuple[list[str], list[str]]:
     """(linker, flags after `-shared <obj> -o <so>`): the CUDA runtime (the one torch has loaded, by
     its soname) and the driver API, nothing of torch."""
     cuda_lib = str(Path(tc.cuda_home) / "lib64")
     flags = [f"-L{cuda_lib}", "-lcudart", *_libcuda_args(tc.cuda_home)]
-    return shlex.split(os.environ.get("CXX", "c++")), flags
+    return linker(), flags
