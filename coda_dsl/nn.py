@@ -383,12 +383,17 @@ def _linear(n_in: int, n_out: int, dtype, device) -> nn.Linear:
     return nn.Linear(n_in, n_out, bias=False, dtype=dtype, device=device)
 
 
+def head_dim_of(config) -> int:
+    """A Llama config's head dimension (explicit in newer configs, else hidden size over heads)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def rope_inv_freq(config) -> torch.Tensor:
     """[head_dim / 2] inverse frequencies, as HF's LlamaRotaryEmbedding computes them."""
     # transformers 5 keeps rope_theta and the rope type in rope_parameters; 4.x in rope_theta and rope_scaling
     rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     rope_type = rope.get("rope_type", "default")
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = head_dim_of(config)
     if rope_type == "default":
         base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
@@ -436,7 +441,7 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, config, dtype=None, device=None):
         super().__init__()
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = head_dim_of(config)
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.attention_dropout = float(getattr(config, "attention_dropout", 0.0))
         d, hd = config.hidden_size, self.head_dim

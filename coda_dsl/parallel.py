@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import coda_dsl as cd
 from .errors import UnsupportedError
 from .library import interleave_gate_up
-from .library.cross_entropy import (_check_args, ce_backward, combine_vocab_shards, default_chunk_rows,
+from .library.cross_entropy import (check_args, ce_backward, combine_vocab_shards, default_chunk_rows,
                                     vocab_shard_stats)
 from .nn import (LlamaDecoderLayer, causal_attention, check_training_call, flat_inputs, input_norm, input_rms,
                  qkv_inv_freq, qkv_weight, rms_rope, rms_swiglu, rope_inv_freq)
@@ -252,7 +252,6 @@ def vocab_parallel_cross_entropy(x: torch.Tensor, lm_head_weight: DTensor, targe
     split) over a 1-D mesh; x [M, d] and target [M] replicated over it. Returns the same (replicated)
     loss; grad_x is whole on every rank, W's gradient is a Shard(0) DTensor. No softcap yet. On the
     cutlass backend each rank's row count must be a multiple of 8 (pad V to a multiple of 8 * ranks)."""
-    _check_args(x, target, reduction, label_smoothing)
     if not isinstance(lm_head_weight, DTensor) or lm_head_weight.device_mesh.ndim != 1 \
             or lm_head_weight.placements[0] != torch.distributed.tensor.Shard(0):
         raise UnsupportedError("coda_dsl.parallel.vocab_parallel_cross_entropy: lm_head_weight must be a DTensor "
@@ -261,6 +260,7 @@ def vocab_parallel_cross_entropy(x: torch.Tensor, lm_head_weight: DTensor, targe
     mesh = lm_head_weight.device_mesh
     vocab_size = lm_head_weight.shape[0]
     w = lm_head_weight.to_local()
+    check_args(x, w, target, reduction, label_smoothing)
     vocab_start = min(mesh.get_local_rank() * -(-vocab_size // mesh.size()), vocab_size)  # torch.chunk's split
     if x.is_cuda and backend != "reference" and w.shape[0] % 8:
         raise UnsupportedError(f"coda_dsl.parallel.vocab_parallel_cross_entropy: this rank holds {w.shape[0]} "

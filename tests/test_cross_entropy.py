@@ -339,6 +339,9 @@ def test_bad_arguments():
         cd.linear_cross_entropy(x, w, t.int(), backend="reference")
     with pytest.raises(ValueError, match=r"x must be \[M, d\] \(flatten a batch"):
         cd.linear_cross_entropy(x[None], w, t[None], backend="reference")
+    for bad in (w[0], w[:, :-1]):  # a vector, or rows of another width than x's
+        with pytest.raises(ValueError, match=r"w must be the head's weight \[V, %d\]" % x.shape[1]):
+            cd.linear_cross_entropy(x, bad, t, backend="reference")
     with pytest.raises(ValueError, match="chunk_rows must be a positive"):
         cd.linear_cross_entropy(x, w, t, chunk_rows=-8, backend="reference")
 

@@ -1,7 +1,6 @@
 """The C++ of each visitor node of a plan (passes/plan.py holds them as data): its type, its
 Arguments initializer, and the host code before and after the launch (on coda::Tensor views of the
-caller's tensors: csrc/coda_dsl/abi.h). One function per node kind,
-found by the node's class."""
+caller's tensors: csrc/coda_dsl/abi.h), chosen by the node's class in _spell."""
 from __future__ import annotations
 
 from dataclasses import dataclass

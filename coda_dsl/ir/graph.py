@@ -21,7 +21,6 @@ from typing import Iterator
 from .ops import NODE_OPS, REDUCTIONS, OpDef
 
 LOAD_KINDS = ("tensor", "vec_m", "vec_n")  # [M, N], one value per row m, one per column n
-REDUCE_KINDS = tuple(REDUCTIONS)  # ir/ops.py defines them
 REDUCE_AXES = ("n", "m", None)
 
 

@@ -293,11 +293,13 @@ def _check_options(reduction, label_smoothing):
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
 
 
-def _check_args(x, target, reduction, label_smoothing):
+def check_args(x, w, target, reduction, label_smoothing):
     _check_options(reduction, label_smoothing)
     if x.dim() != 2:
         raise ValueError(f"x must be [M, d] (flatten a batch: x.flatten(0, -2), target.flatten()), got "
                          f"{list(x.shape)}")
+    if w.dim() != 2 or w.shape[1] != x.shape[1]:
+        raise ValueError(f"w must be the head's weight [V, {x.shape[1]}] (V rows of x's width d), got {list(w.shape)}")
     if target.dtype != torch.int64 or target.shape != x.shape[:1]:
         raise ValueError(f"target must be int64 of shape [{x.shape[0]}], got {target.dtype} {list(target.shape)}")
 
@@ -316,7 +318,7 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
     (The reference backend forms fp32 logits per chunk.) config: the kernels' tile configuration
     (a cd.Config or its text; default CONFIG).
     """
-    _check_args(x, target, reduction, label_smoothing)
+    check_args(x, w, target, reduction, label_smoothing)
     if chunk_rows is not None and not int(chunk_rows) > 0:
         raise ValueError(f"chunk_rows must be a positive number of rows, got {chunk_rows}")
     grad = torch.is_grad_enabled()  # Function.forward runs without grad mode: decide here
@@ -335,7 +337,7 @@ def vocab_shard_stats(x: torch.Tensor, w_shard: torch.Tensor, target: torch.Tens
     and, with label smoothing, "z_sum". Combine the shards' with combine_vocab_shards, or across
     GPUs with all-reduces: m = lse, all_reduce(m, MAX); s = exp(lse - m), all_reduce(s, SUM);
     lse = m + log(s); all_reduce(z_target, SUM) (and z_sum); then the loss as combine_vocab_shards."""
-    _check_args(x, target, "mean", label_smoothing)
+    check_args(x, w_shard, target, "mean", label_smoothing)
     local = target - vocab_start
     inside = (target != ignore_index) & (local >= 0) & (local < w_shard.shape[0])
     with torch.no_grad():
