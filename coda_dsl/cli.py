@@ -330,20 +330,13 @@ def cmd_cache(args) -> int:
 
 
 def _kernel_header(cu_path: str | None) -> tuple[str, str]:
-    """(epilogue name, config) from the header comment that templates/kernel.cu.j2 writes into every
-    generated kernel.cu; "?" for what an entry lacks."""
-    name = config = "?"
+    """(epilogue name, config) of a cache entry's kernel.cu (codegen.header_fields); "?" if unreadable."""
+    from .codegen import header_fields
     try:
         with open(cu_path or "", encoding="utf-8", errors="replace") as f:
-            head = [next(f, "") for _ in range(8)]
+            return header_fields("".join(next(f, "") for _ in range(8)))
     except OSError:
-        return name, config
-    for line in head:
-        if line.startswith("// Epilogue `"):
-            name = line.split("`")[1]
-        elif line.startswith("// Config: "):
-            config = line[len("// Config: "):].strip()
-    return name, config
+        return "?", "?"
 
 
 def _probe(fn):

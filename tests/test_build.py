@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import coda_dsl.build as b
-from coda_dsl.build import builder, cache, tools as tcmod
+from coda_dsl.build import builder, cache, paths, tools as tcmod
 from build_helpers import FAKE_TC, bk, quiet, unit
 
 HAVE_NVCC = any(os.access(p, os.X_OK) for p in [os.path.join(os.environ.get("CUDA_HOME", "/nonexistent"),
@@ -64,7 +64,7 @@ def test_key_covers_every_version_and_nested_headers(fake, monkeypatch, tmp_path
     header = tmp_path / "csrc" / "coda_dsl" / "nested" / "x.h"
     header.parent.mkdir(parents=True)
     header.write_text("// one")
-    monkeypatch.setattr(cache, "csrc_dir", lambda: tmp_path / "csrc")
+    monkeypatch.setattr(paths, "csrc_dir", lambda: tmp_path / "csrc")
     cache._generator_digest.cache_clear()
     try:
         before = b.specialization_key("p")

@@ -5,7 +5,6 @@ import atexit
 import contextlib
 import ctypes
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -28,12 +27,7 @@ class BuildUnit:
     key: str     # specialization key (cache.specialization_key); the entry is under its build_key()
     cu_text: str  # the full .cu
     op_name: str = ""  # the kernel's name in its messages (coda_dsl::<op_name>); informational here
-
-    @property
-    def label(self) -> str:
-        """What the unit is, for messages: its epilogue, as the .cu's header names it."""
-        m = re.search(r"^// Epilogue `([^`]+)`", self.cu_text, re.M)
-        return m.group(1) if m else self.op_name or self.key
+    epilogue: str = ""  # what the unit computes, for messages (waiting on another process's build)
 
 
 class KernelLoadError(CodaError, RuntimeError):
@@ -226,7 +220,7 @@ def build_units(units: list[BuildUnit], *, compile_only: bool = False, jobs: int
     out_name = "kernel.o" if compile_only else "kernel.so"
     bkeys = {u.key: build_key(u.key) for u in units}
     unique = list({u.key: u for u in units}.values())
-    with key_locks([bkeys[u.key] for u in unique], {bkeys[u.key]: u.label for u in unique}, log):
+    with key_locks([bkeys[u.key] for u in unique], {bkeys[u.key]: u.epilogue or u.op_name for u in unique}, log):
         todo = []
         for u in unique:
             path, problem = check_output(bkeys[u.key], out_name)

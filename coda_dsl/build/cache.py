@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CodaError
-from .paths import csrc_dir, templates_dir
+from . import paths
 from .tools import ARCH, toolchain
 
 CODEGEN_VERSION = "2"  # 2: kernels link no torch library  # bump when build flags change in a way the key can't see
@@ -154,11 +154,9 @@ def _fallback_dir(default: Path, why: OSError) -> Path:
 
 @functools.cache
 def _generator_digest() -> str:
-    """The template, the hand-written headers every kernel includes and codegen's own spelling of the
-    plan (codegen/*.py; the canonical text holds plans as data): editing them changes every key."""
+    """paths.generator_sources(), hashed (the canonical text holds plans as data): editing one changes every key."""
     h = hashlib.sha256()
-    codegen = Path(__file__).resolve().parent.parent / "codegen"
-    for f in sorted([*templates_dir().glob("*.j2"), *csrc_dir().rglob("*.h"), *codegen.glob("*.py")]):
+    for f in paths.generator_sources():
         h.update(f.name.encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:16]
 

@@ -21,3 +21,9 @@ def templates_dir() -> Path:
 
 def csrc_dir() -> Path:
     return _data_dir("csrc")
+
+
+def generator_sources() -> list[Path]:
+    """The files a kernel's text comes from: the template, the hand-written headers every kernel
+    includes and codegen's own spelling of a plan (codegen/*.py)."""
+    return sorted([*templates_dir().glob("*.j2"), *csrc_dir().rglob("*.h"), *(_PACKAGE_DIR / "codegen").glob("*.py")])

@@ -29,6 +29,18 @@ def op_name(key: str) -> str:
     return f"k{key[:20]}"
 
 
+def header_fields(cu_text: str) -> tuple[str, str]:
+    """(epilogue name, config) from the header comment kernel.cu.j2 writes atop every kernel; "?" for a
+    field the text lacks."""
+    name = config = "?"
+    for line in cu_text.splitlines()[:8]:
+        if line.startswith("// Epilogue `"):
+            name = line.split("`")[1]
+        elif line.startswith("// Config: "):
+            config = line[len("// Config: "):].strip()
+    return name, config
+
+
 def render(plan: Plan, key: str, defined_at: str = "") -> str:
     sig = plan.signature
     return _environment().get_template("kernel.cu.j2").render(

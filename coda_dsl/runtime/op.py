@@ -264,7 +264,7 @@ class CompiledOp:
 
     @property
     def unit(self) -> build.BuildUnit:
-        return build.BuildUnit(self.key, self.cu_text, self.op_name)
+        return build.BuildUnit(self.key, self.cu_text, self.op_name, self.epilogue.name)
 
     @property
     def loaded(self) -> bool:
