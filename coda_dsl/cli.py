@@ -217,6 +217,7 @@ def cmd_explain(args) -> int:
     from .codegen.cpp import functor as cpp_functor
     from .codegen.evt import node as cpp_node
     from .ir import format_program
+    from .passes.plan import OUTPUT_SHAPES
     ep, consts = _epilogue_from_args(args)
     try:
         ep, spec = _spec_from_args(args, (ep, consts))
@@ -244,9 +245,8 @@ def cmd_explain(args) -> int:
     print("\n## binding")
     print(f"  inputs:  {', '.join(f'{n} ({d})' for n, d in sig.operand_dtypes if n in plan.inputs) or '-'}")
     print(f"  scalars: {', '.join(plan.scalars) or '-'}")
-    shapes = {"mn": "[M, N]", "mh": "[M, N/2]", "mw": "[M, 2N]", "m": "[M]", "n": "[N]", "": "scalar"}
     outs = ([f"D ({plan.d_dtype}, [M, N])"] if plan.d_dtype else []) + [
-        f"{n} ({d}, {shapes[k]})" for n, d, k in plan.outputs]
+        f"{n} ({d}, {OUTPUT_SHAPES[k][0]})" for n, d, k in plan.outputs]
     print(f"  outputs: {', '.join(outs)}")
     print(f"\n## specialization\n  A/B {sig.ab_dtype}, A layout {sig.a_layout}, B layout {sig.b_layout}, "
           f"config {sig.config.text}")

@@ -21,9 +21,9 @@ from ..errors import EpilogueError, UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import DTYPES
 from . import smem, widths
-from .plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, EvtNode, Functor, LogSumExp, Pack, PairLoad,
-                   PairStore, Plan, Reduce, Ref, RowBroadcast, Signature, SrcFetch, Step, Take, Unpack, WideLoad,
-                   WideStore)
+from .plan import (KIND_OF_AXIS, AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, EvtNode, Functor, LogSumExp,
+                   Pack, PairLoad, PairStore, Plan, Reduce, Ref, RowBroadcast, Signature, SrcFetch, Step, Take, Unpack,
+                   WideLoad, WideStore)
 
 _LOAD_NODE = {"tensor": AuxLoad, "vec_n": RowBroadcast, "vec_m": ColBroadcast}
 
@@ -246,7 +246,7 @@ class _Lowering:
             self.add(Reduce(f"Reduce_{name}", (child,), comment=f"output {name}: {kind} over "
                                f"{axis or 'm and n'}, fp32, {mode}{then}", deterministic=self.sig.deterministic,
                                **common))
-        return {"n": "m", "m": "n", None: ""}[axis]
+        return KIND_OF_AXIS[axis]
 
     def value(self, n: ir.Node) -> int:
         if self.fetched(n):

@@ -357,6 +357,18 @@ class Take(Reduce):
         return f"Take{self.index_input}" + super().canonical()
 
 
+# An output's shape kind (Plan.outputs) -> (its shape as text, its shape from (batch dims, M, N))
+OUTPUT_SHAPES = {
+    "mn": ("[M, N]", lambda lead, m, n: (*lead, m, n)),
+    "mh": ("[M, N/2]", lambda lead, m, n: (*lead, m, n // 2)),  # a pairwise value
+    "mw": ("[M, 2N]", lambda lead, m, n: (*lead, m, 2 * n)),  # an interleave
+    "m": ("[M]", lambda lead, m, n: (*lead, m)),  # a statistic per row
+    "n": ("[N]", lambda lead, m, n: (*lead, n)),  # per column
+    "": ("scalar", lambda lead, m, n: tuple(lead)),  # of everything
+}
+KIND_OF_AXIS = {"n": "m", "m": "n", None: ""}  # a statistic over `axis` -> its output's shape kind
+
+
 @dataclass
 class Plan:
     """One specialization: GEMM operand types, epilogue nodes, and the runtime binding order."""
@@ -366,8 +378,7 @@ class Plan:
     nodes: list[EvtNode]
     functors: list[Functor]
     inputs: list[str]  # operand names, in the order the op receives them
-    outputs: list[tuple[str, str, str]]  # (name, dtype, shape kind) in the order the op receives them;
-    # shape kind: "mn" full tensor, "mh" [M, N/2] (pairwise), "mw" [M, 2N] (interleaved), "m" per row, "n" per column, "" a scalar
+    outputs: list[tuple[str, str, str]]  # (name, dtype, shape kind: OUTPUT_SHAPES) in the order the op receives them
     d_dtype: str | None  # dtype of D; None: the epilogue stores no D
     scalars: list[str]  # scalar operand names, in the order the op receives them
     widened: list[str] = field(default_factory=list)  # N/2-wide operands the runtime widens to N

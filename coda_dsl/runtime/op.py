@@ -17,7 +17,7 @@ from ..ir import graph as ir
 from ..ir.ops import DTYPES, REDUCTIONS
 from ..passes import accumulate_into_d, specialize
 from ..passes.widths import infer as infer_widths, load_widths
-from ..passes.plan import Config, Signature
+from ..passes.plan import OUTPUT_SHAPES, Config, Signature
 from . import checks, reference, tune as tuning
 from .kernel import Kernel, remember
 from .torch_op import register_eager, traced_gemm
@@ -308,7 +308,7 @@ class CompiledOp:
         for name, dt, kind in self._outputs:
             t = out.get(name)
             if t is not None:
-                _check_out(self._where, name, t, _SHAPES[kind](lead, m, n), dt, call, tma=kind == "mn")
+                _check_out(self._where, name, t, OUTPUT_SHAPES[kind][1](lead, m, n), dt, call, tma=kind == "mn")
 
     def launch(self, call: Call, out: dict | None, layout: tuple | None = None) -> dict[str, torch.Tensor]:
         """Allocate the outputs not in `out` and launch on the current stream. `call` and `out` are folded
@@ -322,7 +322,7 @@ class CompiledOp:
         for name, dt, kind in self._outputs:
             t = out.get(name) if out else None
             if t is None:
-                t = torch.empty(_SHAPES[kind](lead, m, n), dtype=dt, device=call.a.device)
+                t = torch.empty(OUTPUT_SHAPES[kind][1](lead, m, n), dtype=dt, device=call.a.device)
             else:
                 _check_alias(self._where, name, t, call)
             outs[name] = written[name] = t
@@ -382,11 +382,6 @@ def _input(t: torch.Tensor, widened: bool, wide: bool) -> torch.Tensor:
     if wide and not checks.tma_rows(t):
         return _padded_like(t).copy_(t)
     return t
-
-
-_SHAPES = {"mn": lambda lead, m, n: (*lead, m, n), "mh": lambda lead, m, n: (*lead, m, n // 2),
-           "mw": lambda lead, m, n: (*lead, m, 2 * n),
-           "m": lambda lead, m, n: (*lead, m), "n": lambda lead, m, n: (*lead, n), "": lambda lead, m, n: lead}
 
 
 def _check_out(where: str, name: str, t: torch.Tensor, shape, dtype, call: Call, tma: bool | None = True) -> None:

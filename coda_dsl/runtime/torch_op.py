@@ -7,6 +7,7 @@ import torch
 from ..dsl import Epilogue
 from ..ir import graph as ir
 from ..ir.ops import DTYPES
+from ..passes.plan import KIND_OF_AXIS, OUTPUT_SHAPES
 from ..passes.widths import infer as infer_widths
 
 
@@ -44,8 +45,8 @@ def _(uid, a, b, tensors, numbers, backend, config, deterministic):
     for o in ep.program.outputs:
         shape = (*lead, m, int(n * widths.get(id(o.node), 1)))
         r = ir.reduction_of(o.node)
-        if r is not None:  # reduced over n -> [.., M]; over m -> [.., N]; over both -> [..]
-            shape = {"n": (*lead, m), "m": (*lead, n), None: tuple(lead)}[r.attr[1]]
+        if r is not None:
+            shape = OUTPUT_SHAPES[KIND_OF_AXIS[r.attr[1]]][1](lead, m, n)
         outs.append(a.new_empty(shape, dtype=DTYPES[o.dtype][0] if o.dtype else a.dtype))
     return outs
 
