@@ -579,14 +579,19 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
     if tune is not None:
         _flag(ep, "tune", tune)
     tune = _tuning if tune is None else tune
+    options = (backend, config, deterministic, accumulate, tune)
+    warm_key = (options, _call_layout(_facts(ep).kinds, A, B, operands, out))
+    hit = _warm.get(ep, {}).get(warm_key)  # (op, whether an input requires grad): a layout checked before
+    if hit is not None and not (hit[1] and torch.is_grad_enabled()):
+        return hit[0].run(A, B, operands, out, warm_key)
     if not (torch.is_grad_enabled() and _requires_grad(A, B, operands)):  # what autograd does not record
-        return _gemm(ep, A, B, out, (backend, config, deterministic, accumulate, tune), operands)
+        return _gemm(ep, A, B, out, options, operands, warm_key)
     if out:  # as torch's own ops with out=
         raise OperandError(f"{_where(ep)}: out= with inputs that require grad: autograd cannot record writes "
                            "into given tensors\n  fix: call cd.linear(A, B, epilogue, ...) to train, or run under "
                            "torch.no_grad()")
     with torch.no_grad():  # (the reference backend's graph would not be the kernel's derivative either)
-        outs = _gemm(ep, A, B, None, (backend, config, deterministic, accumulate, tune), operands)
+        outs = hit[0].run(A, B, operands, None, warm_key) if hit else _gemm(ep, A, B, None, options, operands, warm_key)
     inputs = [t for t in (A, B, *operands.values()) if isinstance(t, torch.Tensor) and t.requires_grad]
     return dict(zip(outs, _NoDerivative.apply(_where(ep), len(outs), *outs.values(), *inputs)))
 
@@ -610,13 +615,11 @@ class _NoDerivative(torch.autograd.Function):
                                "for a trainable layer (its backward is derived), or detach what needs none")
 
 
-def _gemm(ep: Epilogue, A, B, out: dict | None, options: tuple, operands: dict) -> dict[str, torch.Tensor]:
-    """cd.gemm's eager path: warm (a call layout seen before) or checked, specialized and launched."""
+def _gemm(ep: Epilogue, A, B, out: dict | None, options: tuple, operands: dict,
+          warm_key: tuple) -> dict[str, torch.Tensor]:
+    """cd.gemm's first call of a layout: checked, specialized and launched; the op is kept for the warm
+    path under warm_key (the options and the call's layout)."""
     backend, config, deterministic, accumulate, tune = options
-    warm_key = (options, _call_layout(_facts(ep).kinds, A, B, operands, out))
-    op = _warm.get(ep, {}).get(warm_key)
-    if op is not None:
-        return op.run(A, B, operands, out, warm_key)
     call = _normalize(ep, A, B, operands, out)
     cfg = _config(ep, config)
     use_cutlass = backend == "cutlass" or (backend == "auto" and _cutlass_available(call.a.device))
@@ -639,7 +642,7 @@ def _gemm(ep: Epilogue, A, B, out: dict | None, options: tuple, operands: dict) 
     if _collected is not None and not op.loaded:  # inside prebuild(fn): note the kernel, build it later
         _collected.setdefault(op.key, op)
         return run_reference(ep, call, out, accumulate)
-    remember(_warm.setdefault(ep, {}), warm_key, op)
+    remember(_warm.setdefault(ep, {}), warm_key, (op, _requires_grad(A, B, operands)))
     return _unfold_batch(op.launch(folded, folded_out), folded)
 
 
@@ -673,8 +676,9 @@ def _env_tuning() -> bool:
 _tuning = _env_tuning()
 # (call key, shape bucket) -> (config, whether it was measured on this device)
 _configs: dict[tuple, tuple[Config, bool]] = {}
-# cd.gemm's warm path: epilogue -> {(call options, call layout): the op that call checked and chose}
-_warm: dict[Epilogue, dict[tuple, CompiledOp]] = {}
+# cd.gemm's warm path: epilogue -> {(call options, call layout): (the op that call checked and chose,
+# whether an input requires grad)}
+_warm: dict[Epilogue, dict[tuple, tuple[CompiledOp, bool]]] = {}
 
 
 def set_tuning(enabled: bool) -> None:
