@@ -477,6 +477,26 @@ def bad_calls(a, b, ops):
     yield (a, b), {**ops, "alpha": "0.5"}, "both"
 
 
+def test_kernel_outputs_have_no_derivative_like_the_reference(fake_kernels):
+    """The cutlass path, cold and warm, cd.gemm and a kept op: autograd records the call, and a backward
+    through it raises (its outputs were plain tensors: the gradient through them was silently lost)."""
+    a, b = ab()
+    ops = operands()
+    op = cd.compile(ep_all, a, b, **ops)
+    calls = {"op": op, "gemm": lambda *x, **y: cd.gemm(*x, ep_all, backend="cutlass", **y)}
+    for name, call in calls.items():
+        for _ in ("cold", "warm"):
+            x = a.detach().clone().requires_grad_()
+            d = call(x, b, **ops)["D"]
+            with pytest.raises(cd.UnsupportedError, match="cd.gemm has no derivative"):
+                d.float().sum().backward()
+        with torch.no_grad():
+            assert not call(x, b, **ops)["D"].requires_grad
+        assert not call(a, b, **ops)["D"].requires_grad
+        with pytest.raises(cd.OperandError, match="out= with inputs that require grad"):
+            call(x, b, out={"D": torch.empty(M, N, dtype=a.dtype)}, **ops)
+
+
 def test_warm_calls_skip_checks_but_not_bad_calls(fake_kernels, monkeypatch):
     """A call layout that passed the checks is remembered, so a warm call does not repeat them; any
     call that differs in shape, dtype, alignment, operand names or kinds is checked again."""

@@ -253,7 +253,7 @@ class CompiledOp:
         self._expects = (DTYPES[sig.ab_dtype][0], (sig.a_layout, sig.b_layout), sig.operand_dtypes,
                          _consts_key(dict(sig.consts)))
         self._kinds = _facts(epilogue).kinds
-        self._checked: dict[tuple, bool] = {}  # call layouts that passed the checks
+        self._checked: dict[tuple, bool] = {}  # call layouts that passed the checks -> an input requires grad
         self._widened = frozenset(plan.widened)
         self._wide = frozenset(plan.wide)
 
@@ -346,9 +346,14 @@ class CompiledOp:
 
     def __call__(self, A, B, /, *, out: dict | None = None, **operands) -> dict[str, torch.Tensor]:
         layout = _call_layout(self._kinds, A, B, operands, out)
-        if layout not in self._checked:
+        grads = self._checked.get(layout)  # whether an input requires grad, for a layout checked before
+        if grads is None:
             self._check(A, B, operands, out)
-            remember(self._checked, layout, True)
+            grads = remember(self._checked, layout, _requires_grad(A, B, operands))
+        if grads and torch.is_grad_enabled():  # as cd.gemm: no derivative
+            if out:
+                raise _out_with_grad(self._where)
+            return _without_derivative(self._where, self.run(A, B, operands, out, layout), A, B, operands)
         return self.run(A, B, operands, out, layout)
 
     def _check(self, A, B, operands: dict, out: dict | None) -> None:
@@ -586,18 +591,27 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
         return hit[0].run(A, B, operands, out, warm_key)
     if not (torch.is_grad_enabled() and _requires_grad(A, B, operands)):  # what autograd does not record
         return _gemm(ep, A, B, out, options, operands, warm_key)
-    if out:  # as torch's own ops with out=
-        raise OperandError(f"{_where(ep)}: out= with inputs that require grad: autograd cannot record writes "
-                           "into given tensors\n  fix: call cd.linear(A, B, epilogue, ...) to train, or run under "
-                           "torch.no_grad()")
+    if out:
+        raise _out_with_grad(_where(ep))
     with torch.no_grad():  # (the reference backend's graph would not be the kernel's derivative either)
         outs = hit[0].run(A, B, operands, None, warm_key) if hit else _gemm(ep, A, B, None, options, operands, warm_key)
-    inputs = [t for t in (A, B, *operands.values()) if isinstance(t, torch.Tensor) and t.requires_grad]
-    return dict(zip(outs, _NoDerivative.apply(_where(ep), len(outs), *outs.values(), *inputs)))
+    return _without_derivative(_where(ep), outs, A, B, operands)
 
 
 def _requires_grad(A, B, operands: dict) -> bool:
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in (A, B, *operands.values()))
+
+
+def _out_with_grad(where: str) -> OperandError:
+    """As torch's own ops with out=."""
+    return OperandError(f"{where}: out= with inputs that require grad: autograd cannot record writes into given "
+                        "tensors\n  fix: call cd.linear(A, B, epilogue, ...) to train, or run under torch.no_grad()")
+
+
+def _without_derivative(where: str, outs: dict, A, B, operands: dict) -> dict[str, torch.Tensor]:
+    """outs, linked to the inputs that require grad so that a backward through them raises."""
+    inputs = [t for t in (A, B, *operands.values()) if isinstance(t, torch.Tensor) and t.requires_grad]
+    return dict(zip(outs, _NoDerivative.apply(where, len(outs), *outs.values(), *inputs)))
 
 
 class _NoDerivative(torch.autograd.Function):
