@@ -19,11 +19,12 @@ Defining and running epilogues:
 Operand kinds (annotations of the epilogue's parameters after acc):
     cd.Tensor [M, N]   cd.VecN [N]   cd.VecM [M]   cd.Scalar (runtime number)   cd.Const (compile-time)
 
-Inside an epilogue (all math in fp32; traced values support + - * / unary -, abs(),
-x ** 2 / 0.5 / -0.5 and the comparisons < <= > >= == !=, which give 1.0 or 0.0):
-    elementwise   cd.exp cd.log cd.sqrt cd.rsqrt cd.tanh cd.sin cd.cos cd.sigmoid cd.abs
-                  cd.relu cd.silu cd.gelu(x, approximate="none"|"tanh")
-                  cd.maximum(a, b) cd.minimum(a, b) cd.where(cond, a, b)
+Inside an epilogue (all math in fp32; traced values support + - * / unary -, abs(), round(),
+math.floor/ceil/trunc, x ** n (integers |n| <= 8, 0.5, -0.5) and the comparisons < <= > >= == !=,
+which give 1.0 or 0.0):
+    elementwise   cd.exp cd.log cd.sqrt cd.rsqrt cd.tanh cd.sin cd.cos cd.sigmoid cd.abs cd.erf
+                  cd.relu cd.silu cd.gelu(x, approximate="none"|"tanh") cd.round cd.floor cd.ceil
+                  cd.maximum(a, b) cd.minimum(a, b) cd.clamp(x, min, max) cd.where(cond, a, b)
                   cd.cast(x, dtype)   (cd.bfloat16, cd.float16, cd.float32)
     reductions    cd.sum cd.max cd.min cd.amax cd.logsumexp (x, axis="n"|"m"|None), cd.take(x, index)
                   (returned as outputs; .then(fn) finishes the statistic)
@@ -46,9 +47,9 @@ __version__ = "0.1.0"
 # `coda-dsl` command line stay fast for what needs neither (e.g. `coda-dsl --help`).
 _LAZY = {
     "dsl": ("Acc", "Const", "Epilogue", "Scalar", "Tensor", "VecM", "VecN", "epilogue", "identity"),
-    "dsl.ops": ("abs", "amax", "cast", "cos", "exp", "gelu", "interleave", "log", "logsumexp", "max", "maximum",
-                "min", "minimum", "pairs", "relu", "rsqrt", "sigmoid", "silu", "sin", "sqrt", "sum", "take",
-                "tanh", "where"),
+    "dsl.ops": ("abs", "amax", "cast", "ceil", "clamp", "cos", "erf", "exp", "floor", "gelu", "interleave", "log",
+                "logsumexp", "max", "maximum", "min", "minimum", "pairs", "relu", "round", "rsqrt", "sigmoid", "silu",
+                "sin", "sqrt", "sum", "take", "tanh", "where"),
     "passes.plan": ("Config",),
     "runtime": ("CompiledOp", "backward_epilogue", "compile", "gemm", "linear", "prebuild", "set_tuning"),
     "runtime.fused": ("on_cuda",),

@@ -64,6 +64,10 @@ SPELLINGS = {
     "gelu_tanh": (lambda x, y, z: cd.gelu(x, approximate="tanh"), (X,)),
     "silu": (lambda x, y, z: cd.silu(x), (X,)),
     "square": (lambda x, y, z: x ** 2, (X,)),
+    "erf": (lambda x, y, z: cd.erf(x), (X,)),
+    "round": (lambda x, y, z: cd.round(x), (X,)),
+    "floor": (lambda x, y, z: cd.floor(x), (X,)),
+    "ceil": (lambda x, y, z: cd.ceil(x), (X,)),
 }
 
 
@@ -92,6 +96,9 @@ def test_op_traces_to_its_node(op):
     (lambda x: x ** -0.5, "rsqrt", (X,)),
     (lambda x: x ** 2.0, "square", (X,)),
     (lambda x: +x, "load", ()),
+    (lambda x: round(x), "round", (X,)),
+    (lambda x: math.floor(x), "floor", (X,)),
+    (lambda x: math.ceil(x), "ceil", (X,)),
 ])
 def test_operator_aliases(spell, op, inputs):
     node = D(_trace_with(lambda x, y, z: spell(x)))
@@ -308,7 +315,7 @@ def e_cast_str(acc):
 
 
 def e_pow(acc):
-    return acc ** 3  # <-
+    return acc ** 1.5  # <-
 
 
 def e_iter(acc):
@@ -376,7 +383,7 @@ BODY_ERRORS = [
     (e_gelu, ["approximate='bad'", '"none"', '"tanh"']),
     (e_cast_int, ["int8", "torch.bfloat16", "torch.float16", "torch.float32"]),
     (e_cast_str, ["fp8", "torch.bfloat16"]),
-    (e_pow, ["** 3", "x * x"]),
+    (e_pow, ["** 1.5", "integer powers up to 8", "cd.exp(p * cd.log(x))"]),
     (e_iter, ["not iterable", "per element"]),
     (e_string, ["str"]),
 ]
@@ -548,7 +555,7 @@ def test_operand_named_like_a_gemm_argument_is_rejected_or_usable():
 
 @pytest.mark.parametrize("body, message", [
     (lambda acc: acc // 2, "//, % or divmod"), (lambda acc: acc % 2, "//, % or divmod"),
-    (lambda acc: round(acc), "round()"), (lambda acc: 2 ** acc, "2 \\*\\* x is not supported"),
+    (lambda acc: round(acc, 2), "round\\(x, 2\\)"), (lambda acc: 2 ** acc, "2 \\*\\* x is not supported"),
     (lambda acc: acc @ acc, "@ of a traced value"), (lambda acc: acc[0], "indexing of a traced value"),
     (lambda acc: (acc > 0) & (acc < 1), "&, \\|, \\^ or ~"),
     (lambda acc: cd.sum(acc, axis="n").then(3), "then\\(\\) takes a function"),
@@ -558,6 +565,33 @@ def test_python_operators_without_a_meaning_say_so(body, message):
     TypeError from Python."""
     with pytest.raises(cd.EpilogueError, match=message):
         cd.epilogue(body, name="bad")
+
+
+def test_powers_rounding_and_clamp_mean_what_torch_means():
+    """x ** n by multiplications (as torch.pow for integer n), Python's round/floor/ceil/trunc, cd.erf and
+    cd.clamp, values and gradients, on the reference backend against torch."""
+    x, w = torch.randn(6, 5), torch.randn(8, 5)
+    acc = x @ w.t() * 3.0
+    acc[0, :4] = torch.tensor([0.5, 1.5, -2.5, 3.0])  # ties to even, and a value at a clamp bound
+    cases = [(lambda a: a ** 3, lambda a: a ** 3), (lambda a: a ** 8, lambda a: a ** 8),
+             (lambda a: a ** -1, lambda a: a ** -1), (lambda a: a ** -3, lambda a: a ** -3),
+             (lambda a: a ** 1, lambda a: a), (lambda a: round(a), torch.round), (lambda a: math.floor(a), torch.floor),
+             (lambda a: math.ceil(a), torch.ceil), (lambda a: math.trunc(a), torch.trunc), (cd.erf, torch.erf),
+             (lambda a: cd.clamp(a, -1.0, 3.0), lambda a: torch.clamp(a, -1.0, 3.0)),
+             (lambda a: cd.clamp(a, max=0.5), lambda a: torch.clamp(a, max=0.5))]
+    for spell, want in cases:
+        got = cd.gemm(acc, torch.eye(8), cd.epilogue(lambda a: spell(a), name="f"), backend="reference")["D"]  # noqa: B023
+        torch.testing.assert_close(got, want(acc), rtol=1e-5, atol=1e-5)
+    xs = x.double().requires_grad_()
+    clamped = cd.epilogue(lambda a: cd.clamp(a, -1.0, 3.0), name="clamped")
+    acc64 = (xs @ w.double().t()).detach()
+    cd.linear(xs, w.double(), clamped, backend="reference")["D"].sum().backward()
+    xt = xs.detach().clone().requires_grad_()
+    torch.clamp(xt @ w.double().t(), -1.0, 3.0).sum().backward()
+    torch.testing.assert_close(xs.grad, xt.grad)
+    assert ((acc64 < -1.0) | (acc64 > 3.0)).any()  # both sides of the bounds were exercised
+    with pytest.raises(cd.EpilogueError, match="needs min, max or both"):
+        cd.epilogue(lambda a: cd.clamp(a), name="bad")
 
 
 def test_parameters_an_epilogue_cannot_take():

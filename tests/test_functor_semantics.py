@@ -28,7 +28,8 @@ pytestmark = pytest.mark.usefixtures("seed")  # fresh random data every run
 _ENV = dict(
     expf=torch.exp, logf=torch.log, sqrtf=torch.sqrt, rsqrtf=torch.rsqrt, tanhf=torch.tanh, fast_sin=torch.sin,
     fast_cos=torch.cos, fabsf=torch.abs, maximum=torch.maximum, minimum=torch.minimum, sigmoid=torch.sigmoid,
-    relu=torch.relu, silu=F.silu, gelu_erf=F.gelu, gelu_tanh=lambda x: F.gelu(x, approximate="tanh"),
+    relu=torch.relu, silu=F.silu, gelu_erf=F.gelu, gelu_tanh=lambda x: F.gelu(x, approximate="tanh"), erff=torch.erf,
+    rintf=torch.round, floorf=torch.floor, ceilf=torch.ceil,  # C's rintf: the default mode, ties to even
     as_float=lambda b: torch.as_tensor(b).float(), where=lambda c, a, b: torch.where(torch.as_tensor(c), a, b),
 )
 _REWRITES = [

@@ -41,6 +41,10 @@ OP_CPP: dict[str, str] = {
     "gelu_tanh": "coda::gelu_tanh({0})",
     "silu": "coda::silu({0})",
     "square": "({0} * {0})",
+    "erf": "erff({0})",
+    "round": "rintf({0})",  # the default rounding mode: to nearest, ties to even, as torch.round
+    "floor": "floorf({0})",
+    "ceil": "ceilf({0})",
     "cast": "coda::round_to<{dtype}>({0})",
 }
 

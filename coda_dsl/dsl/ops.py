@@ -4,8 +4,9 @@ from __future__ import annotations
 from ..ir import graph as ir
 from .trace import Reduction, Value, apply, cast, fail, lift, reduce
 
-__all__ = ["pairs", "interleave", "where", "maximum", "minimum", "exp", "log", "sqrt", "rsqrt", "tanh", "sin", "cos", "sigmoid", "abs", "relu",
-           "gelu", "silu", "cast", "sum", "max", "min", "amax", "logsumexp", "take"]
+__all__ = ["pairs", "interleave", "where", "maximum", "minimum", "clamp", "exp", "log", "sqrt", "rsqrt", "tanh", "sin",
+           "cos", "sigmoid", "abs", "relu", "gelu", "silu", "erf", "round", "floor", "ceil", "cast", "sum", "max", "min",
+           "amax", "logsumexp", "take"]
 
 
 def pairs(x) -> tuple[Value, Value]:
@@ -33,6 +34,19 @@ def minimum(a, b) -> Value:
     return apply("minimum", a, b)
 
 
+def clamp(x, min=None, max=None) -> Value:  # noqa: A002  (torch.clamp's names)
+    """x limited to [min, max] like torch.clamp (either bound may be None; NaN stays NaN; the gradient
+    passes where min <= x <= max)."""
+    if min is None and max is None:
+        raise fail("cd.clamp(x) needs min, max or both", "e.g. cd.clamp(x, -448.0, 448.0)")
+    y = lift(x)
+    if max is not None:
+        y = where(Value(y) > max, max, Value(y)).node
+    if min is not None:
+        y = where(Value(y) < min, min, Value(y)).node
+    return Value(y)
+
+
 def exp(x) -> Value: return apply("exp", x)
 def log(x) -> Value: return apply("log", x)
 def sqrt(x) -> Value: return apply("sqrt", x)
@@ -44,6 +58,10 @@ def sigmoid(x) -> Value: return apply("sigmoid", x)
 def abs(x) -> Value: return apply("abs", x)  # noqa: A001  (cd.abs mirrors torch.abs)
 def relu(x) -> Value: return apply("relu", x)
 def silu(x) -> Value: return apply("silu", x)
+def erf(x) -> Value: return apply("erf", x)
+def round(x) -> Value: return apply("round", x)  # noqa: A001  to nearest, ties to even, as torch.round
+def floor(x) -> Value: return apply("floor", x)
+def ceil(x) -> Value: return apply("ceil", x)
 
 
 def gelu(x, approximate: str = "none") -> Value:

@@ -120,15 +120,24 @@ class Value:
 
     def __pow__(self, p):
         if isinstance(p, Value):
-            raise fail("x ** p takes a Python number p (it picks square, sqrt or rsqrt while tracing), not a "
-                       "traced value, cd.Scalar or cd.Const", "use cd.exp(p * cd.log(x)) for x > 0")
-        if p == 2:
-            return apply("square", self)
+            raise fail("x ** p takes a Python number p (it picks multiplications, sqrt or rsqrt while tracing), "
+                       "not a traced value, cd.Scalar or cd.Const", "for x > 0: cd.exp(p * cd.log(x))")
         if p == 0.5:
             return apply("sqrt", self)
         if p == -0.5:
             return apply("rsqrt", self)
-        raise fail(f"x ** {p!r} is not supported", "use x * x, cd.sqrt(x), cd.rsqrt(x) or cd.exp(p * cd.log(x))")
+        if isinstance(p, (int, float)) and p == int(p) and 1 <= abs(p) <= 8:  # x**3 = x*x*x, as torch.pow
+            n, y, x = int(abs(p)), None, self
+            while n:  # by squaring: x**8 is three multiplications
+                if n & 1:
+                    y = x if y is None else y * x
+                n >>= 1
+                if n:
+                    x = apply("square", x)
+            return y if p > 0 else 1.0 / y
+        raise fail(f"x ** {p!r} is not supported (integer powers up to 8, 0.5 and -0.5 are)",
+                   "for x > 0: cd.exp(p * cd.log(x)); for any x and odd p: cd.where(x < 0, -1.0, 1.0) * "
+                   "cd.exp(p * cd.log(cd.abs(x)))")
 
     def __rpow__(self, base):
         raise fail(f"{base!r} ** x is not supported", "use cd.exp(x * math.log(base)) (math.log of the number)")
@@ -140,8 +149,19 @@ class Value:
     __getitem__ = _refused(
         "indexing", "a traced value is one element of [M, N]: g, u = cd.pairs(x) takes adjacent column pairs, "
         "cd.VecN / cd.VecM operands give per-column / per-row values")
-    __round__ = __trunc__ = __floor__ = __ceil__ = _refused(
-        "round(), math.trunc/floor/ceil", "keep the value as it is, or write it with cd.where")
+    def __round__(self, ndigits=None):
+        if ndigits is not None:
+            raise fail(f"round(x, {ndigits!r}) is not supported", "scale, cd.round, scale back")
+        return apply("round", self)
+
+    def __floor__(self):
+        return apply("floor", self)
+
+    def __ceil__(self):
+        return apply("ceil", self)
+
+    def __trunc__(self):
+        return apply("where", self < 0.0, apply("ceil", self), apply("floor", self))
     __and__ = __rand__ = __or__ = __ror__ = __xor__ = __rxor__ = __invert__ = _refused(
         "&, |, ^ or ~", "combine conditions with cd.where(c1, c2, False) / cd.where(c1, True, c2)")
 

@@ -177,6 +177,15 @@ OPS: dict[str, OpDef] = {
                     _silu_grad),
         elementwise("square", 1, torch.square,
                     lambda d, x, y, g: (d.mul(g, d.mul(d.c(2.0), x[0])),)),
+        elementwise("erf", 1, torch.erf,  # 2/sqrt(pi) exp(-x^2)
+                    lambda d, x, y, g: (d.mul(g, d.mul(d.c(1.1283791670955126), d.exp(d.neg(d.mul(x[0], x[0]))))),)),
+        # rounding: zero gradient, as torch gives (steps)
+        elementwise("round", 1, torch.round,  # to nearest, ties to even (rintf)
+                    _no_grad),
+        elementwise("floor", 1, torch.floor,
+                    _no_grad),
+        elementwise("ceil", 1, torch.ceil,
+                    _no_grad),
     ]
 }
 
