@@ -240,7 +240,8 @@ def cmd_explain(args) -> int:
     print("\n## functors")
     for f in map(cpp_functor, plan.functors):
         print(f"  {f.name}({', '.join(f'x{i}' for i in range(f.arity))})" + (f"  // {f.text}" if f.text else ""))
-        for line in [*f.body, f"return {f.result};"]:
+        result = f"return (even column: {f.result}, odd column: {f.result_odd});" if f.pairwise else f"return {f.result};"
+        for line in [*f.body, result]:
             print(f"    {line}")
     print("\n## binding")
     print(f"  inputs:  {', '.join(f'{n} ({d})' for n, d in sig.operand_dtypes if n in plan.inputs) or '-'}")

@@ -21,6 +21,13 @@ def bias_gelu(acc, bias: cd.VecN):
 
 
 @cd.epilogue
+def extrema(acc, scale: cd.Scalar):
+    """fp8 scaling statistics: max |x| of the tensor, max per row, min per column (NaN kept, as torch.amax)."""
+    y = acc * scale
+    return {"D": y, "amax": cd.amax(y, axis=None), "row_max": cd.max(y, axis="n"), "col_min": cd.min(y, axis="m")}
+
+
+@cd.epilogue
 def residual_rms(acc, residual: cd.Tensor, gamma: cd.VecN):
     h = acc + residual
     return {"D": h, "h_gamma": h * gamma}

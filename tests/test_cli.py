@@ -86,6 +86,11 @@ def test_explain_half_width_output(capsys):
     assert rc == 0 and "[M, N/2]" in out and "coda::PairStore" in out
 
 
+def test_explain_shows_both_columns_of_a_pairwise_functor(capsys):
+    rc, out, _ = run(capsys, "explain", "coda_dsl.library.rope:rope_tables")  # each pair rotated: two results
+    assert rc == 0 and re.search(r"return \(even column: t\d+, odd column: t\d+\);", out)
+
+
 def test_explain_without_a_kernel_still_shows_the_program(capsys):
     """RoPE's derived backward sums N/2-wide values into its operands' gradients: no kernel lowers that,
     and explain says so after the IR (exit 1)."""

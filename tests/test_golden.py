@@ -26,6 +26,8 @@ from coda_dsl.library import cross_entropy as ce
 from coda_dsl.library import gated, rmsnorm, rope
 from coda_dsl.runtime.op import CompiledOp, signature
 
+import epilogues
+
 GOLDEN = Path(__file__).resolve().parent / "golden"
 REGEN = os.environ.get("CODA_REGEN_GOLDEN") == "1"
 PINGPONG = "128x128x64_c1x1_pingpong"
@@ -53,6 +55,7 @@ EPILOGUES = {
        for s in (False, True) for c in (None, 30.0) for lg in (False, True)},
     "ce_backward": (ce.ce_backward, {}),
     "ce_backward_softcap": (ce._backward_softcap_epilogue(30.0), {}),
+    "extrema": (epilogues.extrema, {}),
 }
 
 # signature variants: name -> keyword arguments of signature() besides the epilogue
@@ -68,7 +71,7 @@ VARIANT_CASES = {  # which epilogues each variant is rendered for
     "fp16": ["residual_rms", "swiglu", "rope_positions", "rms_producer"],
     "kn": ["residual_rms", "rope_tables", "input_norm_grad", "post_norm_grad"],
     "km": ["gain_wgrad", "residual_rms"],
-    "deterministic": ["rms_producer", "ce_forward_110", "ce_forward_011"],
+    "deterministic": ["rms_producer", "ce_forward_110", "ce_forward_011", "extrema"],
     "accumulate": ["residual_rms", "leaky_relu", "rms_consumer_silu", "swiglu"],
     "pingpong": ["residual_rms", "swiglu", "rope_tables", "rms_producer", "ce_forward_000"],
 }

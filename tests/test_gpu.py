@@ -320,6 +320,23 @@ def test_reductions_extreme_inputs(kernels, sign):
         _check(col_and_total_stats, a, b, dict(scale=1e3), deterministic=deterministic)
 
 
+def test_extrema_keep_nan_as_torch(kernels):
+    """A NaN in row 7 of A makes that row of the accumulator NaN: cd.max/min/amax over it are NaN, as
+    torch.amax/amin give (fmaxf would drop it: an fp8 scale computed from such an amax hides an overflow);
+    the other rows' statistics are unaffected."""
+    m, n, k = 300, 264, 64
+    a, b = _ab(m, n, k, torch.bfloat16, "nk")
+    a[7, 3] = float("nan")
+    for ep, operands in ((row_stats, dict(residual=_rand(m, n))), (col_and_total_stats, dict(scale=0.5))):
+        ref = cd.gemm(a, b, ep, backend="reference", **operands)
+        for deterministic in (False, True):
+            got = cd.gemm(a, b, ep, backend="cutlass", deterministic=deterministic, **operands)
+            for name in ref:
+                nan = torch.isnan(ref[name])
+                assert torch.equal(torch.isnan(got[name]), nan), (ep.name, name, deterministic)
+                assert _rel(got[name][~nan], ref[name][~nan]) <= _tol(ref[name]), (ep.name, name, deterministic)
+
+
 def test_reductions_batched(kernels):
     m, n, k, l = 300, 264, 128, 3
     a, b = _ab(m, n, k, torch.bfloat16, "nk", batch=l)

@@ -136,7 +136,7 @@ class Value:
                     x = apply("square", x)
             return y if p > 0 else 1.0 / y
         raise fail(f"x ** {p!r} is not supported (integer powers up to 8, 0.5 and -0.5 are)",
-                   "for x > 0: cd.exp(p * cd.log(x)); for any x and odd p: cd.where(x < 0, -1.0, 1.0) * "
+                   "for x > 0: cd.exp(p * cd.log(x)); for any x and an odd integer p: cd.where(x < 0, -1.0, 1.0) * "
                    "cd.exp(p * cd.log(cd.abs(x)))")
 
     def __rpow__(self, base):

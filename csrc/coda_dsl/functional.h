@@ -76,11 +76,16 @@ CUTLASS_HOST_DEVICE float round_to(float x) {
 
 }  // namespace coda
 
-// Reductions CUTLASS lacks: max |x| as a one-parameter template, and a float atomic minimum.
+// Reductions CUTLASS lacks: max / min / max |x| that keep NaN as one-parameter templates (as torch.amax
+// does; cutlass::maximum<float> is fmaxf, which drops it), and a float atomic minimum.
 namespace coda {
 
 template <class T>
 using amax_reduce = cutlass::maximum_absolute_value_reduction<T, true>;
+template <class T>
+using maximum_nan = cutlass::maximum<T, true>;
+template <class T>
+using minimum_nan = cutlass::minimum<T, true>;
 
 template <class T>
 struct atomic_minimum {
