@@ -374,7 +374,7 @@ BODY_ERRORS = [
     (e_captured_right, ["captured from outside", "cd.Tensor"]),
     (e_captured_left, ["captured from outside", "cd.Tensor"]),
     (e_captured_in_fn, ["captured from outside", "cd.Tensor"]),
-    (e_reduction_in_math, ["reduction", "tile", "NEXT GEMM", "cd.VecM"]),
+    (e_reduction_in_math, ["reduction", "tile", "NEXT GEMM", "cd.VecM", ".then(cd.log)"]),
     (e_reduction_in_fn, ["reduction", "tile", "NEXT GEMM"]),
     (e_reduction_of_reduction, ["reduction", "tile", "NEXT GEMM"]),
     (e_reduction_compare, ["reduction", "tile", "NEXT GEMM"]),

@@ -232,8 +232,9 @@ class Reduction(Value):
             "a reduction's result cannot be used in the same epilogue's elementwise math: a statistic over n "
             "(or m) is complete only after every tile of the row (column) has finished, which is after this "
             "tile's epilogue has run",
-            "return the reduction as an output, then apply it in the NEXT GEMM's epilogue (e.g. pass it as a "
-            "cd.VecM operand: the reparameterization of the CODA paper)",
+            "a function of the statistic alone finishes it: cd.sum(x).then(cd.log) (log-sum-exp: cd.logsumexp); "
+            "else return the reduction as an output and apply it in the NEXT GEMM's epilogue (e.g. as a cd.VecM "
+            "operand: the reparameterization of the CODA paper)",
         )
 
     def then(self, fn: Callable) -> "Reduction":

@@ -1,6 +1,7 @@
 """The callable ops: cd.gemm, cd.compile and CompiledOp (the cached, ready-to-launch specialization)."""
 from __future__ import annotations
 
+import numbers
 import os
 import threading
 import warnings
@@ -78,8 +79,9 @@ def _normalize(ep: Epilogue, a, b, operands: dict, out: dict | None = None) -> C
         if isinstance(v, torch.Tensor) and v.numel() == 1 and p.kind == "scalar":
             raise checks.fail(where, f"scalar '{p.name}' was given as a tensor",
                               f"pass a Python number (float({p.name})), or declare it cd.VecM/VecN")
-        if not isinstance(v, (int, float)):
-            raise checks.fail(where, f"'{p.name}' ({p.kind}) must be a Python number, got {type(v).__name__}")
+        if not isinstance(v, numbers.Real):  # int, float, numpy's scalars
+            raise checks.fail(where, f"'{p.name}' ({p.kind}) must be a number, got {type(v).__name__}",
+                              f"pass float({p.name})")
     return _unpack(_facts(ep).kinds, a, b, operands)
 
 
