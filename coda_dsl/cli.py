@@ -179,6 +179,18 @@ def _spec_from_args(args, epilogue: tuple[Epilogue, dict] | None = None) -> tupl
     return ep, specialization_from_options(ep, args.dtype, args.b_layout, dtypes, consts, config, args.a_layout)
 
 
+def _meta_call(shape: tuple[int, int, int], sig):
+    """A call of this shape and signature's dtypes and layouts, on no device (what checks of shapes read)."""
+    import torch
+
+    from .ir.ops import DTYPES
+    from .runtime.op import Call
+    (m, n, k), dt = shape, DTYPES[sig.ab_dtype][0]
+    empty = lambda rows, cols, stored: (torch.empty(rows, cols, dtype=dt, device="meta") if stored else  # noqa: E731
+                                        torch.empty(cols, rows, dtype=dt, device="meta").t())
+    return Call(empty(m, k, sig.a_layout == "mk"), empty(n, k, sig.b_layout == "nk"), {}, {}, {})
+
+
 def _backward_of(ep: Epilogue, consts: dict) -> Epilogue:
     """The epilogue's backward (passes/autodiff.py): its operands, grad_<output> and saved_<statistic>
     parameters; outputs acc (dL/dacc) and each differentiable operand's gradient."""
@@ -255,6 +267,11 @@ def cmd_explain(args) -> int:
         from .runtime.tune import default
         print(f"  config for M x N x K = {' x '.join(map(str, args.shape))}: " +
               (f"{args.config} (--config)" if args.config else default(*args.shape)[1]))
+        try:  # what cd.gemm checks of a shape before launching: TMA's 16-byte groups
+            spec.check_widths(_meta_call(args.shape, sig))
+        except UnsupportedError as e:
+            print(f"  note: no kernel runs this shape (backend='auto' falls back to the reference backend): "
+                  f"{str(e).splitlines()[0]}")
     print(f"  key {spec.key}  (op coda_dsl::{spec.op_name})")
     try:  # the cache entry also depends on the toolchain; explaining needs none
         print(f"  build key {build.build_key(spec.key)}  (its cache entry with this toolchain)")

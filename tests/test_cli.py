@@ -91,6 +91,15 @@ def test_explain_shows_both_columns_of_a_pairwise_functor(capsys):
     assert rc == 0 and re.search(r"return \(even column: t\d+, odd column: t\d+\);", out)
 
 
+def test_explain_shape_says_when_no_kernel_runs_it(capsys):
+    rc, out, _ = run(capsys, "explain", "coda_dsl.examples:bias_gelu", "--shape", "77x104x36")
+    assert rc == 0 and "note: no kernel runs this shape" in out and "K = 36 must be a multiple of 8" in out
+    rc, out, _ = run(capsys, "explain", "coda_dsl.examples:bias_gelu", "--shape", "77x104x40", "--b-layout", "kn")
+    assert rc == 0 and "note:" not in out
+    rc, out, _ = run(capsys, "explain", "coda_dsl.examples:bias_gelu", "--shape", "77x100x40", "--b-layout", "kn")
+    assert "B is read along N" in out and "N = 100 must be a multiple of 8" in out
+
+
 def test_explain_without_a_kernel_still_shows_the_program(capsys):
     """RoPE's derived backward sums N/2-wide values into its operands' gradients: no kernel lowers that,
     and explain says so after the IR (exit 1)."""

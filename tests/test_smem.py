@@ -56,8 +56,13 @@ def test_an_explicit_epilogue_tile_that_cannot_fit_is_refused(make_plan):
 
 
 def test_nothing_fits_at_the_configs_tile(make_plan):
-    with pytest.raises(SharedMemoryError, match="(?s)operand 'r1' .*fp32.*fix:"):
+    with pytest.raises(SharedMemoryError, match="(?s)operand 'r1' .*fp32.*fix: pass the largest operands and outputs "
+                                                "in bf16/fp16"):
         make_plan(four_fp32_tensors, operand_dtypes=FP32)
+    # already bf16 everywhere: the dtype advice would be wrong (a 128x256 epilogue tile leaves no room)
+    with pytest.raises(SharedMemoryError) as info:
+        make_plan(four_fp32_tensors, config=Config(epilogue_tile=(128, 256)))
+    assert "fix: use fewer full-size operands" in str(info.value) and "bf16/fp16" not in str(info.value)
     # with bf16 operands (half the bytes) the same epilogue fits, at a narrower epilogue tile
     assert make_plan(four_fp32_tensors).signature.config.epilogue_tile == (128, 16)
 

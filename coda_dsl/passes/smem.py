@@ -137,9 +137,10 @@ def fit(plan: Plan) -> Plan:
             return plan if c is cfg else dataclasses.replace(plan, signature=dataclasses.replace(plan.signature, config=c))
     costly = ", ".join(f"{what} {b / 1024:.0f} KiB" for what, b in first.parts[:3])
     ok = next((c for c in _SMALLER if usage(plan, c).fits and (c.epilogue_tile is None or _shrinkable(plan))), None)
+    fp32 = [what for what, _ in first.parts if "fp32" in what and what.startswith(("operand", "output"))]
     raise SharedMemoryError(
         f"epilogue '{plan.name}' does not fit in shared memory at config {cfg.text}: its epilogue needs about "
         f"{first.epilogue / 1024:.0f} KiB (most: {costly}), leaving room for {max(first.stages, 0)} mainloop "
         f"stage(s) of {first.stage_bytes / 1024:.0f} KiB where CUTLASS needs {MIN_STAGES} (227 KiB in all)\n"
-        "  fix: pass the largest operands in bf16/fp16 instead of fp32, or use fewer full-size operands and "
-        "outputs per kernel" + (f", or config='{ok.text}'" if ok else ""))
+        "  fix: " + ("pass the largest operands and outputs in bf16/fp16 instead of fp32, or " if fp32 else "")
+        + "use fewer full-size operands and outputs per kernel" + (f", or config='{ok.text}'" if ok else ""))
