@@ -28,6 +28,17 @@ def extrema(acc, scale: cd.Scalar):
 
 
 @cd.epilogue
+def statistics_of_a_half(acc):
+    """Row and whole statistics of SwiGLU's N/2-wide output: taken over interleave(g(y), g(y)) (lower.py)."""
+    g, u = cd.pairs(acc)
+    y = cd.silu(g) * u
+    return {"D": y, "amax": cd.amax(y, axis=None), "rmax": cd.max(y, axis="n"), "rmin": cd.min(y, axis="n"),
+            "rsum": cd.sum(cd.abs(y), axis="n"), "lse": cd.logsumexp(y, axis="n"),  # sums that do not cancel
+            "rstd": cd.sum(y * y, axis="n").then(lambda s: cd.rsqrt(s * 0.25 + 1e-5)),
+            "total": cd.sum(cd.abs(y), axis=None)}
+
+
+@cd.epilogue
 def residual_rms(acc, residual: cd.Tensor, gamma: cd.VecN):
     h = acc + residual
     return {"D": h, "h_gamma": h * gamma}

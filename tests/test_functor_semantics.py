@@ -16,11 +16,11 @@ import torch.nn.functional as F
 
 import coda_dsl as cd
 from coda_dsl.codegen.cpp import OP_CPP
-from coda_dsl.ir.ops import NODE_OPS, OPS
+from coda_dsl.ir.ops import NODE_OPS, OPS, REDUCTIONS
 from coda_dsl.library import rope_positions, rope_tables, swiglu_keep_preactivation
-from coda_dsl.passes.plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, PairLoad, PairStore,
-                                  RowBroadcast)
-from epilogues import pairs_with_full_width_operands
+from coda_dsl.passes.plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, LogSumExp, PairLoad,
+                                  PairStore, Reduce, RowBroadcast)
+from epilogues import pairs_with_full_width_operands, statistics_of_a_half
 
 pytestmark = pytest.mark.usefixtures("seed")  # fresh random data every run
 
@@ -90,6 +90,11 @@ def run_plan(plan, acc: torch.Tensor, operands: dict, scalars: dict[str, float])
         elif isinstance(node, (AuxStore, PairStore)):
             v = kids[0]
             outs[names[node.output_index]] = v[..., 0::2] if isinstance(node, PairStore) else v
+        elif type(node) in (Reduce, LogSumExp):  # a tap: the statistic of its full [M, N] input, then .then's
+            v = kids[0]
+            s = REDUCTIONS["logsumexp" if isinstance(node, LogSumExp) else node.kind].torch_fn(
+                v, {"n": -1, "m": -2, None: (-2, -1)}[node.axis])
+            outs[names[node.output_index]] = run_functor(node.finish, [s], p) if node.finish else s
         else:
             raise NotImplementedError(f"{type(node).__name__}: not an elementwise node")
         values.append(v)
@@ -159,3 +164,15 @@ def test_pair_halves_mixed_with_a_row_value(make_plan):
 def test_library_pairwise_epilogues(make_plan, ep, operands):
     dtypes = {name: "fp32" for name, t in operands.items() if t.dtype == torch.float32}
     check(make_plan, ep, operands, operand_dtypes=dtypes)
+
+
+@cd.epilogue
+def statistics(acc, r: cd.Tensor):
+    h = acc + r
+    return {"D": h, "sumsq": cd.sum(h * h, axis="n").then(lambda s: cd.rsqrt(s + 1.0)), "cmax": cd.max(h, axis="m"),
+            "tamax": cd.amax(h, axis=None), "lse": cd.logsumexp(h, axis="n")}
+
+
+@pytest.mark.parametrize("ep", [statistics, statistics_of_a_half], ids=lambda e: e.name)
+def test_statistics(make_plan, ep):
+    check(make_plan, ep, dict(r=torch.randn(6, 8).bfloat16()) if ep is statistics else {})

@@ -22,7 +22,8 @@ from coda_dsl.library.cross_entropy import (BUFFER_BYTES, _backward_softcap_epil
                                            combine_vocab_shards, default_chunk_rows, logits_buffer_dtype,
                                            vocab_shard_stats)
 from coda_dsl.runtime import op as runtime
-from epilogues import bias_gelu, double_width, pairs_with_full_width_operands, residual_rms, wide_only
+from epilogues import (bias_gelu, double_width, pairs_with_full_width_operands, residual_rms, statistics_of_a_half,
+                       wide_only)
 
 swiglu_derived_backward = cd.backward_epilogue(swiglu)  # swiglu_backward without recomputing y
 
@@ -252,7 +253,7 @@ MAGNITUDE = {("col_and_total_stats", "colsum"): lambda ref: ref["D"].float().abs
 
 # A sum of all M*N values in fp32, in two different orders (atomics vs torch): ~sqrt(M*N) * 2^-24 apart
 # even when nothing cancels (777 x 4104 values of one sign: 1.3e-5 on the H200).
-WHOLE_SUMS = {("col_and_total_stats", "total"): 1e-4}
+WHOLE_SUMS = {("col_and_total_stats", "total"): 1e-4, ("statistics_of_a_half", "total"): 1e-4}
 
 
 def _check(ep, a, b, operands, batch=None, **opts):
@@ -335,6 +336,13 @@ def test_extrema_keep_nan_as_torch(kernels):
                 nan = torch.isnan(ref[name])
                 assert torch.equal(torch.isnan(got[name]), nan), (ep.name, name, deterministic)
                 assert _rel(got[name][~nan], ref[name][~nan]) <= _tol(ref[name]), (ep.name, name, deterministic)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_statistics_of_a_half_width_value(kernels, deterministic):
+    """Row and whole statistics of SwiGLU's [M, N/2] output, over interleave(g(y), g(y)) in the kernel."""
+    a, b = _ab(777, 4104, 1000, torch.bfloat16, "nk")
+    _check(statistics_of_a_half, a, b, {}, deterministic=deterministic)
 
 
 def test_reductions_batched(kernels):

@@ -333,7 +333,7 @@ def test_reductions_lower_to_their_cutlass_node(make_plan, kind, axis):
     [r] = [n for n in make_plan(cd.epilogue(fn)).nodes if isinstance(n, Reduce)]
     assert (r.kind, r.axis) == (kind, axis)
     node = {"n": "fusion::Sm90ColReduction<", "m": "fusion::Sm90RowReduction<", None: "fusion::Sm90ScalarReduction<"}
-    reduce_op = {"sum": "cutlass::plus", "max": "cutlass::maximum", "min": "cutlass::minimum", "amax": "coda::amax_reduce"}
+    reduce_op = {"sum": "cutlass::plus", "max": "coda::maximum_nan", "min": "coda::minimum_nan", "amax": "coda::amax_reduce"}
     cpp_type = evt.node(r).type
     assert cpp_type.startswith(f"{node[axis]}{reduce_op[kind]}, "), cpp_type
 

@@ -14,6 +14,7 @@ prior D (`prior_d` -> Sm90SrcFetch, CUTLASS's C operand).
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from fractions import Fraction
 
@@ -46,7 +47,8 @@ def validate(program: ir.Program) -> dict[int, Fraction]:
                                     "output cd.interleave(a, b) of N-wide values; other uses run on the reference "
                                     "backend only")
         if node.op == "reduce" and w.get(id(node.inputs[0]), 1) != 1:
-            raise unsupported(node, "reductions of values not N wide run on the reference backend only")
+            raise unsupported(node, "column statistics (axis='m') and cd.take of values not N wide run on the "
+                                    "reference backend only")
         if w.get(id(node), 1) < HALF:
             raise unsupported(node, "cd.pairs of a half (a value N/4 wide) runs on the reference backend only")
         if node.definition is None:
@@ -309,4 +311,29 @@ class _Lowering:
 
 def lower(program: ir.Program, sig: Signature) -> Plan:
     """The plan of `program`, at a config whose kernel fits in shared memory (see smem.fit)."""
+    program = _over_full_rows(program)
     return smem.fit(_Lowering(program, sig, validate(program)).run())
+
+
+# A row's or the whole statistic of an N/2-wide value y (the amax of SwiGLU's output, say) is taken over
+# interleave(g(y), g(y)), N wide, which the kernel lays out: each value twice, g making that count once
+# (a sum of halves; a logsumexp of values less ln 2). kind -> g
+_TWICE = {"max": None, "min": None, "amax": None, "sum": ("mul", 0.5), "logsumexp": ("sub", math.log(2.0))}
+
+
+def _over_full_rows(program: ir.Program) -> ir.Program:
+    w = widths.infer(program)
+    swap = {}
+    for o in program.outputs:
+        r = ir.reduction_of(o.node)
+        if r is not None and r.attr[0] in _TWICE and r.attr[1] in ("n", None) and w.get(id(r.inputs[0])) == HALF:
+            g = _TWICE[r.attr[0]]
+            y = r.inputs[0] if g is None else ir.compute(g[0], r.inputs[0], ir.const(g[1]))
+            swap[id(r)] = ir.reduce(*r.attr, ir.interleave(y, y))
+    if not swap:
+        return program
+    outputs = tuple(ir.Output(o.name, swap[id(o.node)] if id(o.node) in swap else ir.finish(swap[id(r)], o.node.attr)
+                              if (r := ir.reduction_of(o.node)) is not None and id(r) in swap else o.node, o.dtype)
+                    for o in program.outputs)
+    locations = {**program.locations, **{id(swap[k]): program.locations[k] for k in swap if k in program.locations}}
+    return ir.Program(program.name, program.params, outputs, program.defined_at, locations)
