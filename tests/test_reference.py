@@ -100,6 +100,11 @@ ELEMENTWISE = {
     "gelu_tanh": (lambda a, y: cd.gelu(a, approximate="tanh"), lambda a, y: gelu_tanh(a), "real"),
     "silu": (lambda a, y: cd.silu(a), lambda a, y: a * sigmoid(a), "real"),
     "square": (lambda a, y: a ** 2, lambda a, y: a * a, "real"),
+    "erf": (lambda a, y: cd.erf(a * 0.5), lambda a, y: torch.erf(a * 0.5), "real"),
+    # integer data halved: exact halves, so ties (round to even) are exercised and nothing is near a step
+    "round": (lambda a, y: cd.round(a * 0.5), lambda a, y: torch.round(a * 0.5), "int"),
+    "floor": (lambda a, y: cd.floor(a * 0.5), lambda a, y: torch.floor(a * 0.5), "int"),
+    "ceil": (lambda a, y: cd.ceil(a * 0.5), lambda a, y: torch.ceil(a * 0.5), "int"),
 }
 
 
