@@ -383,7 +383,7 @@ BODY_ERRORS = [
     (e_gelu, ["approximate='bad'", '"none"', '"tanh"']),
     (e_cast_int, ["int8", "torch.bfloat16", "torch.float16", "torch.float32"]),
     (e_cast_str, ["fp8", "torch.bfloat16"]),
-    (e_pow, ["** 1.5", "integer powers up to 8", "cd.exp(p * cd.log(x))"]),
+    (e_pow, ["** 1.5", "integers up to 8", "cd.exp(p * cd.log(x))"]),
     (e_iter, ["not iterable", "per element"]),
     (e_string, ["str"]),
 ]
@@ -582,14 +582,18 @@ def test_powers_rounding_and_clamp_mean_what_torch_means():
     for spell, want in cases:
         got = cd.gemm(acc, torch.eye(8), cd.epilogue(lambda a: spell(a), name="f"), backend="reference")["D"]  # noqa: B023
         torch.testing.assert_close(got, want(acc), rtol=1e-5, atol=1e-5)
-    xs = x.double().requires_grad_()
+    # the gradient, with values below, at and above both bounds (W = I: acc is x itself)
+    xs = torch.tensor([[-2.0, -1.0, 0.5, 3.0, 4.0, 1.0]], dtype=torch.float64, requires_grad=True)
     clamped = cd.epilogue(lambda a: cd.clamp(a, -1.0, 3.0), name="clamped")
-    acc64 = (xs @ w.double().t()).detach()
-    cd.linear(xs, w.double(), clamped, backend="reference")["D"].sum().backward()
+    cd.linear(xs, torch.eye(6, dtype=torch.float64), clamped, backend="reference")["D"].sum().backward()
     xt = xs.detach().clone().requires_grad_()
-    torch.clamp(xt @ w.double().t(), -1.0, 3.0).sum().backward()
-    torch.testing.assert_close(xs.grad, xt.grad)
-    assert ((acc64 < -1.0) | (acc64 > 3.0)).any()  # both sides of the bounds were exercised
+    torch.clamp(xt, -1.0, 3.0).sum().backward()
+    torch.testing.assert_close(xs.grad, xt.grad)  # none at the bounds, as torch's
+    swapped = cd.gemm(acc, torch.eye(8), cd.epilogue(lambda a: cd.clamp(a, 3.0, 1.0), name="f"), backend="reference")
+    torch.testing.assert_close(swapped["D"], torch.clamp(acc, 3.0, 1.0))  # min > max: max everywhere
+    for p in (0, np.int64(2)):
+        got = cd.gemm(acc, torch.eye(8), cd.epilogue(lambda a: a ** p, name="f"), backend="reference")["D"]  # noqa: B023
+        torch.testing.assert_close(got, acc ** int(p))
     with pytest.raises(cd.EpilogueError, match="needs min, max or both"):
         cd.epilogue(lambda a: cd.clamp(a), name="bad")
 

@@ -218,6 +218,27 @@ def test_numpy_scalars_are_numbers():
         torch.testing.assert_close(got, want)
 
 
+def test_numpy_consts_select_their_own_kernel(fake_kernels):
+    """A cd.Const is keyed by its value, not its type: two numpy values are two kernels (warm path too), and
+    a compiled op refuses another value."""
+    import numpy as np
+
+    @cd.epilogue
+    def scaled(acc, c: cd.Const):
+        return acc * c
+
+    a, b = ab()
+    keys = []
+    for c in (np.float32(2.0), np.float32(3.0), np.float32(2.0), 2.0, 2):
+        cd.gemm(a, b, scaled, backend="cutlass", c=c)
+        keys.append(fake_kernels[-1][0].key)
+    assert keys[0] != keys[1] and keys[0] == keys[2] == keys[3] == keys[4]
+    op = cd.compile(scaled, a, b, c=np.float32(2.0))
+    op(a, b, c=np.float32(2.0))
+    with pytest.raises(OperandError, match="cd.Const values"):
+        op(a, b, c=np.float32(3.0))
+
+
 def test_non_number_for_const():
     @cd.epilogue
     def with_const(acc, c: cd.Const):

@@ -32,9 +32,9 @@ class CppNode:
 # kind -> (register reduce, warp-shuffle reduce, global atomic reduce, tile combine, identity)
 _REDUCE_FNS = {
     "sum": ("cutlass::plus", "cutlass::plus", "cutlass::atomic_add", "cutlass::plus", "0.f"),
-    "max": ("coda::maximum_nan", "coda::maximum_nan", "cutlass::atomic_maximum", "coda::maximum_nan", "-INFINITY"),
+    "max": ("coda::maximum_nan", "coda::maximum_nan", "coda::atomic_maximum", "coda::maximum_nan", "-INFINITY"),
     "min": ("coda::minimum_nan", "coda::minimum_nan", "coda::atomic_minimum", "coda::minimum_nan", "INFINITY"),
-    "amax": ("coda::amax_reduce", "coda::maximum_nan", "cutlass::atomic_maximum", "coda::maximum_nan", "0.f"),
+    "amax": ("coda::amax_reduce", "coda::maximum_nan", "coda::atomic_maximum", "coda::maximum_nan", "0.f"),
 }
 _FINISH_COMBINE = {"sum": "coda::Plus", "max": "coda::Max", "min": "coda::Min", "amax": "coda::Max", "take": "coda::Plus"}
 # operand leaves: node class -> (C++ type over {e}, the element type; args helper)

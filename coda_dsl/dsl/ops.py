@@ -35,15 +35,15 @@ def minimum(a, b) -> Value:
 
 
 def clamp(x, min=None, max=None) -> Value:  # noqa: A002  (torch.clamp's names)
-    """x limited to [min, max] like torch.clamp (either bound may be None; NaN stays NaN; the gradient
-    passes where min <= x <= max)."""
+    """x limited to [min, max] like torch.clamp with number bounds (either may be None; NaN stays NaN;
+    the gradient passes where min < x < max, none at a bound, as torch's)."""
     if min is None and max is None:
         raise fail("cd.clamp(x) needs min, max or both", "e.g. cd.clamp(x, -448.0, 448.0)")
     y = lift(x)
+    if min is not None:  # min first, then max: min > max gives max everywhere, as torch.clamp
+        y = where(Value(y) <= min, min, Value(y)).node
     if max is not None:
-        y = where(Value(y) > max, max, Value(y)).node
-    if min is not None:
-        y = where(Value(y) < min, min, Value(y)).node
+        y = where(Value(y) >= max, max, Value(y)).node
     return Value(y)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import linecache
+import numbers
 import os
 import re
 import sys
@@ -126,7 +127,9 @@ class Value:
             return apply("sqrt", self)
         if p == -0.5:
             return apply("rsqrt", self)
-        if isinstance(p, (int, float)) and p == int(p) and 1 <= abs(p) <= 8:  # x**3 = x*x*x, as torch.pow
+        if p == 0:  # as torch.pow: 1, NaN included
+            return Value(ir.const(1.0))
+        if isinstance(p, numbers.Real) and p == int(p) and abs(p) <= 8:  # x**3 = x*x*x, as torch.pow
             n, y, x = int(abs(p)), None, self
             while n:  # by squaring: x**8 is three multiplications
                 if n & 1:
@@ -135,7 +138,7 @@ class Value:
                 if n:
                     x = apply("square", x)
             return y if p > 0 else 1.0 / y
-        raise fail(f"x ** {p!r} is not supported (integer powers up to 8, 0.5 and -0.5 are)",
+        raise fail(f"x ** {p!r} is not supported (integers up to 8 in magnitude, 0.5 and -0.5 are)",
                    "for x > 0: cd.exp(p * cd.log(x)); for any x and an odd integer p: cd.where(x < 0, -1.0, 1.0) * "
                    "cd.exp(p * cd.log(cd.abs(x)))")
 

@@ -332,8 +332,10 @@ def _over_full_rows(program: ir.Program) -> ir.Program:
             swap[id(r)] = ir.reduce(*r.attr, ir.interleave(y, y))
     if not swap:
         return program
-    outputs = tuple(ir.Output(o.name, swap[id(o.node)] if id(o.node) in swap else ir.finish(swap[id(r)], o.node.attr)
-                              if (r := ir.reduction_of(o.node)) is not None and id(r) in swap else o.node, o.dtype)
-                    for o in program.outputs)
-    locations = {**program.locations, **{id(swap[k]): program.locations[k] for k in swap if k in program.locations}}
-    return ir.Program(program.name, program.params, outputs, program.defined_at, locations)
+    outputs, locations = [], dict(program.locations)
+    for o in program.outputs:
+        r = ir.reduction_of(o.node)
+        node = o.node if r is None or id(r) not in swap else swap[id(r)] if o.node is r else ir.finish(swap[id(r)], o.node.attr)
+        locations.setdefault(id(node), program.where(o.node))
+        outputs.append(ir.Output(o.name, node, o.dtype))
+    return ir.Program(program.name, program.params, tuple(outputs), program.defined_at, locations)

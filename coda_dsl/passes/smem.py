@@ -137,7 +137,7 @@ def fit(plan: Plan) -> Plan:
             return plan if c is cfg else dataclasses.replace(plan, signature=dataclasses.replace(plan.signature, config=c))
     costly = ", ".join(f"{what} {b / 1024:.0f} KiB" for what, b in first.parts[:3])
     ok = next((c for c in _SMALLER if usage(plan, c).fits and (c.epilogue_tile is None or _shrinkable(plan))), None)
-    fp32 = [what for what, _ in first.parts if "fp32" in what and what.startswith(("operand", "output"))]
+    fp32 = any("fp32" in what and "staging" not in what for what, _ in first.parts[:3])  # among the costliest
     raise SharedMemoryError(
         f"epilogue '{plan.name}' does not fit in shared memory at config {cfg.text}: its epilogue needs about "
         f"{first.epilogue / 1024:.0f} KiB (most: {costly}), leaving room for {max(first.stages, 0)} mainloop "

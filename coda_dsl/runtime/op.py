@@ -108,9 +108,9 @@ def _layout(v) -> object:
 
 
 def _const_key(v) -> object:
-    """A cd.Const by its spelling: -0.0 and 0.0 build different kernels, every NaN the same one
+    """A cd.Const by its value's spelling: -0.0 and 0.0 build different kernels, every NaN the same one
     (anything but a number: its type, which the checks refuse)."""
-    return repr(v) if isinstance(v, (int, float)) else type(v)
+    return repr(float(v)) if isinstance(v, numbers.Real) else type(v)
 
 
 def _consts_key(consts: dict[str, float]) -> tuple:

@@ -77,7 +77,7 @@ CUTLASS_HOST_DEVICE float round_to(float x) {
 }  // namespace coda
 
 // Reductions CUTLASS lacks: max / min / max |x| that keep NaN as one-parameter templates (as torch.amax
-// does; cutlass::maximum<float> is fmaxf, which drops it), and a float atomic minimum.
+// does; cutlass::maximum<float> is fmaxf, which drops it), and float atomics that keep it too.
 namespace coda {
 
 template <class T>
@@ -87,15 +87,32 @@ using maximum_nan = cutlass::maximum<T, true>;
 template <class T>
 using minimum_nan = cutlass::minimum<T, true>;
 
+// Float atomic max / min through integer atomics: non-negative floats order like signed ints, negative
+// ones in reverse as unsigned ints. A NaN is stored as the one pattern that wins both orders and stays
+// (0x7fffffff for max, 0xffffffff for min), so the statistic is NaN as torch's is.
+template <class T>
+struct atomic_maximum {
+  CUTLASS_DEVICE void operator()(T* ptr, T value) const { atomicMax(ptr, value); }
+};
+template <>
+struct atomic_maximum<float> {
+  CUTLASS_DEVICE void operator()(float* ptr, float value) const {
+#if defined(__CUDA_ARCH__)
+    if (value != value) value = __uint_as_float(0x7fffffffu);
+    if (!::signbit(value)) atomicMax(reinterpret_cast<int*>(ptr), __float_as_int(value));
+    else atomicMin(reinterpret_cast<unsigned int*>(ptr), __float_as_uint(value));
+#endif
+  }
+};
 template <class T>
 struct atomic_minimum {
   CUTLASS_DEVICE void operator()(T* ptr, T value) const { atomicMin(ptr, value); }
 };
 template <>
 struct atomic_minimum<float> {
-  // Non-negative floats order like signed ints; negative ones order in reverse as unsigned ints.
   CUTLASS_DEVICE void operator()(float* ptr, float value) const {
 #if defined(__CUDA_ARCH__)
+    if (value != value) value = __uint_as_float(0xffffffffu);
     if (!::signbit(value)) atomicMin(reinterpret_cast<int*>(ptr), __float_as_int(value));
     else atomicMax(reinterpret_cast<unsigned int*>(ptr), __float_as_uint(value));
 #endif
@@ -105,6 +122,8 @@ struct atomic_minimum<float> {
 }  // namespace coda
 
 namespace cutlass {
+template <class T>
+struct is_atomic<coda::atomic_maximum<T>> : platform::true_type {};
 template <class T>
 struct is_atomic<coda::atomic_minimum<T>> : platform::true_type {};
 }  // namespace cutlass

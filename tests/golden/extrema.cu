@@ -62,8 +62,8 @@ struct Fn0<cutlass::Array<T, N>> {
 // ---- Epilogue visitor nodes, children before parents -------------------------------------------
 using Acc = fusion::Sm90AccFetch;  // [0] fp32 accumulator of A @ B^T
 using Region0 = fusion::Sm90Compute<Fn0, float, float, cutlass::FloatRoundStyle::round_to_nearest>;  // [1] Fn0: epilogues.py:26 <- 0
-using Reduce_amax = fusion::Sm90ScalarReduction<coda::amax_reduce, cutlass::atomic_maximum, float, float, cutlass::FloatRoundStyle::round_to_nearest, cute::Stride<cute::_0, cute::_0, int64_t>>;  // [2] output amax: amax over m and n, fp32, atomic <- 1
-using Reduce_row_max = fusion::Sm90ColReduction<coda::maximum_nan, coda::maximum_nan, cutlass::atomic_maximum, 0, TileShape, float, float, cutlass::FloatRoundStyle::round_to_nearest, cute::Stride<cute::_1, cute::_0, int64_t>>;  // [3] output row_max: max over n, fp32, atomic <- 1
+using Reduce_amax = fusion::Sm90ScalarReduction<coda::amax_reduce, coda::atomic_maximum, float, float, cutlass::FloatRoundStyle::round_to_nearest, cute::Stride<cute::_0, cute::_0, int64_t>>;  // [2] output amax: amax over m and n, fp32, atomic <- 1
+using Reduce_row_max = fusion::Sm90ColReduction<coda::maximum_nan, coda::maximum_nan, coda::atomic_maximum, 0, TileShape, float, float, cutlass::FloatRoundStyle::round_to_nearest, cute::Stride<cute::_1, cute::_0, int64_t>>;  // [3] output row_max: max over n, fp32, atomic <- 1
 using Reduce_col_min = fusion::Sm90RowReduction<coda::minimum_nan, coda::minimum_nan, coda::atomic_minimum, 0, TileShape, float, float, cutlass::FloatRoundStyle::round_to_nearest, cute::Stride<cute::_0, cute::_1, int64_t>>;  // [4] output col_min: min over m, fp32, atomic <- 1
 
 using Visitor = fusion::Sm90TopologicalVisitor<
