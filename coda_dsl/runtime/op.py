@@ -353,9 +353,7 @@ class CompiledOp:
             self._check(A, B, operands, out)
             grads = remember(self._checked, layout, _requires_grad(A, B, operands))
         if grads and torch.is_grad_enabled():  # as cd.gemm: no derivative
-            if out:
-                raise _out_with_grad(self._where)
-            return _without_derivative(self._where, self.run(A, B, operands, out, layout), A, B, operands)
+            return _recorded(self._where, lambda: self.run(A, B, operands, None, layout), A, B, operands, out)
         return self.run(A, B, operands, out, layout)
 
     def _check(self, A, B, operands: dict, out: dict | None) -> None:
@@ -593,25 +591,23 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
         return hit[0].run(A, B, operands, out, warm_key)
     if not (torch.is_grad_enabled() and _requires_grad(A, B, operands)):  # what autograd does not record
         return _gemm(ep, A, B, out, options, operands, warm_key)
-    if out:
-        raise _out_with_grad(_where(ep))
-    with torch.no_grad():  # (the reference backend's graph would not be the kernel's derivative either)
-        outs = hit[0].run(A, B, operands, None, warm_key) if hit else _gemm(ep, A, B, None, options, operands, warm_key)
-    return _without_derivative(_where(ep), outs, A, B, operands)
+    return _recorded(_where(ep), lambda: hit[0].run(A, B, operands, None, warm_key) if hit else
+                     _gemm(ep, A, B, None, options, operands, warm_key), A, B, operands, out)
 
 
 def _requires_grad(A, B, operands: dict) -> bool:
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in (A, B, *operands.values()))
 
 
-def _out_with_grad(where: str) -> OperandError:
-    """As torch's own ops with out=."""
-    return OperandError(f"{where}: out= with inputs that require grad: autograd cannot record writes into given "
-                        "tensors\n  fix: call cd.linear(A, B, epilogue, ...) to train, or run under torch.no_grad()")
-
-
-def _without_derivative(where: str, outs: dict, A, B, operands: dict) -> dict[str, torch.Tensor]:
-    """outs, linked to the inputs that require grad so that a backward through them raises."""
+def _recorded(where: str, run, A, B, operands: dict, out: dict | None) -> dict[str, torch.Tensor]:
+    """A call autograd records (cd.gemm's or a CompiledOp's): run() outside autograd (the reference backend's
+    graph would not be the kernel's derivative either), its outputs linked to the inputs that require grad
+    so that a backward through them raises; out= refused, as torch's own ops refuse it."""
+    if out:
+        raise OperandError(f"{where}: out= with inputs that require grad: autograd cannot record writes into given "
+                           "tensors\n  fix: call cd.linear(A, B, epilogue, ...) to train, or run under torch.no_grad()")
+    with torch.no_grad():
+        outs = run()
     inputs = [t for t in (A, B, *operands.values()) if isinstance(t, torch.Tensor) and t.requires_grad]
     return dict(zip(outs, _NoDerivative.apply(where, len(outs), *outs.values(), *inputs)))
 
