@@ -356,7 +356,7 @@ def test_failures_are_reported_and_the_rest_measured(fake_gpu, capsys, monkeypat
 
 
 def test_host_overhead_python_only_runs_without_a_gpu(monkeypatch, capsys):
-    from coda_dsl.runtime import kernel
+    from coda_dsl.runtime import kernel, warm
     from coda_dsl.runtime import op as runtime
     for owner, name in ((runtime.CompiledOp, "load"), (runtime.checks, "require_hopper"), (runtime, "_choose_config"),
                         (kernel, "current_stream")):
@@ -366,7 +366,11 @@ def test_host_overhead_python_only_runs_without_a_gpu(monkeypatch, capsys):
     assert host_overhead.main(["--python-only"]) == 0
     out = capsys.readouterr().out
     for how in ["kernel call stubbed in Python"] + (["ctypes into a no-op library"] if shutil.which("cc") else []):
-        assert f"| cd.gemm(A, B, epilogue, ...) ({how}) | 1.0 |" in out and f"| CompiledOp(A, B, ...) ({how}) | 1.0 |" in out
+        assert f"| cd.gemm(A, B, epilogue, ...), Python path ({how}) | 1.0 |" in out
+        assert f"| CompiledOp(A, B, ...), Python path ({how}) | 1.0 |" in out
+    if shutil.which("cc") and warm.module() is not None:  # a real library call: also through the C++ warm path
+        assert "| cd.gemm(A, B, epilogue, ...), C++ warm path (ctypes into a no-op library) | 1.0 |" in out
+        assert "| CompiledOp(A, B, ...), C++ warm path (ctypes into a no-op library) | 1.0 |" in out
     if shutil.which("cc"):  # and the library's call alone, with the block of one call
         assert "| coda_launch alone, one packed block (ctypes into a no-op library) | 1.0 |" in out
         assert calls.pop() is None

@@ -26,6 +26,7 @@ class Packer:
     def __init__(self, tensors: list[torch.Tensor], n_scalars: int, device: int, workspace_size: int):
         self.device, self.workspace_size = device, workspace_size
         self._struct = struct.Struct(_format(tuple(t.dim() for t in tensors), n_scalars))
+        self._n_scalars = n_scalars
         self._values = [len(tensors), n_scalars, device, 0, 0, workspace_size]
         self._pointers = []  # where each tensor's data pointer goes in _values
         for t in tensors:
@@ -38,6 +39,10 @@ class Packer:
         for at, t in zip(self._pointers, tensors):
             values[at] = t.data_ptr()
         return self._struct.pack(*values, *scalars)
+
+    def template(self) -> bytes:
+        """The block with every pointer, the stream, the workspace and the scalars zero (runtime/warm.py)."""
+        return self._struct.pack(*self._values, *[0.0] * self._n_scalars)
 
 
 def pack_call(tensors: list[torch.Tensor], scalars: list[float], device: int, stream: int, workspace: int,
@@ -101,6 +106,16 @@ class Kernel:
         args = packer.pack(tensors, scalars, current_stream(device), workspace.data_ptr() if size else 0)
         if self._launch(args, self._message, _MESSAGE_BYTES):
             raise self._error()
+
+    @property
+    def launch_address(self) -> int:
+        """coda_launch's address, for the C++ warm path (runtime/warm.py)."""
+        return ctypes.cast(self._launch, ctypes.c_void_p).value
+
+    def template(self, tensors: list[torch.Tensor], n_scalars: int) -> tuple[bytes, int]:
+        """The block of a call of these tensors' layout (Packer.template) and its workspace bytes."""
+        packer = self._packer(tensors, [0.0] * n_scalars)
+        return packer.template(), packer.workspace_size
 
     def _packer(self, tensors: list[torch.Tensor], scalars: list[float]) -> Packer:
         device = tensors[0].get_device()

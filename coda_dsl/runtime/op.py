@@ -19,7 +19,7 @@ from ..ir.ops import DTYPES, REDUCTIONS
 from ..passes import accumulate_into_d, specialize
 from ..passes.widths import infer as infer_widths, load_widths
 from ..passes.plan import OUTPUT_SHAPES, Config, Signature
-from . import checks, reference, tune as tuning
+from . import checks, reference, tune as tuning, warm
 from .kernel import Kernel, remember
 from .torch_op import register_eager, traced_gemm
 
@@ -258,6 +258,8 @@ class CompiledOp:
         self._checked: dict[tuple, bool] = {}  # call layouts that passed the checks -> an input requires grad
         self._widened = frozenset(plan.widened)
         self._wide = frozenset(plan.wide)
+        self._table = None  # its call layouts for the C++ warm path (runtime/warm.py), from the first launch
+        self._tried: dict[tuple, object] = {}  # call layouts offered to that table
 
     @classmethod
     def create(cls, epilogue: Epilogue, sig: Signature) -> "CompiledOp":
@@ -312,10 +314,12 @@ class CompiledOp:
             if t is not None:
                 _check_out(self._where, name, t, OUTPUT_SHAPES[kind][1](lead, m, n), dt, call, tma=kind == "mn")
 
-    def launch(self, call: Call, out: dict | None, layout: tuple | None = None) -> dict[str, torch.Tensor]:
+    def launch(self, call: Call, out: dict | None, layout: tuple | None = None, table=None) -> dict[str, torch.Tensor]:
         """Allocate the outputs not in `out` and launch on the current stream. `call` and `out` are folded
         and checked (check_out), except for aliasing, which depends on the tensors, not their layouts.
-        layout: the call's layout (_call_layout), under which the kernel keeps its argument block."""
+        layout: the call's layout (_call_layout), under which the kernel keeps its argument block;
+        table: a function giving the C++ warm path's table (runtime/warm.py) to add this call's layout
+        to, where that path can repeat the launch (or None: no table)."""
         m, n, _, l = call.mnkl
         lead = (l,) if call.a.dim() == 3 else ()
         if out and len(out) > 1:
@@ -335,18 +339,44 @@ class CompiledOp:
             self.load()
         plan = self.plan
         inputs = [_input(call.tensors[i], i in self._widened, i in self._wide) for i in plan.inputs]
-        self._op(call.a, call.b, written.get("D") if plan.d_dtype else None, inputs,
-                 [call.scalars[s] for s in plan.scalars], [written[o[0]] for o in plan.outputs], layout)
+        d = written.get("D") if plan.d_dtype else None
+        scalars = [call.scalars[s] for s in plan.scalars]
+        aux = [written[o[0]] for o in plan.outputs]
+        self._op(call.a, call.b, d, inputs, scalars, aux, layout)
         for t, buffer in staged:
             t.copy_(buffer)
+        if (table is not None and not out and not staged and not call.batch and isinstance(self._op, Kernel)
+                and all(t is call.tensors[i] for t, i in zip(inputs, plan.inputs)) and (table := table())):
+            self._add_layout(table, call, d, inputs, scalars, aux)
         return outs
 
-    def run(self, A, B, operands: dict, out: dict | None, layout: tuple | None = None) -> dict[str, torch.Tensor]:
+    def _add_layout(self, table, call: Call, d, inputs: list, scalars: list, aux: list) -> None:
+        """The warm path's entry for a launch that just ran with these tensors (runtime/warm.py): the same
+        launch for every later call of its layout."""
+        plan, value = self.plan, {name: 2 + i for i, name in enumerate(self._kinds)}  # 0: A, 1: B
+        first = 3 if d is not None else 2
+        ins = [(0, 0, call.a), (1, 1, call.b), *((value[i], first + j, t) for j, (i, t) in enumerate(zip(plan.inputs,
+                                                                                                       inputs)))]
+        ins += [(value[name], -1, t) for name, t in call.tensors.items() if name not in plan.inputs]
+        outs = [("D", 2, d)] if d is not None else []
+        outs += [(o[0], first + len(inputs) + j, t) for j, (o, t) in enumerate(zip(plan.outputs, aux))]
+        scalar_slots = [(value[s], j) for j, s in enumerate(plan.scalars)]
+        scalar_slots += [(value[s], -1) for s in call.scalars if s not in plan.scalars]
+        tensors = [call.a, call.b, *([d] if d is not None else []), *inputs, *aux]
+        warm.add(table, self._op, tensors, len(scalars), ins, outs, scalar_slots,
+                 [(value[c], v) for c, v in call.consts.items()])
+
+    def run(self, A, B, operands: dict, out: dict | None, layout: tuple | None = None,
+            table=None) -> dict[str, torch.Tensor]:
         """Launch a checked call (of the call layout `layout`, if known): fold a batch into M, launch, unfold."""
         call = _fold_batch(self.epilogue, _unpack(self._kinds, A, B, operands))
-        return _unfold_batch(self.launch(call, _fold_batch_out(out, call), layout), call)
+        return _unfold_batch(self.launch(call, _fold_batch_out(out, call), layout, table), call)
 
     def __call__(self, A, B, /, *, out: dict | None = None, **operands) -> dict[str, torch.Tensor]:
+        if out is None and self._table:
+            outs = self._table.call(A, B, operands)  # a layout launched before: in C++
+            if outs is not None:
+                return outs
         layout = _call_layout(self._kinds, A, B, operands, out)
         grads = self._checked.get(layout)  # whether an input requires grad, for a layout checked before
         if grads is None:
@@ -354,7 +384,15 @@ class CompiledOp:
             grads = remember(self._checked, layout, _requires_grad(A, B, operands))
         if grads and torch.is_grad_enabled():  # as cd.gemm: no derivative
             return _recorded(self._where, lambda: self.run(A, B, operands, None, layout), A, B, operands, out)
-        return self.run(A, B, operands, out, layout)
+        table = None
+        if out is None and layout not in self._tried:  # offered to the warm path once per layout
+            table = remember(self._tried, layout, self._warm_table)
+        return self.run(A, B, operands, out, layout, table)
+
+    def _warm_table(self):
+        if self._table is None:
+            self._table = warm.table(self._kinds) or False  # False: the extension is unavailable
+        return self._table
 
     def _check(self, A, B, operands: dict, out: dict | None) -> None:
         call = _normalize(self.epilogue, A, B, operands, out)
@@ -569,6 +607,17 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
     by default a configuration tuned earlier on this device for this kind of shape, else a good
     default; tune=True (or set_tuning(True)) measures the candidates now and records the winner.
     """
+    table_key = None
+    if out is None and accumulate is False and deterministic.__class__ is bool and tune.__class__ in (bool, type(None)):
+        try:
+            table_key = (epilogue, backend, config, deterministic, _tuning if tune is None else tune)
+            table = _tables.get(table_key)
+        except TypeError:  # an unhashable option: the checks below explain it
+            table_key = table = None
+        if table and not torch.compiler.is_compiling():
+            outs = table.call(A, B, operands)  # a layout launched before: in C++ (runtime/warm.py)
+            if outs is not None:
+                return outs
     ep = epilogue_of("cd.gemm", epilogue, operands)
     if backend not in BACKENDS:
         raise OperandError(f"{_where(ep)}: backend must be one of {BACKENDS}, not {backend!r}")
@@ -590,7 +639,7 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
     if hit is not None and not (hit[1] and torch.is_grad_enabled()):
         return hit[0].run(A, B, operands, out, warm_key)
     if not (torch.is_grad_enabled() and _requires_grad(A, B, operands)):  # what autograd does not record
-        return _gemm(ep, A, B, out, options, operands, warm_key)
+        return _gemm(ep, A, B, out, options, operands, warm_key, table_key)
     return _recorded(_where(ep), lambda: hit[0].run(A, B, operands, None, warm_key) if hit else
                      _gemm(ep, A, B, None, options, operands, warm_key), A, B, operands, out)
 
@@ -627,10 +676,11 @@ class _NoDerivative(torch.autograd.Function):
                                "for a trainable layer (its backward is derived), or detach what needs none")
 
 
-def _gemm(ep: Epilogue, A, B, out: dict | None, options: tuple, operands: dict,
-          warm_key: tuple) -> dict[str, torch.Tensor]:
+def _gemm(ep: Epilogue, A, B, out: dict | None, options: tuple, operands: dict, warm_key: tuple,
+          table_key: tuple | None = None) -> dict[str, torch.Tensor]:
     """cd.gemm's first call of a layout: checked, specialized and launched; the op is kept for the warm
-    path under warm_key (the options and the call's layout)."""
+    path under warm_key (the options and the call's layout), and the launch for the C++ warm path under
+    table_key (the options as passed) where that path can repeat it."""
     backend, config, deterministic, accumulate, tune = options
     call = _normalize(ep, A, B, operands, out)
     cfg = _config(ep, config)
@@ -655,7 +705,15 @@ def _gemm(ep: Epilogue, A, B, out: dict | None, options: tuple, operands: dict,
         _collected.setdefault(op.key, op)
         return run_reference(ep, call, out, accumulate)
     remember(_warm.setdefault(ep, {}), warm_key, (op, _requires_grad(A, B, operands)))
-    return _unfold_batch(op.launch(folded, folded_out), folded)
+    table = (lambda: _warm_table(table_key, ep)) if table_key is not None else None
+    return _unfold_batch(op.launch(folded, folded_out, table=table), folded)
+
+
+def _warm_table(key: tuple, ep: Epilogue):
+    table = _tables.get(key)
+    if table is None:
+        table = remember(_tables, key, warm.table([p.name for p in ep.params]) or False)  # False: unavailable
+    return table
 
 
 register_eager(gemm)  # what the torch.compile custom op runs
@@ -691,6 +749,8 @@ _configs: dict[tuple, tuple[Config, bool]] = {}
 # cd.gemm's warm path: epilogue -> {(call options, call layout): (the op that call checked and chose,
 # whether an input requires grad)}
 _warm: dict[Epilogue, dict[tuple, tuple[CompiledOp, bool]]] = {}
+# and its C++ part (runtime/warm.py): (epilogue, backend, config, deterministic, tune) as passed -> a table
+_tables: dict[tuple, object] = {}
 
 
 def set_tuning(enabled: bool) -> None:
@@ -713,6 +773,7 @@ def _choose_config(spec, call: Call, tune: bool, key: tuple) -> Config:
             config = tuning.tune(spec, lambda op: op.launch(call, None), call.a.device, call.mnkl)
         choice = _configs[key] = (config or default, config is not None)
         _warm.clear()  # calls that chose before this may now choose otherwise
+        _tables.clear()
     return choice[0]
 
 
@@ -724,6 +785,7 @@ def clear() -> None:
         _ops.clear()
         _configs.clear()
         _warm.clear()
+        _tables.clear()
 
 
 _collected: dict[str, CompiledOp] | None = None  # while prebuild(fn) runs fn: the kernels its calls need

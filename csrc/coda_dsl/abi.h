@@ -1,6 +1,7 @@
 // The plain-data interface of a kernel library: what its two `extern "C"` functions receive from
 // the Python caller (coda_dsl/runtime/kernel.py), and how errors go back. No torch, ATen, c10,
-// pybind11 or Python header: a kernel's translation unit compiles CUTLASS and this, nothing more.
+// pybind11, Python or CUDA header: a kernel's translation unit compiles CUTLASS and this, nothing more;
+// the warm call path (warm.cpp) fills the same block.
 //
 //   int coda_workspace_size(CallArgs const* args, int64_t* size, char* message, int64_t message_size);
 //   int coda_launch(CallArgs const* args, char* message, int64_t message_size);
@@ -17,7 +18,7 @@
 #include <stdexcept>
 #include <string>
 
-#include <cuda_runtime.h>
+struct CUstream_st;  // cuda_runtime.h's cudaStream_t is a CUstream_st*
 
 namespace coda {
 
@@ -72,10 +73,6 @@ template <class... Parts>
   throw Failure(s);
 }
 
-inline void check_cuda(cudaError_t e, char const* op_name, char const* what) {
-  if (e != cudaSuccess) fail(op_name, ": ", what, " failed: ", cudaGetErrorString(e));
-}
-
 // The header of a call's block (six int64), followed by TensorArg[n_tensors] and double[n_scalars].
 struct CallArgs {
   int64_t n_tensors;
@@ -95,7 +92,7 @@ struct Call {
   double const* scalars;
   int64_t n_scalars;
   int device;
-  cudaStream_t stream;
+  CUstream_st* stream;
   char* workspace;
   int64_t workspace_size;
   bool query;
@@ -106,7 +103,7 @@ struct Call {
         scalars(reinterpret_cast<double const*>(tensors + args->n_tensors)),
         n_scalars(args->n_scalars),
         device(int(args->device)),
-        stream(reinterpret_cast<cudaStream_t>(args->stream)),
+        stream(reinterpret_cast<CUstream_st*>(args->stream)),
         workspace(reinterpret_cast<char*>(args->workspace)),
         workspace_size(args->workspace_size),
         query(query) {}
@@ -132,24 +129,6 @@ class Workspace {
  private:
   Call const& call_;
   int64_t used_ = 0;
-};
-
-// The call's device is current while it runs (its kernels launch there); the caller's is restored.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    check_cuda(cudaGetDevice(&previous_), "coda_dsl", "cudaGetDevice");
-    if (previous_ != device) check_cuda(cudaSetDevice(device), "coda_dsl", "cudaSetDevice");
-  }
-  ~DeviceGuard() {
-    int now = previous_;
-    if (cudaGetDevice(&now) == cudaSuccess && now != previous_) cudaSetDevice(previous_);
-  }
-  DeviceGuard(DeviceGuard const&) = delete;
-  DeviceGuard& operator=(DeviceGuard const&) = delete;
-
- private:
-  int previous_ = 0;
 };
 
 inline void write_message(char* message, int64_t size, char const* what) {

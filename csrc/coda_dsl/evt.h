@@ -16,6 +16,7 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 
 #include "coda_dsl/abi.h"
+#include "coda_dsl/device.h"
 #include "coda_dsl/functional.h"
 
 namespace coda {

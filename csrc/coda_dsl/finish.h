@@ -7,6 +7,7 @@
 #include "cutlass/cutlass.h"
 #include "cute/tensor.hpp"
 #include "coda_dsl/abi.h"
+#include "coda_dsl/device.h"
 #include "coda_dsl/functional.h"
 
 namespace coda {
