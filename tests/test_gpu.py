@@ -451,6 +451,27 @@ def test_current_stream(kernels):
     assert _rel(got, cd.gemm(a2, b, backend="reference")["D"]) <= 1e-2
 
 
+def test_warm_path_launches_as_the_python_path(kernels):
+    """A kept op's and cd.gemm's later calls of a layout launch from C++ (runtime/warm.py): same results as
+    the first call, which took the Python path, for fresh inputs and scalars each call."""
+    from coda_dsl.runtime import warm
+    if warm.module() is None:
+        pytest.skip("the C++ warm path could not be built here")
+    m, n, k = RAGGED
+    a, b = _ab(m, n, k, torch.bfloat16, "nk")
+    op = cd.compile(all_kinds, a, b, **_operands(all_kinds, m, n, torch.bfloat16))
+    for run in (lambda a, b, **o: op(a, b, **o), lambda a, b, **o: cd.gemm(a, b, all_kinds, **o)):
+        for i in range(3):
+            a, b = _ab(m, n, k, torch.bfloat16, "nk")
+            ops = {**_operands(all_kinds, m, n, torch.bfloat16), "alpha": 0.37 + i}
+            got = run(a, b, **ops)
+            ref = cd.gemm(a, b, all_kinds, backend="reference", **ops)
+            assert list(got) == list(ref)
+            for name in ref:
+                assert _rel(got[name], ref[name]) <= _tol(ref[name]), name
+    assert op._table and op._table.size() == 1  # its layout, launched from C++ after the first call
+
+
 def test_cuda_graph_capture_and_replay(kernels):
     a, b = _ab(384, 520, 128, torch.bfloat16, "nk")
     residual, gamma = _rand(384, 520), _rand(520)

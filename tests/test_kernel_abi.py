@@ -209,3 +209,111 @@ def test_kernel_sources_include_no_torch_or_python_header():
     assert len(files) > 40
     banned = re.compile(r'#\s*include\s*[<"](torch|ATen|c10|pybind11|Python\.h)')
     assert [f.name for f in files if banned.search(f.read_text())] == []
+
+
+# ---- the C++ warm path (runtime/warm.py, csrc/coda_dsl/warm.cpp) ---------------------------------
+@pytest.fixture
+def warm_path(stub, fake_kernels, monkeypatch):
+    """The stub library behind every CompiledOp, the C++ warm path built, and a count of the launches the
+    Python path made (the others came from C++)."""
+    from coda_dsl.runtime import warm
+    if warm.module() is None:
+        pytest.skip("the C++ warm path could not be built here (no C++ compiler?)")
+    k, seen = stub
+    monkeypatch.setattr(runtime.CompiledOp, "load", lambda self: setattr(self, "_op", k) or self)
+    python, call = [], kmod.Kernel.__call__
+    monkeypatch.setattr(kmod.Kernel, "__call__", lambda self, *a, **kw: python.append(1) or call(self, *a, **kw))
+    return seen, python
+
+
+@cd.epilogue
+def warm_ep(acc, residual: cd.Tensor, bias: cd.VecN, unused: cd.VecM, alpha: cd.Scalar, beta: cd.Scalar,
+            k: cd.Const):
+    y = alpha * acc + bias + k * residual
+    return {"D": y, "rowsum": cd.sum(y, axis="n")}
+
+
+def _warm_operands(m=64, n=16, alpha=2.0, k=3.0, **kw):
+    bf = dict(dtype=torch.bfloat16)
+    ops = dict(residual=torch.randn(m, n, **bf), bias=torch.randn(n, **bf), unused=torch.randn(m, **bf),
+               alpha=alpha, beta=1.0, k=k)
+    return {**ops, **kw}
+
+
+def _runner(via: str, a, b):
+    """The kept op's call or cd.gemm's, and the kept op."""
+    op = cd.compile(warm_ep, a, b, **_warm_operands())
+    if via == "op":
+        return (lambda a, b, **o: op(a, b, **o)), op
+    return (lambda a, b, **o: cd.gemm(a, b, warm_ep, backend="cutlass", **o)), op
+
+
+@pytest.mark.parametrize("via", ["op", "gemm"])
+def test_warm_path_launches_what_the_python_path_launches(warm_path, via):
+    """After its first call, a layout is launched from C++ with each call's own tensors, scalars and freshly
+    allocated outputs, exactly as the Python path packs them; the outputs come back in the same order."""
+    seen, python = warm_path
+    bf = dict(dtype=torch.bfloat16)
+    run, op = _runner(via, torch.randn(64, 32, **bf), torch.randn(16, 32, **bf))
+    for i, alpha in enumerate((2.0, -0.0, 7.5, 1)):  # an int scalar too: a number like any other
+        a, b, ops = torch.randn(64, 32, **bf), torch.randn(16, 32, **bf), _warm_operands(alpha=alpha)
+        out = run(a, b, **ops)
+        assert list(out) == ["D", "rowsum"] and out["D"].shape == (64, 16) and out["rowsum"].dtype == torch.float32
+        inputs = [ops[i] for i in op.plan.inputs]
+        assert seen.tensors() == [expected(t) for t in (a, b, out["D"], *inputs, out["rowsum"])]
+        assert seen.scalars() == [float({"alpha": alpha, "beta": 1.0}[s]) for s in op.plan.scalars]
+        assert str(seen.scalars()[op.plan.scalars.index("alpha")]) == str(float(alpha))
+        assert seen.int("seen_ws_size") == 64 * 4 and seen.int("seen_ws") != 0
+        assert len(python) == 1, f"call {i} took the Python path"  # all but the first from C++
+    assert seen.int("launches") == 4
+
+
+@pytest.mark.parametrize("via", ["op", "gemm"])
+def test_warm_path_leaves_every_other_call_to_the_python_path(warm_path, via):
+    """What C++ cannot match takes the Python path: its checks still refuse what they refuse, autograd still
+    records a call that needs it, a new layout is checked (then added), other cd.Const values build their own."""
+    import numpy as np
+    seen, python = warm_path
+    bf = dict(dtype=torch.bfloat16)
+    a, b = torch.randn(64, 32, **bf), torch.randn(16, 32, **bf)
+    run, op = _runner(via, a, b)
+    run(a, b, **_warm_operands())
+    run(a, b, **_warm_operands())
+    assert len(python) == 1
+    if via == "op":  # a kept op is built for bf16 operands
+        with pytest.raises(cd.OperandError, match="compiled for other operands"):
+            run(a, b, **_warm_operands(bias=torch.randn(16)))
+    with pytest.raises(cd.OperandError, match="operand 'unused' has shape"):  # not read by the kernel: checked
+        run(a, b, **_warm_operands(unused=torch.randn(63, **bf)))
+    before = len(python)
+    run(a, b, **_warm_operands(alpha=np.float32(0.5)))  # a numpy scalar: the Python path (its key has the type)
+    assert len(python) == before + 1
+    x = torch.randn(64, 32, **bf, requires_grad=True)
+    out = run(x, b, **_warm_operands())  # autograd records it: the Python path, outputs linked to x
+    assert len(python) == before + 2 and out["D"].requires_grad
+    with torch.no_grad():
+        run(x, b, **_warm_operands())  # no gradient wanted: C++
+    assert len(python) == before + 2
+    run(torch.randn(32, 32, **bf), b, **_warm_operands(m=32))  # a new shape: checked, then added
+    run(torch.randn(32, 32, **bf), b, **_warm_operands(m=32))
+    assert len(python) == before + 3
+    if via == "gemm":
+        run(a, b, **_warm_operands(k=-0.0))  # another cd.Const: another kernel, through Python once
+        run(a, b, **_warm_operands(k=-0.0))
+        run(a, b, **_warm_operands(k=0.0))  # and -0.0 is not 0.0
+        assert len(python) == before + 5
+    else:
+        with pytest.raises(cd.OperandError, match="compiled for other operands"):
+            run(a, b, **_warm_operands(k=4.0))
+
+
+def test_warm_path_refusal_is_a_kernel_error(warm_path):
+    """A launch refused in C++ raises the library's message, as from the Python path."""
+    seen, python = warm_path
+    bf = dict(dtype=torch.bfloat16)
+    a, b, ops = torch.randn(64, 32, **bf), torch.randn(16, 32, **bf), _warm_operands()
+    run, op = _runner("gemm", a, b)
+    run(a, b, **ops)
+    with pytest.raises(cd.KernelError, match="CUTLASS cannot run this problem"):
+        run(a, b, **{**ops, op.plan.scalars[0]: -1.0})  # the stub refuses a negative first scalar
+    assert len(python) == 1

@@ -16,6 +16,7 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "coda_dsl/abi.h"
@@ -101,6 +102,7 @@ size_t tensor_offset(int slot) { return sizeof(coda::CallArgs) + size_t(slot) * 
 
 // table.call(A, B, operands: dict) -> {output name: tensor}, or None where no layout matches.
 PyObject* table_call(Table* self, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS  // torch's errors (an allocation that runs out of memory) as its Python exceptions
   if (nargs != 3 || !PyDict_CheckExact(args[2])) {
     PyErr_SetString(PyExc_TypeError, "call(A, B, operands: dict)");
     return nullptr;
@@ -125,7 +127,8 @@ PyObject* table_call(Table* self, PyObject* const* args, Py_ssize_t nargs) {
     bool ok = true;
     for (size_t i = 0; ok && i < e.inputs.size(); ++i) {
       PyObject* v = values[e.inputs[i].source];
-      ok = THPVariable_Check(v) && matches(e.inputs[i], THPVariable_Unpack(v), grad);
+      // exactly a tensor (or a Parameter): a subclass may change what its metadata means, so Python sees it
+      ok = THPVariable_CheckExact(v) && matches(e.inputs[i], THPVariable_Unpack(v), grad);
       if (ok) tensors[i] = &THPVariable_Unpack(v);
     }
     double scalars[64];
@@ -178,6 +181,7 @@ PyObject* table_call(Table* self, PyObject* const* args, Py_ssize_t nargs) {
     return result;
   }
   Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
 }
 
 // Reads a Python sequence of ints into `out` (at most `most` of them).
@@ -208,6 +212,7 @@ at::Tensor const* tensor_arg(PyObject* v) {
 //   scalars: [(source, index)]; consts: [(source, value)]
 //   outputs: [(name, sizes, like: a tensor of the output's dtype and device, slot)]
 PyObject* table_add(Table* self, PyObject* args) {
+  HANDLE_TH_ERRORS
   PyObject *inputs, *scalars, *consts, *outputs;
   char const* block;
   Py_ssize_t block_size;
@@ -303,6 +308,7 @@ PyObject* table_add(Table* self, PyObject* args) {
   }
   self->entries->push_back(std::move(e));
   Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
 }
 
 PyObject* table_clear(Table* self, PyObject*) {
