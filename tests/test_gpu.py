@@ -184,9 +184,12 @@ VARIANTS = [
     ((lse_and_take, torch.bfloat16, "nk"), dict(config=cd.Config((64, 256, 64), (1, 1), "pingpong"))),
     ((double_width, torch.bfloat16, "nk"), dict(config=runtime.tuning.PINGPONG.text)),
 ]
-# tile-scheduler options and other tiles: each with reductions + a full-size load, and with pair stores
+# tile-scheduler options and other tiles: each with reductions + a full-size load, and with pair stores;
+# PINGPONG and its _rm_s4 are one GEMM type, told apart at run time only: two libraries in one process
+# (once, the second's launch failed: they shared the record of devices set up)
 SCHEDULER_CONFIGS = [runtime.tuning.PINGPONG.text, runtime.tuning.PINGPONG_192.text,
-                     "128x256x64_c2x1_cooperative_rm_s4_streamk", "256x128x64_c1x2_cooperative_rn_s2"]
+                     "128x256x64_c2x1_cooperative_rm_s4_streamk", "256x128x64_c1x2_cooperative_rn_s2",
+                     runtime.tuning.PINGPONG.text + "_rm_s4"]
 VARIANTS += [((ep, torch.bfloat16, "nk"), dict(config=c)) for c in SCHEDULER_CONFIGS for ep in (row_stats, swiglu)]
 # the cross-entropy library's kernels, with their A/B dtype: forward variants (smoothing, softcap),
 # statistics only or also storing the logits chunk (fp16 D), and the recompute backward ones

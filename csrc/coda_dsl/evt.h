@@ -129,10 +129,13 @@ Stride make_stride(int64_t s0, int64_t s1, int64_t s2) {
 
 // Before a GEMM's launch, in a size query too: shared-memory attribute and SM count set once per
 // device, the problem checked (CUTLASS's can_implement, with a clear message), the workspace size.
+// sm_count: the library's own record of the devices it has set up, 64 ints, kept by the generated
+// file; not a static here: a static in a function template is one object in the whole process
+// (GNU unique), shared by every library whose GEMM has the same type (configs that differ only in
+// raster order or swizzle), whose kernels would then never get their shared-memory attribute.
 template <class Gemm>
-size_t prepare(typename Gemm::Arguments& args, Call const& call, char const* op_name) {
+size_t prepare(typename Gemm::Arguments& args, Call const& call, char const* op_name, int* sm_count) {
   using Kernel = typename Gemm::GemmKernel;
-  static int sm_count[64] = {};
   int device = call.device;
   if (device < 0 || device >= 64) fail(op_name, ": unsupported device index ", std::to_string(device));
   if (sm_count[device] == 0) {

@@ -87,6 +87,8 @@ using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder
 using GemmKernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop, CollectiveEpilogue>;
 using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 
+static int sm_count[64] = {};  // per device: set up once (coda::prepare), by this library for its kernel
+
 // One call, or its size query (call.query: the workspace bytes it needs; nothing is launched).
 // a: [M, K] or [L, M, K]; b: [N, K] or [L, N, K] (any strides the layout allows); d: like the output.
 // inputs / outputs: the operands and auxiliary outputs in the order the plan binds them.
@@ -125,7 +127,7 @@ int64_t run(coda::Call const& call) {
       {evt_args, nullptr, dD, ptr_D, dD}};
   args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::Heuristic;
   args.scheduler.max_swizzle_size = 8;
-  size_t gemm_ws_size = coda::prepare<Gemm>(args, call, op_name);
+  size_t gemm_ws_size = coda::prepare<Gemm>(args, call, op_name, sm_count);
   void* gemm_ws = ws.take(int64_t(gemm_ws_size));
   if (call.query) return ws.used();
   coda::launch<Gemm>(args, gemm_ws, gemm_ws_size, call, op_name);
