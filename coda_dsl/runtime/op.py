@@ -259,7 +259,7 @@ class CompiledOp:
         self._widened = frozenset(plan.widened)
         self._wide = frozenset(plan.wide)
         self._table = None  # its call layouts for the C++ warm path (runtime/warm.py), from the first launch
-        self._tried: dict[tuple, object] = {}  # call layouts offered to that table
+        self._tried: dict[tuple, bool] = {}  # call layouts offered to that table
 
     @classmethod
     def create(cls, epilogue: Epilogue, sig: Signature) -> "CompiledOp":
@@ -386,7 +386,7 @@ class CompiledOp:
             return _recorded(self._where, lambda: self.run(A, B, operands, None, layout), A, B, operands, out)
         table = None
         if out is None and layout not in self._tried:  # offered to the warm path once per layout
-            table = remember(self._tried, layout, self._warm_table)
+            table = remember(self._tried, layout, True) and self._warm_table
         return self.run(A, B, operands, out, layout, table)
 
     def _warm_table(self):
