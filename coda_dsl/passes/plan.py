@@ -20,7 +20,9 @@ class Config:
     the order in which persistent CTAs walk the output tiles (raster "m": down the M tiles first,
     "n": along N first, "auto": along the shorter side) in swizzled groups of `swizzle` tiles, which
     keeps one wave's A and B slices in L2 (8: 2-7 % faster than 1 at N >= 14336 on the H200), and
-    "streamk" to split the last wave's work along K."""
+    "streamk" to split the last wave's work along K. `swizzle` is the most a launch uses: a smaller one
+    where rounding the tile grid up to whole groups would run over 2 % more (empty) tiles
+    (csrc/coda_dsl/evt.h: swizzle_for)."""
 
     tile: tuple[int, int, int] = (128, 256, 64)
     cluster: tuple[int, int] = (2, 1)

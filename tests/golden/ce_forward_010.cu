@@ -137,7 +137,7 @@ int64_t run(coda::Call const& call) {
       {reinterpret_cast<ElementAB const*>(a.data_ptr()), dA, reinterpret_cast<ElementAB const*>(b.data_ptr()), dB},
       {evt_args, nullptr, dD, ptr_D, dD}};
   args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::Heuristic;
-  args.scheduler.max_swizzle_size = 8;
+  args.scheduler.max_swizzle_size = coda::swizzle_for<TileShape, ClusterShape>(M, N, 8);
   size_t gemm_ws_size = coda::prepare<Gemm>(args, call, op_name, sm_count);
   void* gemm_ws = ws.take(int64_t(gemm_ws_size));
   if (call.query) return ws.used();
