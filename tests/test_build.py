@@ -1,12 +1,14 @@
 """Tests of coda_dsl.build: keys, cache validity, locking, errors, toolchain discovery.
 
-Builds are mocked (builder._run_ninja) except two real nvcc runs: a failing 3-line .cu (error format)
-and a compile-only build of a tiny TU with CUTLASS and torch headers (proves the flags).
+Builds are mocked (builder._run_ninja) except three real nvcc runs: a failing 3-line .cu (error format),
+a compile-only build of a tiny TU with CUTLASS and coda_dsl's headers (proves the flags), and a host
+program of the per-launch swizzle rule (csrc/coda_dsl/schedule.h).
 """
 import json
 import multiprocessing
 import os
 import shutil
+import subprocess
 import threading
 from pathlib import Path
 
@@ -354,3 +356,34 @@ def test_real_compile_only_build(cache_root):
     assert o.exists() and o.stat().st_size > 0
     log = (o.parent / "build.log").read_text()
     assert "-gencode=arch=compute_90a,code=sm_90a" in log and "-std=c++20" in log
+
+
+# (tile M, tile N, cluster M, cluster N, M, N, the config's swizzle) -> the swizzle a launch takes
+SWIZZLE_CASES = [
+    ((128, 256, 2, 1, 777, 4104, 8), 1),      # 7 x 17 tiles: run as 16 x 24 = 384 with 8, as 8 x 17 = 136 with 1
+    ((128, 256, 2, 1, 1000, 8200, 8), 1),     # 8 x 33: 16 x 40 with 8, 8 x 33 with 1
+    ((128, 128, 2, 1, 1536, 128256, 8), 2),   # 12 x 1002: 16128 with 8, 16064 with 4, 12024 with 2
+    ((128, 128, 2, 1, 4096, 128256, 8), 8),   # 32 x 1002: 32256 with 8, within 2 % of 32064
+    ((128, 128, 2, 1, 8192, 14336, 8), 8),    # whole groups: Llama's shapes keep 8
+    ((128, 192, 2, 1, 8192, 6144, 8), 8),
+    ((128, 256, 2, 1, 8192, 4096, 4), 4),     # never more than the config's
+    ((128, 128, 1, 2, 8192, 28672, 8), 8),
+]
+
+
+@needs_nvcc
+def test_swizzle_per_launch(tmp_path):
+    """csrc/coda_dsl/schedule.h's rule, compiled on the host with CUTLASS's own rounding."""
+    tc = b.toolchain()
+    calls = "\n".join(f"  std::printf(\"%d\\n\", coda::swizzle_for<Shape<Int<{tm}>, Int<{tn}>, _64>, "
+                      f"Shape<Int<{cm}>, Int<{cn}>, _1>>({m}, {n}, {most}));"
+                      for (tm, tn, cm, cn, m, n, most), _ in SWIZZLE_CASES)
+    src = tmp_path / "swizzle.cu"
+    src.write_text(f"#include <cstdio>\n#include \"coda_dsl/schedule.h\"\nusing namespace cute;\n"
+                   f"int main() {{\n{calls}\n  return 0;\n}}\n")
+    exe = tmp_path / "swizzle"
+    includes = [f"-I{d}" for d in (*tc.cutlass_include, tc.csrc_include)]
+    subprocess.run([tc.nvcc, "-std=c++20", "--expt-relaxed-constexpr", *includes, str(src), "-o", str(exe)],
+                   check=True, capture_output=True)
+    got = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()
+    assert [int(g) for g in got] == [want for _, want in SWIZZLE_CASES]
