@@ -317,3 +317,23 @@ def test_warm_path_refusal_is_a_kernel_error(warm_path):
     with pytest.raises(cd.KernelError, match="CUTLASS cannot run this problem"):
         run(a, b, **{**ops, op.plan.scalars[0]: -1.0})  # the stub refuses a negative first scalar
     assert len(python) == 1
+
+
+def test_warm_path_unavailable_is_one_warning(stub, fake_kernels, monkeypatch):
+    """Where the extension cannot be built, one warning, and every call takes the Python path."""
+    import warnings
+    from coda_dsl.runtime import warm
+    k, seen = stub
+    monkeypatch.setattr(runtime.CompiledOp, "load", lambda self: setattr(self, "_op", k) or self)
+    monkeypatch.setattr(warm, "_module", None)
+    monkeypatch.setattr(warm, "_failed", False)
+    monkeypatch.setattr(warm, "_load", lambda: (_ for _ in ()).throw(RuntimeError("c++: not found")))
+    bf = dict(dtype=torch.bfloat16)
+    a, b = torch.randn(64, 32, **bf), torch.randn(16, 32, **bf)
+    with pytest.warns(UserWarning, match=r"C\+\+ warm call path is not available \(RuntimeError: c\+\+: not found\)"):
+        cd.gemm(a, b, warm_ep, backend="cutlass", **_warm_operands())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning
+        for _ in range(2):
+            out = cd.gemm(a, b, warm_ep, backend="cutlass", **_warm_operands())
+    assert seen.int("launches") == 3 and seen.tensors()[2] == expected(out["D"])

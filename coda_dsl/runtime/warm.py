@@ -40,18 +40,21 @@ def _load():
     """The extension module, built first if this torch and Python have none yet."""
     directory = _directory()
     path = directory / "coda_warm.so"
-    if not path.exists():
-        from torch.utils import cpp_extension
-        print("coda_dsl: building the warm call path (C++, once per torch and Python version) ...",
-              file=sys.stderr, flush=True)
-        directory.mkdir(parents=True, exist_ok=True)
-        return cpp_extension.load("coda_warm", [str(csrc_dir() / "coda_dsl" / "warm.cpp")],
-                                  extra_include_paths=[str(csrc_dir())], extra_cflags=["-O2"],
-                                  build_directory=str(directory))
-    loader = importlib.machinery.ExtensionFileLoader("coda_warm", str(path))
-    module = importlib.util.module_from_spec(importlib.util.spec_from_loader("coda_warm", loader))
-    loader.exec_module(module)
-    return module
+    if path.exists():
+        try:
+            loader = importlib.machinery.ExtensionFileLoader("coda_warm", str(path))
+            module = importlib.util.module_from_spec(importlib.util.spec_from_loader("coda_warm", loader))
+            loader.exec_module(module)
+            return module
+        except ImportError:  # another process still writing it, or damaged: torch's builder decides
+            pass
+    from torch.utils import cpp_extension
+    print("coda_dsl: building the warm call path (C++, once per torch and Python version) ...",
+          file=sys.stderr, flush=True)
+    directory.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load("coda_warm", [str(csrc_dir() / "coda_dsl" / "warm.cpp")],
+                              extra_include_paths=[str(csrc_dir())], extra_cflags=["-O2"],
+                              build_directory=str(directory))
 
 
 def module():
