@@ -169,15 +169,15 @@ PyObject* table_call(Table* self, PyObject* const* args, Py_ssize_t nargs) {
     }
     // Python objects from here on: a collection may run code that adds to (or clears) this table, so
     // nothing of `e` is read after the names are held
-    std::vector<PyObject*> names;
-    for (Output const& o : e.outputs) Py_INCREF(o.name), names.push_back(o.name);
+    std::vector<PyObject*> held;
+    for (Output const& o : e.outputs) Py_INCREF(o.name), held.push_back(o.name);
     PyObject* result = PyDict_New();
     for (size_t i = 0; result && i < outs.size(); ++i) {
       PyObject* t = THPVariable_Wrap(std::move(outs[i]));
-      if (!t || PyDict_SetItem(result, names[i], t) < 0) Py_CLEAR(result);
+      if (!t || PyDict_SetItem(result, held[i], t) < 0) Py_CLEAR(result);
       Py_XDECREF(t);
     }
-    for (PyObject* name : names) Py_DECREF(name);
+    for (PyObject* name : held) Py_DECREF(name);
     return result;
   }
   Py_RETURN_NONE;
