@@ -21,7 +21,7 @@ typedef struct { int64_t data, dim, sizes[3], strides[3]; } TensorArg;  /* abi.h
 typedef struct { int64_t n_tensors, n_scalars, device, stream, workspace, workspace_size; } CallArgs;
 
 TensorArg seen[16];
-double seen_scalars[8];
+double seen_scalars[128];  /* room for an epilogue of many operands */
 int64_t seen_n, seen_n_scalars, seen_ws_size, queries, launches;
 int64_t seen_device, seen_stream, seen_ws;
 
@@ -71,7 +71,7 @@ class Seen:
         return [tuple(arr[8 * i:8 * i + 8]) for i in range(self.int("seen_n"))]
 
     def scalars(self):
-        arr = (ctypes.c_double * 8).in_dll(self.lib, "seen_scalars")
+        arr = (ctypes.c_double * 128).in_dll(self.lib, "seen_scalars")
         return list(arr[:self.int("seen_n_scalars")])
 
 
@@ -337,3 +337,66 @@ def test_warm_path_unavailable_is_one_warning(stub, fake_kernels, monkeypatch):
         for _ in range(2):
             out = cd.gemm(a, b, warm_ep, backend="cutlass", **_warm_operands())
     assert seen.int("launches") == 3 and seen.tensors()[2] == expected(out["D"])
+
+
+def test_warm_path_keeps_the_newest_layouts_and_takes_them_again(warm_path):
+    """A table holds the newest 256 layouts; an older one is offered again at its next (Python) call, as is a
+    layout whose first call autograd recorded."""
+    seen, python = warm_path
+    bf = dict(dtype=torch.bfloat16)
+    b = torch.randn(16, 32, **bf)
+    ms = [8 * (i + 1) for i in range(260)]
+    for m in ms:  # 260 layouts: the first 4 are dropped
+        cd.gemm(torch.randn(m, 32, **bf), b, warm_ep, backend="cutlass", **_warm_operands(m=m))
+    assert len(python) == 260
+    for m in ms[-3:] + ms[:1] + ms[:1]:  # the newest from C++; the oldest through Python once, then C++
+        cd.gemm(torch.randn(m, 32, **bf), b, warm_ep, backend="cutlass", **_warm_operands(m=m))
+    assert len(python) == 261
+    x = torch.randn(64, 32, **bf, requires_grad=True)
+    run = lambda: cd.gemm(x, b, warm_ep, backend="cutlass", **_warm_operands(m=64))  # noqa: E731
+    run()  # recorded by autograd: the Python path, not offered
+    with torch.no_grad():
+        run(), run()  # offered at the first, from C++ at the second
+    assert len(python) == 263
+
+
+def test_warm_path_leaves_calls_with_many_operands_to_python(warm_path):
+    """An epilogue with more operands than the C++ path matches: every call takes the Python path, none fails."""
+    seen, python = warm_path
+    n = 70
+    src = "def many(acc, " + ", ".join(f"s{i}: cd.Scalar" for i in range(n)) + "):\n    return acc"
+    src += "".join(f" + s{i}" for i in range(n)) + "\n"
+    scope = {"cd": cd}
+    exec(src, scope)  # noqa: S102 (an epilogue of 70 operands, written out)
+    many = cd.epilogue(scope["many"])
+    bf = dict(dtype=torch.bfloat16)
+    a, b = torch.randn(64, 32, **bf), torch.randn(16, 32, **bf)
+    ops = {f"s{i}": float(i) for i in range(n)}
+    op = cd.compile(many, a, b, **ops)
+    for _ in range(2):
+        assert list(op(a, b, **ops)) == ["D"] and list(cd.gemm(a, b, many, backend="cutlass", **ops)) == ["D"]
+    assert len(python) == 4 and seen.scalars()[:3] == [float(ops[s]) for s in op.plan.scalars[:3]]
+
+
+def test_warm_path_leaves_calls_under_a_dispatch_mode_to_python(warm_path):
+    """Under a TorchDispatchMode the allocations are the mode's to see (and may run code that calls again):
+    the Python path, as for torch's own ops."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    seen, python = warm_path
+    bf = dict(dtype=torch.bfloat16)
+    a, b = torch.randn(64, 32, **bf), torch.randn(16, 32, **bf)
+    op = cd.compile(warm_ep, a, b, **_warm_operands())
+    op(a, b, **_warm_operands())
+    op(a, b, **_warm_operands())
+    seen_ops = []
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen_ops.append(func)
+            if len(seen_ops) == 1:  # code that calls the op again, with a new layout, mid-call
+                op(torch.randn(32, 32, **bf), b, **_warm_operands(m=32))
+            return func(*args, **(kwargs or {}))
+
+    with Mode():
+        out = op(a, b, **_warm_operands())
+    assert len(python) == 3 and torch.ops.aten.empty.memory_format in seen_ops and list(out) == ["D", "rowsum"]

@@ -259,7 +259,6 @@ class CompiledOp:
         self._widened = frozenset(plan.widened)
         self._wide = frozenset(plan.wide)
         self._table = None  # its call layouts for the C++ warm path (runtime/warm.py), from the first launch
-        self._tried: dict[tuple, bool] = {}  # call layouts offered to that table
 
     @classmethod
     def create(cls, epilogue: Epilogue, sig: Signature) -> "CompiledOp":
@@ -384,10 +383,8 @@ class CompiledOp:
             grads = remember(self._checked, layout, _requires_grad(A, B, operands))
         if grads and torch.is_grad_enabled():  # as cd.gemm: no derivative
             return _recorded(self._where, lambda: self.run(A, B, operands, None, layout), A, B, operands, out)
-        table = None
-        if out is None and layout not in self._tried:  # offered to the warm path once per layout
-            table = remember(self._tried, layout, True) and self._warm_table
-        return self.run(A, B, operands, out, layout, table)
+        # offered to the warm path (which keeps a layout once, and only the newest ones)
+        return self.run(A, B, operands, out, layout, self._warm_table if out is None else None)
 
     def _warm_table(self):
         if self._table is None:
@@ -611,11 +608,11 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
     if out is None and accumulate is False and deterministic.__class__ is bool and tune.__class__ in (bool, type(None)):
         try:
             table_key = (epilogue, backend, config, deterministic, _tuning if tune is None else tune)
-            table = _tables.get(table_key)
+            known = _tables.get(table_key)
         except TypeError:  # an unhashable option: the checks below explain it
-            table_key = table = None
-        if table and not torch.compiler.is_compiling():
-            outs = table.call(A, B, operands)  # a layout launched before: in C++ (runtime/warm.py)
+            table_key = known = None
+        if known and not torch.compiler.is_compiling():
+            outs = known.call(A, B, operands)  # a layout launched before: in C++ (runtime/warm.py)
             if outs is not None:
                 return outs
     ep = epilogue_of("cd.gemm", epilogue, operands)
@@ -636,10 +633,11 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
     options = (backend, config, deterministic, accumulate, tune)
     warm_key = (options, _call_layout(_facts(ep).kinds, A, B, operands, out))
     hit = _warm.get(ep, {}).get(warm_key)  # (op, whether an input requires grad): a layout checked before
+    table = (lambda: _warm_table(table_key, ep)) if table_key is not None else None
     if hit is not None and not (hit[1] and torch.is_grad_enabled()):
-        return hit[0].run(A, B, operands, out, warm_key)
+        return hit[0].run(A, B, operands, out, warm_key, table)
     if not (torch.is_grad_enabled() and _requires_grad(A, B, operands)):  # what autograd does not record
-        return _gemm(ep, A, B, out, options, operands, warm_key, table_key)
+        return _gemm(ep, A, B, out, options, operands, warm_key, table)
     return _recorded(_where(ep), lambda: hit[0].run(A, B, operands, None, warm_key) if hit else
                      _gemm(ep, A, B, None, options, operands, warm_key), A, B, operands, out)
 
@@ -677,10 +675,10 @@ class _NoDerivative(torch.autograd.Function):
 
 
 def _gemm(ep: Epilogue, A, B, out: dict | None, options: tuple, operands: dict, warm_key: tuple,
-          table_key: tuple | None = None) -> dict[str, torch.Tensor]:
+          table=None) -> dict[str, torch.Tensor]:
     """cd.gemm's first call of a layout: checked, specialized and launched; the op is kept for the warm
-    path under warm_key (the options and the call's layout), and the launch for the C++ warm path under
-    table_key (the options as passed) where that path can repeat it."""
+    path under warm_key (the options and the call's layout), and the launch offered to the C++ warm path's
+    table (a function giving it; CompiledOp.launch)."""
     backend, config, deterministic, accumulate, tune = options
     call = _normalize(ep, A, B, operands, out)
     cfg = _config(ep, config)
@@ -705,7 +703,6 @@ def _gemm(ep: Epilogue, A, B, out: dict | None, options: tuple, operands: dict, 
         _collected.setdefault(op.key, op)
         return run_reference(ep, call, out, accumulate)
     remember(_warm.setdefault(ep, {}), warm_key, (op, _requires_grad(A, B, operands)))
-    table = (lambda: _warm_table(table_key, ep)) if table_key is not None else None
     return _unfold_batch(op.launch(folded, folded_out, table=table), folded)
 
 
@@ -778,8 +775,9 @@ def _choose_config(spec, call: Call, tune: bool, key: tuple) -> Config:
 
 
 def clear() -> None:
-    """Forget every in-process specialization, config choice and warm-path entry, as a fresh process
-    would start: the next call specializes, chooses its config (recorded or default) and checks again.
+    """Forget every in-process specialization, config choice and cd.gemm warm-path entry (Python and C++), as
+    a fresh process would start: the next call specializes, chooses its config (recorded or default) and
+    checks again. A CompiledOp kept by the caller keeps its own (its kernel does not change).
     Built kernels stay in the disk cache (`coda-dsl cache clear` removes those)."""
     with _lock:
         _ops.clear()

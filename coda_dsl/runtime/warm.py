@@ -39,22 +39,20 @@ def _directory():
 def _load():
     """The extension module, built first if this torch and Python have none yet."""
     directory = _directory()
-    path = directory / "coda_warm.so"
-    if path.exists():
-        try:
-            loader = importlib.machinery.ExtensionFileLoader("coda_warm", str(path))
-            module = importlib.util.module_from_spec(importlib.util.spec_from_loader("coda_warm", loader))
-            loader.exec_module(module)
-            return module
-        except ImportError:  # another process still writing it, or damaged: torch's builder decides
-            pass
+    if (directory / "ready").exists():  # written once a build has finished: the file is whole
+        loader = importlib.machinery.ExtensionFileLoader("coda_warm", str(directory / "coda_warm.so"))
+        module = importlib.util.module_from_spec(importlib.util.spec_from_loader("coda_warm", loader))
+        loader.exec_module(module)
+        return module
     from torch.utils import cpp_extension
     print("coda_dsl: building the warm call path (C++, once per torch and Python version) ...",
           file=sys.stderr, flush=True)
     directory.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load("coda_warm", [str(csrc_dir() / "coda_dsl" / "warm.cpp")],
-                              extra_include_paths=[str(csrc_dir())], extra_cflags=["-O2"],
-                              build_directory=str(directory))
+    module = cpp_extension.load("coda_warm", [str(csrc_dir() / "coda_dsl" / "warm.cpp")],  # locks the directory
+                                extra_include_paths=[str(csrc_dir())], extra_cflags=["-O2"],
+                                build_directory=str(directory))
+    build.atomic_write(directory / "ready", "")
+    return module
 
 
 def module():
@@ -83,7 +81,7 @@ def table(names):
 
 def add(table, kernel, tensors: list, n_scalars: int, inputs: list, outputs: list, scalars: list,
         consts: list) -> None:
-    """Adds the layout of a launch that just ran: `tensors` and `n_scalars` as the kernel got them (abi.h).
+    """Offers the layout of a launch that just ran (the table keeps it once, and only the newest layouts): `tensors` and `n_scalars` as the kernel got them (abi.h).
     inputs: (call value, its slot among `tensors`, the tensor), call value 0: A, 1: B, 2 + i: operand i,
     slot -1: matched but not read; outputs: (name, slot, the tensor allocated for it); scalars: (call
     value, its index among the scalars, -1: matched but not read); consts: (call value, the value the

@@ -8,14 +8,17 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -25,6 +28,8 @@ namespace {
 
 using Launch = int (*)(coda::CallArgs const*, char*, int64_t);
 constexpr int64_t kMessageBytes = 1024;
+constexpr size_t kMostValues = 64;    // A, B and the operands of one call (call()'s arrays)
+constexpr size_t kMostEntries = 256;  // layouts per table; the oldest goes first
 
 struct Input {  // A, B or an operand tensor, as the layout has it
   int source;   // index into the call's values: 0 = A, 1 = B, 2 + i = the table's operand i
@@ -36,7 +41,7 @@ struct Input {  // A, B or an operand tensor, as the layout has it
 };
 
 struct Output {
-  PyObject* name;  // owned
+  PyObject* name;  // owned by the Entry
   std::vector<int64_t> sizes;
   c10::ScalarType dtype;
   int slot;
@@ -51,12 +56,23 @@ struct Entry {
   int64_t workspace_size = 0;
   c10::Device device = c10::Device(c10::kCPU);
   Launch launch = nullptr;
+
+  Entry() = default;
+  Entry(Entry const&) = delete;
+  Entry& operator=(Entry const&) = delete;
+  ~Entry() {  // with the GIL: tables live and die in Python
+    for (Output& o : outputs) Py_XDECREF(o.name);
+  }
 };
+
+// Entries are shared: a call holds its own while Python code it runs (an allocation under a dispatch
+// mode, a collection) could add to the table or drop the entry from it.
+using Entries = std::vector<std::shared_ptr<Entry const>>;
 
 struct Table {
   PyObject_HEAD
   std::vector<PyObject*>* names;  // the epilogue's operands (owned references)
-  std::vector<Entry>* entries;
+  Entries* entries;
   char message[kMessageBytes];
 };
 
@@ -100,6 +116,30 @@ void put(std::string& block, size_t offset, T value) {
 
 size_t tensor_offset(int slot) { return sizeof(coda::CallArgs) + size_t(slot) * sizeof(coda::TensorArg); }
 
+// The entry of `entries` that this call matches, or null.
+std::shared_ptr<Entry const> match(Entries const& entries, PyObject* const* values, double* scalars) {
+  bool const grad = at::GradMode::is_enabled();
+  for (auto const& e : entries) {
+    bool ok = true;
+    for (size_t i = 0; ok && i < e->inputs.size(); ++i) {
+      PyObject* v = values[e->inputs[i].source];
+      // exactly a tensor (or a Parameter): a subclass may change what its metadata means, so Python sees it
+      try {
+        ok = THPVariable_CheckExact(v) && matches(e->inputs[i], THPVariable_Unpack(v), grad);
+      } catch (std::exception const&) {  // metadata it cannot give (no storage): the Python path decides
+        ok = false;
+      }
+    }
+    for (size_t i = 0; ok && i < e->scalars.size(); ++i) ok = number(values[e->scalars[i].first], &scalars[i]);
+    for (size_t i = 0; ok && i < e->consts.size(); ++i) {
+      double c;
+      ok = number(values[e->consts[i].first], &c) && same_const(c, e->consts[i].second);
+    }
+    if (ok) return e;
+  }
+  return nullptr;
+}
+
 // table.call(A, B, operands: dict) -> {output name: tensor}, or None where no layout matches.
 PyObject* table_call(Table* self, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS  // torch's errors (an allocation that runs out of memory) as its Python exceptions
@@ -109,9 +149,10 @@ PyObject* table_call(Table* self, PyObject* const* args, Py_ssize_t nargs) {
   }
   auto const& names = *self->names;
   PyObject* operands = args[2];
-  if (PyDict_GET_SIZE(operands) != Py_ssize_t(names.size()) || self->entries->empty()) Py_RETURN_NONE;
-  PyObject* values[64];
-  if (names.size() + 2 > 64) Py_RETURN_NONE;
+  if (PyDict_GET_SIZE(operands) != Py_ssize_t(names.size()) || self->entries->empty() ||
+      names.size() + 2 > kMostValues || c10::impl::TorchDispatchModeTLS::stack_len() > 0)
+    Py_RETURN_NONE;  // a dispatch mode would see the allocations: the Python path, as torch's ops
+  PyObject* values[kMostValues];
   values[0] = args[0];
   values[1] = args[1];
   for (size_t i = 0; i < names.size(); ++i) {
@@ -121,66 +162,50 @@ PyObject* table_call(Table* self, PyObject* const* args, Py_ssize_t nargs) {
       Py_RETURN_NONE;
     }
   }
-  bool const grad = at::GradMode::is_enabled();
-  for (Entry const& e : *self->entries) {
-    at::Tensor const* tensors[64];
-    bool ok = true;
-    for (size_t i = 0; ok && i < e.inputs.size(); ++i) {
-      PyObject* v = values[e.inputs[i].source];
-      // exactly a tensor (or a Parameter): a subclass may change what its metadata means, so Python sees it
-      ok = THPVariable_CheckExact(v) && matches(e.inputs[i], THPVariable_Unpack(v), grad);
-      if (ok) tensors[i] = &THPVariable_Unpack(v);
-    }
-    double scalars[64];
-    for (size_t i = 0; ok && i < e.scalars.size(); ++i) ok = number(values[e.scalars[i].first], &scalars[i]);
-    for (size_t i = 0; ok && i < e.consts.size(); ++i) {
-      double c;
-      ok = number(values[e.consts[i].first], &c) && same_const(c, e.consts[i].second);
-    }
-    if (!ok) continue;
+  double scalars[kMostValues];
+  std::shared_ptr<Entry const> const e = match(*self->entries, values, scalars);
+  if (!e) Py_RETURN_NONE;
 
-    std::string block = e.block;
-    for (size_t i = 0; i < e.inputs.size(); ++i)
-      if (e.inputs[i].slot >= 0)
-        put(block, tensor_offset(e.inputs[i].slot), int64_t(reinterpret_cast<uintptr_t>(tensors[i]->data_ptr())));
-    std::vector<at::Tensor> outs;
-    outs.reserve(e.outputs.size());
-    for (Output const& o : e.outputs) {
-      outs.push_back(at::empty(o.sizes, at::TensorOptions().dtype(o.dtype).device(e.device)));
-      put(block, tensor_offset(o.slot), int64_t(reinterpret_cast<uintptr_t>(outs.back().data_ptr())));
-    }
-    size_t const n_tensors = size_t(reinterpret_cast<coda::CallArgs const*>(block.data())->n_tensors);
-    for (size_t i = 0; i < e.scalars.size(); ++i)
-      if (e.scalars[i].second >= 0)
-        put(block, tensor_offset(int(n_tensors)) + sizeof(double) * size_t(e.scalars[i].second), scalars[i]);
-    // held until the launch is queued: freed after it, the caching allocator reuses it in stream order
-    at::Tensor workspace;
-    if (e.workspace_size) {
-      workspace = at::empty({e.workspace_size}, at::TensorOptions().dtype(at::kByte).device(e.device));
-      put(block, offsetof(coda::CallArgs, workspace), int64_t(reinterpret_cast<uintptr_t>(workspace.data_ptr())));
-    }
-    if (e.device.is_cuda()) {
-      c10::Stream stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(e.device);
-      put(block, offsetof(coda::CallArgs, stream), int64_t(reinterpret_cast<uintptr_t>(stream.native_handle())));
-    }
-    if (e.launch(reinterpret_cast<coda::CallArgs const*>(block.data()), self->message, kMessageBytes)) {
-      PyErr_SetString(kernel_error ? kernel_error : PyExc_RuntimeError, self->message);
-      return nullptr;
-    }
-    // Python objects from here on: a collection may run code that adds to (or clears) this table, so
-    // nothing of `e` is read after the names are held
-    std::vector<PyObject*> held;
-    for (Output const& o : e.outputs) Py_INCREF(o.name), held.push_back(o.name);
-    PyObject* result = PyDict_New();
-    for (size_t i = 0; result && i < outs.size(); ++i) {
-      PyObject* t = THPVariable_Wrap(std::move(outs[i]));
-      if (!t || PyDict_SetItem(result, held[i], t) < 0) Py_CLEAR(result);
-      Py_XDECREF(t);
-    }
-    for (PyObject* name : held) Py_DECREF(name);
-    return result;
+  std::string block = e->block;
+  for (Input const& in : e->inputs)  // the tensors matched above, still alive in `values`
+    if (in.slot >= 0)
+      put(block, tensor_offset(in.slot),
+          int64_t(reinterpret_cast<uintptr_t>(THPVariable_Unpack(values[in.source]).data_ptr())));
+  size_t const n_tensors = size_t(reinterpret_cast<coda::CallArgs const*>(block.data())->n_tensors);
+  for (size_t i = 0; i < e->scalars.size(); ++i)
+    if (e->scalars[i].second >= 0)
+      put(block, tensor_offset(int(n_tensors)) + sizeof(double) * size_t(e->scalars[i].second), scalars[i]);
+  std::vector<at::Tensor> outs;
+  outs.reserve(e->outputs.size());
+  for (Output const& o : e->outputs) {
+    outs.push_back(at::empty(o.sizes, at::TensorOptions().dtype(o.dtype).device(e->device)));
+    put(block, tensor_offset(o.slot), int64_t(reinterpret_cast<uintptr_t>(outs.back().data_ptr())));
   }
-  Py_RETURN_NONE;
+  // held until the launch is queued: freed after it, the caching allocator reuses it in stream order
+  at::Tensor workspace;
+  if (e->workspace_size) {
+    workspace = at::empty({e->workspace_size}, at::TensorOptions().dtype(at::kByte).device(e->device));
+    put(block, offsetof(coda::CallArgs, workspace), int64_t(reinterpret_cast<uintptr_t>(workspace.data_ptr())));
+  }
+  if (e->device.is_cuda()) {
+    c10::Stream stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(e->device);
+    put(block, offsetof(coda::CallArgs, stream), int64_t(reinterpret_cast<uintptr_t>(stream.native_handle())));
+  }
+  if (e->launch(reinterpret_cast<coda::CallArgs const*>(block.data()), self->message, kMessageBytes)) {
+    PyObject* text = PyUnicode_DecodeUTF8(self->message, Py_ssize_t(std::strlen(self->message)), "replace");
+    if (text) {
+      PyErr_SetObject(kernel_error ? kernel_error : PyExc_RuntimeError, text);
+      Py_DECREF(text);
+    }
+    return nullptr;
+  }
+  PyObject* result = PyDict_New();
+  for (size_t i = 0; result && i < outs.size(); ++i) {
+    PyObject* t = THPVariable_Wrap(std::move(outs[i]));
+    if (!t || PyDict_SetItem(result, e->outputs[i].name, t) < 0) Py_CLEAR(result);
+    Py_XDECREF(t);
+  }
+  return result;
   END_HANDLE_TH_ERRORS
 }
 
@@ -207,10 +232,46 @@ at::Tensor const* tensor_arg(PyObject* v) {
   return &THPVariable_Unpack(v);
 }
 
-// table.add(inputs, scalars, consts, outputs, block: bytes, workspace_size, launch: int)
+// Calls `each(item)` for every item of `seq`; false (with a Python error) as soon as one fails.
+template <class Each>
+bool for_each_item(PyObject* seq, Each&& each) {
+  PyObject* it = PyObject_GetIter(seq);
+  if (!it) return false;
+  PyObject* item;
+  bool ok = true;
+  while (ok && (item = PyIter_Next(it))) {
+    ok = each(item);
+    Py_DECREF(item);
+  }
+  Py_DECREF(it);
+  return ok && !PyErr_Occurred();
+}
+
+bool same_entry(Entry const& a, Entry const& b) {
+  auto same_inputs = [](Input const& x, Input const& y) {
+    return x.source == y.source && x.slot == y.slot && x.dtype == y.dtype && x.device == y.device &&
+           x.dim == y.dim && x.align == y.align && std::equal(x.sizes, x.sizes + 3, y.sizes) &&
+           std::equal(x.strides, x.strides + 3, y.strides);
+  };
+  auto same_outputs = [](Output const& x, Output const& y) {
+    return x.slot == y.slot && x.dtype == y.dtype && x.sizes == y.sizes && PyUnicode_Compare(x.name, y.name) == 0;
+  };
+  auto same_consts = [](std::pair<int, double> const& x, std::pair<int, double> const& y) {
+    return x.first == y.first && same_const(x.second, y.second);
+  };
+  return a.block == b.block && a.launch == b.launch && a.workspace_size == b.workspace_size &&
+         a.device == b.device && a.scalars == b.scalars &&
+         std::equal(a.inputs.begin(), a.inputs.end(), b.inputs.begin(), b.inputs.end(), same_inputs) &&
+         std::equal(a.outputs.begin(), a.outputs.end(), b.outputs.begin(), b.outputs.end(), same_outputs) &&
+         std::equal(a.consts.begin(), a.consts.end(), b.consts.begin(), b.consts.end(), same_consts);
+}
+
+// table.add(inputs, scalars, consts, outputs, block: bytes, workspace_size, launch: int) -> bool
 //   inputs:  [(source, slot, tensor)]  the layout is read from the tensor
 //   scalars: [(source, index)]; consts: [(source, value)]
 //   outputs: [(name, sizes, like: a tensor of the output's dtype and device, slot)]
+// True once the table has the layout (added now, or before); False where call() could not hold it
+// (too many values). A malformed layout (a slot outside the block, one left empty) raises ValueError.
 PyObject* table_add(Table* self, PyObject* args) {
   HANDLE_TH_ERRORS
   PyObject *inputs, *scalars, *consts, *outputs;
@@ -220,101 +281,87 @@ PyObject* table_add(Table* self, PyObject* args) {
   if (!PyArg_ParseTuple(args, "OOOOy#LL", &inputs, &scalars, &consts, &outputs, &block, &block_size, &workspace_size,
                         &launch))
     return nullptr;
-  Entry e;
-  e.block.assign(block, size_t(block_size));
-  e.workspace_size = workspace_size;
-  e.launch = reinterpret_cast<Launch>(static_cast<uintptr_t>(launch));
-  PyObject* item;
-  PyObject* it = PyObject_GetIter(inputs);
-  if (!it) return nullptr;
-  while ((item = PyIter_Next(it))) {
+  auto e = std::make_shared<Entry>();
+  e->block.assign(block, size_t(block_size));
+  e->workspace_size = workspace_size;
+  e->launch = reinterpret_cast<Launch>(static_cast<uintptr_t>(launch));
+  bool ok = for_each_item(inputs, [&](PyObject* item) {
     int source, slot;
     PyObject* tensor;
-    bool ok = PyArg_ParseTuple(item, "iiO", &source, &slot, &tensor);
-    at::Tensor const* t = ok ? tensor_arg(tensor) : nullptr;
-    Py_DECREF(item);
-    if (!t || t->dim() > 3) {
-      if (t) PyErr_SetString(PyExc_ValueError, "at most 3 dimensions");
-      Py_DECREF(it);
-      return nullptr;
+    if (!PyArg_ParseTuple(item, "iiO", &source, &slot, &tensor)) return false;
+    at::Tensor const* t = tensor_arg(tensor);
+    if (!t) return false;
+    if (t->dim() > 3) {
+      PyErr_SetString(PyExc_ValueError, "coda_warm.Table.add: a tensor of more than 3 dimensions");
+      return false;
     }
     Input in{source, slot, t->scalar_type(), t->device(), t->dim(),
              int64_t(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16), {0, 0, 0}, {0, 0, 0}};
     for (int64_t i = 0; i < t->dim(); ++i) in.sizes[i] = t->sizes()[i], in.strides[i] = t->strides()[i];
-    e.inputs.push_back(in);
-    if (source == 0) e.device = t->device();
-  }
-  Py_DECREF(it);
-  if (PyErr_Occurred()) return nullptr;
-  for (PyObject* seq : {scalars, consts}) {
-    if (!(it = PyObject_GetIter(seq))) return nullptr;
-    while ((item = PyIter_Next(it))) {
-      int source, index;
-      double value;
-      bool ok = seq == scalars ? PyArg_ParseTuple(item, "ii", &source, &index)
-                               : PyArg_ParseTuple(item, "id", &source, &value);
-      Py_DECREF(item);
-      if (!ok) {
-        Py_DECREF(it);
-        return nullptr;
-      }
-      if (seq == scalars) e.scalars.emplace_back(source, index);
-      else e.consts.emplace_back(source, value);
-    }
-    Py_DECREF(it);
-    if (PyErr_Occurred()) return nullptr;
-  }
-  if (!(it = PyObject_GetIter(outputs))) return nullptr;
-  while ((item = PyIter_Next(it))) {
+    if (source == 0) e->device = t->device();
+    e->inputs.push_back(in);
+    return true;
+  });
+  ok = ok && for_each_item(scalars, [&](PyObject* item) {
+    int source, index;
+    if (!PyArg_ParseTuple(item, "ii", &source, &index)) return false;
+    e->scalars.emplace_back(source, index);
+    return true;
+  });
+  ok = ok && for_each_item(consts, [&](PyObject* item) {
+    int source;
+    double value;
+    if (!PyArg_ParseTuple(item, "id", &source, &value)) return false;
+    e->consts.emplace_back(source, value);
+    return true;
+  });
+  ok = ok && for_each_item(outputs, [&](PyObject* item) {
     PyObject *name, *sizes, *like;
     int slot;
-    Output o{nullptr, {}, c10::ScalarType::Undefined, 0};
-    bool ok = PyArg_ParseTuple(item, "UOOi", &name, &sizes, &like, &slot) && ints(sizes, o.sizes, 3);
-    at::Tensor const* t = ok ? tensor_arg(like) : nullptr;
-    if (t) {
-      o.dtype = t->scalar_type(), o.slot = slot, o.name = name;
-      Py_INCREF(name);
-      e.outputs.push_back(std::move(o));
-    }
-    Py_DECREF(item);
-    if (!t) {
-      Py_DECREF(it);
-      for (Output& out : e.outputs) Py_DECREF(out.name);
-      return nullptr;
-    }
-  }
-  Py_DECREF(it);
-  if (PyErr_Occurred()) return nullptr;
-  // Every slot inside the block, and few enough values for call()'s fixed arrays.
-  bool fits = e.block.size() >= sizeof(coda::CallArgs) && e.inputs.size() <= 64 && e.scalars.size() <= 64;
+    std::vector<int64_t> shape;
+    if (!PyArg_ParseTuple(item, "UOOi", &name, &sizes, &like, &slot) || !ints(sizes, shape, 3)) return false;
+    at::Tensor const* t = tensor_arg(like);
+    if (!t) return false;
+    Py_INCREF(name);
+    e->outputs.push_back(Output{name, std::move(shape), t->scalar_type(), slot});
+    return true;
+  });
+  if (!ok) return nullptr;
+
+  if (e->inputs.size() > kMostValues || e->scalars.size() > kMostValues || self->names->size() + 2 > kMostValues)
+    Py_RETURN_FALSE;  // more than call()'s arrays hold: such calls take the Python path
+  // Every slot of the block filled by exactly one tensor, every index inside the block.
+  bool fits = e->block.size() >= sizeof(coda::CallArgs);
   if (fits) {
-    auto const* header = reinterpret_cast<coda::CallArgs const*>(e.block.data());
-    auto source_ok = [&](int v) { return v >= 0 && size_t(v) < 2 + self->names->size() && v < 64; };
-    fits = e.block.size() == tensor_offset(int(header->n_tensors)) + sizeof(double) * size_t(header->n_scalars);
-    for (Input const& in : e.inputs) fits = fits && in.slot < header->n_tensors && source_ok(in.source);
-    for (Output const& o : e.outputs) fits = fits && o.slot >= 0 && o.slot < header->n_tensors;
-    for (auto const& [source, index] : e.scalars) fits = fits && index < header->n_scalars && source_ok(source);
-    for (auto const& c : e.consts) fits = fits && source_ok(c.first);
+    auto const* header = reinterpret_cast<coda::CallArgs const*>(e->block.data());
+    int64_t const n_tensors = header->n_tensors, n_scalars = header->n_scalars;
+    fits = n_tensors >= 0 && n_scalars >= 0 &&
+           e->block.size() == tensor_offset(int(n_tensors)) + sizeof(double) * size_t(n_scalars);
+    std::vector<int> filled(size_t(std::max<int64_t>(n_tensors, 0)), 0);
+    auto source_ok = [&](int v) { return v >= 0 && size_t(v) < 2 + self->names->size(); };
+    auto fill = [&](int slot) { return slot >= 0 && slot < n_tensors && ++filled[size_t(slot)] == 1; };
+    for (Input const& in : e->inputs) fits = fits && source_ok(in.source) && (in.slot == -1 || fill(in.slot));
+    for (Output const& o : e->outputs) fits = fits && fill(o.slot);
+    for (int f : filled) fits = fits && f == 1;
+    for (auto const& [source, index] : e->scalars) fits = fits && source_ok(source) && index >= -1 && index < n_scalars;
+    for (auto const& c : e->consts) fits = fits && source_ok(c.first);
   }
   if (!fits) {
-    for (Output& o : e.outputs) Py_DECREF(o.name);
-    PyErr_SetString(PyExc_ValueError, "coda_warm.Table.add: a slot outside the argument block");
+    PyErr_SetString(PyExc_ValueError, "coda_warm.Table.add: the layout's slots do not fill its argument block");
     return nullptr;
   }
-  if (self->entries->size() >= 64) {  // many layouts: forgotten rather than grown without bound
-    for (Entry& old : *self->entries)
-      for (Output& o : old.outputs) Py_DECREF(o.name);
-    self->entries->clear();
-  }
-  self->entries->push_back(std::move(e));
-  Py_RETURN_NONE;
+  auto& entries = *self->entries;
+  for (auto const& old : entries)
+    if (same_entry(*old, *e)) Py_RETURN_TRUE;  // offered again (its calls missed for other reasons)
+  if (entries.size() >= kMostEntries) entries.erase(entries.begin());
+  entries.push_back(std::move(e));
+  Py_RETURN_TRUE;
   END_HANDLE_TH_ERRORS
 }
 
 PyObject* table_clear(Table* self, PyObject*) {
-  for (Entry& e : *self->entries)
-    for (Output& o : e.outputs) Py_DECREF(o.name);
-  self->entries->clear();
+  Entries gone;
+  gone.swap(*self->entries);  // released after the table is consistent again
   Py_RETURN_NONE;
 }
 
@@ -331,7 +378,7 @@ PyObject* table_new(PyTypeObject* type, PyObject* args, PyObject*) {
     return nullptr;
   }
   self->names = new std::vector<PyObject*>();
-  self->entries = new std::vector<Entry>();
+  self->entries = new Entries();
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); ++i) {
     PyObject* name = PySequence_Fast_GET_ITEM(fast, i);
     Py_INCREF(name);
@@ -342,10 +389,7 @@ PyObject* table_new(PyTypeObject* type, PyObject* args, PyObject*) {
 }
 
 void table_dealloc(Table* self) {
-  if (self->entries) {
-    table_clear(self, nullptr);
-    delete self->entries;
-  }
+  delete self->entries;  // each entry releases its names
   if (self->names) {
     for (PyObject* n : *self->names) Py_DECREF(n);
     delete self->names;
