@@ -221,7 +221,8 @@ def test_config(make_plan):
     _, ping = emit(make_plan, bias_gelu, config=Config(tile=(64, 128, 64), cluster=(1, 1), schedule="pingpong"))
     assert "using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpong;" in ping
     assert "using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;" in ping
-    assert "max_swizzle_size = 8;" in ping and "StreamK" not in ping and "coda::launch<Gemm>(" in ping
+    assert "coda::swizzle_for<TileShape, ClusterShape>(M, N, 8);" in ping  # at most 8: chosen per launch
+    assert "StreamK" not in ping and "coda::launch<Gemm>(" in ping
 
 
 @pytest.mark.parametrize("text", ["128x256x64_c2x1x1_cooperative", "128x256x64_x2x1_cooperative",
@@ -248,11 +249,11 @@ def test_config_fields_are_checked():
 def test_scheduler_options(make_plan):
     _, src = emit(make_plan, bias_gelu, config=Config(raster="m", swizzle=2, scheduler="streamk"))
     assert "args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::AlongM;" in src
-    assert "args.scheduler.max_swizzle_size = 2;" in src
+    assert "args.scheduler.max_swizzle_size = coda::swizzle_for<TileShape, ClusterShape>(M, N, 2);" in src
     assert "CollectiveEpilogue,\n" in src and "cutlass::gemm::StreamKScheduler>;" in src
     assert "coda::launch<Gemm, true>(args, gemm_ws, gemm_ws_size, call, op_name);" in src  # stream-K: flags zeroed per launch
     _, along_n = emit(make_plan, bias_gelu, config=Config(raster="n", swizzle=1))
-    assert "RasterOrderOptions::AlongN;" in along_n and "max_swizzle_size = 1;" in along_n
+    assert "RasterOrderOptions::AlongN;" in along_n and "swizzle_for<TileShape, ClusterShape>(M, N, 1);" in along_n
     assert "StreamKScheduler" not in along_n and "coda::launch<Gemm>(" in along_n
 
 
