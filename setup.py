@@ -17,7 +17,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["coda_dsl", "coda_dsl.*"]) + ["coda_dsl._data.templates", "coda_dsl._data.csrc"],
     package_dir={"coda_dsl._data.templates": "templates", "coda_dsl._data.csrc": "csrc"},
-    package_data={"coda_dsl._data.templates": ["*.j2"], "coda_dsl._data.csrc": ["coda_dsl/*.h", "coda_dsl/*.cpp"]},
+    package_data={"coda_dsl._data.templates": ["*.j2"], "coda_dsl._data.csrc": ["coda_dsl/*.h"], "coda_dsl.runtime": ["*.cpp"]},
     install_requires=[
         "torch>=2.5",  # 2.11 on the H200 machines; any CUDA 12.4+/13 build (2.5: SDPA with enable_gqa, coda_dsl.nn)
         "nvidia-cutlass>=4.0",  # its wheel carries the CUTLASS C++ headers

@@ -211,7 +211,7 @@ def test_kernel_sources_include_no_torch_or_python_header():
     assert [f.name for f in files if banned.search(f.read_text())] == []
 
 
-# ---- the C++ warm path (runtime/warm.py, csrc/coda_dsl/warm.cpp) ---------------------------------
+# ---- the C++ warm path (runtime/warm.py, runtime/warm.cpp) ---------------------------------------
 @pytest.fixture
 def warm_path(stub, fake_kernels, monkeypatch):
     """The stub library behind every CompiledOp, the C++ warm path built, and a count of the launches the

@@ -26,7 +26,6 @@ class Packer:
     def __init__(self, tensors: list[torch.Tensor], n_scalars: int, device: int, workspace_size: int):
         self.device, self.workspace_size = device, workspace_size
         self._struct = struct.Struct(_format(tuple(t.dim() for t in tensors), n_scalars))
-        self._n_scalars = n_scalars
         self._values = [len(tensors), n_scalars, device, 0, 0, workspace_size]
         self._pointers = []  # where each tensor's data pointer goes in _values
         for t in tensors:
@@ -42,7 +41,7 @@ class Packer:
 
     def template(self) -> bytes:
         """The block with every pointer, the stream, the workspace and the scalars zero (runtime/warm.py)."""
-        return self._struct.pack(*self._values, *[0.0] * self._n_scalars)
+        return self._struct.pack(*self._values, *[0.0] * self._values[1])  # the header's scalar count
 
 
 def pack_call(tensors: list[torch.Tensor], scalars: list[float], device: int, stream: int, workspace: int,

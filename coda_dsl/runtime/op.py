@@ -259,6 +259,7 @@ class CompiledOp:
         self._widened = frozenset(plan.widened)
         self._wide = frozenset(plan.wide)
         self._table = None  # its call layouts for the C++ warm path (runtime/warm.py), from the first launch
+        self._call_values = {name: 2 + i for i, name in enumerate(self._kinds)}  # its numbering: 0 A, 1 B
 
     @classmethod
     def create(cls, epilogue: Epilogue, sig: Signature) -> "CompiledOp":
@@ -352,7 +353,7 @@ class CompiledOp:
     def _add_layout(self, table, call: Call, d, inputs: list, scalars: list, aux: list) -> None:
         """The warm path's entry for a launch that just ran with these tensors (runtime/warm.py): the same
         launch for every later call of its layout."""
-        plan, value = self.plan, {name: 2 + i for i, name in enumerate(self._kinds)}  # 0: A, 1: B
+        plan, value = self.plan, self._call_values
         first = 3 if d is not None else 2
         ins = [(0, 0, call.a), (1, 1, call.b), *((value[i], first + j, t) for j, (i, t) in enumerate(zip(plan.inputs,
                                                                                                        inputs)))]
@@ -709,7 +710,7 @@ def _gemm(ep: Epilogue, A, B, out: dict | None, options: tuple, operands: dict, 
 def _warm_table(key: tuple, ep: Epilogue):
     table = _tables.get(key)
     if table is None:
-        table = remember(_tables, key, warm.table([p.name for p in ep.params]) or False)  # False: unavailable
+        table = remember(_tables, key, warm.table(_facts(ep).kinds) or False)  # False: unavailable
     return table
 
 

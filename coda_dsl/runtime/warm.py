@@ -1,27 +1,21 @@
-"""The warm call path in C++ (csrc/coda_dsl/warm.cpp): a table per CompiledOp, and per cd.gemm epilogue and
+"""The warm call path in C++ (runtime/warm.cpp): a table per CompiledOp, and per cd.gemm epilogue and
 options, of call layouts the Python path checked and launched. A later call of one of them is matched,
 its outputs allocated and its kernel launched in one C++ call; any other call answers None and takes
 the Python path (runtime/op.py), which checks it and adds its layout where the C++ path can repeat its
 launch exactly (no batch folded into M, no operand copied, no output staged).
 
-The extension is built with torch's own C++ extension builder once per torch and Python version, into
-the kernel cache (about 20 s on 2 cores), at the first launch that wants it. Where it cannot be built
-(no C++ compiler) the Python path serves every call, after one warning. CODA_DSL_WARM=0 turns it off.
+The extension is built once per torch and Python version into the kernel cache (build/extension.py; about
+20 s on 2 cores), at the first launch that wants it. Where it cannot be built (no C++ compiler) the Python
+path serves every call, after one warning. CODA_DSL_WARM=0 turns it off.
 """
 from __future__ import annotations
 
-import hashlib
-import importlib.machinery
-import importlib.util
 import os
-import sys
 import threading
 import warnings
-
-import torch
+from pathlib import Path
 
 from .. import build
-from ..build.paths import csrc_dir
 from ..errors import KernelError
 
 ENABLED = os.environ.get("CODA_DSL_WARM", "1").strip() != "0"
@@ -30,29 +24,9 @@ _failed = False
 _lock = threading.Lock()
 
 
-def _directory():
-    sources = "".join((csrc_dir() / "coda_dsl" / f).read_text() for f in ("warm.cpp", "abi.h"))
-    key = hashlib.sha256(f"{sources}|{torch.__version__}|{sys.version}|{sys.platform}".encode()).hexdigest()[:16]
-    return build.cache_dir() / f"warm-{key}"
-
-
-def _load():
-    """The extension module, built first if this torch and Python have none yet."""
-    directory = _directory()
-    if (directory / "ready").exists():  # written once a build has finished: the file is whole
-        loader = importlib.machinery.ExtensionFileLoader("coda_warm", str(directory / "coda_warm.so"))
-        module = importlib.util.module_from_spec(importlib.util.spec_from_loader("coda_warm", loader))
-        loader.exec_module(module)
-        return module
-    from torch.utils import cpp_extension
-    print("coda_dsl: building the warm call path (C++, once per torch and Python version) ...",
-          file=sys.stderr, flush=True)
-    directory.mkdir(parents=True, exist_ok=True)
-    module = cpp_extension.load("coda_warm", [str(csrc_dir() / "coda_dsl" / "warm.cpp")],  # locks the directory
-                                extra_include_paths=[str(csrc_dir())], extra_cflags=["-O2"],
-                                build_directory=str(directory))
-    build.atomic_write(directory / "ready", "")
-    return module
+def _load():  # it fills the kernels' argument block: abi.h is part of it
+    return build.load_extension("coda_warm", Path(__file__).with_name("warm.cpp"), build.csrc_dir(),
+                                (build.csrc_dir() / "coda_dsl" / "abi.h",))
 
 
 def module():

@@ -1,7 +1,7 @@
 // The plain-data interface of a kernel library: what its two `extern "C"` functions receive from
 // the Python caller (coda_dsl/runtime/kernel.py), and how errors go back. No torch, ATen, c10,
 // pybind11, Python or CUDA header: a kernel's translation unit compiles CUTLASS and this, nothing more;
-// the warm call path (warm.cpp) fills the same block.
+// the warm call path (coda_dsl/runtime/warm.cpp) fills the same block.
 //
 //   int coda_workspace_size(CallArgs const* args, int64_t* size, char* message, int64_t message_size);
 //   int coda_launch(CallArgs const* args, char* message, int64_t message_size);

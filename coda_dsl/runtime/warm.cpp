@@ -1,4 +1,4 @@
-// The warm call path in C++ (coda_dsl/runtime/warm.py builds it once per torch and Python version): a
+// The warm call path in C++ (runtime/warm.py builds it once per torch and Python version): a
 // table of call layouts that passed runtime/op.py's checks, each with what its launch needs. A call
 // that matches one (every tensor's dtype, device, sizes, strides and 16-byte alignment, the scalars'
 // and consts' types, the consts' values) allocates its outputs and workspace, fills the layout's
