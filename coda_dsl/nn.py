@@ -33,8 +33,9 @@ Design decisions:
   d(x * gamma), with the residual's gradient added there (x's whole gradient in one store):
   `input_norm_grad` in the QKV dgrad GEMM (x comes back out of the QKV step as the residual, so its
   gradient arrives there), `post_norm_grad` in gate/up's second dgrad GEMM (the MLP takes h and its
-  norm, and the o-proj's h * gamma2 and rstd as made). The rest are named functions of plain torch ops
-  (`rms_rope_backward`, `residual_rms_backward`), fused by torch.compile on CUDA, between cuBLAS GEMMs.
+  norm, and the o-proj's h * gamma2 and rstd as made). RoPE's backward is one Triton kernel over q's, k's
+  and v's gradients (`triton_kernels.rope_backward`); the rest are named functions of plain torch ops
+  (`residual_rms_backward`, ...), fused by torch.compile on CUDA, between cuBLAS GEMMs.
   Only the gradients autograd asks for are computed.
 - **Attention mask: causal only**, per row of the batch (SDPA; GQA by `enable_gqa`, torch >= 2.5).
   Packed sequences may restart `position_ids` (RoPE follows them) but attention still spans the
@@ -57,6 +58,7 @@ from .runtime import checks
 from .runtime.autograd import forward_epilogue
 from .runtime.reference import evaluate_on
 from .runtime.fused import on_cuda
+from .triton_kernels import rope_backward
 
 
 # ---------------------------------------------------------------- forward epilogues
@@ -135,34 +137,6 @@ def _gained_wgrad(dacc, x, gamma, dtype: torch.dtype, backend: str) -> torch.Ten
     return cd.gemm(dacc.t(), x.t(), gain_wgrad, gamma=gamma, backend=backend)["D"].to(dtype)
 
 
-def rms_rope_backward(dy, y, rstd, pos, head_freq, rotated: int):
-    """y = rope(rstd * acc) -> (d acc in dy's dtype, d rstd). The first `rotated` columns are heads of
-    2 len(head_freq) columns whose pairs rotate by pos * head_freq; the others pass through. cos/sin
-    are taken once per row and frequency, here, eagerly ([M, d/2]: compiled, they would be recomputed
-    for every column of every head). The rotation is orthogonal, so d rstd = sum_n dy * y / rstd.
-    Two compiled functions: Inductor's one kernel for both took 0.21 ms, these two 0.12 + 0.05
-    (H200, 8192 x 6144, round-robin)."""
-    angle = pos[:, None] * head_freq[None, :]
-    return _rotate_back(dy, rstd, angle.cos(), angle.sin(), rotated), _row_dot(dy, y) / rstd
-
-
-@on_cuda
-def _rotate_back(dy, rstd, cos, sin, rotated: int):
-    """dy contiguous (autograd joins SDPA's three gradients): compiled over the three strided ones
-    instead, Inductor made four kernels (0.23 ms against 0.19 with the join, H200, 8192 x 6144)."""
-    d = dy.float()
-    pairs = d[:, :rotated].unflatten(-1, (-1, cos.shape[-1], 2))
-    d0, d1 = pairs[..., 0], pairs[..., 1]
-    cos, sin = cos[:, None], sin[:, None]  # the same for every head
-    back = torch.stack((d0 * cos + d1 * sin, d1 * cos - d0 * sin), dim=-1).flatten(1)
-    return (torch.cat((back, d[:, rotated:]), dim=1) * rstd[:, None]).to(dy.dtype)
-
-
-@on_cuda
-def _row_dot(a, b):
-    return (a.float() * b.float()).sum(-1)
-
-
 @on_cuda
 def residual_rms_backward(dout, drstd, out, rstd, inv_n: float):
     """out = acc + residual, outputs (out, rstd(out)) -> d acc (= d residual), in out's dtype: dout plus the
@@ -175,26 +149,28 @@ def residual_rms_backward(dout, drstd, out, rstd, inv_n: float):
 
 class _NormRopeLinear(torch.autograd.Function):
     """The layer's entrance: the input norm's gain (and its rstd, unless the previous layer gave it), then
-    rms_rope's GEMM; inv_freq per column pair (qkv_inv_freq: the first `rotated` columns are heads of
-    head_dim columns, each with the same head_dim / 2 frequencies). x also comes back as it is, for the
+    rms_rope's GEMM; inv_freq per column pair (qkv_inv_freq: q's and k's heads of head_dim columns, each
+    with the same head_dim / 2 frequencies). q, k and v come back as views of the GEMM's output, so that
+    their gradients arrive apart and one kernel reads them (rope_backward; autograd would first join
+    them into one tensor). x also comes back as it is, for the
     layer's residual: its gradient then arrives here too, and the QKV dgrad GEMM's epilogue
     (input_norm_grad) adds it into x's gradient, where autograd would add the two in a pass of its own.
     x * gamma is not kept: W's gradient is (dacc^T @ x) * gamma (_gained_wgrad)."""
 
     @staticmethod
-    def forward(ctx, x, gamma, rstd_in, w, pos, inv_freq, eps, head_dim, rotated, backend):
+    def forward(ctx, x, gamma, rstd_in, w, pos, inv_freq, eps, heads, kv_heads, head_dim, backend):
         xg, rstd = input_norm(x, gamma, eps, rstd_in)
         y = cd.gemm(xg, w, rms_rope, rstd=rstd, pos=pos, inv_freq=inv_freq, backend=backend)["D"]
         ctx.save_for_backward(x, gamma, rstd, w, pos, inv_freq, y)
-        ctx.head_dim, ctx.rotated, ctx.own_rstd, ctx.backend = head_dim, rotated, rstd_in is None, backend
-        return y, x
+        ctx.head_dim, ctx.own_rstd, ctx.backend = head_dim, rstd_in is None, backend
+        return (*split_qkv(y, heads, kv_heads, head_dim), x)
 
     @staticmethod
-    def backward(ctx, dy, dres):
+    def backward(ctx, dq, dk, dv, dres):
         x, gamma, rstd, w, pos, inv_freq, y = ctx.saved_tensors
         need = ctx.needs_input_grad
         head_freq = inv_freq[: ctx.head_dim // 2]  # the first head's, the same for every rotated head
-        dacc, drstd = rms_rope_backward(dy, y, rstd, pos, head_freq, ctx.rotated)
+        dacc, drstd = rope_backward(dq, dk, dv, y, rstd, pos, head_freq)
         dx = dgamma = None
         if need[0] or need[1]:  # through rstd only where it came from x
             g = cd.gemm(dacc, w.t(), input_norm_grad, x=x, dres=dres, gamma=gamma, drstd=drstd, rstd=rstd,
@@ -203,7 +179,7 @@ class _NormRopeLinear(torch.autograd.Function):
             dgamma = g["dgamma"].to(gamma.dtype) if need[1] else None
         drstd_in = drstd if need[2] and not ctx.own_rstd else None
         dw = _gained_wgrad(dacc, x, gamma, w.dtype, ctx.backend) if need[3] else None
-        return dx, dgamma, drstd_in, dw, None, None, None, None, None, None
+        return dx, dgamma, drstd_in, dw, None, None, None, None, None, None, None
 
 
 class _RmsProducerLinear(torch.autograd.Function):
@@ -424,15 +400,19 @@ def qkv_weight(wq, wk, wv, head_dim: int) -> torch.Tensor:
     return torch.cat((neox_to_interleaved(wq, head_dim), neox_to_interleaved(wk, head_dim), v)).flatten(0, 2)
 
 
-def causal_attention(qkv: torch.Tensor, batch: int, heads: int, kv_heads: int, head_dim: int,
+def split_qkv(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int):
+    """[M, (heads + 2 kv_heads) head_dim] -> q, k, v ([M, heads head_dim], [M, kv_heads head_dim] twice; views)."""
+    return qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, head_dim: int,
                      dropout: float = 0.0) -> torch.Tensor:
-    """[M, (heads + 2 kv_heads) head_dim] rotated q, k and v -> causal SDPA (GQA) output [M, heads head_dim],
-    with dropout on the attention weights (config.attention_dropout, in training as HF applies it)."""
-    seq = qkv.shape[0] // max(batch, 1)  # not -1: a batch of 0 has no rows to infer it from
-    split = lambda t: t.unflatten(0, (batch, seq)).unflatten(-1, (-1, head_dim)).transpose(1, 2)  # noqa: E731
-    q, k, v = (split(t) for t in qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1))
+    """Rotated q [M, heads head_dim], k and v [M, kv_heads head_dim] -> causal SDPA (GQA) output [M, heads
+    head_dim], with dropout on the attention weights (config.attention_dropout, in training as HF applies it)."""
+    seq = q.shape[0] // max(batch, 1)  # not -1: a batch of 0 has no rows to infer it from
+    q, k, v = (t.unflatten(0, (batch, seq)).unflatten(-1, (-1, head_dim)).transpose(1, 2) for t in (q, k, v))
     o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=head_dim ** -0.5,
-                                       enable_gqa=heads != kv_heads)
+                                       enable_gqa=q.shape[1] != k.shape[1])
     return o.transpose(1, 2).flatten(-2).flatten(0, 1)
 
 
@@ -464,11 +444,11 @@ class LlamaAttention(nn.Module):
         (attention output before o_proj [M, Nq], x again: the residual, whose gradient then comes back
         through here; see _NormRopeLinear)."""
         w = qkv_weight(self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.head_dim)
-        rotated = (self.num_heads + self.num_kv_heads) * self.head_dim
-        qkv, residual = _NormRopeLinear.apply(x, norm.weight, rstd, w, pos, self.qkv_inv_freq, norm.variance_epsilon,
-                                              self.head_dim, rotated, backend)
+        q, k, v, residual = _NormRopeLinear.apply(x, norm.weight, rstd, w, pos, self.qkv_inv_freq,
+                                                  norm.variance_epsilon, self.num_heads, self.num_kv_heads,
+                                                  self.head_dim, backend)
         dropout = self.attention_dropout if self.training else 0.0
-        return causal_attention(qkv, batch, self.num_heads, self.num_kv_heads, self.head_dim, dropout), residual
+        return causal_attention(q, k, v, batch, self.head_dim, dropout), residual
 
 
 class LlamaMLP(nn.Module):

@@ -38,7 +38,7 @@ from .library import interleave_gate_up
 from .library.cross_entropy import (check_args, ce_backward, combine_vocab_shards, default_chunk_rows,
                                     vocab_shard_stats)
 from .nn import (LlamaDecoderLayer, causal_attention, check_training_call, flat_inputs, input_norm, input_rms,
-                 qkv_inv_freq, qkv_weight, rms_rope, rms_swiglu, rope_inv_freq)
+                 qkv_inv_freq, qkv_weight, rms_rope, rms_swiglu, rope_inv_freq, split_qkv)
 
 
 # ---------------------------------------------------------------- FSDP2
@@ -143,7 +143,7 @@ class TPLlamaDecoderLayer(LlamaDecoderLayer):
         w_qkv = qkv_weight(*(_local(p.weight) for p in (attn.q_proj, attn.k_proj, attn.v_proj)), hd)
         inv_freq = self._tp_inv_freq.to(x.device)
         qkv = cd.linear(xg, w_qkv, rms_rope, rstd=rstd, pos=pos, inv_freq=inv_freq, backend=backend)["D"]
-        o = causal_attention(qkv, b, nh, nkv, hd, attn.attention_dropout if attn.training else 0.0)
+        o = causal_attention(*split_qkv(qkv, nh, nkv, hd), b, hd, attn.attention_dropout if attn.training else 0.0)
         # row-parallel o_proj: reduce, then the residual add and the post-attention norm's statistics, from
         # the fp32 sum as the fused epilogue (rms_producer) takes them
         h32 = self._row_parallel(o, attn.o_proj.weight, group) + xf.float()

@@ -119,3 +119,23 @@ def test_cuda_graphs_forward_and_backward():
     assert rel_err(y_g, y) < 1e-2 and rel_err(dx_g, dx) < 1e-2
     for n in g:
         assert rel_err(g_g[n], g[n]) < 1e-2, n
+
+
+@pytest.mark.parametrize("m,hq,hk,d", [(777, 32, 8, 128), (600, 6, 2, 80)])
+def test_rope_backward_kernel_matches_its_reference(m, hq, hk, d):
+    """The layer's RoPE backward (one Triton kernel) against its torch twin: Llama-3-8B's heads and a ragged
+    config (head counts and half head dim not powers of two), positions up to 131072, q's gradient strided."""
+    from coda_dsl.triton_kernels import rope_backward, rope_backward_reference
+    torch.manual_seed(0)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    n = (hq + 2 * hk) * d
+    dq = torch.randn(m, n + 64, **bf)[:, : hq * d]
+    dk, dv, y = torch.randn(m, hk * d, **bf), torch.randn(m, hk * d, **bf), torch.randn(m, n, **bf)
+    rstd = torch.rand(m, device="cuda") + 0.5
+    pos = torch.randint(0, 131072, (m,), device="cuda").float()
+    freq = 1.0 / 500000.0 ** (torch.arange(0, d, 2, device="cuda").float() / d)
+    dacc, drstd = rope_backward(dq, dk, dv, y, rstd, pos, freq)
+    want_acc, want_rstd = rope_backward_reference(dq, dk, dv, y, rstd, pos, freq)
+    assert dacc.dtype == torch.bfloat16 and dacc.shape == (m, n) and drstd.shape == (m,)
+    torch.testing.assert_close(dacc.float(), want_acc.float(), rtol=1e-2, atol=1e-2)  # bf16 rounding
+    torch.testing.assert_close(drstd, want_rstd, rtol=1e-4, atol=1e-3)

@@ -1,0 +1,78 @@
+"""coda_dsl.triton_kernels: each kernel's plain-torch twin against autograd, and the kernel against its twin,
+on the CPU through Triton's interpreter (the kernel's index and rotation logic, no GPU needed). On the GPU:
+tests/test_gpu_nn.py."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from coda_dsl.triton_kernels import rope_backward_reference
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def rope_forward(acc, rstd, pos, freq, hq, hk):
+    """y = rope(rstd[m] * acc): q's and k's column pairs of every head rotate by pos * freq (in fp32, as the
+    epilogue computes it), v's pass."""
+    x = rstd[:, None] * acc
+    rotated = (hq + hk) * 2 * freq.numel()
+    pairs = x[:, :rotated].unflatten(-1, (-1, freq.numel(), 2))
+    angle = (pos.float()[:, None, None] * freq.float()[None, None, :]).to(acc.dtype)
+    c, s = angle.cos(), angle.sin()
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    turned = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(1)
+    return torch.cat((turned, x[:, rotated:]), dim=1)
+
+
+@pytest.mark.parametrize("hq,hk,d", [(4, 2, 8), (3, 1, 10)])
+def test_rope_backward_reference_is_autograd_of_the_rotation(hq, hk, d):
+    torch.manual_seed(0)
+    m, n = 7, (hq + 2 * hk) * d
+    acc = torch.randn(m, n, dtype=torch.float64, requires_grad=True)
+    rstd = (torch.rand(m, dtype=torch.float64) + 0.5).requires_grad_()
+    pos = torch.randint(0, 131072, (m,)).double()
+    freq = 1.0 / 500000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    y = rope_forward(acc, rstd, pos, freq, hq, hk)
+    dy = torch.randn_like(y)
+    want_acc, want_rstd = torch.autograd.grad(y, (acc, rstd), dy)
+    dq, dk, dv = dy.split((hq * d, hk * d, hk * d), dim=1)
+    dacc, drstd = rope_backward_reference(dq, dk, dv, y.detach(), rstd.detach(), pos, freq)
+    assert dacc.dtype == dq.dtype and drstd.dtype == torch.float32
+    torch.testing.assert_close(dacc, want_acc, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(drstd.double(), want_rstd, rtol=1e-4, atol=1e-4)
+
+
+def test_rope_backward_kernel_in_the_interpreter():
+    """The Triton kernel, run by Triton's CPU interpreter (TRITON_INTERPRET is read when the kernel is
+    defined: a fresh process), against its twin: ragged head counts (non-powers of two: masked blocks),
+    a half head dim that is not a power of two, q's gradient strided."""
+    pytest.importorskip("triton")
+    script = textwrap.dedent("""
+        import torch, triton
+        from coda_dsl import triton_kernels as tk
+        torch.manual_seed(0)
+        for m, hq, hk, d in [(5, 4, 2, 16), (3, 3, 1, 10)]:
+            bf = dict(dtype=torch.bfloat16)
+            wide = torch.randn(m, (hq + 2 * hk) * d + 6, **bf)
+            dq, dk, dv = wide[:, :hq * d], torch.randn(m, hk * d, **bf), torch.randn(m, hk * d, **bf)
+            y, rstd = torch.randn(m, (hq + 2 * hk) * d, **bf), torch.rand(m) + 0.5
+            pos = torch.randint(0, 131072, (m,)).float()
+            freq = 1.0 / 500000.0 ** (torch.arange(0, d, 2).float() / d)
+            dacc, drstd = torch.full_like(y, float("nan")), torch.full((m,), float("nan"))
+            p2 = triton.next_power_of_2
+            tk._rope_backward_kernel[(m,)](dq, dk, dv, y, rstd, pos, freq, dacc, drstd, dq.stride(0),
+                                           dk.stride(0), dv.stride(0), y.stride(0), dacc.stride(0), HQ=hq,
+                                           HK=hk, HALF=d // 2, BQ=p2(hq), BK=p2(hk), BF=p2(d // 2))
+            want_acc, want_rstd = tk.rope_backward_reference(dq, dk, dv, y, rstd, pos, freq)
+            torch.testing.assert_close(dacc.float(), want_acc.float(), rtol=1e-2, atol=1e-2)  # bf16 rounding
+            torch.testing.assert_close(drstd, want_rstd, rtol=1e-4, atol=1e-4)
+        print("ok")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
