@@ -1,10 +1,12 @@
 """Hand-written Triton kernels for the layer's steps between GEMMs that torch.compile fuses poorly.
 
-Each is a `torch.library.triton_op` (opaque to autograd, traced by torch.compile, capturable in CUDA
-graphs) with a plain-torch twin that defines its values; `coda_dsl.nn` calls the op on CUDA and the
-twin elsewhere. Imported by `coda_dsl.nn` only, so `import coda_dsl` does not load Triton.
+Each is a `torch.library.custom_op` with a fake (shape) implementation, so torch.compile keeps it as
+one opaque call and CUDA graphs capture its launch, and has a plain-torch twin that defines its values;
+`coda_dsl.nn` calls the op on CUDA and the twin elsewhere. Imported by `coda_dsl.nn` only, so `import coda_dsl` does not load Triton.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -67,19 +69,23 @@ if triton is not None:
         dot += _rope_part(dv + m * s_v, yr + nq + nk, o + nq + nk, cos, sin, r, HK, HALF, BK, BF, False)
         tl.store(drstd + m, dot / r)
 
-    @torch.library.triton_op("coda_dsl::rope_backward", mutates_args=())
+    @torch.library.custom_op("coda_dsl::rope_backward", mutates_args=())
     def _rope_backward_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, y: torch.Tensor,
                           rstd: torch.Tensor, pos: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        m, half = y.shape[0], freq.shape[0]
+        dacc, drstd = _rope_backward_fake(dq, dk, dv, y, rstd, pos, freq)
+        half = freq.shape[0]
         hq, hk = dq.shape[1] // (2 * half), dk.shape[1] // (2 * half)
-        dacc = torch.empty(y.shape, dtype=dq.dtype, device=y.device)
-        drstd = torch.empty(m, dtype=torch.float32, device=y.device)
         p2 = triton.next_power_of_2
-        torch.library.wrap_triton(_rope_backward_kernel)[(m,)](
-            dq, dk, dv, y, rstd, pos, freq, dacc, drstd,
-            dq.stride(0), dk.stride(0), dv.stride(0), y.stride(0), dacc.stride(0),
-            HQ=hq, HK=hk, HALF=half, BQ=p2(hq), BK=p2(hk), BF=p2(half), num_warps=8)
+        with torch.cuda.device(y.device) if y.is_cuda else contextlib.nullcontext():
+            _rope_backward_kernel[(y.shape[0],)](
+                dq, dk, dv, y, rstd, pos, freq, dacc, drstd,
+                dq.stride(0), dk.stride(0), dv.stride(0), y.stride(0), dacc.stride(0),
+                HQ=hq, HK=hk, HALF=half, BQ=p2(hq), BK=p2(hk), BF=p2(half), num_warps=8)
         return dacc, drstd
+
+    @_rope_backward_op.register_fake
+    def _rope_backward_fake(dq, dk, dv, y, rstd, pos, freq):
+        return torch.empty(y.shape, dtype=dq.dtype, device=y.device), y.new_empty(y.shape[0], dtype=torch.float32)
 
 
 def rope_backward(dq, dk, dv, y, rstd, pos, freq):
