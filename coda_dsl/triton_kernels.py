@@ -2,7 +2,7 @@
 
 Each is a `torch.library.custom_op` with a fake (shape) implementation, so torch.compile keeps it as
 one opaque call and CUDA graphs capture its launch, and has a plain-torch twin that defines its values;
-`coda_dsl.nn` calls the op on CUDA and the twin elsewhere. Imported by `coda_dsl.nn` only, so `import coda_dsl` does not load Triton.
+its wrapper (what `coda_dsl.nn` calls) runs the op on CUDA and the twin elsewhere. Imported by `coda_dsl.nn` only, so `import coda_dsl` does not load Triton.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ if triton is not None:
         mask = (h < HEADS) & (j < HALF) & (e < 2)
         d = tl.load(d_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        dot = tl.sum(tl.sum(tl.sum(d * y, axis=2), axis=1), axis=0)
+        dot = tl.sum(d * y)
         if ROTATE:
             d0, d1 = tl.split(d)
             c, s = cos[None, :], sin[None, :]
@@ -72,6 +72,8 @@ if triton is not None:
     @torch.library.custom_op("coda_dsl::rope_backward", mutates_args=())
     def _rope_backward_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, y: torch.Tensor,
                           rstd: torch.Tensor, pos: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dq, dk, dv, y = (t if t.stride(1) == 1 else t.contiguous() for t in (dq, dk, dv, y))  # adjacent columns
+        rstd, pos, freq = (t.float().contiguous() for t in (rstd, pos, freq))
         dacc, drstd = _rope_backward_fake(dq, dk, dv, y, rstd, pos, freq)
         half = freq.shape[0]
         hq, hk = dq.shape[1] // (2 * half), dk.shape[1] // (2 * half)
@@ -90,10 +92,9 @@ if triton is not None:
 
 def rope_backward(dq, dk, dv, y, rstd, pos, freq):
     """rope_backward_reference's values: on CUDA one Triton kernel, one pass over the three gradients and y
-    (cos/sin once per row and frequency), else the reference. dq [M, Hq d], dk and dv [M, Hk d], y [M, (Hq +
-    2 Hk) d] (rows of unit column stride), rstd and pos [M] fp32, freq [d / 2] fp32."""
+    (cos/sin once per row and frequency), else (and for M = 0) the reference. dq [M, Hq d], dk and dv [M, Hk d],
+    y [M, (Hq + 2 Hk) d], any strides (a layout whose columns are not adjacent is copied first); rstd and pos
+    [M], freq [d / 2]."""
     if triton is None or not y.is_cuda or y.shape[0] == 0:
         return rope_backward_reference(dq, dk, dv, y, rstd, pos, freq)
-    parts = [t if t.stride(1) == 1 else t.contiguous() for t in (dq, dk, dv, y)]
-    return torch.ops.coda_dsl.rope_backward(*parts, rstd.float().contiguous(), pos.float().contiguous(),
-                                            freq.float().contiguous())
+    return torch.ops.coda_dsl.rope_backward(dq, dk, dv, y, rstd, pos, freq)

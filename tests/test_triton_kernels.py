@@ -50,8 +50,9 @@ def test_rope_backward_reference_is_autograd_of_the_rotation(hq, hk, d):
 def test_rope_backward_kernel_in_the_interpreter():
     """The Triton kernel, run by Triton's CPU interpreter (TRITON_INTERPRET is read when the kernel is
     defined: a fresh process), through its custom op, eagerly and under torch.compile(fullgraph=True) (the
-    op's fake implementation), against its twin: head counts and a half head dim that are not powers of two
-    (masked blocks), q's gradient strided."""
+    op's fake implementation), against its twin: head counts and half head dims that are not powers of two
+    (masked blocks), GQA and MHA, bf16, fp16 and fp32, M = 1, gradients with strided rows, a stride-0 one,
+    zeros, and one whose columns are not adjacent."""
     pytest.importorskip("triton")
     script = textwrap.dedent("""
         import torch
@@ -59,18 +60,27 @@ def test_rope_backward_kernel_in_the_interpreter():
         torch.manual_seed(0)
         op = torch.ops.coda_dsl.rope_backward
         compiled = torch.compile(lambda *t: op(*t), fullgraph=True, backend="aot_eager")
-        for m, hq, hk, d in [(5, 4, 2, 16), (3, 3, 1, 10)]:
-            bf = dict(dtype=torch.bfloat16)
-            dq = torch.randn(m, (hq + 2 * hk) * d + 6, **bf)[:, :hq * d]
-            dk, dv = torch.randn(m, hk * d, **bf), torch.randn(m, hk * d, **bf)
-            y, rstd = torch.randn(m, (hq + 2 * hk) * d, **bf), torch.rand(m) + 0.5
+        def grads(m, hq, hk, d, dtype, layout):
+            dq, dk, dv = (torch.randn(m, h * d + 6, dtype=dtype)[:, :h * d] for h in (hq, hk, hk))  # strided rows
+            if layout == "transposed":  # columns not adjacent: the op copies
+                dq = torch.randn(hq * d, m, dtype=dtype).t()
+            elif layout == "expanded":  # one row for all (stride 0), and autograd's zeros
+                dq, dk = torch.randn(1, hq * d, dtype=dtype).expand(m, -1), torch.zeros(m, hk * d, dtype=dtype)
+            return dq, dk, dv
+
+        cases = [(5, 4, 2, 16, torch.bfloat16, "strided"), (3, 3, 1, 10, torch.bfloat16, "strided"),
+                 (4, 6, 6, 10, torch.float16, "expanded"), (1, 2, 1, 2, torch.float32, "transposed")]
+        for m, hq, hk, d, dtype, layout in cases:
+            dq, dk, dv = grads(m, hq, hk, d, dtype, layout)
+            y, rstd = torch.randn(m, (hq + 2 * hk) * d, dtype=dtype), torch.rand(m) + 0.5
             pos = torch.randint(0, 131072, (m,)).float()
             freq = 1.0 / 500000.0 ** (torch.arange(0, d, 2).float() / d)
             want_acc, want_rstd = tk.rope_backward_reference(dq, dk, dv, y, rstd, pos, freq)
+            tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)  # rounding
             for fn in (op, compiled):
                 dacc, drstd = fn(dq, dk, dv, y, rstd, pos, freq)
-                assert dacc.dtype == torch.bfloat16 and dacc.shape == y.shape and drstd.shape == (m,)
-                torch.testing.assert_close(dacc.float(), want_acc.float(), rtol=1e-2, atol=1e-2)  # bf16 rounding
+                assert dacc.dtype == dtype and dacc.shape == y.shape and drstd.shape == (m,)
+                torch.testing.assert_close(dacc.float(), want_acc.float(), **tol)
                 torch.testing.assert_close(drstd, want_rstd, rtol=1e-4, atol=1e-4)
         print("ok")
     """)
