@@ -429,6 +429,23 @@ def test_torch_compile_fullgraph_cpu():
         torch.testing.assert_close(g_c[n], g[n], rtol=1e-5, atol=1e-6)
 
 
+def test_torch_compile_fullgraph_as_sequence_lengths_change():
+    """torch.compile's default dynamic shapes: the second length recompiles with a symbolic token count, and
+    every later length reuses that graph; outputs and gradients stay the eager ones."""
+    config = llama_config()
+    ours = cdnn.LlamaDecoderLayer.from_hf(random_hf_layer(config), backend="reference")
+    compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
+    for s in (7, 9, 12):
+        x = torch.randn(2, s, config.hidden_size, requires_grad=True)
+        dy = torch.randn_like(x)
+        dx, g = grads(ours, x, ours(x), dy)
+        dx, g = dx.clone(), {n: t.clone() for n, t in g.items()}
+        dx_c, g_c = grads(ours, x, compiled(x), dy)
+        torch.testing.assert_close(dx_c, dx, rtol=1e-5, atol=1e-6)
+        for n in g:
+            torch.testing.assert_close(g_c[n], g[n], rtol=1e-5, atol=1e-6)
+
+
 def test_backward_steps_compile_to_the_same_values():
     """On CUDA the layer's torch backward steps run through torch.compile (runtime/fused.py); compiled here
     on the CPU they give what they give eagerly (None arguments included)."""
