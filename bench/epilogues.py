@@ -215,10 +215,8 @@ def _measure(c: Case, shape, op, compiled, compile_s: float | None, label: str, 
     if tune:  # pick this shape's configuration (recorded: later runs skip the builds and timing)
         cd.gemm(a, w, c.epilogue, tune=True, **o)
         op = lambda a, w, **operands: cd.gemm(a, w, c.epilogue, **operands)  # noqa: E731  the tuned config
-    ref = c.eager(a, w, **o)
-    ref = ref[0] if isinstance(ref, tuple) else ref
-    got = op(a, w, **o)["D"]
-    err = rel_err(got, ref)
+    ref, got = c.eager(a, w, **o), op(a, w, **o)  # eager's tuple: the epilogue's outputs in order
+    err = rel_err(tuple(got.values())[: len(ref)] if isinstance(ref, tuple) else got["D"], ref)
     variants = _variants(c, op, compiled, label)
     if compiled is None:  # its compile failed (reported): time the others
         del variants[label]
