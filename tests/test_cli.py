@@ -352,6 +352,24 @@ def test_help_and_import_do_not_import_torch():
     assert res.returncode == 0 and res.stdout.rstrip().endswith("no torch"), res.stdout[-300:] + res.stderr
 
 
+def test_loading_kernels_does_not_import_dynamo():
+    """A process that only runs kernels (trace, key, find in the cache, call) never imports torch._dynamo
+    (1.5 s of a fresh process's start on 2 cores); cd.linear's derivation marks its key function constant
+    for Dynamo as torch.compiler.assume_constant_result would, without importing it."""
+    code = ("import sys, torch, coda_dsl as cd, coda_dsl.nn\n"
+            "from coda_dsl import cli\n"
+            "from coda_dsl.runtime import autograd\n"
+            "op = cli.specialization_from_options(cli.load_epilogue('coda_dsl.examples:bias_gelu'), 'bf16')\n"
+            "op.unit.key, autograd.forward_epilogue(cd.library.swiglu)\n"
+            "cd.gemm(torch.randn(8, 8), torch.randn(8, 8), cd.identity, backend='reference')\n"
+            "print('dynamo imported' if 'torch._dynamo' in sys.modules else 'no dynamo')\n"
+            "marked = torch.compiler.assume_constant_result(lambda: 0)\n"
+            "print(vars(marked) == vars(autograd._derived_key) == {'_dynamo_marked_constant': True})")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert res.returncode == 0 and res.stdout.split() == ["no", "dynamo", "True"], res.stdout[-300:] + res.stderr
+
+
 def test_license_is_named_in_setup():
     text = (REPO / "LICENSE").read_text()
     assert text.startswith("BSD 3-Clause License") and "Copyright (c)" in text and "the coda_dsl authors" in text

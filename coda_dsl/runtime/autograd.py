@@ -64,9 +64,16 @@ def _derive(ep: Epilogue, consts: dict, no_grad: tuple[str, ...] = ()) -> _Deriv
     return _derived[key]
 
 
+def _assume_constant_result(fn):
+    """torch.compiler.assume_constant_result, which only marks fn for Dynamo, without importing Dynamo (1.5 s)
+    when coda_dsl loads: a process that only runs cached kernels never needs it."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 # Inside torch.compile this runs while Dynamo traces, and is not traced itself (a pass over the IR that
 # creates epilogues); its result, a string, becomes a constant of the graph.
-@torch.compiler.assume_constant_result
+@_assume_constant_result
 def _derived_key(uid: str, consts: tuple, no_grad: tuple[str, ...]) -> str:
     """_derive of the epilogue named uid; returns its key in _derived."""
     _derive(Epilogue.by_uid(uid), dict(consts), no_grad)
