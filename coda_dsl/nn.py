@@ -584,7 +584,9 @@ class LlamaDecoderLayer(nn.Module):
         x = hidden_states
         xf, pos, rstd = flat_inputs(x, position_ids, input_rstd, self.hidden_size, self.self_attn.q_proj.weight.dtype)
         b, s, d = x.shape
-        eps = self.input_layernorm.variance_epsilon
+        # float() here: under torch.compile(dynamic=True) Dynamo makes the float a graph input, which must enter
+        # the graph out here; met first inside an autograd.Function below, it cannot reach the next one
+        eps = float(self.input_layernorm.variance_epsilon)
         # gamma1 on the activation side: the previous layer's epilogue does not know this layer's gamma
         attn, xf = self.self_attn(xf, self.input_layernorm, rstd, pos, b, self.backend)
         h, hg, rstd2 = _RmsProducerLinear.apply(attn, self.self_attn.o_proj.weight, xf,

@@ -429,12 +429,14 @@ def test_torch_compile_fullgraph_cpu():
         torch.testing.assert_close(g_c[n], g[n], rtol=1e-5, atol=1e-6)
 
 
-def test_torch_compile_fullgraph_as_sequence_lengths_change():
-    """torch.compile's default dynamic shapes: the second length recompiles with a symbolic token count, and
-    every later length reuses that graph; outputs and gradients stay the eager ones."""
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_torch_compile_fullgraph_as_sequence_lengths_change(dynamic):
+    """torch.compile's default dynamic shapes (the second length recompiles with a symbolic token count, and
+    later lengths reuse that graph), and dynamic=True (every size, and the norms' eps, symbolic from the
+    start): outputs and gradients stay the eager ones."""
     config = llama_config()
     ours = cdnn.LlamaDecoderLayer.from_hf(random_hf_layer(config), backend="reference")
-    compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(ours, fullgraph=True, backend="aot_eager", dynamic=dynamic)
     for s in (7, 9, 12):
         x = torch.randn(2, s, config.hidden_size, requires_grad=True)
         dy = torch.randn_like(x)
