@@ -10,6 +10,7 @@
 
 Defining and running epilogues:
     cd.epilogue           decorator: traces fn(acc, operand: kind, ...) into an epilogue
+    cd.epilogue_factory   decorator: a function of constants making an epilogue, cached, callable in torch.compile
     cd.gemm(A, B, ep, **operands)   runs it: {output name: tensor} (the epilogue is positional)
     cd.linear(A, B, ep, **operands) the same with autograd: its backward derived from the epilogue
     cd.backward_epilogue(ep)        that derived backward as the epilogue of the GEMM producing dY
@@ -52,7 +53,7 @@ _LAZY = {
                 "sin", "sqrt", "sum", "take", "tanh", "where"),
     "passes.plan": ("Config",),
     "runtime": ("CompiledOp", "backward_epilogue", "compile", "gemm", "linear", "prebuild", "set_tuning"),
-    "runtime.fused": ("on_cuda",),
+    "runtime.fused": ("epilogue_factory", "on_cuda"),
     "library": ("linear_cross_entropy",),
 }
 _DTYPES = ("bfloat16", "float16", "float32")  # torch's, under the names cd.cast accepts

@@ -452,3 +452,27 @@ def test_targets_in_the_last_columns(reduction, smoothing, cap):
     assert _rel(loss, ref) < 1e-3
     assert _rel(x.grad, xf.grad) < 1e-2 and _rel(w.grad, wf.grad) < 1e-2
     assert _rel(w.grad[296:], wf.grad[296:]) < 1e-2  # the tail's own weight rows
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["default_dynamic", "dynamic"])
+@pytest.mark.parametrize("smoothing,cap,reduction", [(0.0, None, "mean"), (0.1, 30.0, "sum"), (0.0, 15.0, "none")])
+def test_under_torch_compile_fullgraph(seed, smoothing, cap, reduction, dynamic):
+    """Inside torch.compile(fullgraph=True) (aot_eager: no C++ compiler), over changing token counts: loss and
+    both gradients as eager. The kernels' epilogues come from cd.epilogue_factory functions, which Dynamo
+    calls instead of tracing the DSL."""
+    w = (torch.randn(301, 32) / 32 ** 0.5).requires_grad_()
+
+    def loss(x, t):
+        return cd.linear_cross_entropy(x, w, t, label_smoothing=smoothing, softcap=cap, reduction=reduction,
+                                       backend="reference", chunk_rows=16)
+
+    torch._dynamo.reset()  # each case's constants recompile the same code object: the limit counts per process
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    for m in (37, 45):  # the second length recompiles with a symbolic one (default dynamic shapes)
+        x, t = torch.randn(m, 32, requires_grad=True), torch.randint(0, 301, (m,))
+        t[1] = -100
+        got, want = compiled(x, t), loss(x, t)
+        g = torch.randn_like(want)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for a, b in zip(torch.autograd.grad(got, (x, w), g), torch.autograd.grad(want, (x, w), g)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -452,6 +452,36 @@ def test_torch_compile_with_a_reduction(seed, rel):
     assert s.shape == (M,) and rel(s, acc64(a, w).sum(-1) * 2) <= FP32_TOL
 
 
+def test_epilogue_factory_is_cached_and_runs_under_torch_compile(seed, rel):
+    """cd.epilogue_factory: one epilogue per arguments, and callable inside torch.compile(fullgraph=True), where
+    Dynamo calls it (tracing the DSL's tracer would break the graph); a factory that returns something else
+    says so."""
+    made = []
+
+    @cd.epilogue_factory
+    def scaled(factor: float, act: str):
+        made.append((factor, act))
+        return cd.epilogue(lambda acc: {"D": getattr(cd, act)(acc * factor)}, name=f"scaled_{act}")
+
+    assert scaled(2.0, "relu") is scaled(2.0, "relu") and scaled(2.0, "silu") is not scaled(2.0, "relu")
+    assert made == [(2.0, "relu"), (2.0, "silu")]
+
+    def block(a, w):
+        return cd.gemm(a, w, scaled(3.0, "relu"), backend="reference")["D"] + 1
+
+    torch._dynamo.reset()
+    a, w = torch.randn(M, K), torch.randn(N, K)
+    d = torch.compile(block, fullgraph=True, backend="aot_eager")(a, w)
+    assert rel(d, torch.relu(acc64(a, w) * 3) + 1) <= FP32_TOL and made[-1] == (3.0, "relu")
+
+    @cd.epilogue_factory
+    def not_one(x):
+        return x
+
+    with pytest.raises(TypeError, match="not_one is a cd.epilogue_factory but returned int"):
+        not_one(1)
+
+
 def test_interleave_of_a_constant_and_a_finish_without_its_input():
     """interleave(1.0, x) is [1, x0, 1, x1, ...]; a finishing expression that ignores the statistic still
     gives one value per row."""

@@ -25,7 +25,6 @@ up to 65504 in magnitude; a softcap bounds them.)
 """
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 import torch
@@ -49,7 +48,7 @@ def _softcapped(acc, cap):
     return cap * cd.tanh(acc * (1.0 / cap)) if cap else acc
 
 
-@functools.cache
+@cd.epilogue_factory
 def _forward_epilogue(smoothing: bool, cap: float | None, logits: bool = False) -> cd.Epilogue:
     """Per row: lse, the target logit (and the sum of logits); with `logits`, D = z too."""
     def ce_forward(acc, target: cd.VecM):
@@ -69,7 +68,7 @@ def ce_backward(acc, lse: cd.VecM, scale: cd.VecM, uniform: cd.Scalar):
     return (cd.exp(acc - lse) - uniform) * scale
 
 
-@functools.cache
+@cd.epilogue_factory
 def _backward_softcap_epilogue(cap: float) -> cd.Epilogue:
     def ce_backward_softcap(acc, lse: cd.VecM, scale: cd.VecM, target: cd.VecM, uniform: cd.Scalar):
         t = cd.tanh(acc * (1.0 / cap))

@@ -9,7 +9,6 @@ accumulator by rstd. No pass over [M, N] is left outside the two GEMMs.
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 
@@ -38,7 +37,7 @@ _ACTIVATIONS = {None: lambda x: x, "relu": cd.relu, "silu": cd.silu, "gelu": cd.
                 "gelu_tanh": lambda x: cd.gelu(x, approximate="tanh")}
 
 
-@functools.cache
+@cd.epilogue_factory
 def rms_consumer(activation: str | None = None) -> cd.Epilogue:
     """D = activation(rstd[m] * acc)."""
     if activation not in _ACTIVATIONS:

@@ -20,6 +20,7 @@ from ..ir.ops import REDUCTIONS, dtype_name
 from ..passes import specialize
 from ..passes.autodiff import ACC, GRAD, SAVED, Backward, derive, into_producer
 from . import fused, reference
+from .fused import constant_under_compile
 from .op import epilogue_of, gemm
 
 class _Derived:
@@ -64,16 +65,9 @@ def _derive(ep: Epilogue, consts: dict, no_grad: tuple[str, ...] = ()) -> _Deriv
     return _derived[key]
 
 
-def _assume_constant_result(fn):
-    """torch.compiler.assume_constant_result, which only marks fn for Dynamo, without importing Dynamo (1.5 s)
-    when coda_dsl loads: a process that only runs cached kernels never needs it."""
-    fn._dynamo_marked_constant = True
-    return fn
-
-
 # Inside torch.compile this runs while Dynamo traces, and is not traced itself (a pass over the IR that
 # creates epilogues); its result, a string, becomes a constant of the graph.
-@_assume_constant_result
+@constant_under_compile
 def _derived_key(uid: str, consts: tuple, no_grad: tuple[str, ...]) -> str:
     """_derive of the epilogue named uid; returns its key in _derived."""
     _derive(Epilogue.by_uid(uid), dict(consts), no_grad)

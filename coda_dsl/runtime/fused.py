@@ -1,12 +1,15 @@
-"""Elementwise steps written as torch ops, run fused on CUDA: torch.compile turns a chain of ops into a
-kernel or two (eagerly, each op is a pass over memory, often in fp32). On the CPU, and inside a graph
-that torch.compile is tracing anyway, the function runs as written."""
+"""torch.compile around coda_dsl: elementwise steps written as torch ops, run fused on CUDA (torch.compile
+turns a chain of ops into a kernel or two; eagerly, each op is a pass over memory, often in fp32; on the
+CPU, and inside a graph that torch.compile is tracing anyway, the function runs as written), and epilogues
+made by functions, which Dynamo must call rather than trace."""
 from __future__ import annotations
 
 import functools
 from typing import Callable
 
 import torch
+
+from ..dsl import Epilogue
 
 
 def on_cuda(fn: Callable) -> Callable:
@@ -28,3 +31,44 @@ def on_cuda(fn: Callable) -> Callable:
 
     call.eager = fn  # for tests: the same function, never compiled
     return call
+
+
+def constant_under_compile(fn: Callable) -> Callable:
+    """Mark fn as torch.compiler.assume_constant_result does (Dynamo calls it while it traces, instead of
+    tracing it, and keeps its result as a constant of the graph), without importing torch._dynamo (1.5 s)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+def epilogue_factory(fn: Callable) -> Callable:
+    """Decorator for a function of hashable arguments that makes an epilogue (one per activation, cap value,
+    ...): each epilogue is made once per arguments, and the function may be called inside
+    torch.compile(fullgraph=True), which calls it while tracing instead of tracing the DSL's tracer (a
+    number it traces symbolically is specialized: it shapes the kernel)."""
+    made = functools.cache(fn)
+    by_uid: dict[str, Epilogue] = {}  # a plain dict, which Dynamo reads (Epilogue._by_uid is weak)
+
+    @constant_under_compile
+    def uid(*args, **kwargs) -> str:
+        ep = made(*args, **kwargs)
+        if not isinstance(ep, Epilogue):
+            raise TypeError(f"{fn.__qualname__} is a cd.epilogue_factory but returned {type(ep).__name__}, "
+                            "not an epilogue")
+        by_uid[ep.uid] = ep
+        return ep.uid
+
+    @functools.wraps(fn)
+    def get(*args, **kwargs) -> Epilogue:
+        if torch.compiler.is_compiling():
+            args, kwargs = tuple(map(_constant, args)), {k: _constant(v) for k, v in kwargs.items()}
+        return by_uid[uid(*args, **kwargs)]
+    return get
+
+
+def _constant(value):
+    """A number as a Python constant while Dynamo traces (a float input is traced symbolically: guarded to
+    its value here)."""
+    if isinstance(value, (bool, int, float)):
+        from torch.fx.experimental.symbolic_shapes import guard_scalar
+        return guard_scalar(value)
+    return value

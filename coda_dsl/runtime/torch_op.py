@@ -2,6 +2,8 @@
 node (no graph break); eager calls never go through it, so they pay no dispatcher overhead."""
 from __future__ import annotations
 
+from fractions import Fraction
+
 import torch
 
 from ..dsl import Epilogue
@@ -43,7 +45,8 @@ def _(uid, a, b, tensors, numbers, backend, config, deterministic):
     widths = infer_widths(ep.program)
     outs = []
     for o in ep.program.outputs:
-        shape = (*lead, m, int(n * widths.get(id(o.node), 1)))
+        w = Fraction(widths.get(id(o.node), 1))
+        shape = (*lead, m, n * w.numerator // w.denominator)  # integer math: n may be a SymInt
         r = ir.reduction_of(o.node)
         if r is not None:
             shape = OUTPUT_SHAPES[KIND_OF_AXIS[r.attr[1]]][1](lead, m, n)
