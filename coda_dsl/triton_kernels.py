@@ -2,7 +2,8 @@
 
 Each is a `torch.library.custom_op` with a fake (shape) implementation, so torch.compile keeps it as
 one opaque call and CUDA graphs capture its launch, and has a plain-torch twin that defines its values;
-its wrapper (what `coda_dsl.nn` calls) runs the op on CUDA and the twin elsewhere. Imported by `coda_dsl.nn` only, so `import coda_dsl` does not load Triton.
+its wrapper (what `coda_dsl.nn` calls) runs the op on CUDA and the twin elsewhere. Imported by
+`coda_dsl.nn` only, so `import coda_dsl` does not load Triton.
 """
 from __future__ import annotations
 
