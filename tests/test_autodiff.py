@@ -546,6 +546,27 @@ def test_linear_under_torch_compile_and_checkpointing(uses):
             assert rel_err(g, w) < 1e-6
 
 
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_linear_with_a_const_under_torch_compile(dynamic):
+    """A cd.Const given as a float input of the compiled function (traced symbolically under dynamic shapes,
+    or once its value changes): specialized to its value (it shapes the derived backward), so each value gets
+    its own graph and the eager gradients."""
+    @cd.epilogue
+    def leaky(acc, slope: cd.Const):
+        return cd.where(acc > 0, acc, acc * slope)
+
+    def loss(x, w, slope):
+        return cd.linear(x, w, leaky, backend="reference", slope=slope)["D"].square().sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    for slope in (0.1, 0.3):
+        x, w = torch.randn(9, 8, requires_grad=True), torch.randn(6, 8, requires_grad=True)
+        got = torch.autograd.grad(compiled(x, w, slope), (x, w))
+        for g, e in zip(got, torch.autograd.grad(loss(x, w, slope), (x, w))):
+            assert rel_err(g, e) < 1e-6
+
+
 def test_second_order_gradients_raise():
     """The backward reads the saved accumulator, which has no graph to x or W: a gradient of the gradient
     would silently miss those paths, so it raises instead."""

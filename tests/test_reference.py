@@ -480,6 +480,67 @@ def test_epilogue_factory_is_cached_and_runs_under_torch_compile(seed, rel):
 
     with pytest.raises(TypeError, match="not_one is a cd.epilogue_factory but returned int"):
         not_one(1)
+    with pytest.raises(TypeError, match="takes constants, not tensors"):  # cached per tensor object otherwise
+        scaled(torch.tensor(2.0), "relu")
+
+
+def test_torch_compile_statistics_of_half_and_double_width_values(seed, rel):
+    """The custom op's fake outputs (what the graph believes before running) of column and row statistics
+    over an N/2-wide (cd.pairs) and a 2N-wide (cd.interleave) value: the shapes eager gives, static and
+    dynamic shapes."""
+    @cd.epilogue
+    def widths(acc):
+        g, u = cd.pairs(acc)
+        y = cd.silu(g) * u
+        return {"D": y, "cols": cd.sum(y, axis="m"), "rows": cd.sum(y, axis="n"),
+                "wide_cols": cd.sum(cd.interleave(acc, acc * 2), axis="m")}
+
+    def block(a, w):
+        o = cd.gemm(a, w, widths, backend="reference")
+        return o["cols"] + torch.ones(o["cols"].shape[0]), o["rows"] * 2, o["wide_cols"] - 1
+
+    for dynamic in (None, True):
+        torch._dynamo.reset()
+        a, w = torch.randn(M, K), torch.randn(N, K)
+        got, want = torch.compile(block, fullgraph=True, backend="aot_eager", dynamic=dynamic)(a, w), block(a, w)
+        assert [t.shape for t in got] == [t.shape for t in want] == [(N // 2,), (M,), (2 * N,)]
+        for g, e in zip(got, want):
+            torch.testing.assert_close(g, e)
+
+
+def _messages(e: BaseException) -> str:
+    """An exception's message and its causes' (Dynamo wraps what the traced code raises)."""
+    out = []
+    while e is not None:
+        out.append(str(e))
+        e = e.__cause__ or e.__context__
+    return "\n".join(out)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda a, w, b: cd.gemm(a, w, _affine, backend="reference", b=b, s=2.0, scale=3.0), "unexpected operand(s) ['scale']"),
+    (lambda a, w, b: cd.gemm(a, w, _affine, backend="reference", b=b, s="2"), "'s' (scalar) must be a number"),
+    (lambda a, w, b: cd.gemm(a, w, _affine, backend="reference", b=b, s=2.0, deterministic="yes"),
+     "deterministic must be True or False"),
+    (lambda a, w, b: cd.gemm(a, w, _affine, backend="reference", b=b, s=2.0, out={"D": torch.empty(M, N).double()}),
+     "out['D'] must be what the epilogue makes"),
+    (lambda a, w, b: cd.gemm(a, w, _affine, backend="reference", b=b, s=2.0, out={"E": torch.empty(M, N)}),
+     "out['E'] must be what the epilogue makes (no such output"),
+])
+def test_torch_compile_refuses_what_eager_refuses(call, message):
+    """Inside torch.compile the operand names, numbers, flags and out= tensors are checked as eagerly (out=
+    must be what the epilogue makes there: the op's outputs are copied in, so another dtype would lose
+    precision silently)."""
+    torch._dynamo.reset()
+    a, w, b = torch.randn(M, K), torch.randn(N, K), torch.randn(N)
+    with pytest.raises(Exception) as e:
+        torch.compile(call, fullgraph=True, backend="aot_eager")(a, w, b)
+    assert message in _messages(e.value)
+
+
+@cd.epilogue
+def _affine(acc, b: cd.VecN, s: cd.Scalar):
+    return acc * s + b
 
 
 def test_interleave_of_a_constant_and_a_finish_without_its_input():

@@ -76,6 +76,7 @@ def _derived_key(uid: str, consts: tuple, no_grad: tuple[str, ...]) -> str:
 
 def _derived_for(ep: Epilogue, consts: dict, no_grad: tuple[str, ...] = ()) -> _Derived:
     """_derive, in a form torch.compile(fullgraph=True) traces: the derivation itself is not traced."""
+    consts = {k: fused.constant(v) for k, v in consts.items()} if torch.compiler.is_compiling() else consts
     return _derived[_derived_key(ep.uid, tuple(sorted(consts.items())), no_grad)]
 
 

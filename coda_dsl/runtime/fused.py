@@ -59,15 +59,19 @@ def epilogue_factory(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def get(*args, **kwargs) -> Epilogue:
+        if any(isinstance(v, torch.Tensor) for v in (*args, *kwargs.values())):
+            raise TypeError(f"{fn.__qualname__} (a cd.epilogue_factory) takes constants, not tensors: its epilogue "
+                            "is made once per argument values\n  fix: pass a Python number (float(t)), or make the "
+                            "value an operand of the epilogue (cd.Scalar)")
         if torch.compiler.is_compiling():
-            args, kwargs = tuple(map(_constant, args)), {k: _constant(v) for k, v in kwargs.items()}
+            args, kwargs = tuple(map(constant, args)), {k: constant(v) for k, v in kwargs.items()}
         return by_uid[uid(*args, **kwargs)]
     return get
 
 
-def _constant(value):
+def constant(value):
     """A number as a Python constant while Dynamo traces (a float input is traced symbolically: guarded to
-    its value here)."""
+    its value here), for what shapes a kernel."""
     if isinstance(value, (bool, int, float)):
         from torch.fx.experimental.symbolic_shapes import guard_scalar
         return guard_scalar(value)

@@ -49,9 +49,7 @@ def _where(ep: Epilogue) -> str:
 
 def _normalize(ep: Epilogue, a, b, operands: dict, out: dict | None = None) -> Call:
     where = _where(ep)
-    if out is not None and not isinstance(out, dict):
-        raise checks.fail(where, f"out must be a dict of output name -> tensor, got {type(out).__name__}",
-                          "pass out={'D': tensor, ...}")
+    _check_out_dict(where, out)
     for name, t in (("A", a), ("B", b)):
         if not isinstance(t, torch.Tensor):
             raise checks.fail(where, f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -65,6 +63,13 @@ def _normalize(ep: Epilogue, a, b, operands: dict, out: dict | None = None) -> C
     if b.dim() == 3 and (a.dim() != 3 or a.shape[0] != b.shape[0]):
         raise checks.fail(where, f"batched B {list(b.shape)} needs A of shape [{b.shape[0]}, M, K], got {list(a.shape)}")
 
+    _check_operands(ep, operands)
+    return _unpack(_facts(ep).kinds, a, b, operands)
+
+
+def _check_operands(ep: Epilogue, operands: dict) -> None:
+    """The operands' names against the epilogue's, and its numbers (also while torch.compile traces)."""
+    where = _where(ep)
     expected = {p.name for p in ep.params}
     unknown = sorted(set(operands) - expected)
     missing = [p.name for p in ep.params if p.name not in operands]
@@ -82,7 +87,12 @@ def _normalize(ep: Epilogue, a, b, operands: dict, out: dict | None = None) -> C
         if not isinstance(v, numbers.Real):  # int, float, numpy's scalars
             raise checks.fail(where, f"'{p.name}' ({p.kind}) must be a number, got {type(v).__name__}",
                               f"pass float({p.name})")
-    return _unpack(_facts(ep).kinds, a, b, operands)
+
+
+def _check_out_dict(where: str, out) -> None:
+    if out is not None and not isinstance(out, dict):
+        raise checks.fail(where, f"out must be a dict of output name -> tensor, got {type(out).__name__}",
+                          "pass out={'D': tensor, ...}")
 
 
 def _unpack(kinds: dict[str, str], a, b, operands: dict) -> Call:
@@ -623,6 +633,9 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
         if accumulate:
             raise UnsupportedError(f"{_where(ep)}: accumulate=True inside torch.compile is not supported yet; "
                                    "write D + epilogue(...) functionally there")
+        _flag(ep, "deterministic", deterministic)
+        _check_out_dict(_where(ep), out)
+        _check_operands(ep, operands)
         return traced_gemm(ep, A, B, out, backend, config, deterministic, operands)
     if config is not None and not isinstance(config, (Config, str)):
         raise OperandError(f"{_where(ep)}: config must be a cd.Config or its string form, not {config!r}")

@@ -7,6 +7,7 @@ from fractions import Fraction
 import torch
 
 from ..dsl import Epilogue
+from ..errors import OperandError
 from ..ir import graph as ir
 from ..ir.ops import DTYPES
 from ..passes.plan import KIND_OF_AXIS, OUTPUT_SHAPES
@@ -45,11 +46,10 @@ def _(uid, a, b, tensors, numbers, backend, config, deterministic):
     widths = infer_widths(ep.program)
     outs = []
     for o in ep.program.outputs:
-        w = Fraction(widths.get(id(o.node), 1))
-        shape = (*lead, m, n * w.numerator // w.denominator)  # integer math: n may be a SymInt
         r = ir.reduction_of(o.node)
-        if r is not None:
-            shape = OUTPUT_SHAPES[KIND_OF_AXIS[r.attr[1]]][1](lead, m, n)
+        w = Fraction(widths.get(id(o.node if r is None else r.inputs[0]), 1))  # a statistic: its value's width
+        cols = n * w.numerator // w.denominator  # integer math: n may be a SymInt
+        shape = (*lead, m, cols) if r is None else OUTPUT_SHAPES[KIND_OF_AXIS[r.attr[1]]][1](lead, m, cols)
         outs.append(a.new_empty(shape, dtype=DTYPES[o.dtype][0] if o.dtype else a.dtype))
     return outs
 
@@ -61,7 +61,14 @@ def traced_gemm(ep: Epilogue, a, b, out, backend, config, deterministic, operand
     cfg = config if isinstance(config, str) else (config.text if config is not None else "")
     outs = dict(zip(ep.output_names, torch.ops.coda_dsl.gemm(ep.uid, a, b, tensors, numbers, backend, cfg,
                                                                    deterministic)))
-    for name, t in (out or {}).items():
-        t.copy_(outs[name])
+    for name, t in (out or {}).items():  # given outputs: what the op made, copied in (so the same dtype, shape)
+        made = outs.get(name)
+        if made is None or not isinstance(t, torch.Tensor) or t.dtype != made.dtype or t.shape != made.shape:
+            want = "no such output" if made is None else f"{made.dtype} {list(made.shape)}"
+            got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise OperandError(f"cd.gemm (epilogue '{ep.name}'): inside torch.compile, out['{name}'] must be what the "
+                               f"epilogue makes ({want}; outputs {list(ep.output_names)}), got {got}\n  fix: cast in "
+                               "the epilogue (cd.cast) for another dtype, or use the returned tensor")
+        t.copy_(made)
         outs[name] = t
     return outs
