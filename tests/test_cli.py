@@ -339,6 +339,14 @@ def test_help_literals_match_their_sources():
     assert cli.DTYPE_NAMES == tuple(DTYPES) and cli.DEFAULT_CONFIG == cd.Config().text
 
 
+def fresh_python(code: str) -> str:
+    """stdout of `code` run in a fresh interpreter (this one has torch and more imported already)."""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert res.returncode == 0, res.stdout[-300:] + res.stderr
+    return res.stdout
+
+
 def test_help_and_import_do_not_import_torch():
     """`coda-dsl --help` answers without importing torch (1-2 s); so do `import coda_dsl` and each command's
     --help. Run in a fresh interpreter: this one has torch already."""
@@ -347,9 +355,7 @@ def test_help_and_import_do_not_import_torch():
             "'doctor', 'demo')]:\n"
             "    try:\n        cli.main(argv)\n    except SystemExit:\n        pass\n"
             "print('torch imported' if 'torch' in sys.modules else 'no torch')")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert res.returncode == 0 and res.stdout.rstrip().endswith("no torch"), res.stdout[-300:] + res.stderr
+    assert fresh_python(code).rstrip().endswith("no torch")
 
 
 def test_loading_kernels_does_not_import_dynamo():
@@ -365,9 +371,7 @@ def test_loading_kernels_does_not_import_dynamo():
             "print('dynamo imported' if 'torch._dynamo' in sys.modules else 'no dynamo')\n"
             "marked = torch.compiler.assume_constant_result(lambda: 0)\n"
             "print(vars(marked) == vars(autograd._derived_key) == {'_dynamo_marked_constant': True})")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert res.returncode == 0 and res.stdout.split() == ["no", "dynamo", "True"], res.stdout[-300:] + res.stderr
+    assert fresh_python(code).split() == ["no", "dynamo", "True"]
 
 
 def test_license_is_named_in_setup():
