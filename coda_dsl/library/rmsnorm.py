@@ -9,7 +9,6 @@ accumulator by rstd. No pass over [M, N] is left outside the two GEMMs.
 """
 from __future__ import annotations
 
-
 import torch
 
 import coda_dsl as cd  # the library is written against the public API, like user code
