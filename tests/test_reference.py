@@ -538,6 +538,16 @@ def test_torch_compile_refuses_what_eager_refuses(call, message):
     assert message in _messages(e.value)
 
 
+def test_torch_compile_of_a_gemm_whose_inputs_require_grad_says_why():
+    """cd.gemm has no derivative; torch.compile differentiates a graph whose inputs require grad when it
+    compiles it, so the refusal comes then, with the fix (eagerly it comes at backward)."""
+    torch._dynamo.reset()
+    x, w = torch.randn(M, K, requires_grad=True), torch.randn(N, K)
+    with pytest.raises(Exception) as e:
+        torch.compile(lambda x, w: cd.gemm(x, w, backend="reference")["D"], fullgraph=True, backend="aot_eager")(x, w)
+    assert "cd.gemm has no derivative" in _messages(e.value) and "cd.linear" in _messages(e.value)
+
+
 @cd.epilogue
 def _affine(acc, b: cd.VecN, s: cd.Scalar):
     return acc * s + b

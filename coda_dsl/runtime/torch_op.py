@@ -7,7 +7,7 @@ from fractions import Fraction
 import torch
 
 from ..dsl import Epilogue
-from ..errors import OperandError
+from ..errors import OperandError, UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import DTYPES
 from ..passes.plan import KIND_OF_AXIS, OUTPUT_SHAPES
@@ -37,6 +37,15 @@ def _gemm(uid: str, a: torch.Tensor, b: torch.Tensor, tensors: list[torch.Tensor
         res = _eager_gemm(a, b, ep, backend=backend, config=config or None, deterministic=deterministic,
                           **_operands(ep, tensors, numbers))
     return [res[name] for name in ep.output_names]
+
+
+def _no_derivative(ctx, grads):
+    raise UnsupportedError("cd.gemm has no derivative (inside torch.compile, a graph whose cd.gemm inputs require "
+                           "grad is differentiated when it is compiled, even where nothing uses that gradient)\n  fix: "
+                           "call cd.linear(A, B, epilogue, ...) for a trainable layer, or detach what needs none")
+
+
+_gemm.register_autograd(_no_derivative)
 
 
 @_gemm.register_fake
