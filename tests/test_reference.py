@@ -538,6 +538,7 @@ def test_torch_compile_refuses_what_eager_refuses(call, message):
     assert message in _messages(e.value)
 
 
+@pytest.mark.filterwarnings("ignore:Error detected in:UserWarning")  # anomaly mode, as AOTAutograd traces
 def test_torch_compile_of_a_gemm_whose_inputs_require_grad_says_why():
     """cd.gemm has no derivative; torch.compile differentiates a graph whose inputs require grad when it
     compiles it, so the refusal comes then, with the fix (eagerly it comes at backward)."""
