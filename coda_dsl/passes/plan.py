@@ -22,7 +22,7 @@ class Config:
     keeps one wave's A and B slices in L2 (8: 2-7 % faster than 1 at N >= 14336 on the H200), and
     "streamk" to split the last wave's work along K. `swizzle` is the most a launch uses: a smaller one
     where rounding the tile grid up to whole groups would run over 2 % more (empty) tiles
-    (csrc/coda_dsl/evt.h: swizzle_for)."""
+    (csrc/coda_dsl/schedule.h: swizzle_for)."""
 
     tile: tuple[int, int, int] = (128, 256, 64)
     cluster: tuple[int, int] = (2, 1)

@@ -399,7 +399,7 @@ class CompiledOp:
 
     def _warm_table(self):
         if self._table is None:
-            self._table = warm.table(self._kinds) or False  # False: the extension is unavailable
+            self._table = warm.table(self._kinds)
         return self._table
 
     def _check(self, A, B, operands: dict, out: dict | None) -> None:
@@ -723,7 +723,7 @@ def _gemm(ep: Epilogue, A, B, out: dict | None, options: tuple, operands: dict, 
 def _warm_table(key: tuple, ep: Epilogue):
     table = _tables.get(key)
     if table is None:
-        table = remember(_tables, key, warm.table(_facts(ep).kinds) or False)  # False: unavailable
+        table = remember(_tables, key, warm.table(_facts(ep).kinds))
     return table
 
 

@@ -48,15 +48,16 @@ def module():
 
 
 def table(names):
-    """A new, empty table for calls with these operand names (None where the extension is unavailable)."""
+    """A new, empty table for calls with these operand names; False where the extension is unavailable (so
+    a caller keeps the answer and does not ask again)."""
     m = module()
-    return m.Table(tuple(names)) if m is not None else None
+    return m.Table(tuple(names)) if m is not None else False
 
 
 def add(table, kernel, tensors: list, n_scalars: int, inputs: list, outputs: list, scalars: list,
         consts: list) -> None:
-    """Offers the layout of a launch that just ran (the table keeps it once, and only the newest layouts): `tensors` and `n_scalars` as the kernel got them (abi.h).
-    inputs: (call value, its slot among `tensors`, the tensor), call value 0: A, 1: B, 2 + i: operand i,
+    """Offers the layout of a launch that just ran (the table keeps it once, and only the newest layouts):
+    `tensors` and `n_scalars` as the kernel got them (abi.h). inputs: (call value, its slot among `tensors`, the tensor), call value 0: A, 1: B, 2 + i: operand i,
     slot -1: matched but not read; outputs: (name, slot, the tensor allocated for it); scalars: (call
     value, its index among the scalars, -1: matched but not read); consts: (call value, the value the
     kernel was built for)."""
