@@ -53,7 +53,7 @@ _LAZY = {
                 "sin", "sqrt", "sum", "take", "tanh", "where"),
     "passes.plan": ("Config",),
     "runtime": ("CompiledOp", "backward_epilogue", "compile", "gemm", "linear", "prebuild", "set_tuning"),
-    "runtime.fused": ("epilogue_factory", "on_cuda"),
+    "runtime.torch_compile": ("epilogue_factory", "on_cuda"),
     "library": ("linear_cross_entropy",),
 }
 _DTYPES = ("bfloat16", "float16", "float32")  # torch's, under the names cd.cast accepts

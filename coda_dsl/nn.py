@@ -57,7 +57,7 @@ from .ir.ops import dtype_name
 from .runtime import checks
 from .runtime.autograd import forward_epilogue
 from .runtime.reference import evaluate_on
-from .runtime.fused import on_cuda
+from .runtime.torch_compile import on_cuda
 from .triton_kernels import rope_backward
 
 

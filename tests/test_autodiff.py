@@ -581,7 +581,7 @@ def test_second_order_gradients_raise():
 
 
 def test_fused_backward_step_equals_the_eager_one():
-    """On CUDA the derived program runs through torch.compile (runtime/fused.py); here compiled on the CPU,
+    """On CUDA the derived program runs through torch.compile (runtime/torch_compile.py); here compiled on the CPU,
     with the operand kinds, a statistic output and column pairs (widths under symbolic shapes)."""
     from coda_dsl.library import swiglu
     from coda_dsl.passes.autodiff import GRAD
@@ -604,7 +604,7 @@ def test_fused_backward_step_equals_the_eager_one():
         dtypes = {"acc": "bf16", **{k: "fp32" for k, v in ops.items() if isinstance(v, torch.Tensor)}}
         eager = derived.backward(acc, operands, dtypes)  # CPU tensors: not compiled
         for t in (acc, *(v for v in operands.values() if isinstance(v, torch.Tensor))):
-            torch._dynamo.mark_dynamic(t, 0)  # symbolic sizes, as after fused.on_cuda's one recompile
+            torch._dynamo.mark_dynamic(t, 0)  # symbolic sizes, as after torch_compile.on_cuda's one recompile
             if t.dim() == 2:
                 torch._dynamo.mark_dynamic(t, 1)
         fused = torch.compile(derived.backward.eager)(acc, operands, dtypes)

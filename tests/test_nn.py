@@ -449,7 +449,7 @@ def test_torch_compile_fullgraph_as_sequence_lengths_change(dynamic):
 
 
 def test_backward_steps_compile_to_the_same_values():
-    """On CUDA the layer's torch backward steps run through torch.compile (runtime/fused.py); compiled here
+    """On CUDA the layer's torch backward steps run through torch.compile (runtime/torch_compile.py); compiled here
     on the CPU they give what they give eagerly (None arguments included)."""
     torch.manual_seed(0)
     m, n = 9, 16

@@ -19,8 +19,8 @@ from ..ir import graph as ir
 from ..ir.ops import REDUCTIONS, dtype_name
 from ..passes import specialize
 from ..passes.autodiff import ACC, GRAD, SAVED, Backward, derive, into_producer
-from . import fused, reference
-from .fused import constant_under_compile
+from . import reference, torch_compile
+from .torch_compile import constant_under_compile
 from .op import epilogue_of, gemm
 
 class _Derived:
@@ -29,7 +29,7 @@ class _Derived:
 
     def __init__(self, forward: Epilogue, back: Backward):
         self.forward, self.back = forward, back
-        self.backward = fused.on_cuda(self._backward)
+        self.backward = torch_compile.on_cuda(self._backward)
 
     def _backward(self, acc: torch.Tensor, operands: dict, out_dtypes: dict) -> dict[str, torch.Tensor]:
         """The gradients, in out_dtypes (name -> dtype name)."""
@@ -76,7 +76,7 @@ def _derived_key(uid: str, consts: tuple, no_grad: tuple[str, ...]) -> str:
 
 def _derived_for(ep: Epilogue, consts: dict, no_grad: tuple[str, ...] = ()) -> _Derived:
     """_derive, in a form torch.compile(fullgraph=True) traces: the derivation itself is not traced."""
-    consts = {k: fused.constant(v) for k, v in consts.items()} if torch.compiler.is_compiling() else consts
+    consts = {k: torch_compile.constant(v) for k, v in consts.items()} if torch.compiler.is_compiling() else consts
     return _derived[_derived_key(ep.uid, tuple(sorted(consts.items())), no_grad)]
 
 
