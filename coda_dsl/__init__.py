@@ -33,6 +33,7 @@ which give 1.0 or 0.0):
 math.*, numpy and torch functions cannot take traced values: use the cd. functions above.
 
 Glue around the GEMMs: cd.on_cuda(fn) runs a function of torch ops compiled (fused) on CUDA tensors.
+cd.first_order(what) marks an autograd.Function's backward that has no graph: a second derivative raises.
 
 Library: cd.linear_cross_entropy (more in coda_dsl.library). Errors: cd.CodaError and its subclasses
 cd.EpilogueError, cd.OperandError, cd.UnsupportedError (cd.SharedMemoryError), cd.KernelError. The
@@ -52,7 +53,8 @@ _LAZY = {
                 "logsumexp", "max", "maximum", "min", "minimum", "pairs", "relu", "round", "rsqrt", "sigmoid", "silu",
                 "sin", "sqrt", "sum", "take", "tanh", "where"),
     "passes.plan": ("Config",),
-    "runtime": ("CompiledOp", "backward_epilogue", "compile", "gemm", "linear", "prebuild", "set_tuning"),
+    "runtime": ("CompiledOp", "backward_epilogue", "compile", "first_order", "gemm", "linear", "prebuild",
+                "set_tuning"),
     "runtime.torch_compile": ("epilogue_factory", "on_cuda"),
     "library": ("linear_cross_entropy",),
 }

@@ -55,7 +55,7 @@ from .library import gain_wgrad, interleave_gate_up, rms_producer
 from .library.rope import neox_to_interleaved, rotate
 from .ir.ops import dtype_name
 from .runtime import checks
-from .runtime.autograd import forward_epilogue
+from .runtime.autograd import first_order, forward_epilogue
 from .runtime.reference import evaluate_on
 from .runtime.torch_compile import on_cuda
 from .triton_kernels import rope_backward
@@ -166,6 +166,7 @@ class _NormRopeLinear(torch.autograd.Function):
         return (*split_qkv(y, heads, kv_heads, head_dim), x)
 
     @staticmethod
+    @first_order("coda_dsl.nn's QKV projection")
     def backward(ctx, dq, dk, dv, dres):
         x, gamma, rstd, w, pos, inv_freq, y = ctx.saved_tensors
         need = ctx.needs_input_grad
@@ -197,6 +198,7 @@ class _RmsProducerLinear(torch.autograd.Function):
         return r["D"], r["h_gamma"], r["rstd"]
 
     @staticmethod
+    @first_order("coda_dsl.nn's output projection")
     def backward(ctx, dh, _dhg, _drstd):
         if dh is None:
             return None, None, None, None, None, None
@@ -228,6 +230,7 @@ class _Mlp(torch.autograd.Function):
         return o["D"], o["rstd"]
 
     @staticmethod
+    @first_order("coda_dsl.nn.LlamaMLP")
     def backward(ctx, dout, drstd_out):
         h, gamma, rstd, w_gate, w_up, w_down, y, acc, out, rstd_out = ctx.saved_tensors
         _check_unreleased("LlamaMLP", *(t for t in (y, acc) if t is not None))

@@ -35,8 +35,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import coda_dsl as cd
 from .errors import UnsupportedError
 from .library import interleave_gate_up
-from .library.cross_entropy import (check_args, ce_backward, combine_vocab_shards, default_chunk_rows,
-                                    vocab_shard_stats)
+from .library.cross_entropy import (ce_backward, check_args, combine_vocab_shards, default_chunk_rows,
+                                    put_target_column, vocab_shard_stats)
 from .nn import (LlamaDecoderLayer, causal_attention, check_training_call, flat_inputs, input_norm, input_rms,
                  qkv_inv_freq, qkv_weight, rms_rope, rms_swiglu, rope_inv_freq, split_qkv)
 
@@ -214,6 +214,7 @@ class _VocabParallelCE(torch.autograd.Function):
         return combine_vocab_shards([total], target, vocab_size, ignore_index, smoothing, reduction)
 
     @staticmethod
+    @cd.first_order("coda_dsl.parallel.vocab_parallel_cross_entropy")
     def backward(ctx, grad):
         x, w, target, lse = ctx.saved_tensors
         vocab_start, vocab_size, group, ignore_index, reduction, smoothing, backend = ctx.cfg
@@ -224,7 +225,7 @@ class _VocabParallelCE(torch.autograd.Function):
             scale = scale / valid.sum().clamp_min(1)
         scale = torch.where(valid, scale, torch.zeros_like(scale)).contiguous()
         local = target - vocab_start
-        hot_rows = valid & (local >= 0) & (local < v)
+        local = torch.where(valid & (local >= 0) & (local < v), local, -1)  # -1: the target is on another shard
         grad_x = torch.zeros_like(x)  # this shard's part; all-reduced below
         grad_w = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
         chunk = default_chunk_rows(m, max(v, 1), x.device)
@@ -232,12 +233,10 @@ class _VocabParallelCE(torch.autograd.Function):
             e = min(m, s + chunk)
             xs, sc = x[s:e], scale[s:e]
             # (softmax - eps/V) * scale over this shard's columns, then the one-hot term where it lies here
-            p = cd.gemm(xs, w, ce_backward, lse=lse[s:e].contiguous(), scale=sc, uniform=smoothing / vocab_size,
-                        backend=backend)["D"]
-            rows = torch.arange(e - s, device=x.device)
-            hot = ((1 - smoothing) * sc * hot_rows[s:e]).to(p.dtype)
-            if v:  # a rank may hold no rows of the head (V < world size): no one-hot term here
-                p.index_put_((rows, local[s:e].clamp(0, v - 1)), -hot, accumulate=True)
+            out = cd.gemm(xs, w, ce_backward, lse=lse[s:e].contiguous(), scale=sc, target=local[s:e],
+                          uniform=smoothing / vocab_size, backend=backend)
+            p = out["D"]  # (a rank may hold no rows of the head, V < world size: p has no columns)
+            put_target_column(p, out["g_target"], local[s:e], (1 - smoothing) * sc)
             grad_x[s:e] = p @ w
             if grad_w is not None:
                 grad_w.addmm_(p.t(), xs)

@@ -569,15 +569,32 @@ def test_linear_with_a_const_under_torch_compile(dynamic):
 
 def test_second_order_gradients_raise():
     """The backward reads the saved accumulator, which has no graph to x or W: a gradient of the gradient
-    would silently miss those paths, so it raises instead."""
+    would silently miss those paths, so it raises instead, also in a gradient penalty whose first-order
+    part alone would go through (torch's once_differentiable gave w a gradient without the penalty's)."""
     @cd.epilogue
     def gelu(acc):
         return cd.gelu(acc)
 
     x, w = torch.randn(4, 8, requires_grad=True), torch.randn(6, 8, requires_grad=True)
-    gx, = torch.autograd.grad(cd.linear(x, w, gelu, backend="reference")["D"].sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+    y = cd.linear(x, w, gelu, backend="reference")["D"]
+    gx, = torch.autograd.grad(y.sum(), x, create_graph=True)
+    with pytest.raises(cd.UnsupportedError, match="cd.linear has no second derivative"):
         torch.autograd.grad(gx.square().sum(), w)
+    with pytest.raises(cd.UnsupportedError, match="cd.linear has no second derivative"):
+        (y.sum() + gx.square().sum()).backward()
+
+
+def test_outputs_that_do_not_depend_on_the_accumulator_give_zero_gradients():
+    """cd.round(acc) + b: dacc is 0 everywhere; x and W get zeros, as torch gives them (None would make
+    optimizers skip the parameter and DDP call it unused)."""
+    @cd.epilogue
+    def rounded(acc, b: cd.VecN):
+        return cd.round(acc) + b
+
+    x, w, b = (torch.randn(*s, requires_grad=True) for s in ((4, 3), (8, 3), (8,)))
+    cd.linear(x, w, rounded, backend="reference", b=b)["D"].sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x)) and torch.equal(w.grad, torch.zeros_like(w))
+    assert torch.equal(b.grad, torch.full_like(b, 4.0))
 
 
 def test_fused_backward_step_equals_the_eager_one():

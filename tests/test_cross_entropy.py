@@ -229,6 +229,68 @@ def test_confident_model_gradients_within_one_percent(seed, monkeypatch):
     assert _rel(x.grad, xf.grad) < 1e-2 and _rel(w.grad, wf.grad) < 1e-2
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_very_confident_rows_keep_their_gradient(reduction, dtype):
+    """p(target) ~ 0.995 on every row, logits ~ 20-40: the gradient 1 - p is smaller than the logits' rounding
+    in the buffer (fp16: |z| 2^-11) or the backward's D. The target's column comes from fp32 values, and
+    1/M is applied after the GEMMs (in fp16 it took g into subnormals): grad_x within 1 % of fp64 autograd
+    (it was 320 % in bf16 and 36 % in fp16; F.cross_entropy on fp32 logits: 0.16 % and 0.9 %)."""
+    g = torch.Generator().manual_seed(7)
+    m, d, v = 256, 64, 2000
+    w = torch.randn(v, d, dtype=torch.float64, generator=g) / d ** 0.5
+    w[:, 0] = 1.0  # a logit offset of 20 shared by every class
+    t = torch.randint(0, v, (m,), generator=g)
+    wt = w[t].clone()
+    wt[:, 0] = 0
+    x = wt / wt.norm(dim=1, keepdim=True) ** 2 * 15 + torch.randn(m, d, dtype=torch.float64, generator=g) * 0.5
+    x[:, 0] = 20
+    x, w = x.to(dtype), w.to(dtype)
+    truth = x.double().requires_grad_()
+    F.cross_entropy(truth @ w.double().t(), t).backward()
+    ours = x.clone().requires_grad_()
+    loss = cd.linear_cross_entropy(ours, w, t, reduction=reduction, backend="reference")
+    (loss.mean() if reduction == "none" else loss).backward()
+    assert _rel(ours.grad, truth.grad) < 1e-2
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_fp64_inputs_give_fp64_accuracy(reduction):
+    """fp64 (the reference backend's gradcheck precision): loss and gradients to ~1e-15, the fp32 tail's
+    columns (V % 8) included."""
+    x, w = torch.randn(64, 32, dtype=torch.float64, requires_grad=True), torch.randn(1003, 32, dtype=torch.float64,
+                                                                                     requires_grad=True)
+    t = torch.randint(0, 1003, (64,))
+    loss = cd.linear_cross_entropy(x, w, t, reduction=reduction, backend="reference", chunk_rows=16)
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = F.cross_entropy(xr @ wr.t(), t, reduction=reduction)
+    loss.sum().backward()
+    ref.sum().backward()
+    assert _rel(loss.detach(), ref.detach()) < 1e-13
+    assert _rel(x.grad, xr.grad) < 1e-13 and _rel(w.grad, wr.grad) < 1e-13
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_a_second_derivative_raises(reduction):
+    """create_graph=True gives gradients whose own derivative raises (not torch's silent zeros)."""
+    x, w, t = _problem(dtype=torch.float32)
+    gx, = torch.autograd.grad(cd.linear_cross_entropy(x, w, t, reduction=reduction, backend="reference").sum(), x,
+                              create_graph=True)
+    assert gx.requires_grad
+    with pytest.raises(cd.UnsupportedError, match="linear_cross_entropy has no second derivative"):
+        gx.pow(2).sum().backward()
+
+
+def test_label_smoothing_one():
+    """label_smoothing=1.0, which F.cross_entropy accepts: the uniform target alone."""
+    x, w, t = _problem(dtype=torch.float32)
+    loss = cd.linear_cross_entropy(x, w, t, label_smoothing=1.0, backend="reference")
+    ref, xf, wf = _torch_loss(x, w, t, smoothing=1.0)
+    loss.backward()
+    ref.backward()
+    assert _rel(loss.detach(), ref.detach()) < 1e-5 and _rel(x.grad, xf.grad) < 1e-5
+
+
 def test_compiled_gradient_step_matches_eager():
     """The fused step as torch.compile runs it on CUDA (one kernel writing g over z's bytes), here
     through inductor's CPU backend, equals the eager step, on the padded chunk buffer."""
@@ -238,9 +300,10 @@ def test_compiled_gradient_step_matches_eager():
     z.copy_(torch.randn(c, v) * 5)
     lse = torch.logsumexp(z.float(), -1)
     scale, t = torch.rand(c), torch.randint(-1, v, (c,))
+    z_target = z.float().gather(1, t.clamp_min(0)[:, None])[:, 0] + 1e-3  # the statistics' fp32 value
     eager = z.clone()
-    ce._logit_grad_.eager(eager, lse, scale, t, 0.01, 0.9, 30.0, torch.bfloat16)
-    torch.compile(ce._logit_grad_.eager)(z, lse, scale, t, 0.01, 0.9, 30.0, torch.bfloat16)
+    ce._logit_grad_.eager(eager, lse, scale, t, z_target, 0.01, 0.9, 30.0, torch.bfloat16)
+    torch.compile(ce._logit_grad_.eager)(z, lse, scale, t, z_target, 0.01, 0.9, 30.0, torch.bfloat16)
     assert _rel(z.view(torch.bfloat16), eager.view(torch.bfloat16)) < 1e-6
 
 
@@ -319,6 +382,21 @@ def test_targets_out_of_range_raise_on_cpu_and_give_nan_rows(reduction):
     assert loss.isnan().tolist() == ([False] * 3 + [True] + [False] * 4 if reduction == "none" else True)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_targets_out_of_range_inside_torch_compile_poison_the_gradients(reduction):
+    """Inside torch.compile nothing can raise (as on CUDA): the bad row's loss is NaN, and so are the
+    gradients it reaches (its grad_x row, all of grad_w), not a step's worth of finite numbers."""
+    x, w, t = _problem(m=8, v=50, dtype=torch.float32)
+    t[3] = 57
+    torch._dynamo.reset()
+    f = torch.compile(lambda a, b, c: cd.linear_cross_entropy(a, b, c, reduction=reduction, backend="reference"),
+                      fullgraph=True, backend="aot_eager")
+    loss = f(x, w, t)
+    loss.sum().backward()
+    assert loss.isnan().any() and x.grad[3].isnan().all() and w.grad.isnan().any()
+    assert x.grad[torch.arange(8) != 3].isfinite().all()
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_vocabulary_under_8_columns(reduction):
     """V < 8: every column is the fp32 tail's, the kernels' share is empty; all three paths still match."""
@@ -342,8 +420,13 @@ def test_bad_arguments():
     for bad in (w[0], w[:, :-1]):  # a vector, or rows of another width than x's
         with pytest.raises(ValueError, match=r"w must be the head's weight \[V, %d\]" % x.shape[1]):
             cd.linear_cross_entropy(x, bad, t, backend="reference")
-    with pytest.raises(ValueError, match="chunk_rows must be a positive"):
-        cd.linear_cross_entropy(x, w, t, chunk_rows=-8, backend="reference")
+    for rows in (-8, 2.5):
+        with pytest.raises(ValueError, match="chunk_rows must be a positive int"):
+            cd.linear_cross_entropy(x, w, t, chunk_rows=rows, backend="reference")
+    with pytest.raises(ValueError, match="w has no rows"):
+        cd.linear_cross_entropy(x, w[:0], t, backend="reference")
+    with pytest.raises(ValueError, match="target is on meta, x on cpu"):
+        cd.linear_cross_entropy(x, w, t.to("meta"), backend="reference")
 
 
 def test_logsumexp_and_take_semantics():

@@ -25,6 +25,7 @@ up to 65504 in magnitude; a softcap bounds them.)
 """
 from __future__ import annotations
 
+import numbers
 from typing import Sequence
 
 import torch
@@ -63,9 +64,11 @@ def _forward_epilogue(smoothing: bool, cap: float | None, logits: bool = False) 
 
 
 @cd.epilogue
-def ce_backward(acc, lse: cd.VecM, scale: cd.VecM, uniform: cd.Scalar):
-    """The logits' gradient but for the one-hot term: (softmax - eps/V) * scale."""
-    return (cd.exp(acc - lse) - uniform) * scale
+def ce_backward(acc, lse: cd.VecM, scale: cd.VecM, target: cd.VecM, uniform: cd.Scalar):
+    """The logits' gradient but for the one-hot term, (softmax - eps/V) * scale, and in fp32 its value at
+    the target's column, where the one-hot term lands (put_target_column)."""
+    g = (cd.exp(acc - lse) - uniform) * scale
+    return {"D": g, "g_target": cd.take(g, target, axis="n")}
 
 
 @cd.epilogue_factory
@@ -73,8 +76,8 @@ def _backward_softcap_epilogue(cap: float) -> cd.Epilogue:
     def ce_backward_softcap(acc, lse: cd.VecM, scale: cd.VecM, target: cd.VecM, uniform: cd.Scalar):
         t = cd.tanh(acc * (1.0 / cap))
         dz = 1.0 - t * t  # d softcap(acc) / d acc
-        g = (cd.exp(cap * t - lse) - uniform) * scale
-        return {"D": g * dz, "dz_target": cd.take(dz, target, axis="n")}
+        g = (cd.exp(cap * t - lse) - uniform) * scale * dz
+        return {"D": g, "g_target": cd.take(g, target, axis="n"), "dz_target": cd.take(dz, target, axis="n")}
     return cd.epilogue(ce_backward_softcap)
 
 
@@ -94,18 +97,30 @@ def default_chunk_rows(m: int, v: int, device: torch.device | str = "cpu") -> in
     return max(1, -(-(-(-m // chunks)) // _ROW_ALIGN)) * _ROW_ALIGN  # M = 0 too: a step for range()
 
 
-def _logit_grad(z: torch.Tensor, lse, scale, target, uniform: float, hot: float, cap: float | None):
-    """The logits' gradient in fp32, from the (softcapped) logits z [c, V']:
-    g = (exp(z - lse) - uniform - hot * [n == target]) * scale * (1 - (z/cap)^2 with a softcap)."""
-    zf = z.float()
-    g = torch.exp(zf - lse[:, None]) - uniform
+def _logit_grad(z: torch.Tensor, lse, scale, target, z_target, uniform: float, hot: float, cap: float | None):
+    """The logits' gradient in fp32 (fp64 for fp64), from the (softcapped) logits z [c, V']:
+    g = (exp(z - lse) - uniform - hot * [n == target]) * scale * (1 - (z/cap)^2 with a softcap).
+    At the target's column z is the statistics' own z_target: the buffer's rounding of z (up to |z| 2^-11
+    in fp16) would stay whole in exp(z - lse) - 1, whose true value 1 - p is small on a confident row."""
     cols = torch.arange(z.shape[1], device=z.device)
-    g = torch.where(cols == target[:, None], g - hot, g) * scale[:, None]  # ignored rows: scale 0
+    at_target = cols == target[:, None]
+    zf = torch.where(at_target, z_target[:, None], z.to(torch.promote_types(z.dtype, torch.float32)))
+    g = torch.exp(zf - lse[:, None]) - uniform
+    g = torch.where(at_target, g - hot, g) * scale[:, None]  # ignored rows: scale 0
     return g * (1.0 - (zf * (1.0 / cap)) ** 2) if cap else g
 
 
+def put_target_column(p: torch.Tensor, g_target: torch.Tensor, target: torch.Tensor, hot: torch.Tensor) -> None:
+    """p[r, target_r] = g_target_r - hot_r, in fp32 and rounded once (p is the backward epilogue's D, which
+    lacks the one-hot term; adding it to D's rounded value would lose 1 - p on a confident row). Rows whose
+    target is < 0 (ignored, or in another part of the vocabulary) keep their value."""
+    if p.shape[1]:
+        rows, col = torch.arange(p.shape[0], device=p.device), target.clamp_min(0)
+        p[rows, col] = torch.where(target >= 0, g_target - hot, p[rows, col].to(g_target.dtype)).to(p.dtype)
+
+
 @cd.on_cuda
-def _logit_grad_(z: torch.Tensor, lse, scale, target, uniform: float, hot: float, cap: float | None,
+def _logit_grad_(z: torch.Tensor, lse, scale, target, z_target, uniform: float, hot: float, cap: float | None,
                  dtype: torch.dtype) -> None:
     """In place: the logits z [c, V] become their gradient (_logit_grad), in `dtype` over the same bytes.
 
@@ -113,7 +128,7 @@ def _logit_grad_(z: torch.Tensor, lse, scale, target, uniform: float, hot: float
     storage; checked on CPU's inductor: no temporary), with static sizes: with every size symbolic
     (dynamic=True) that kernel ran at a third of the H200's bandwidth (1.99 ms per 4096-row chunk at
     V = 128256); eagerly (CPU), ~6 passes with fp32 temporaries."""
-    z.view(dtype).copy_(_logit_grad(z, lse, scale, target, uniform, hot, cap))
+    z.view(dtype).copy_(_logit_grad(z, lse, scale, target, z_target, uniform, hot, cap))
 
 
 @cd.on_cuda
@@ -149,8 +164,9 @@ def _split(v: int) -> int:
 
 
 def _tail(xs, w_tail, cap) -> torch.Tensor:
-    """The softcapped fp32 logits of the last V % 8 columns: [rows, V % 8]."""
-    z = xs.float() @ w_tail.float().t()
+    """The softcapped fp32 (fp64 for fp64) logits of the last V % 8 columns: [rows, V % 8]."""
+    dt = torch.promote_types(xs.dtype, torch.float32)
+    z = xs.to(dt) @ w_tail.to(dt).t()
     return cap * torch.tanh(z / cap) if cap else z
 
 
@@ -180,6 +196,20 @@ def _out_of_range(target: torch.Tensor, v: int, ignore_index: int) -> torch.Tens
     return bad
 
 
+def _factored(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """scale = unit * peak, |unit| <= 1, peak a 0-dim tensor (no synchronization): the logits' gradient is
+    formed with unit, and grad_x and grad_W times peak after; in fp16, with a scale like 1/M, most of g
+    would be subnormal (p < 2^-14 / 8192 at M = 8192) and lost."""
+    peak = scale.nan_to_num().abs().amax().clamp_min(1e-30) if scale.numel() else scale.new_ones(())
+    return scale / peak, peak
+
+
+def _poisoned(scale: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    """The rows' gradient scale, NaN where the target is out of range: the gradients are as NaN as the loss
+    (where no error can be raised: on CUDA, inside torch.compile)."""
+    return torch.where(bad, torch.full_like(scale, float("nan")), scale)
+
+
 def _reduce(loss, valid, count, reduction, bad):
     loss = torch.where(bad, torch.full_like(loss, float("nan")), torch.where(valid, loss, torch.zeros_like(loss)))
     if reduction == "none":
@@ -202,8 +232,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             ctx.save_for_backward(x, w, safe, valid, st["lse"], count)
             return _reduce(_row_loss(st, v, smoothing), valid, count, reduction, bad)
         # gradients now, chunk by chunk: the backward then only scales them
-        scale = valid.float() / (count.clamp_min(1) if reduction == "mean" else 1)
-        loss = torch.empty(m, device=x.device, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+        loss = torch.empty(m, device=x.device, dtype=torch.promote_types(x.dtype, torch.float32))
+        scale, peak = _factored(_poisoned(valid.to(loss.dtype) / (count.clamp_min(1) if reduction == "mean" else 1),
+                                          bad))
         gx = torch.empty_like(x) if need_x else None
         gw = torch.empty_like(w) if need_w else None  # in w's dtype: each chunk's GEMM sums in fp32
         vk = _split(v)
@@ -217,42 +248,45 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 zt = _tail(xs, wt, cap)
                 st = _merge_tail(st, zt, ts - vk)
             loss[s:e] = _row_loss(st, v, smoothing)
-            _logit_grad_(z, st["lse"], scale[s:e], ts, smoothing / v, 1.0 - smoothing, cap, x.dtype)
+            _logit_grad_(z, st["lse"], scale[s:e], ts, st["z_target"], smoothing / v, 1.0 - smoothing, cap, x.dtype)
             g = z.view(x.dtype)
             if need_x:
                 torch.mm(g, wk, out=gx[s:e])
             if need_w:
                 gw[:vk].addmm_(g.t(), xs) if s else torch.mm(g.t(), xs, out=gw[:vk])
             if vk < v:  # the last V % 8 columns, in fp32 (_tail)
-                gt = _logit_grad(zt, st["lse"], scale[s:e], ts - vk, smoothing / v, 1.0 - smoothing, cap).to(x.dtype)
+                gt = _logit_grad(zt, st["lse"], scale[s:e], ts - vk, st["z_target"], smoothing / v, 1.0 - smoothing,
+                                 cap).to(x.dtype)
                 if need_x:
                     gx[s:e].addmm_(gt, wt)
                 if need_w:
                     gw[vk:].addmm_(gt.t(), xs) if s else torch.mm(gt.t(), xs, out=gw[vk:])
         if need_w and m == 0:
             gw.zero_()
-        ctx.grads = (gx, gw)
+        ctx.grads = (gx, gw, peak)
+        ctx.save_for_backward(x, w)  # (for cd.first_order: a second derivative with respect to them raises)
         return _reduce(loss, valid, count, reduction, bad)
 
     @staticmethod
+    @cd.first_order("linear_cross_entropy")
     def backward(ctx, grad):
         if hasattr(ctx, "grads"):
             if ctx.grads is None:
                 raise RuntimeError("linear_cross_entropy: backward ran twice through the same forward (retain_graph); "
                                    "its gradients were computed in the forward and handed out by the first backward. "
                                    "Call linear_cross_entropy again for a second backward")
-            gx, gw = ctx.grads
+            gx, gw, peak = ctx.grads
             ctx.grads = None  # the only reference left is ours: autograd takes the tensors without a copy
-            _scale_(gx, gw, grad)
+            _scale_(gx, gw, grad * peak)
             return gx, gw, *[None] * 10
         x, w, safe, valid, lse, count = ctx.saved_tensors
         reduction, smoothing, cap, backend, config, chunk = ctx.cfg
         m, v = x.shape[0], w.shape[0]
-        if reduction == "none":
-            scale = grad.float()
-        else:
-            scale = grad.float().expand(m) / (count.clamp_min(1) if reduction == "mean" else 1)
-        scale = torch.where(valid, scale, torch.zeros_like(scale)).contiguous()
+        scale = grad.to(torch.promote_types(x.dtype, torch.float32))
+        if reduction != "none":
+            scale = scale.expand(m) / (count.clamp_min(1) if reduction == "mean" else 1)
+        bad = valid & ((safe < 0) | (safe >= v))  # out of range (safe keeps such a target)
+        scale, peak = _factored(_poisoned(torch.where(valid, scale, torch.zeros_like(scale)), bad).contiguous())
         need_x, need_w = ctx.needs_input_grad[:2]  # a frozen LM head needs no grad_w GEMMs
         grad_x = torch.empty_like(x) if need_x else None
         grad_w = torch.zeros_like(w) if need_w else None  # in w's dtype: each chunk's GEMM sums in fp32
@@ -263,33 +297,31 @@ class _LinearCrossEntropy(torch.autograd.Function):
             e = min(m, s + chunk)
             xs, ts, sc, lse_s = x[s:e], safe[s:e], scale[s:e], lse[s:e].contiguous()
             tk = torch.where(ts < vk, ts, -1)
-            common = dict(lse=lse_s, scale=sc, uniform=smoothing / v, backend=backend, out={"D": buf[: e - s]},
-                          config=config)
-            out = cd.gemm(xs, wk, _backward_softcap_epilogue(cap), target=tk, **common) if cap else \
-                cd.gemm(xs, wk, ce_backward, **common)
+            out = cd.gemm(xs, wk, _backward_softcap_epilogue(cap) if cap else ce_backward, lse=lse_s, scale=sc,
+                          target=tk, uniform=smoothing / v, backend=backend, out={"D": buf[: e - s]}, config=config)
             p = out["D"]  # [chunk, V - V % 8]: the logits' gradient, but for the one-hot term
-            hot = (1 - smoothing) * sc * (out["dz_target"] if cap else (tk >= 0))  # 0: ignored rows, tail targets
-            if vk:  # (V < 8: every column is the tail's)
-                rows = torch.arange(e - s, device=p.device)
-                p.index_put_((rows, tk.clamp_min(0)), -hot.to(p.dtype), accumulate=True)  # now all of it
+            put_target_column(p, out["g_target"], tk, (1 - smoothing) * sc * (out["dz_target"] if cap else 1))
             if need_x:
                 grad_x[s:e] = p @ wk
             if need_w:
                 grad_w[:vk].addmm_(p.t(), xs)
             if vk < v:  # the last V % 8 columns, in fp32 (_tail)
-                gt = _logit_grad(_tail(xs, wt, cap), lse_s, sc, ts - vk, smoothing / v, 1.0 - smoothing, cap).to(x.dtype)
+                zt = _tail(xs, wt, cap)
+                z_target = zt.gather(1, (ts - vk).clamp(0, v - vk - 1)[:, None])[:, 0]  # read where ts is a tail column
+                gt = _logit_grad(zt, lse_s, sc, ts - vk, z_target, smoothing / v, 1.0 - smoothing, cap).to(x.dtype)
                 if need_x:
                     grad_x[s:e] += gt @ wt
                 if need_w:
                     grad_w[vk:].addmm_(gt.t(), xs)
+        _scale_(grad_x, grad_w, peak)
         return grad_x, grad_w, *[None] * 10
 
 
 def _check_options(reduction, label_smoothing):
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', not {reduction!r}")
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
 
 
 def check_args(x, w, target, reduction, label_smoothing):
@@ -301,6 +333,8 @@ def check_args(x, w, target, reduction, label_smoothing):
         raise ValueError(f"w must be the head's weight [V, {x.shape[1]}] (V rows of x's width d), got {list(w.shape)}")
     if target.dtype != torch.int64 or target.shape != x.shape[:1]:
         raise ValueError(f"target must be int64 of shape [{x.shape[0]}], got {target.dtype} {list(target.shape)}")
+    if target.device != x.device:
+        raise ValueError(f"target is on {target.device}, x on {x.device}: put them on one device")
 
 
 def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
@@ -318,8 +352,11 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
     (a cd.Config or its text; default CONFIG).
     """
     check_args(x, w, target, reduction, label_smoothing)
-    if chunk_rows is not None and not int(chunk_rows) > 0:
-        raise ValueError(f"chunk_rows must be a positive number of rows, got {chunk_rows}")
+    if w.shape[0] == 0:
+        raise ValueError("w has no rows: the vocabulary is empty (a shard of a vocabulary-parallel head may be; "
+                         "see vocab_shard_stats)")
+    if chunk_rows is not None and not (isinstance(chunk_rows, numbers.Integral) and chunk_rows > 0):
+        raise ValueError(f"chunk_rows must be a positive int (rounded up to a multiple of 8), got {chunk_rows!r}")
     grad = torch.is_grad_enabled()  # Function.forward runs without grad mode: decide here
     return _LinearCrossEntropy.apply(x, w, target, ignore_index, reduction, float(label_smoothing),
                                      float(softcap) if softcap else None, backend, config or CONFIG,

@@ -1,5 +1,5 @@
 """The callable op: checks, output allocation, launch, torch.compile registration, reference backend."""
-from .autograd import backward_epilogue, linear
+from .autograd import backward_epilogue, first_order, linear
 from .op import CompiledOp, clear, compile, gemm, prebuild, set_tuning
 
-__all__ = ["CompiledOp", "backward_epilogue", "clear", "compile", "gemm", "linear", "prebuild", "set_tuning"]
+__all__ = ["CompiledOp", "backward_epilogue", "clear", "compile", "first_order", "gemm", "linear", "prebuild", "set_tuning"]

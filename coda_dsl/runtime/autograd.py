@@ -10,6 +10,7 @@ grad_x = dacc @ W and grad_W = dacc^T x.
 """
 from __future__ import annotations
 
+import functools
 
 import torch
 
@@ -22,6 +23,48 @@ from ..passes.autodiff import ACC, GRAD, SAVED, Backward, derive, into_producer
 from . import reference, torch_compile
 from .torch_compile import constant_under_compile
 from .op import epilogue_of, gemm
+
+
+def first_order(what: str):
+    """Decorator of an autograd.Function's backward that computes its gradients without a graph (kernels,
+    in-place steps; it runs under no_grad). After backward(create_graph=True) they come back tied to a node
+    whose own backward raises UnsupportedError naming `what`, where torch would silently give a second
+    derivative of 0 (torch.autograd.function.once_differentiable raises only where the incoming gradients
+    require grad, which a loss's gradient does not)."""
+    def decorate(backward):
+        @functools.wraps(backward)
+        def call(ctx, *grads):
+            with torch.no_grad():
+                out = backward(ctx, *grads)
+            if not torch.is_grad_enabled():  # the usual backward: nothing to tie
+                return out
+            outs = out if isinstance(out, tuple) else (out,)
+            at = [i for i, g in enumerate(outs) if isinstance(g, torch.Tensor) and g.is_floating_point()]
+            # tied to the saved inputs too: a gradient of the gradients with respect to them reaches the node
+            inputs = [t for t in ctx.saved_tensors if t is not None and t.requires_grad]
+            tied = _NoSecondDerivative.apply(what, len(at), *(outs[i].detach().requires_grad_() for i in at), *inputs)
+            outs = list(outs)
+            for i, g in zip(at, tied):
+                outs[i] = g
+            return tuple(outs) if isinstance(out, tuple) else outs[0]
+        return call
+    return decorate
+
+
+class _NoSecondDerivative(torch.autograd.Function):
+    """The gradients of a first_order backward, unchanged; differentiating them raises."""
+
+    @staticmethod
+    def forward(ctx, what: str, n: int, *grads_and_inputs):
+        ctx.what = what
+        return tuple(g.view_as(g) for g in grads_and_inputs[:n])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise UnsupportedError(f"{ctx.what} has no second derivative (its backward computes gradients without a "
+                               "graph): a gradient of its gradient was asked for (create_graph=True)\n  fix: "
+                               "differentiate through it once, or compute that part with plain torch ops")
+
 
 class _Derived:
     """An epilogue's forward with its accumulator as an output (when the derivative reads it), and the
@@ -109,7 +152,7 @@ class _Linear(torch.autograd.Function):
         return tuple(outs[o] for o in ep.output_names)  # linear() names them in this order
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # the saved accumulator has no graph: no second order
+    @first_order("cd.linear")  # the saved accumulator has no graph
     def backward(ctx, *grads):
         names = ctx.names
         grads = dict(zip(ctx.ep.output_names, grads))
@@ -138,8 +181,10 @@ class _Linear(torch.autograd.Function):
         got = derived.backward(acc, operands, out_dtypes)
         dacc = got.get(ACC)
         need_x, need_w = ctx.needs_input_grad[4:6]
-        grad_x = dacc @ w if need_x and dacc is not None else None
-        grad_w = dacc.t() @ x if need_w and dacc is not None else None
+        # (no dacc: the outputs do not depend on the accumulator, or only where its derivative is 0: zeros, as
+        # torch gives, so that optimizers and DDP see the parameter used)
+        grad_x = (dacc @ w if dacc is not None else torch.zeros_like(x)) if need_x else None
+        grad_w = (dacc.t() @ x if dacc is not None else torch.zeros_like(w)) if need_w else None
         grad_ops = [got[n] if n in got and ctx.needs_input_grad[6 + i] else None
                     for i, (n, t) in enumerate(zip(names, tensors))]
         return (None, None, None, None, grad_x, grad_w, *grad_ops)
