@@ -67,7 +67,7 @@ class HFLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(self, ids, targets):
-        h = self.model(input_ids=ids).last_hidden_state
+        h = self.model(input_ids=ids, use_cache=False).last_hidden_state  # training: no KV cache
         return F.cross_entropy(self.lm_head(h).flatten(0, 1).float(), targets.flatten())
 
 

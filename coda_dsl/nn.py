@@ -45,6 +45,8 @@ Design decisions:
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -309,8 +311,20 @@ def _check_inputs(x, hidden_size: int, dtype: torch.dtype, position_ids, input_r
                            f"got {list(input_rstd.shape)}")
 
 
-def check_training_call(where: str, attention_mask, cache, use_cache, kwargs: dict) -> None:
-    """A decoder layer's call as training makes it: causal attention, no KV cache."""
+def check_training_call(where: str, config, attention_mask, cache, use_cache, position_ids, position_embeddings,
+                        kwargs: dict) -> None:
+    """A decoder layer's call as training makes it: causal attention over whole rows, no KV cache, RoPE from
+    positions."""
+    if position_embeddings is not None and position_ids is None:
+        raise UnsupportedError(f"coda_dsl: {where}: position_embeddings without position_ids: the layer rotates by "
+                               "positions in its QKV epilogue and does not read cos/sin tables\n  fix: pass the "
+                               "position_ids they were made from (a transformers model passes both)")
+    if str(getattr(config, "_attn_implementation", None) or "").startswith("flash") or any(
+            kwargs.get(k) is not None for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")):
+        raise UnsupportedError(f"coda_dsl: {where}: flash-attention calls, which split packed sequences by their "
+                               "position_ids or cu_seq_lens, are not supported: this layer attends causally over whole "
+                               "rows (SDPA)\n  fix: attn_implementation='sdpa' (a packed batch is then refused by its "
+                               "mask instead of attended across)")
     if attention_mask is not None:
         raise UnsupportedError(f"coda_dsl: {where}: attention is causal only; pass attention_mask=None (no padding or "
                                "packed-sequence masks yet). In a transformers model, use attn_implementation='sdpa' "
@@ -420,11 +434,15 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: i
 
 
 class LlamaAttention(nn.Module):
-    """q/k/v/o projections (HF names). The QKV GEMM's epilogue applies the input norm's rstd and RoPE."""
+    """q/k/v/o projections (HF names). The QKV GEMM's epilogue applies the input norm's rstd and RoPE. A
+    building block of LlamaDecoderLayer, not a drop-in for HF's module: its forward takes the layer's norm."""
 
-    def __init__(self, config, dtype=None, device=None):
+    def __init__(self, config, layer_idx: int | None = None, *, dtype=None, device=None):
         super().__init__()
-        self.head_dim = head_dim_of(config)
+        if getattr(config, "attention_bias", False):
+            raise UnsupportedError("coda_dsl.nn.LlamaAttention: attention_bias is not supported; use a config "
+                                   "without it (as Llama's)")
+        self.layer_idx, self.head_dim = layer_idx, head_dim_of(config)
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.attention_dropout = float(getattr(config, "attention_dropout", 0.0))
         d, hd = config.hidden_size, self.head_dim
@@ -432,9 +450,10 @@ class LlamaAttention(nn.Module):
         self.k_proj = _linear(d, self.num_kv_heads * hd, dtype, device)
         self.v_proj = _linear(d, self.num_kv_heads * hd, dtype, device)
         self.o_proj = _linear(self.num_heads * hd, d, dtype, device)
-        qkv_inv = qkv_inv_freq(rope_inv_freq(config), self.num_heads, self.num_kv_heads)
+        with torch.device("cpu"):  # the fp32 master has values also where the module is made on "meta"
+            qkv_inv = qkv_inv_freq(rope_inv_freq(config), self.num_heads, self.num_kv_heads)
         self._qkv_inv_freq_fp32 = qkv_inv
-        self.register_buffer("qkv_inv_freq", qkv_inv.to(device), persistent=False)
+        self.register_buffer("qkv_inv_freq", qkv_inv.to(device or torch.empty(()).device), persistent=False)
 
     def _apply(self, fn, recurse=True):
         # module.to(torch.bfloat16) casts float buffers too; RoPE angles need the fp32 frequencies
@@ -462,12 +481,18 @@ class LlamaMLP(nn.Module):
     forward, unless tie_gate_up() has made them the halves of one such buffer.
 
     keep_y (default True): the forward keeps y = swiglu(...) [M, F] for W_down's gradient. False: it keeps
-    [M, F] less per layer for the backward, whose dY GEMM epilogue computes y again (more work there)."""
+    [M, F] less per layer for the backward, whose dY GEMM epilogue computes y again (more work there).
 
-    def __init__(self, config, dtype=None, device=None):
+    A building block of LlamaDecoderLayer, not a drop-in for HF's module: its forward takes the residual
+    stream and the post-attention norm, and returns h + mlp(norm(h)) and the next norm's rstd."""
+
+    def __init__(self, config, *, dtype=None, device=None):
         super().__init__()
-        if getattr(config, "hidden_act", "silu") != "silu":
+        if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):  # the same function in transformers
             raise UnsupportedError(f"coda_dsl.nn.LlamaMLP: hidden_act {config.hidden_act!r}; only 'silu' is supported")
+        if getattr(config, "mlp_bias", False):
+            raise UnsupportedError("coda_dsl.nn.LlamaMLP: mlp_bias is not supported; use a config without it "
+                                   "(as Llama's)")
         d, f = config.hidden_size, config.intermediate_size
         self.gate_proj = _linear(d, f, dtype, device)
         self.up_proj = _linear(d, f, dtype, device)
@@ -526,14 +551,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, config, layer_idx: int = 0, backend: str = "auto", dtype=None, device=None):
         super().__init__()
-        if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
-            raise UnsupportedError("coda_dsl.nn.LlamaDecoderLayer: attention_bias/mlp_bias are not supported; "
-                                   "use a config with both False (as Llama's)")
         self.config, self.layer_idx, self.backend = config, layer_idx, backend
         self.hidden_size = config.hidden_size
         eps = config.rms_norm_eps
-        self.self_attn = LlamaAttention(config, dtype, device)
-        self.mlp = LlamaMLP(config, dtype, device)
+        self.self_attn = LlamaAttention(config, layer_idx, dtype=dtype, device=device)
+        self.mlp = LlamaMLP(config, dtype=dtype, device=device)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
 
@@ -580,11 +602,23 @@ class LlamaDecoderLayer(nn.Module):
                 use_cache: bool = False, position_embeddings=None, *, input_rstd: torch.Tensor | None = None,
                 return_rstd: bool = False, **kwargs):
         """hidden_states [B, S, D] -> [B, S, D]. position_ids [B, S] or [1, S] (default 0..S-1 per row);
-        RoPE is computed from them in the QKV epilogue (position_embeddings is ignored).
+        RoPE is computed from them in the QKV epilogue (position_embeddings, made from them, is not read;
+        given without them, it is refused).
         input_rstd [B, S] (fp32): rsqrt(mean(x^2) + eps) of the input, as a previous layer returns it with
         return_rstd=True; computed here when None. return_rstd: also return this output's rstd."""
-        check_training_call(type(self).__name__, attention_mask, cache, use_cache, kwargs)
-        x = hidden_states
+        check_training_call(type(self).__name__, self.config, attention_mask, cache, use_cache, position_ids,
+                            position_embeddings, kwargs)
+        step = functools.partial(self._step, position_ids=position_ids, return_rstd=return_rstd)
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            return self._gradient_checkpointing_func(step, hidden_states, input_rstd)  # (tensors positional)
+        return step(hidden_states, input_rstd)
+
+    # transformers' gradient_checkpointing_enable() sets this, and _gradient_checkpointing_func, on each module
+    # that has the attribute: the layer then checkpoints its step, as transformers' own layers do
+    gradient_checkpointing = False
+
+    def _step(self, x: torch.Tensor, input_rstd: torch.Tensor | None, position_ids, return_rstd: bool):
+        """The layer on checked arguments (forward's)."""
         xf, pos, rstd = flat_inputs(x, position_ids, input_rstd, self.hidden_size, self.self_attn.q_proj.weight.dtype)
         b, s, d = x.shape
         # float() here: under torch.compile(dynamic=True) Dynamo makes the float a graph input, which must enter

@@ -37,7 +37,7 @@ from .errors import UnsupportedError
 from .library import interleave_gate_up
 from .library.cross_entropy import (ce_backward, check_args, combine_vocab_shards, default_chunk_rows,
                                     put_target_column, vocab_shard_stats)
-from .nn import (LlamaDecoderLayer, causal_attention, check_training_call, flat_inputs, input_norm, input_rms,
+from .nn import (LlamaDecoderLayer, causal_attention, flat_inputs, input_norm, input_rms,
                  qkv_inv_freq, qkv_weight, rms_rope, rms_swiglu, rope_inv_freq, split_qkv)
 
 
@@ -127,13 +127,10 @@ class TPLlamaDecoderLayer(LlamaDecoderLayer):
     tp_mesh: DeviceMesh
     _tp_inv_freq: torch.Tensor
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
-                use_cache: bool = False, position_embeddings=None, *, input_rstd: torch.Tensor | None = None,
-                return_rstd: bool = False, **kwargs):
-        check_training_call(type(self).__name__, attention_mask, cache, use_cache, kwargs)
+    def _step(self, x: torch.Tensor, input_rstd: torch.Tensor | None, position_ids, return_rstd: bool):
+        """LlamaDecoderLayer's step, its GEMMs split over the mesh (forward, checks and checkpointing, as there)."""
         group, backend = self.tp_mesh.get_group(), self.backend
         attn, mlp = self.self_attn, self.mlp
-        x = hidden_states
         xf, pos, rstd = flat_inputs(x, position_ids, input_rstd, self.hidden_size, attn.q_proj.weight.dtype)
         b, s, d = x.shape
         eps = self.input_layernorm.variance_epsilon

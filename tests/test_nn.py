@@ -374,6 +374,73 @@ def test_refusals():
             ours(torch.randn(*bad), **kw)
 
 
+def test_calls_that_would_be_silently_wrong_are_refused():
+    """cos/sin tables without their positions (the layer rotates by positions, and would use 0..S-1), and
+    flash-attention calls (HF splits packed sequences by position_ids or cu_seq_lens there; this layer
+    attends over whole rows)."""
+    config = llama_config()
+    ours = cdnn.LlamaDecoderLayer(config, backend="reference")
+    x, pid = torch.randn(1, 7, config.hidden_size), positions(1, 7, packed=True)
+    with pytest.raises(cd.UnsupportedError, match="position_embeddings without position_ids"):
+        ours(x, position_embeddings=LlamaRotaryEmbedding(config)(x, pid))
+    with pytest.raises(cd.UnsupportedError, match="flash-attention calls"):
+        ours(x, position_ids=pid, cu_seq_lens_q=torch.tensor([0, 4, 7], dtype=torch.int32))
+    with pytest.raises(cd.UnsupportedError, match="flash-attention calls"):
+        cdnn.LlamaDecoderLayer(llama_config(attn_implementation="flash_attention_2"), backend="reference")(x)
+
+
+def test_building_blocks_take_hf_constructor_arguments():
+    """LlamaAttention(config, layer_idx) and LlamaMLP(config) as HF's; each refuses its own bias config;
+    hidden_act 'swish' is SiLU (transformers' ACT2FN maps both to it)."""
+    config = llama_config(hidden_act="swish")
+    assert cdnn.LlamaAttention(config, 3).layer_idx == 3 and cdnn.LlamaMLP(config).down_proj.weight.shape == (64, 96)
+    with pytest.raises(cd.UnsupportedError, match="attention_bias"):
+        cdnn.LlamaAttention(llama_config(attention_bias=True), 0)
+    with pytest.raises(cd.UnsupportedError, match="mlp_bias"):
+        cdnn.LlamaMLP(llama_config(mlp_bias=True))
+
+
+def test_made_on_the_meta_device_then_loaded():
+    """The accelerate pattern: made under `with torch.device("meta")`, then to_empty() and a state dict. The
+    RoPE frequencies (not in the state dict) are made on the CPU, so they survive; the layer equals HF's."""
+    config = llama_config()
+    hf = random_hf_layer(config)
+    with torch.device("meta"):
+        ours = cdnn.LlamaDecoderLayer(config, backend="reference")
+    ours.to_empty(device="cpu").load_hf_state_dict(hf.state_dict())
+    x, pid = torch.randn(2, 9, config.hidden_size), positions(2, 9, packed=False)
+    assert rel_err(ours(x, position_ids=pid), hf_forward(hf, config, x, pid)) < 1e-5
+
+
+def test_transformers_gradient_checkpointing_enable_checkpoints_the_layer(monkeypatch):
+    """model.activation_checkpointing_enable() (gradient_checkpointing_enable() before transformers 5.x) on a
+    transformers model whose layers are coda_dsl's: each layer's
+    step runs again in the backward (as HF's own layers), with the same gradients."""
+    from transformers import LlamaModel
+    config = llama_config(attn_implementation="sdpa", num_hidden_layers=1, vocab_size=50)
+    torch.manual_seed(0)
+    model = LlamaModel(config)
+    model.layers[0] = cdnn.LlamaDecoderLayer.from_hf(model.layers[0], backend="reference")
+    ids = torch.randint(0, 50, (2, 9))
+    steps = []
+    layer = model.layers[0]
+    monkeypatch.setattr(layer, "_step", lambda *a, _f=layer._step, **k: steps.append(1) or _f(*a, **k))
+
+    def step_grads():
+        model.zero_grad()
+        model(ids, use_cache=False).last_hidden_state.square().sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    plain = step_grads()
+    assert len(steps) == 1
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    model.train()
+    checkpointed = step_grads()
+    assert len(steps) == 3  # the forward's step, and again in the backward
+    for a, b in zip(checkpointed, plain):
+        torch.testing.assert_close(a, b)
+
+
 def test_attention_dropout_in_training_as_hf_applies_it():
     config = llama_config(attention_dropout=0.5, attn_implementation="sdpa")  # HF's SDPA: the same dropout RNG use
     hf = random_hf_layer(config)
