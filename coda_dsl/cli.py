@@ -137,8 +137,21 @@ def specialization_from_options(ep: Epilogue, ab_dtype: str = "bf16", b_layout: 
     dtypes = {n: INDEX_DTYPE if n in indices else operand_dtypes.get(n, ab_dtype)
               for n, k in kinds.items() if k in LOAD_KINDS}
 
+    values = _const_values(ep, consts or {})
+    if isinstance(config, str):
+        try:
+            config = Config.parse(config)
+        except ValueError as e:
+            raise CliError(str(e)) from None
+
+    return CompiledOp.create(ep, signature(ep, ab_dtype, b_layout, dtypes, values, config, a_layout=a_layout))
+
+
+def _const_values(ep: Epilogue, consts: dict[str, str | float]) -> dict[str, float]:
+    """--const values, checked against the epilogue's cd.Const parameters: one number for each."""
+    kinds = {p.name: p.kind for p in ep.params}
     values = {}
-    for name, v in (consts or {}).items():
+    for name, v in consts.items():
         if kinds.get(name) != "const":
             declared = [n for n, k in kinds.items() if k == "const"]
             raise CliError(f"--const {name}: epilogue '{ep.name}' has no cd.Const parameter {name!r} "
@@ -151,27 +164,28 @@ def specialization_from_options(ep: Epilogue, ab_dtype: str = "bf16", b_layout: 
     if missing:
         raise CliError(f"epilogue '{ep.name}' needs a value for its cd.Const parameter(s) "
                        f"{', '.join(missing)}: pass --const {missing[0]}=VALUE")
-    if isinstance(config, str):
-        try:
-            config = Config.parse(config)
-        except ValueError as e:
-            raise CliError(str(e)) from None
-
-    return CompiledOp.create(ep, signature(ep, ab_dtype, b_layout, dtypes, values, config, a_layout=a_layout))
+    return values
 
 
-def _epilogue_from_args(args) -> tuple[Epilogue, dict]:
-    """The epilogue the command works on (its derived backward with --backward), and the --const values."""
+def _epilogue_from_args(args) -> tuple[Epilogue, dict, dict]:
+    """The epilogue the command works on, its --const values and operand dtypes other than --dtype's. With
+    --backward: the backward cd.linear runs (consts bound), whose statistics operands (saved_<statistic>,
+    grad_<statistic>) are fp32, as cd.linear passes them."""
     ep = load_epilogue(args.target)
     consts = _pairs(args.const, "--const")
-    if getattr(args, "backward", False):  # the derived backward: an epilogue of its own, consts bound
-        ep, consts = _backward_of(ep, consts), {}
-    return ep, consts
+    if not getattr(args, "backward", False):
+        return ep, consts, {}
+    from .ir.graph import reduction_of
+    from .passes.autodiff import GRAD, SAVED
+    from .runtime.autograd import derived_backward
+    back = derived_backward(ep, **_const_values(ep, consts))
+    statistics = {GRAD + o.name for o in ep.program.outputs if reduction_of(o.node) is not None}
+    return back, {}, {p.name: "fp32" for p in back.params if p.name.startswith(SAVED) or p.name in statistics}
 
 
-def _spec_from_args(args, epilogue: tuple[Epilogue, dict] | None = None) -> tuple[Epilogue, CompiledOp]:
-    ep, consts = epilogue or _epilogue_from_args(args)
-    dtypes = _pairs(args.operand_dtype, "--operand-dtype")
+def _spec_from_args(args, epilogue: tuple[Epilogue, dict, dict] | None = None) -> tuple[Epilogue, CompiledOp]:
+    ep, consts, dtypes = epilogue or _epilogue_from_args(args)
+    dtypes = {**dtypes, **_pairs(args.operand_dtype, "--operand-dtype")}
     config = args.config
     if args.shape and not config:  # the configuration cd.gemm would pick, untuned, for this shape
         from .runtime.tune import default
@@ -191,22 +205,12 @@ def _meta_call(shape: tuple[int, int, int], sig):
     return Call(empty(m, k, sig.a_layout == "mk"), empty(n, k, sig.b_layout == "nk"), {}, {}, {})
 
 
-def _backward_of(ep: Epilogue, consts: dict) -> Epilogue:
-    """The epilogue's backward (passes/autodiff.py): its operands, grad_<output> and saved_<statistic>
-    parameters; outputs acc (dL/dacc) and each differentiable operand's gradient."""
-    from .dsl import Epilogue
-    from .passes import specialize
-    from .passes.autodiff import derive
-    try:
-        values = {k: float(v) for k, v in consts.items()}
-    except ValueError:
-        raise CliError(f"--const: not a number in {consts}") from None
-    return Epilogue.of_program(derive(specialize(ep.program, values)).program)
-
-
 # ---------------------------------------------------------------------------------------------
 # Commands
 # ---------------------------------------------------------------------------------------------
+BACKWARD_HELP = "the backward cd.linear derives for the epilogue (run as torch ops in training), instead of it"
+
+
 def cmd_emit(args) -> int:
     _, spec = _spec_from_args(args)
     if args.output:
@@ -230,9 +234,9 @@ def cmd_explain(args) -> int:
     from .codegen.evt import node as cpp_node
     from .ir import format_program
     from .passes.plan import OUTPUT_SHAPES
-    ep, consts = _epilogue_from_args(args)
+    ep, consts, dtypes = _epilogue_from_args(args)
     try:
-        ep, spec = _spec_from_args(args, (ep, consts))
+        ep, spec = _spec_from_args(args, (ep, consts, dtypes))
     except SharedMemoryError:  # another config would build: its message names one
         raise
     except UnsupportedError as e:  # no kernel for it: still show the program, then why
@@ -563,14 +567,14 @@ def parser() -> argparse.ArgumentParser:
                 "that a build compiles. Needs no GPU and, without --check, no compiler.")
     _target_options(p)
     p.add_argument("-o", "--output", metavar="FILE", help="write the .cu here instead of stdout")
-    p.add_argument("--backward", action="store_true", help="the epilogue's derived backward instead (cd.linear)")
+    p.add_argument("--backward", action="store_true", help=BACKWARD_HELP)
     p.add_argument("--check", action="store_true", help="also compile-check it with nvcc (no GPU needed)")
 
     p = command("explain", cmd_explain, "print the IR, the EVT plan and the specialization key",
                 "Print what an epilogue lowers to: its IR, the CUTLASS epilogue visitor tree (nodes, fused "
                 "functors, operand bindings) and the specialization key that names its kernel in the cache.")
     _target_options(p)
-    p.add_argument("--backward", action="store_true", help="the epilogue's derived backward instead (cd.linear)")
+    p.add_argument("--backward", action="store_true", help=BACKWARD_HELP)
 
     p = command("build", cmd_build, "build an epilogue's kernel into the cache",
                 "Build one specialization of an epilogue's kernel (nvcc, then link) into the cache, so that "

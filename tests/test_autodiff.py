@@ -507,7 +507,8 @@ def test_linear_refuses_what_it_cannot_differentiate():
     x.grad = None
     cd.linear(x, w, picked, backend="reference", idx=torch.randint(0, 8, (4,)))["D"].sum().backward()
     torch.testing.assert_close(x.grad, 2.0 * w.sum(0).expand(4, 8))
-    with pytest.raises(Exception, match="'m' is a cd.max, which has no derivative yet"):  # compiled: at once
+    # compiled: at once (AOTAutograd gives an unused output zeros, not None), with the fix (Dynamo's wrapper)
+    with pytest.raises(Exception, match="output 'm', a statistic with no derivative yet(.|\n)*fix: compute it"):
         torch.compile(lambda x: cd.linear(x, w, f, backend="reference")["D"], fullgraph=True, backend="aot_eager")(x)
     with torch.no_grad():  # no gradient wanted: the plain fused GEMM, nothing derived
         assert cd.linear(x, w, f, backend="reference")["m"].shape == (4,)
@@ -582,6 +583,43 @@ def test_second_order_gradients_raise():
         torch.autograd.grad(gx.square().sum(), w)
     with pytest.raises(cd.UnsupportedError, match="cd.linear has no second derivative"):
         (y.sum() + gx.square().sum()).backward()
+
+
+def test_half_width_operands_whose_gradient_comes_from_a_row_statistic():
+    """An [M, N/2] cd.Tensor or [N/2] cd.VecN next to cd.pairs(acc), whose gradient comes only through a row
+    sum: the gradient is the same in every column (no width of its own); it comes back in the operand's
+    shape (it was N wide, which autograd refused)."""
+    @cd.epilogue
+    def tensor_half(acc, r: cd.Tensor):
+        g, u = cd.pairs(acc)
+        return {"rs": cd.sum(g * u + r, axis="n")}
+
+    @cd.epilogue
+    def vec_half(acc, b: cd.VecN):
+        g, u = cd.pairs(acc)
+        return {"rs": cd.sum(g * u + b, axis="n")}
+
+    f64 = dict(dtype=torch.float64)
+    x, w = torch.randn(4, 3, **f64, requires_grad=True), torch.randn(6, 3, **f64, requires_grad=True)
+    for ep, operand in ((tensor_half, torch.randn(4, 3, **f64)), (vec_half, torch.randn(3, **f64))):
+        name = ep.params[0].name
+        operand.requires_grad_()
+        got = cd.linear(x, w, ep, backend="reference", **{name: operand})["rs"]
+        acc = x @ w.t()
+        want = (acc[:, 0::2] * acc[:, 1::2] + operand).sum(-1)
+        dy = torch.randn(4, dtype=torch.float64)
+        for a, b in zip(torch.autograd.grad(got, (x, w, operand), dy), torch.autograd.grad(want, (x, w, operand), dy)):
+            assert a.shape == b.shape and rel_err(a, b) < 1e-12
+
+
+def test_const_given_as_a_tensor_is_refused_as_cd_gemm_refuses_it():
+    @cd.epilogue
+    def scaled(acc, c: cd.Const):
+        return acc * c
+
+    x, w = torch.randn(4, 3, requires_grad=True), torch.randn(6, 3)
+    with pytest.raises(cd.OperandError, match=r"'c' \(const\) must be a number"):
+        cd.linear(x, w, scaled, backend="reference", c=torch.ones(2))
 
 
 def test_outputs_that_do_not_depend_on_the_accumulator_give_zero_gradients():

@@ -449,6 +449,22 @@ def test_emit_and_build_take_the_shapes_config(capsys, monkeypatch):
     assert rc == 0 and "Shape<_128, _192, _64>" in built[0].cu_text
 
 
+def test_backward_is_the_one_cd_linear_derives(capsys, tmp_path):
+    """--backward shows what cd.linear runs: statistics with no derivative (an amax, e.g. an fp8 scale) left
+    out rather than refused, the statistics' gradient and saved operands in fp32, --const checked as for the
+    forward."""
+    f = tmp_path / "eps.py"
+    f.write_text("import coda_dsl as cd\n\n"
+                 "@cd.epilogue\ndef scaled(acc, c: cd.Const):\n    y = cd.gelu(acc * c)\n"
+                 "    return {'D': y, 'amax': cd.amax(y, axis=None), 'ss': cd.sum(y * y, axis='n').then(cd.rsqrt)}\n")
+    rc, out, err = run(capsys, "explain", f"{f}:scaled", "--backward", "--const", "c=2")
+    assert rc == 0, err
+    assert "grad_amax" not in out and "grad_ss (fp32)" in out and "saved_ss (fp32)" in out and "grad_D (bf16)" in out
+    for consts, message in (((), "pass --const c=VALUE"), (("c=2", "zz=1"), "no cd.Const parameter 'zz'")):
+        rc, _, err = run(capsys, "explain", f"{f}:scaled", "--backward", *(a for c in consts for a in ("--const", c)))
+        assert rc != 0 and message in err
+
+
 def test_explain_and_emit_backward(capsys):
     """The derived backward is an ordinary epilogue: explain lists its IR and plan, emit its .cu."""
     rc, out, _ = run(capsys, "explain", "coda_dsl.examples:bias_gelu", "--backward")

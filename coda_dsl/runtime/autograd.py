@@ -22,7 +22,7 @@ from ..passes import specialize
 from ..passes.autodiff import ACC, GRAD, SAVED, Backward, derive, into_producer
 from . import reference, torch_compile
 from .torch_compile import constant_under_compile
-from .op import epilogue_of, gemm
+from .op import check_operands, epilogue_of, gemm
 
 
 def first_order(what: str):
@@ -129,11 +129,8 @@ class _Linear(torch.autograd.Function):
         operands = {**dict(zip(names, tensors)), **numbers}  # numbers last: a learnt cd.Scalar's value
         consts = {p.name: operands[p.name] for p in ep.params if p.kind == "const"}
         # statistics with no derivative yet (cd.max/min/amax/take, e.g. an fp8 scale's amax) are computed, and
-        # refused only if a gradient reaches them; inside torch.compile, where an unused output's gradient is
-        # zeros rather than None, that cannot be told apart: there they are refused at once
-        frozen = () if torch.compiler.is_compiling() else tuple(
-            o.name for o in ep.program.outputs
-            if (r := ir.reduction_of(o.node)) is not None and REDUCTIONS[r.attr[0]].grad is None)
+        # refused only if a gradient reaches them (inside torch.compile: refused by linear())
+        frozen = _no_derivative(ep)
         derived = _derived_for(ep, consts, frozen)
         back = derived.back
         if learnt := [n for i, n in enumerate(names) if n in back.ungraded and ctx.needs_input_grad[6 + i]]:
@@ -185,9 +182,23 @@ class _Linear(torch.autograd.Function):
         # torch gives, so that optimizers and DDP see the parameter used)
         grad_x = (dacc @ w if dacc is not None else torch.zeros_like(x)) if need_x else None
         grad_w = (dacc.t() @ x if dacc is not None else torch.zeros_like(w)) if need_w else None
-        grad_ops = [got[n] if n in got and ctx.needs_input_grad[6 + i] else None
+        grad_ops = [_shaped(got[n], t) if n in got and ctx.needs_input_grad[6 + i] else None
                     for i, (n, t) in enumerate(zip(names, tensors))]
         return (None, None, None, None, grad_x, grad_w, *grad_ops)
+
+
+def _no_derivative(ep: Epilogue) -> tuple[str, ...]:
+    """The epilogue's outputs that are statistics with no derivative yet (cd.max/min/amax/take)."""
+    return tuple(o.name for o in ep.program.outputs
+                 if (r := ir.reduction_of(o.node)) is not None and REDUCTIONS[r.attr[0]].grad is None)
+
+
+def _shaped(grad: torch.Tensor, operand: torch.Tensor) -> torch.Tensor:
+    """An operand's gradient in the operand's shape. A gradient with no width of its own (the same in every
+    column: it comes from a row or whole-tile statistic) is evaluated N wide; the operand may be N/2 or 2N."""
+    if grad.dim() and grad.shape != operand.shape:
+        return grad[..., :1].expand(operand.shape)
+    return grad
 
 
 def linear(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, /, *, backend: str = "auto",
@@ -218,11 +229,17 @@ def linear(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, /
         raise OperandError(f"cd.linear: cd.Scalar {sorted(values)} given as a tensor inside torch.compile: the "
                            "kernel needs its value as a number, which a traced tensor is not\n  fix: pass a number, "
                            "or learn it outside the compiled region")
+    check_operands(ep, {**operands, **values})  # before the derivation, which reads the cd.Const values
     tensors = (A, B, *(operands[k] for k in names))
     if not torch.is_grad_enabled() or not any(getattr(t, "requires_grad", False) for t in tensors):
         # nothing to differentiate: the plain fused GEMM (no accumulator kept, no derivative needed)
         return gemm(A, B, ep, backend=backend, config=config, deterministic=deterministic, tune=tune,
                     **{**operands, **values})
+    if torch.compiler.is_compiling() and (frozen := _no_derivative(ep)):
+        # AOTAutograd hands an unused output zeros rather than None: a use cannot be told from none
+        raise UnsupportedError(f"cd.linear: epilogue '{ep.name}' has output '{frozen[0]}', a statistic with no "
+                               "derivative yet, which inside torch.compile cannot be told unused\n  fix: compute it "
+                               "in its own cd.gemm or torch op, or call this cd.linear outside the compiled region")
     numbers = {**{k: v for k, v in operands.items() if not isinstance(v, torch.Tensor)}, **values}
     options = {"backend": backend, "config": config, "deterministic": deterministic, "tune": tune}
     outs = _Linear.apply(ep, names, numbers, options, A, B, *(operands[k] for k in names))
@@ -233,6 +250,13 @@ def forward_epilogue(epilogue: Epilogue, **consts) -> Epilogue:
     """The epilogue cd.linear's forward kernel runs: `epilogue`, with its accumulator as one more output
     when the derivative reads it (e.g. to build that kernel ahead of the first call)."""
     return _derive(epilogue, consts).forward
+
+
+def derived_backward(epilogue: Epilogue, **consts) -> Epilogue:
+    """The backward program cd.linear runs for `epilogue`, as an epilogue of its own (operands, grad_<output>,
+    saved_<statistic>; outputs acc and each operand's gradient). Statistics with no derivative yet are left
+    out, as cd.linear leaves them. cd.Const values go in `consts`."""
+    return Epilogue.of_program(_derive(epilogue, consts, _no_derivative(epilogue)).back.program)
 
 
 def backward_epilogue(epilogue: Epilogue, output: str = "D", split: bool = False,

@@ -63,11 +63,11 @@ def _normalize(ep: Epilogue, a, b, operands: dict, out: dict | None = None) -> C
     if b.dim() == 3 and (a.dim() != 3 or a.shape[0] != b.shape[0]):
         raise checks.fail(where, f"batched B {list(b.shape)} needs A of shape [{b.shape[0]}, M, K], got {list(a.shape)}")
 
-    _check_operands(ep, operands)
+    check_operands(ep, operands)
     return _unpack(_facts(ep).kinds, a, b, operands)
 
 
-def _check_operands(ep: Epilogue, operands: dict) -> None:
+def check_operands(ep: Epilogue, operands: dict) -> None:
     """The operands' names against the epilogue's, and its numbers (also while torch.compile traces)."""
     where = _where(ep)
     expected = {p.name for p in ep.params}
@@ -83,7 +83,8 @@ def _check_operands(ep: Epilogue, operands: dict) -> None:
             continue  # tensors: checked by _check_tensors
         if isinstance(v, torch.Tensor) and v.numel() == 1 and p.kind == "scalar":
             raise checks.fail(where, f"scalar '{p.name}' was given as a tensor",
-                              f"pass a Python number (float({p.name})), or declare it cd.VecM/VecN")
+                              f"pass a Python number (float({p.name})), or declare it cd.VecM/VecN (cd.linear "
+                              "learns a cd.Scalar given as a 0-d tensor)")
         if not isinstance(v, numbers.Real):  # int, float, numpy's scalars
             raise checks.fail(where, f"'{p.name}' ({p.kind}) must be a number, got {type(v).__name__}",
                               f"pass float({p.name})")
@@ -635,7 +636,7 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
                                    "write D + epilogue(...) functionally there")
         _flag(ep, "deterministic", deterministic)
         _check_out_dict(_where(ep), out)
-        _check_operands(ep, operands)
+        check_operands(ep, operands)
         return traced_gemm(ep, A, B, out, backend, config, deterministic, operands)
     if config is not None and not isinstance(config, (Config, str)):
         raise OperandError(f"{_where(ep)}: config must be a cd.Config or its string form, not {config!r}")
