@@ -517,6 +517,11 @@ class LlamaMLP(nn.Module):
         super()._apply(fn, recurse)  # .to() makes each strided weight contiguous on its own
         return self.tie_gate_up() if self.tied else self
 
+    def __setstate__(self, state):  # copy.deepcopy and unpickling: the two weights' copies tied again
+        super().__setstate__(state)
+        if self.tied:
+            self.tie_gate_up()
+
     def forward(self, h, norm: RMSNorm, eps: float, backend: str, hg=None, rstd=None):
         """The residual stream h [M, D] and its RMSNorm -> (h + mlp(norm(h)), rstd of that with `eps`, for the
         next layer's norm). hg = h * norm.weight and rstd = rstd(h), when given, are taken as made (the

@@ -2,6 +2,8 @@
 reference backend: outputs, input gradients and every parameter gradient, and a short training run."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -283,6 +285,9 @@ def test_gate_up_weights_are_halves_of_one_buffer():
     assert torch.equal(view, interleave_gate_up(g, u)) and torch.equal(g, hf.mlp.gate_proj.weight)
     ours.to(torch.float16).to(torch.float32)  # a cast and back: each makes the halves contiguous apart
     assert mlp.gate_proj.weight is g and g.dtype == torch.float32 and cdnn.gate_up_weight(g, u).data_ptr() == g.data_ptr()
+    copied = copy.deepcopy(mlp)  # a copy's two weights are tied again, to each other
+    cg, cu = copied.gate_proj.weight, copied.up_proj.weight
+    assert cdnn._tied(cg, cu) and cg.data_ptr() != g.data_ptr() and torch.equal(cg, g) and torch.equal(cu, u)
 
     untied = cdnn.LlamaDecoderLayer.from_hf(hf, backend="reference").to(torch.float16).to(torch.float32)
     assert untied.mlp.gate_proj.weight.is_contiguous()

@@ -2,6 +2,7 @@
 weights, RoPE (tables, positions, NeoX permutation), the SwiGLU backward vs autograd, width errors."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -118,8 +119,11 @@ def test_rope_helpers_refuse_odd_heads_and_partial_heads():
         neox_to_interleaved_rows(3, 7)
     with pytest.raises(ValueError, match="even"):
         rope_frequencies(24, 7)
-    with pytest.raises(ValueError, match="odd"):
+    with pytest.raises(ValueError, match="n_cols = 23 is odd"):
         rope_frequencies(23, 8)
+    with pytest.raises(ValueError, match="rotate_cols = 129 is odd"):  # it was rounded down to 128
+        rope_frequencies(256, 64, rotate_cols=129)
+    assert rope_frequencies(24, np.int64(8)).shape == (12,)  # NumPy integers are integers
 
 
 def test_rope_passes_v_through_and_neox_permutation_keeps_scores():

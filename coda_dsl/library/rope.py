@@ -8,6 +8,8 @@ q·k sums over a head's dimensions, which a common permutation leaves unchanged.
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 import coda_dsl as cd  # the library is written against the public API, like user code
@@ -33,7 +35,7 @@ def rope_positions(acc, pos: cd.VecM, inv_freq: cd.VecN):
 
 
 def _check_head_dim(head_dim: int) -> None:
-    if not (isinstance(head_dim, int) and head_dim > 0 and head_dim % 2 == 0):
+    if not (isinstance(head_dim, numbers.Integral) and head_dim > 0 and head_dim % 2 == 0):
         raise ValueError(f"head_dim must be a positive even number (it holds rotation pairs), got {head_dim!r}")
 
 
@@ -56,8 +58,9 @@ def rope_frequencies(n_cols: int, head_dim: int, base: float = 10000.0, rotate_c
     """inv_freq [n_cols / 2] for rope_positions: per head, 1 / base^(2i / head_dim); pairs at or after
     `rotate_cols` (e.g. V of a fused QKV) get 0, i.e. no rotation."""
     _check_head_dim(head_dim)
-    if n_cols % 2:
-        raise ValueError(f"n_cols = {n_cols} is odd: RoPE turns column pairs")
+    for name, cols in (("n_cols", n_cols), ("rotate_cols", rotate_cols)):
+        if cols is not None and cols % 2:
+            raise ValueError(f"{name} = {cols} is odd: RoPE turns column pairs")
     i = torch.arange(n_cols // 2) % (head_dim // 2)
     inv = 1.0 / base ** (2.0 * i / head_dim)
     if rotate_cols is not None:
