@@ -404,7 +404,7 @@ def cmd_doctor(args) -> int:
     else:
         row("ok", "torch", f"{torch.__version__}, CUDA {torch.version.cuda} build")
     _probe_row(row, "nvcc", lambda: (nv := tools.find_nvcc()) + (tools.nvcc_version(nv[0]),),
-               "install the CUDA toolkit 12.4+ and set CUDA_HOME", lambda n: f"{n[0]} ({n[2]}; CUDA_HOME {n[1]})")
+               "a CUDA toolkit 12.4+: install one, or point CUDA_HOME at one", lambda n: f"{n[0]} ({n[2]}; CUDA_HOME {n[1]})")
     _probe_row(row, "CUTLASS", tools.find_cutlass, "pip install nvidia-cutlass",
                lambda c: f"{c[1]} headers in {c[0][0]}")
     version = lambda tool: subprocess.run([tool, "--version"], capture_output=True, text=True).stdout.strip()  # noqa: E731
@@ -570,9 +570,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backward", action="store_true", help=BACKWARD_HELP)
     p.add_argument("--check", action="store_true", help="also compile-check it with nvcc (no GPU needed)")
 
-    p = command("explain", cmd_explain, "print the IR, the EVT plan and the specialization key",
+    p = command("explain", cmd_explain, "print the IR, the EVT plan and the keys",
                 "Print what an epilogue lowers to: its IR, the CUTLASS epilogue visitor tree (nodes, fused "
-                "functors, operand bindings) and the specialization key that names its kernel in the cache.")
+                "functors, operand bindings), the specialization key and the build key that names its kernel "
+                "in the cache.")
     _target_options(p)
     p.add_argument("--backward", action="store_true", help=BACKWARD_HELP)
 

@@ -22,7 +22,12 @@ class Config:
     keeps one wave's A and B slices in L2 (8: 2-7 % faster than 1 at N >= 14336 on the H200), and
     "streamk" to split the last wave's work along K. `swizzle` is the most a launch uses: a smaller one
     where rounding the tile grid up to whole groups would run over 2 % more (empty) tiles
-    (csrc/coda_dsl/schedule.h: swizzle_for)."""
+    (csrc/coda_dsl/schedule.h: swizzle_for).
+
+    Its text form, which every API taking a config also accepts (Config.parse, .text), e.g.
+    "128x256x64_c2x1_cooperative" or "128x128x64_c1x2_pingpong_rm_s4_streamk": tile, cluster, schedule,
+    then optional raster (_rm/_rn), swizzle (_sN), epilogue tile (_eMxN) and _streamk. The cooperative
+    schedule needs tile M >= 128 (two warp groups split it)."""
 
     tile: tuple[int, int, int] = (128, 256, 64)
     cluster: tuple[int, int] = (2, 1)

@@ -26,11 +26,17 @@ from .op import check_operands, epilogue_of, gemm
 
 
 def first_order(what: str):
-    """Decorator of an autograd.Function's backward that computes its gradients without a graph (kernels,
-    in-place steps; it runs under no_grad). After backward(create_graph=True) they come back tied to a node
-    whose own backward raises UnsupportedError naming `what`, where torch would silently give a second
-    derivative of 0 (torch.autograd.function.once_differentiable raises only where the incoming gradients
-    require grad, which a loss's gradient does not)."""
+    """A decorator for an autograd.Function's backward that computes its gradients without a graph (kernels,
+    in-place steps; it runs under no_grad):
+
+        @staticmethod
+        @cd.first_order("my fused op")
+        def backward(ctx, grad): ...
+
+    After backward(create_graph=True) its gradients come back tied to a node whose own backward raises
+    UnsupportedError naming `what`, where torch would silently give a second derivative of 0
+    (torch.autograd.function.once_differentiable raises only where the incoming gradients require grad,
+    which a loss's gradient does not)."""
     def decorate(backward):
         @functools.wraps(backward)
         def call(ctx, *grads):

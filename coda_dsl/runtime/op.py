@@ -734,7 +734,11 @@ register_eager(gemm)  # what the torch.compile custom op runs
 def compile(epilogue: Epilogue, A, B, /, *, out: dict | None = None, config: Config | str | None = None,
             deterministic: bool = False, accumulate: bool = False, **operands) -> CompiledOp:  # noqa: A001
     """The specialization (CompiledOp) for these operands' dtypes and layouts: rendered now, built (or
-    found in the cache) at its first call, op.load(), or cd.prebuild([op, ...]) with others in parallel."""
+    found in the cache) at its first call, op.load(), or cd.prebuild([op, ...]) with others in parallel.
+    A CompiledOp is a kernel: it needs an sm_90 GPU (UnsupportedError elsewhere; cd.gemm falls back to
+    the reference backend instead). config: the kernel's (default: the shape-free Config(), not the shape
+    rule cd.gemm applies per call). out: tensors whose dtypes (and layouts) the kernel is built for; the
+    call passes its own out= each time."""
     call = _normalize(epilogue, A, B, operands, out)
     config = _config(epilogue, config)
     _flag(epilogue, "deterministic", deterministic)
@@ -766,7 +770,10 @@ _tables: dict[tuple, object] = {}
 
 
 def set_tuning(enabled: bool) -> None:
-    """Tune every specialization on first use of a shape bucket (like tune=True on each call)."""
+    """set_tuning(True): tune every specialization on first use of a shape bucket (like tune=True on each
+    call); False: untuned configs (a recorded choice is still used). The default comes from CODA_DSL_TUNE;
+    a call's tune= overrides it. A choice is made once per process and shape bucket (runtime.clear()
+    forgets them)."""
     global _tuning
     if not isinstance(enabled, bool):  # "false" would be truthy
         raise OperandError(f"coda_dsl.set_tuning: enabled must be True or False, not {enabled!r}")

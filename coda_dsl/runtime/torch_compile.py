@@ -13,10 +13,11 @@ from ..dsl import Epilogue
 
 
 def on_cuda(fn: Callable) -> Callable:
-    """fn, compiled when its first tensor argument is on CUDA. torch.compile's default, automatic dynamic
-    shapes: sizes start static (index math by constants; a layer's token count rarely changes), and only
-    a dimension seen to change becomes symbolic on the one recompile. (dynamic=True made every size
-    symbolic: integer division by runtime values in every element's index.)"""
+    """fn, compiled when its first tensor argument is on CUDA (on the CPU, and inside a graph torch.compile
+    is tracing anyway, it runs as written). torch.compile's default, automatic dynamic shapes: sizes
+    start static (index math by constants; a layer's token count rarely changes), and only a dimension
+    seen to change becomes symbolic on the one recompile. (dynamic=True made every size symbolic: integer
+    division by runtime values in every element's index.)"""
     compiled = None
 
     @functools.wraps(fn)
