@@ -2,6 +2,7 @@
 (EpilogueError naming the epilogue, the user's own file:line, and a fix)."""
 import inspect
 import math
+from math import exp
 import os
 import pydoc
 
@@ -351,6 +352,30 @@ def e_np_negative(acc):
     return np.negative(acc)  # <-
 
 
+def e_two_math_calls(acc):
+    return math.sqrt(2.0) * math.tanh(acc)  # <-
+
+
+def e_imported_from_math(acc):
+    return exp(acc)  # <-
+
+
+def e_np_where(acc):
+    return np.where(acc > 0, acc, 0.0)  # <-
+
+
+def e_np_float32(acc):
+    return np.float32(acc)  # <-
+
+
+def e_torch_tensor(acc):
+    return torch.tensor(acc)  # <-
+
+
+def e_np_clip(acc):
+    return np.clip(acc, 0.0, 1.0)  # <- (numpy calls acc.clip: the user's line, not numpy's)
+
+
 def e_max_of_two(acc, r: cd.Tensor):
     return cd.max(acc, r)  # <-
 
@@ -362,6 +387,12 @@ BODY_ERRORS = [
     (e_functional_gelu, ["torch.nn.functional.gelu()", "fix: use cd.gelu(x)"]),
     (e_torch_where, ["torch.where()", "fix: use cd.where(cond, a, b)"]),
     (e_np_negative, ["np.negative()", "fix: use the cd. functions and operators (listed in help(coda_dsl))"]),
+    (e_two_math_calls, ["math.tanh() cannot take a traced value", "fix: use cd.tanh(x)"]),  # the call, not the line's first
+    (e_imported_from_math, ["math.exp() cannot take a traced value", "fix: use cd.exp(x)"]),
+    (e_np_where, ["np.where() cannot take a traced value", "fix: use cd.where(cond, a, b)"]),
+    (e_np_float32, ["np.float32() cannot take a traced value", "fix: use cd.cast(x, dtype)"]),
+    (e_torch_tensor, ["torch.tensor() cannot take a traced value"]),
+    (e_np_clip, ["attribute or method 'clip'", "fix: use cd.clamp(x)"]),
     (e_max_of_two, ["cd.max(x, axis) reduces", "not a traced value", "cd.maximum(a, b)"]),
     (e_if, ["no truth value", "cd.where"]),
     (e_bool, ["no truth value", "cd.where"]),
@@ -369,7 +400,7 @@ BODY_ERRORS = [
     (e_not, ["no truth value", "cd.where"]),
     (e_float, ["float()", "keep it as a traced value"]),
     (e_int, ["float()", "keep it as a traced value"]),
-    (e_attr, ["attribute or method 'foo'", "cd.foo(x)"]),
+    (e_attr, ["attribute or method 'foo'", "fix: use the cd. functions and operators"]),  # no cd.foo to name
     (e_method, ["attribute or method 'exp'", "cd.exp(x)"]),
     (e_captured_right, ["captured from outside", "cd.Tensor"]),
     (e_captured_left, ["captured from outside", "cd.Tensor"]),
@@ -594,6 +625,17 @@ def test_powers_rounding_and_clamp_mean_what_torch_means():
     for p in (0, np.int64(2)):
         got = cd.gemm(acc, torch.eye(8), cd.epilogue(lambda a: a ** p, name="f"), backend="reference")["D"]  # noqa: B023
         torch.testing.assert_close(got, acc ** int(p))
+    nan = float("nan")  # a NaN bound, a number or a cd.Scalar's value: NaN everywhere, as torch.clamp
+    for bounds in ((nan, None), (None, nan), (-1.0, nan)):
+        got = cd.gemm(acc, torch.eye(8), cd.epilogue(lambda a: cd.clamp(a, *bounds), name="f"), backend="reference")  # noqa: B023
+        torch.testing.assert_close(got["D"], torch.clamp(acc, *bounds), equal_nan=True)
+
+    @cd.epilogue
+    def clamped_by(acc, lo: cd.Scalar, hi: cd.Scalar):
+        return cd.clamp(acc, lo, hi)
+    for lo, hi in ((nan, 3.0), (-1.0, nan), (-1.0, 3.0)):
+        got = cd.gemm(acc, torch.eye(8), clamped_by, lo=lo, hi=hi, backend="reference")["D"]
+        torch.testing.assert_close(got, torch.clamp(acc, lo, hi), equal_nan=True)
     with pytest.raises(cd.EpilogueError, match="needs min, max or both"):
         cd.epilogue(lambda a: cd.clamp(a), name="bad")
 

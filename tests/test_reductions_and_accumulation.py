@@ -92,6 +92,19 @@ def test_accumulate_reference(dtype):
         cd.gemm(a, b, scaled, alpha=1.0, accumulate=True, backend="reference")
 
 
+def test_accumulate_into_a_half_width_d_is_refused():
+    """A pairwise D (SwiGLU's, N/2 wide) is stored by the pair store, not as CUTLASS's D, which accumulate
+    reads: the kernel had no prior D to add (C was null). Refused on every backend, with the fix."""
+    @cd.epilogue
+    def swiglu_d(acc):
+        g, u = cd.pairs(acc)
+        return cd.silu(g) * u
+
+    a, b = torch.randn(8, 16).bfloat16(), torch.randn(32, 16).bfloat16()
+    with pytest.raises(cd.UnsupportedError, match=r"accumulate=True needs an N-wide D; this D is N/2 wide"):
+        cd.gemm(a, b, swiglu_d, out={"D": torch.zeros(8, 16, dtype=torch.bfloat16)}, accumulate=True)
+
+
 def test_accumulate_into_a_reduction_as_d_is_refused():
     @cd.epilogue
     def row_sum(acc):

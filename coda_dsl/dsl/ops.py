@@ -1,6 +1,8 @@
 """The functions an epilogue calls: cd.exp(x), cd.where(c, a, b), cd.sum(x, axis="n"), ..."""
 from __future__ import annotations
 
+import math
+
 from ..ir import graph as ir
 from .trace import Reduction, Value, apply, cast, fail, lift, reduce
 
@@ -35,16 +37,23 @@ def minimum(a, b) -> Value:
 
 
 def clamp(x, min=None, max=None) -> Value:  # noqa: A002  (torch.clamp's names)
-    """x limited to [min, max] like torch.clamp with number bounds (either may be None; NaN stays NaN;
-    the gradient passes where min < x < max, none at a bound, as torch's)."""
+    """x limited to [min, max] like torch.clamp (bounds: numbers or traced values; either may be None; a NaN
+    x or bound gives NaN; the gradient passes where min < x < max, none at a bound, as torch's)."""
     if min is None and max is None:
         raise fail("cd.clamp(x) needs min, max or both", "e.g. cd.clamp(x, -448.0, 448.0)")
-    y = lift(x)
+    y = Value(lift(x))
     if min is not None:  # min first, then max: min > max gives max everywhere, as torch.clamp
-        y = where(Value(y) <= min, min, Value(y)).node
+        y = _nan_bound(y, min, where(y <= min, min, y))
     if max is not None:
-        y = where(Value(y) >= max, max, Value(y)).node
-    return Value(y)
+        y = _nan_bound(y, max, where(y >= max, max, y))
+    return y
+
+
+def _nan_bound(y: Value, bound, clamped: Value) -> Value:
+    """clamped, but NaN where the bound is NaN (torch.clamp's result; `y <= nan` is false)."""
+    if isinstance(bound, Value):  # traced: NaN perhaps only at run time
+        return where(bound == bound, clamped, bound)
+    return y * 0.0 + bound if math.isnan(bound) else clamped
 
 
 def exp(x) -> Value: return apply("exp", x)

@@ -5,7 +5,9 @@ function and line, with the fix.
 """
 from __future__ import annotations
 
+import builtins
 import inspect
+import itertools
 import linecache
 import numbers
 import os
@@ -21,9 +23,11 @@ _DSL_DIR = os.path.dirname(os.path.abspath(__file__))  # frames in here are the 
 
 
 def _user_frame():
-    """The innermost stack frame outside the DSL package (the user's line), or None."""
+    """The innermost stack frame outside the DSL package and outside numpy and torch, whose functions call
+    a traced value's methods (np.clip(x) calls x.clip): the user's line, or None."""
     f = sys._getframe(1)
-    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_DSL_DIR + os.sep):
+    while f is not None and (os.path.abspath(f.f_code.co_filename).startswith(_DSL_DIR + os.sep)
+                             or f.f_globals.get("__name__", "").partition(".")[0] in ("numpy", "torch")):
         f = f.f_back
     return f
 
@@ -38,27 +42,50 @@ def user_location() -> str:
 
 # math/numpy/torch functions whose cd. counterpart has another name
 _CD_NAMES = {"fabs": "abs", "absolute": "abs", "fmax": "maximum", "fmin": "minimum", "clamp_min": "maximum",
-             "clamp_max": "minimum"}
+             "clamp_max": "minimum", "clip": "clamp", "float32": "cast", "float16": "cast", "bfloat16": "cast"}
+
+
+def _cd_fix(name: str) -> str:
+    """The fix for a math/numpy/torch function or method `name` on a traced value: its cd. function (with
+    its required arguments), where coda_dsl has one."""
+    import coda_dsl
+
+    from . import ops
+    name = _CD_NAMES.get(name, name)
+    if name in vars(ops) and name in coda_dsl.__all__:
+        fn = getattr(ops, name)
+        required = [p.name for p in inspect.signature(fn).parameters.values() if p.default is p.empty]
+        return f"use cd.{name}({', '.join(required)})"
+    return "use the cd. functions and operators (listed in help(coda_dsl))"
 
 
 def foreign_function(qualname: str) -> EpilogueError:
     """The error for math.exp(x), np.exp(x), torch.exp(x) and the like on a traced value: they compute
     once on numbers while tracing, and cannot record anything."""
-    from . import ops
-    name = qualname.rpartition(".")[2]
-    fn = getattr(ops, _CD_NAMES.get(name, name), None)
-    if inspect.isfunction(fn) and fn.__module__ == ops.__name__:
-        required = [p.name for p in inspect.signature(fn).parameters.values() if p.default is p.empty]
-        fix = f"use cd.{fn.__name__}({', '.join(required)})"
-    else:
-        fix = "use the cd. functions and operators (listed in help(coda_dsl))"
-    return fail(f"{qualname}() cannot take a traced value: only coda_dsl's functions record epilogue math", fix)
+    return fail(f"{qualname}() cannot take a traced value: only coda_dsl's functions record epilogue math",
+                _cd_fix(qualname.rpartition(".")[2]))
 
 
 def _called_function() -> str | None:
-    """'math.exp' when the user's line calls math.exp(...) (or another function of math), else None."""
+    """'math.exp' (or 'np.where', 'torch.tensor') when the user's line is calling that function of math,
+    numpy or torch: the call being executed (its source span, Python >= 3.11), else the line's first
+    math.X(...); None otherwise."""
     f = _user_frame()
-    line = linecache.getline(f.f_code.co_filename, f.f_lineno) if f else ""
+    if f is None:
+        return None
+    line = linecache.getline(f.f_code.co_filename, f.f_lineno)
+    if sys.version_info >= (3, 11):
+        first, last, col, end = next(itertools.islice(f.f_code.co_positions(), f.f_lasti // 2, None),
+                                     (None,) * 4)
+        if first is not None and first == last == f.f_lineno and col is not None:
+            m = re.match(r"\s*([A-Za-z_][\w.]*)\s*\(", line[col:end])
+            head, *rest = m.group(1).split(".") if m else ("",)
+            obj = f.f_locals.get(head, f.f_globals.get(head, getattr(builtins, head, None)))
+            for part in rest:
+                obj = getattr(obj, part, None)
+            module = (getattr(obj, "__module__", None) or "").partition(".")[0]
+            if module in ("math", "numpy", "torch"):
+                return f"{'np' if module == 'numpy' else module}.{getattr(obj, '__name__', rest[-1] if rest else head)}"
     m = re.search(r"\bmath\.(\w+)\s*\(", line)
     return f"math.{m.group(1)}" if m else None
 
@@ -190,6 +217,15 @@ class Value:
         raise fail("a traced value is not iterable",
                    "write the math per element; g, u = cd.pairs(x) splits adjacent column pairs")
 
+    def __len__(self):  # torch.tensor(x), np.asarray(x), ... probe it
+        called = _called_function()
+        if called:
+            raise foreign_function(called)
+        raise fail("a traced value has no length: it stands for one element of the tile", "write the math per element")
+
+    def __array__(self, *args, **kwargs):  # np.where(x > 0, x, 0), np.float32(x), ...
+        raise foreign_function(_called_function() or "numpy")
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         """torch.exp(x) on a traced value: a clear error. Tensor operators (tensor * x) return
@@ -218,8 +254,7 @@ class Value:
     def __getattr__(self, name):
         if name.startswith("__"):  # protocol probes (numpy, torch, copy) must see a plain AttributeError
             raise AttributeError(name)
-        raise fail(f"traced values have no attribute or method '{name}'",
-                   f"use the function form cd.{name}(x) if coda_dsl has it (see `help(coda_dsl)`)")
+        raise fail(f"traced values have no attribute or method '{name}'", _cd_fix(name))
 
     def __repr__(self) -> str:
         return f"<traced {self.node.op}>"

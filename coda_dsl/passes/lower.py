@@ -20,7 +20,7 @@ from fractions import Fraction
 
 from ..errors import EpilogueError, UnsupportedError
 from ..ir import graph as ir
-from ..ir.ops import DTYPES
+from ..ir.ops import DTYPES, REDUCTIONS
 from . import smem, widths
 from .plan import (KIND_OF_AXIS, AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, EvtNode, Functor, LogSumExp,
                    Pack, PairLoad, PairStore, Plan, Reduce, Ref, RowBroadcast, Signature, SrcFetch, Step, Take, Unpack,
@@ -41,7 +41,12 @@ def validate(program: ir.Program) -> dict[int, Fraction]:
     def unsupported(node, what):
         return UnsupportedError(f"epilogue '{program.name}' ({program.where(node)}): {what}")
 
+    indices = {id(n.inputs[1]) for n in ir.walk(program) if n.op == "reduce" and REDUCTIONS[n.attr[0]].indexed}
     for node in ir.walk(program):
+        if id(node) in indices and any(u.op != "reduce" or u.inputs[1] is not node for u in users[id(node)]):
+            raise unsupported(node, f"'{node.attr[1]}' holds cd.take's int64 column indices, which the kernel reads "
+                                    "as indices only; used in math too, it runs on the reference backend only\n  fix: "
+                                    "pass the values a second time, as another operand")
         if w.get(id(node), 1) > 1 and not _double_width_ok(node, w, users.get(id(node), []), outputs):
             raise unsupported(node, "a 2N-wide value must be a cd.Tensor operand split by cd.pairs(x), or an "
                                     "output cd.interleave(a, b) of N-wide values; other uses run on the reference "

@@ -5,9 +5,10 @@ Common subexpressions need no pass: IR nodes are hash-consed (ir/graph.py).
 """
 from __future__ import annotations
 
-from ..errors import EpilogueError
+from ..errors import EpilogueError, UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import FoldError
+from .widths import infer, width_text
 
 
 def _fold(node: ir.Node, memo: dict[int, ir.Node], consts: dict[str, float], program: ir.Program) -> ir.Node:
@@ -57,6 +58,11 @@ def accumulate_into_d(program: ir.Program) -> ir.Program:
         raise EpilogueError(f"epilogue '{program.name}' ({program.defined_at}): its D is a reduction; accumulate=True "
                             "adds an [M, N] D into out['D'] as the tiles store it\n  fix: add the reduction's result "
                             "yourself (t += cd.gemm(...)['D'])")
+    width = infer(program).get(id(d.node), 1)
+    if width != 1:  # stored by the pair store, not CUTLASS's D: no prior D to read
+        raise UnsupportedError(f"epilogue '{program.name}' ({program.defined_at}): accumulate=True needs an N-wide D; "
+                               f"this D is {width_text(width)} wide (a cd.pairs / cd.interleave result)\n  fix: "
+                               "add it yourself (out['D'] += cd.gemm(...)['D'])")
     value = d.node.inputs[0] if d.node.op == "cast" else d.node  # the sum is rounded once, when stored
     outputs = tuple(ir.Output("D", ir.compute("add", ir.prior_d(), value), o.dtype) if o.name == "D" else o
                     for o in program.outputs)

@@ -17,12 +17,17 @@ def fail(where: str, message: str, fix: str = "") -> OperandError:
     return OperandError(f"{where}: {message}" + (f"\n  fix: {fix}" if fix else ""))
 
 
+def _bare(name: str) -> str:
+    """"operand 'b'" -> b: the name as the caller's code spells it, for a fix."""
+    return name.split()[-1].strip("'")
+
+
 def dtype_of(t: torch.Tensor, where: str, name: str, index: bool = False, fp64: bool = False) -> str:
     """The dtype name of a tensor the call reads; fp64 (REFERENCE_FP64) where the reference backend runs."""
     if index:
         if t.dtype != torch.int64:
             raise fail(where, f"{name} holds column indices for cd.take and must be torch.int64, not {t.dtype}",
-                       f"pass {name.split()[-1]}.long()")
+                       f"pass {_bare(name)}.long()")
         return INDEX_DTYPE
     if t.dtype == torch.float64:
         if fp64:
@@ -55,7 +60,7 @@ def tensor(where: str, name: str, t, shape: tuple, device: torch.device | None =
         raise fail(where, f"{name} has shape {list(got)}, expected {list(shape)}"
                    + (f" or {[batch, *shape]}" if batch is not None else " (the call is not batched)"), meaning)
     if device is not None and t.device != device:
-        raise fail(where, f"{name} is on {t.device} but A is on {device}", f"move it: {name}.to(A.device)")
+        raise fail(where, f"{name} is on {t.device} but A is on {device}", f"move it: {_bare(name)}.to(A.device)")
 
 
 def output(where: str, name: str, t: torch.Tensor) -> None:
