@@ -248,7 +248,7 @@ def cmd_explain(args) -> int:
     consts = ", ".join(f"{k}={v:g}" for k, v in sig.consts)
     print(f"\n## IR{f' (consts bound: {consts})' if consts else ''}\n{format_program(spec.program)}")
     print(f"\n## EVT plan: {'Sm90EVT' if len(plan.nodes) == 2 else 'Sm90TopologicalVisitor'} over {len(plan.nodes)} nodes, children first; "
-          + (f"the last yields D ({plan.d_dtype})" if plan.d_dtype else "no D is stored"))
+          + (f"the last yields D ({plan.d_dtype})" if plan.d_dtype else "CUTLASS's D is not stored (outputs below)"))
     width = max(len(n.name) for n in plan.nodes)
     for i, n in enumerate(plan.nodes):
         kids = ", ".join(map(str, n.children)) or "-"

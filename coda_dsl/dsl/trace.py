@@ -360,7 +360,8 @@ def _outputs(result: Any, name: str, defined_at: str) -> tuple[ir.Output, ...]:
         if not isinstance(v, Value):
             raise EpilogueError(
                 f"epilogue '{name}' ({defined_at}): output '{key}' is a {type(v).__name__}, not a traced value; "
-                "an output must depend on the operands (e.g. acc * 0 + c)"
+                "an output must depend on the operands (a constant of the tile's shape: cd.where(acc == acc, c, "
+                "c), which NaN and inf in acc do not reach)"
             )
         node = v.node
         outs.append(ir.Output(key, node, node.attr if node.op == "cast" else None))  # reductions: fp32
@@ -383,8 +384,10 @@ def reduce(kind: str, x: Any, axis, index: Any = None) -> Reduction:
                    '("n", "m" or None), not a traced value',
                    f"for the elementwise result of two values use {elementwise}")
     if axis not in ir.REDUCE_AXES:
+        elementwise = {"max": "; cd.maximum(x, y) for the larger of two values",
+                       "min": "; cd.minimum(x, y) for the smaller of two values"}.get(kind, "")
         raise fail(f"axis={axis!r} is not an output axis", 'use axis="n" (per row, result [M]), '
-                   'axis="m" (per column, result [N]) or axis=None (whole tensor)')
+                   'axis="m" (per column, result [N]) or axis=None (whole tensor)' + elementwise)
     definition = REDUCTIONS[kind]
     if axis not in definition.axes:
         raise fail(f"cd.{kind} works over axis='n' (per row), not {axis!r}")

@@ -279,7 +279,8 @@ def dtype_name(dtype) -> str:
         return dtype
     if dtype in TORCH_TO_DTYPE:
         return TORCH_TO_DTYPE[dtype]
-    raise ValueError(f"unsupported dtype {dtype!r}: use one of torch.bfloat16, torch.float16, torch.float32")
+    raise ValueError(f"unsupported dtype {dtype!r}: use one of torch.bfloat16, torch.float16, torch.float32 "
+                     "(or 'bf16', 'fp16', 'fp32')")
 
 
 def evaluate(op: str, attr, values: list[float]) -> float:

@@ -31,7 +31,7 @@ def _fold(node: ir.Node, memo: dict[int, ir.Node], consts: dict[str, float], pro
                 out = ir.const(op.evaluate(node.attr, [i.attr for i in inputs]))
             except FoldError as e:
                 raise EpilogueError(f"epilogue '{program.name}' ({program.where(node)}): {e}\n  fix: interleave "
-                                    "traced values (e.g. acc * 0 + 1.0 for a constant of the tile's width)") from None
+                                    "traced values (a constant of the tile's width: cd.where(acc == acc, 1.0, 1.0))") from None
     memo[id(node)] = out
     return out
 

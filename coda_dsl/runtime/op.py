@@ -88,6 +88,11 @@ def check_operands(ep: Epilogue, operands: dict) -> None:
         if not isinstance(v, numbers.Real):  # int, float, numpy's scalars
             raise checks.fail(where, f"'{p.name}' ({p.kind}) must be a number, got {type(v).__name__}",
                               f"pass float({p.name})")
+        try:
+            float(v)
+        except OverflowError:  # an int beyond double's range
+            raise checks.fail(where, f"'{p.name}' ({p.kind}) has {len(str(abs(int(v))))} digits: too large for a float",
+                              "pass a value within fp32's range (3.4e38)") from None
 
 
 def _check_out_dict(where: str, out) -> None:
@@ -121,7 +126,10 @@ def _layout(v) -> object:
 def _const_key(v) -> object:
     """A cd.Const by its value's spelling: -0.0 and 0.0 build different kernels, every NaN the same one
     (anything but a number: its type, which the checks refuse)."""
-    return repr(float(v)) if isinstance(v, numbers.Real) else type(v)
+    try:
+        return repr(float(v)) if isinstance(v, numbers.Real) else type(v)
+    except OverflowError:  # an int beyond double's range: the checks refuse it
+        return type(v)
 
 
 def _consts_key(consts: dict[str, float]) -> tuple:
