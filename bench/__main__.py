@@ -48,7 +48,7 @@ def main(argv=None) -> int:
         failed += ep_failed
     if with_ce:
         with results_only_on_stdout():
-            ce_rows, ce_failed = cross_entropy.run(args.ce_shape, autotune=args.autotune)
+            ce_rows, ce_failed = cross_entropy.run(args.ce_shape, iters=args.iters, autotune=args.autotune)
         print()
         cross_entropy.report(ce_rows, ce_failed, command)
         failed += ce_failed

@@ -62,9 +62,10 @@ def background(fn: Callable, *args) -> Future:
 
 
 def rotation(make: Callable[[], tuple], bytes_per_set: int, l2_bytes: int | None = None) -> list[tuple]:
-    """Enough independent input sets that cycling through them always misses L2 (>= 3x L2 in total)."""
+    """Enough independent input sets that cycling through them always misses L2 (>= 3x L2 in total), and at
+    least 2: with one, a weight that fits L2 (32 MB at 8192x4096x4096) stays there from the previous call."""
     l2 = l2_bytes or torch.cuda.get_device_properties(0).L2_cache_size
-    n = max(1, min(8, -(-3 * l2 // max(bytes_per_set, 1))))
+    n = max(2, min(8, -(-3 * l2 // max(bytes_per_set, 1))))
     return [make() for _ in range(n)]
 
 
@@ -87,8 +88,9 @@ def time_us(fn: Callable, sets: list[tuple], iters: int = 50, warmup: int = 10) 
 
 
 def round_robin(variants: dict[str, Callable], sets: list[tuple], iters: int, warmup: int = 2) -> dict[str, float]:
-    """Median µs of each variant(*set), by CUDA events, calling the variants in turn (round i on set i of
-    the rotation; every other round in reverse order, so that no variant always follows the same one).
+    """Median µs of each variant(*set), by CUDA events, calling the variants in turn (every call on the next
+    set of the rotation, so no call finds its inputs in L2 from the one before; every other round in
+    reverse order, so that no variant always follows the same one).
     An H200 under sustained load clocks ~10 % below one that just idled: timed one after another,
     whichever ran first (often the cuBLAS floor) would look faster. Nothing waits for the GPU until
     every call is queued, so the GPU never idles between calls either."""
@@ -96,9 +98,11 @@ def round_robin(variants: dict[str, Callable], sets: list[tuple], iters: int, wa
         for fn in variants.values():
             fn(*sets[i % len(sets)])
     events: dict[str, list] = {name: [] for name in variants}
+    calls = 0
     for i in range(iters):
-        args = sets[i % len(sets)]
         for name, fn in (reversed if i % 2 else iter)(list(variants.items())):
+            args = sets[calls % len(sets)]
+            calls += 1
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
             fn(*args)

@@ -93,15 +93,15 @@ def floor_gemms(config, tokens: int) -> list[tuple[str, int, int, int]]:
 
 
 def floor_parts(config, batch: int, seq: int, device) -> dict[str, Callable]:
-    """part name -> a call of that part alone, on operands made here (outside the timed region)."""
+    """part name -> a call of that part alone, on operands made here (outside the timed region); each part
+    its own, so that one part does not find the one before's operands in L2 (a layer's do not)."""
     dt, t = torch.bfloat16, batch * seq
     r = lambda *s: torch.randn(*s, device=device, dtype=dt)  # noqa: E731
     parts = {}
     for name, n, k in projections(config):
-        x, w, g = r(t, k), r(n, k), r(t, n)
-        parts[f"{name} fwd"] = lambda x=x, w=w: torch.mm(x, w.t())
-        parts[f"{name} dgrad"] = lambda g=g, w=w: torch.mm(g, w)
-        parts[f"{name} wgrad"] = lambda g=g, x=x: torch.mm(g.t(), x)
+        parts[f"{name} fwd"] = lambda x=r(t, k), w=r(n, k): torch.mm(x, w.t())
+        parts[f"{name} dgrad"] = lambda g=r(t, n), w=r(n, k): torch.mm(g, w)
+        parts[f"{name} wgrad"] = lambda g=r(t, n), x=r(t, k): torch.mm(g.t(), x)
     hd, h, kv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
     q, k, v = (r(batch, n, seq, hd).requires_grad_() for n in (h, kv, kv))
 

@@ -2,6 +2,7 @@
 JSON writer and the chart. The measurements themselves need an sm_90 GPU (tests/gpu_check.sh)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -114,12 +115,19 @@ def fake_events(monkeypatch):
 
 
 def test_round_robin_alternates_the_order_and_takes_each_variants_median(fake_events):
-    """harness.round_robin: the call order reverses every other round, warm-up calls are not timed, and
-    each variant's median is its own (in µs)."""
+    """harness.round_robin: the call order reverses every other round, warm-up calls are not timed, each
+    variant's median is its own (in µs), and every timed call takes the next input set of the rotation
+    (a round on one set gave every variant but the first L2-warm inputs)."""
     calls, variant = fake_events
-    us = harness.round_robin({"a": variant("a", 1.0), "b": variant("b", 3.0)}, [(0,)], iters=3, warmup=1)
+    seen = []
+
+    def on(name, ms):
+        fn = variant(name, ms)
+        return lambda x: (seen.append((name, x)), fn(x))
+    us = harness.round_robin({"a": on("a", 1.0), "b": on("b", 3.0)}, [(0,), (1,), (2,)], iters=3, warmup=1)
     assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]
     assert us == {"a": 1000.0, "b": 3000.0}
+    assert seen[2:] == [("a", 0), ("b", 1), ("b", 2), ("a", 0), ("a", 1), ("b", 2)]
 
 
 @pytest.mark.parametrize("nvml", [True, False])
@@ -242,6 +250,19 @@ def test_whole_run_on_fake_gpu(fake_gpu, capsys):
     assert [(r["step"], r["variant"]) for r in ce] == [(s, v) for s in cross_entropy.STEPS
                                                       for v in ("eager", "torch.compile", "coda_dsl")]
     assert all(r["extra"]["rel_err_vs_eager"] < 2e-2 for r in ce if r["variant"] != "eager")
+    checked = {r["variant"] for r in ep["rows"] if "rel_err_vs_eager" in r["extra"]}
+    assert checked == {"coda_dsl fused", "torch.compile", "cuBLASLt fused"}  # every variant of the epilogue
+
+
+def test_a_variant_that_computes_something_else_times_nothing(fake_gpu, monkeypatch):
+    """A variant whose outputs are not eager's (a silently failed fusion, say) fails its case and shape
+    before anything is timed: no row of a wrong variant can be published."""
+    monkeypatch.setattr(epilogues, "no_gpu", lambda: False)
+    case = epilogues.CASES["bias_gelu"]
+    monkeypatch.setitem(epilogues.CASES, "bias_gelu", dataclasses.replace(case, cublaslt=lambda a, w, **o: a @ w.t()))
+    assert epilogues.main(["--only", "bias_gelu", "--shapes", "64x128x32", "--iters", "2"]) == 1
+    ep = json.loads((fake_gpu / "epilogues.json").read_text())
+    assert ep["rows"] == [] and "cuBLASLt fused" in ep["meta"]["failed"][0] and "nothing timed" in ep["meta"]["failed"][0]
 
 
 def test_one_config_for_every_kernel_on_fake_gpu(fake_gpu, monkeypatch):
