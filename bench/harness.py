@@ -69,24 +69,6 @@ def rotation(make: Callable[[], tuple], bytes_per_set: int, l2_bytes: int | None
     return [make() for _ in range(n)]
 
 
-def time_us(fn: Callable, sets: list[tuple], iters: int = 50, warmup: int = 10) -> float:
-    """Median time of fn(*set) in microseconds, by CUDA events, rotating through `sets`. To compare
-    variants, round_robin: timed one after the other, the later ones run on a hotter, slower GPU."""
-    for i in range(warmup):
-        fn(*sets[i % len(sets)])
-    torch.cuda.synchronize()
-    times = []
-    for i in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        args = sets[i % len(sets)]
-        s.record()
-        fn(*args)
-        e.record()
-        times.append((s, e))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in times)
-
-
 def round_robin(variants: dict[str, Callable], sets: list[tuple], iters: int, warmup: int = 2) -> dict[str, float]:
     """Median µs of each variant(*set), by CUDA events, calling the variants in turn (every call on the next
     set of the rotation, so no call finds its inputs in L2 from the one before; every other round in

@@ -15,7 +15,7 @@ import torch
 import coda_dsl as cd
 from coda_dsl.runtime import tune as tuning
 
-from .harness import no_gpu, parser, rotation, shape, time_us
+from .harness import no_gpu, parser, rotation, round_robin, shape
 
 
 def main(argv=None) -> int:
@@ -40,9 +40,9 @@ def main(argv=None) -> int:
         return 1
     sets = rotation(lambda: (torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
                              torch.randn(n, k, device="cuda", dtype=torch.bfloat16)), 2 * (m * k + n * k + m * n))
-    t_blas = time_us(lambda x, y: x @ y.t(), sets)
-    t_tuned = time_us(lambda x, y: cd.gemm(x, y), sets)
-    t_default = time_us(lambda x, y: cd.gemm(x, y, config=tuning.DEFAULT), sets)
+    t = round_robin({"cuBLAS": lambda x, y: x @ y.t(), "tuned": lambda x, y: cd.gemm(x, y),
+                     "default": lambda x, y: cd.gemm(x, y, config=tuning.DEFAULT)}, sets, iters=50)
+    t_blas, t_tuned, t_default = t["cuBLAS"], t["tuned"], t["default"]
     print(f"| {m}x{n}x{k} | cuBLAS {t_blas:.1f} us | tuned {t_tuned:.1f} us ({t_tuned / t_blas:.3f}x) | "
           f"default {t_default:.1f} us ({t_default / t_blas:.3f}x) |")
     return 0

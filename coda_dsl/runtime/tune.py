@@ -121,25 +121,28 @@ def tune(make_op, launch, device: torch.device, mnkl, log=None) -> Config:
             pass
     log(f"coda_dsl: tuning {first.epilogue.name} at M,N,K,L={mnkl}: {len(ops)} configurations")
     build.build_units([op.unit for op in ops.values()])
-    times = {}
-    for key, op in ops.items():
-        times[key] = _time_us(lambda: launch(op))
-        log(f"  {key:32s} {times[key]:9.1f} us")
+    times = _times_us({key: (lambda op=op: launch(op)) for key, op in ops.items()})
+    for key, t in times.items():
+        log(f"  {key:32s} {t:9.1f} us")
     best = min(times, key=times.get)
     log(f"coda_dsl: best {best}; recorded in {_records_path()}")
     _store(device_key(device), record_key(first.plan.canonical, DEFAULT, *mnkl), Config.parse(best), times)
     return Config.parse(best)
 
 
-def _time_us(fn, iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    events = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        events.append((s, e))
+def _times_us(fns: dict, iters: int = 20) -> dict[str, float]:
+    """Median µs of each candidate's call, by CUDA events, the candidates in turn (every other round in
+    reverse order): timed one after another, the later ones ran on a hotter, slower-clocked GPU."""
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    events: dict[str, list] = {key: [] for key in fns}
+    for i in range(iters):
+        for key, fn in (reversed if i % 2 else iter)(list(fns.items())):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            events[key].append((s, e))
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in events)
+    return {key: statistics.median(s.elapsed_time(e) * 1e3 for s, e in ev) for key, ev in events.items()}
