@@ -118,6 +118,7 @@ def run(shapes=SHAPES, iters: int = 10, autotune: bool = False, chunk_rows=(), c
     built = background(runtime.prebuild, kernels((None, *configs)))
     rows, failed = [], []
     for shape in shapes:
+        torch.compiler.reset()  # each shape compiled afresh, static: no recompile limit reached, no fallback
         r, f = _run_shape(shape, built, iters, autotune, chunk_rows, configs, profile)
         rows, failed = rows + r, failed + [f"{fmt(shape)} {line}" for line in f]
         torch.cuda.empty_cache()  # the next shape's eager logits need the room

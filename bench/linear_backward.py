@@ -116,6 +116,7 @@ def measure(name: str, shape: tuple, iters: int, with_dy: bool = False) -> list[
     case, (m, n, k) = CASES[name], shape
     gemm_inputs = (2 if with_dy else 1) * (m * k + n * k)  # x, W (and G, V)
     sets = rotation(lambda: _inputs(case, m, n, k, with_dy), 2 * (gemm_inputs + 2 * m * n))
+    torch.compiler.reset()  # each case and shape compiled afresh, static (no dynamic-shape recompile)
     ours = _step(lambda x, w, **ops: cd.linear(x, w, case.epilogue, **ops))
     variants = {FLOOR: _gemms, "coda_dsl cd.linear": ours, "eager": _step(_layer(case)),
                 "torch.compile": _step(torch.compile(_layer(case)))}

@@ -225,6 +225,7 @@ def measure(step: str, shape: tuple, configs: list[str], iters: int, sustain_ms:
     made = iter([one])  # rotation's first set: this one, already made
     sets = rotation(lambda: next(made, None) or s.inputs(m, f, d), sum(t.nbytes for t in one.values()))
     want = s.want(one)
+    torch.compiler.reset()  # each shape and step compiled afresh, static (no dynamic-shape recompile)
     errs, calls = {}, variants(step, configs, shape)
     for label, (fn, check) in calls.items():
         progress(f"mlp {step} {fmt(shape)}: {label}")
