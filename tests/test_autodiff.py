@@ -622,6 +622,30 @@ def test_const_given_as_a_tensor_is_refused_as_cd_gemm_refuses_it():
         cd.linear(x, w, scaled, backend="reference", c=torch.ones(2))
 
 
+def test_two_epilogues_derived_while_one_graph_is_traced():
+    """torch.compile(fullgraph=True) of two cd.linear calls whose epilogues were never derived: Dynamo calls
+    the derivation for each while tracing (the second one's lookup was a KeyError: Dynamo read the cache
+    dict from its own copy)."""
+    @cd.epilogue
+    def to_fp32(acc):
+        return cd.cast(acc, torch.float32)
+
+    @cd.epilogue
+    def relu_now(acc):
+        return cd.maximum(acc, 0.0)
+
+    def f(a, w):
+        return cd.linear(cd.linear(a, w, to_fp32, backend="reference")["D"], w, relu_now, backend="reference")["D"]
+
+    a, w = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(a, w)
+    want = torch.relu((a @ w.t()) @ w.t())
+    assert rel_err(got, want) < 1e-5
+    ga = torch.autograd.grad(got.sum(), a)[0]
+    assert rel_err(ga, torch.autograd.grad(want.sum(), a)[0]) < 1e-5
+
+
 def test_outputs_that_do_not_depend_on_the_accumulator_give_zero_gradients():
     """cd.round(acc) + b: dacc is 0 everywhere; x and W get zeros, as torch gives them (None would make
     optimizers skip the parameter and DDP call it unused)."""

@@ -466,13 +466,15 @@ def test_epilogue_factory_is_cached_and_runs_under_torch_compile(seed, rel):
     assert scaled(2.0, "relu") is scaled(2.0, "relu") and scaled(2.0, "silu") is not scaled(2.0, "relu")
     assert made == [(2.0, "relu"), (2.0, "silu")]
 
-    def block(a, w):
-        return cd.gemm(a, w, scaled(3.0, "relu"), backend="reference")["D"] + 1
+    def block(a, w):  # two epilogues made while one graph is traced (the second was a KeyError once)
+        return cd.gemm(a, w, scaled(3.0, "relu"), backend="reference")["D"] + \
+            cd.gemm(a, w, scaled(4.0, "relu"), backend="reference")["D"]
 
     torch._dynamo.reset()
     a, w = torch.randn(M, K), torch.randn(N, K)
     d = torch.compile(block, fullgraph=True, backend="aot_eager")(a, w)
-    assert rel(d, torch.relu(acc64(a, w) * 3) + 1) <= FP32_TOL and made[-1] == (3.0, "relu")
+    assert rel(d, torch.relu(acc64(a, w) * 3) + torch.relu(acc64(a, w) * 4)) <= FP32_TOL
+    assert made[-2:] == [(3.0, "relu"), (4.0, "relu")]
 
     @cd.epilogue_factory
     def not_one(x):

@@ -2,4 +2,5 @@
 from .autograd import backward_epilogue, first_order, linear
 from .op import CompiledOp, clear, compile, gemm, prebuild, set_tuning
 
-__all__ = ["CompiledOp", "backward_epilogue", "clear", "compile", "first_order", "gemm", "linear", "prebuild", "set_tuning"]
+__all__ = ["CompiledOp", "backward_epilogue", "clear", "compile", "first_order", "gemm", "linear", "prebuild",
+           "set_tuning"]

@@ -21,7 +21,7 @@ from ..ir.ops import REDUCTIONS, dtype_name
 from ..passes import specialize
 from ..passes.autodiff import ACC, GRAD, SAVED, Backward, derive, into_producer
 from . import reference, torch_compile
-from .torch_compile import constant_under_compile
+from .torch_compile import made_once
 from .op import check_operands, epilogue_of, gemm
 
 
@@ -86,47 +86,29 @@ class _Derived:
                                      operands, out_dtypes)
 
 
-# key (_key) -> _Derived, for the process's life: a plain dict, since Dynamo reads it (a weak one it cannot);
-# one small entry per epilogue, consts and outputs without a gradient that a derivative was asked for
-_derived: dict[str, _Derived] = {}
-
-
-def _key(uid: str, consts: dict, no_grad: tuple[str, ...]) -> str:
-    return f"{uid}|{sorted((k, repr(v)) for k, v in consts.items())}|{sorted(no_grad)}"
+@made_once  # for the process's life: one small entry per epilogue, consts and outputs left out
+def _derived(uid: str, consts: tuple, no_grad: tuple[str, ...]) -> _Derived:
+    """The derivation of the epilogue named uid with these (name, value) consts, leaving out no_grad's
+    outputs. Inside torch.compile, Dynamo calls this instead of tracing it (a pass over the IR)."""
+    ep = Epilogue.by_uid(uid)
+    back = derive(specialize(ep.program, dict(consts)), no_grad)
+    p, forward = ep.program, ep
+    taken = [name for name in ([ACC] if back.uses_acc else []) + [SAVED + o for o in back.unfinished]
+             if p.output(name)]
+    if taken:
+        raise OperandError(f"cd.linear: epilogue '{ep.name}' has an output named '{taken[0]}', the name the "
+                           "forward kernel gives a value the backward reads: rename that output")
+    extra = ((ir.Output(ACC, ir.acc(), None),) if back.uses_acc else ()) + tuple(
+        ir.Output(SAVED + o, ir.reduction_of(p.output(o).node), None) for o in back.unfinished)
+    if extra:
+        forward = Epilogue.of_program(ir.Program(p.name, p.params, (*p.outputs, *extra), p.defined_at, p.locations))
+    return _Derived(forward, back)
 
 
 def _derive(ep: Epilogue, consts: dict, no_grad: tuple[str, ...] = ()) -> _Derived:
-    key = _key(ep.uid, consts, no_grad)
-    if key not in _derived:
-        back = derive(specialize(ep.program, consts), no_grad)
-        p, forward = ep.program, ep
-        taken = [name for name in ([ACC] if back.uses_acc else []) + [SAVED + o for o in back.unfinished]
-                 if p.output(name)]
-        if taken:
-            raise OperandError(f"cd.linear: epilogue '{ep.name}' has an output named '{taken[0]}', the name the "
-                               "forward kernel gives a value the backward reads: rename that output")
-        extra = ((ir.Output(ACC, ir.acc(), None),) if back.uses_acc else ()) + tuple(
-            ir.Output(SAVED + o, ir.reduction_of(p.output(o).node), None) for o in back.unfinished)
-        if extra:
-            forward = Epilogue.of_program(ir.Program(p.name, p.params, (*p.outputs, *extra), p.defined_at,
-                                                     p.locations))
-        _derived[key] = _Derived(forward, back)
-    return _derived[key]
-
-
-# Inside torch.compile this runs while Dynamo traces, and is not traced itself (a pass over the IR that
-# creates epilogues); its result, a string, becomes a constant of the graph.
-@constant_under_compile
-def _derived_key(uid: str, consts: tuple, no_grad: tuple[str, ...]) -> str:
-    """_derive of the epilogue named uid; returns its key in _derived."""
-    _derive(Epilogue.by_uid(uid), dict(consts), no_grad)
-    return _key(uid, dict(consts), no_grad)
-
-
-def _derived_for(ep: Epilogue, consts: dict, no_grad: tuple[str, ...] = ()) -> _Derived:
-    """_derive, in a form torch.compile(fullgraph=True) traces: the derivation itself is not traced."""
+    """The epilogue's derivation (made once), in a form torch.compile(fullgraph=True) traces."""
     consts = {k: torch_compile.constant(v) for k, v in consts.items()} if torch.compiler.is_compiling() else consts
-    return _derived[_derived_key(ep.uid, tuple(sorted(consts.items())), no_grad)]
+    return _derived(ep.uid, tuple(sorted(consts.items())), tuple(sorted(no_grad)))
 
 
 class _Linear(torch.autograd.Function):
@@ -137,7 +119,7 @@ class _Linear(torch.autograd.Function):
         # statistics with no derivative yet (cd.max/min/amax/take, e.g. an fp8 scale's amax) are computed, and
         # refused only if a gradient reaches them (inside torch.compile: refused by linear())
         frozen = _no_derivative(ep)
-        derived = _derived_for(ep, consts, frozen)
+        derived = _derive(ep, consts, frozen)
         back = derived.back
         if learnt := [n for i, n in enumerate(names) if n in back.ungraded and ctx.needs_input_grad[6 + i]]:
             raise UnsupportedError(f"cd.linear: epilogue '{ep.name}' reads cd.Scalar '{learnt[0]}' inside .then(...), "
@@ -168,7 +150,7 @@ class _Linear(torch.autograd.Function):
         derived = ctx.derived
         if unused := tuple(o for o, g in grads.items() if g is None):
             # without the unused outputs: it reads a subset of what the full derivative had saved
-            derived = _derived_for(ctx.ep, ctx.consts, unused)
+            derived = _derive(ctx.ep, ctx.consts, unused)
         tensors, saved = rest[:len(names)], rest[len(names):]
         operands = {**dict(zip(names, tensors)), **ctx.numbers,
                     **{SAVED + o: t for o, t in zip(ctx.derived.back.saved, saved)},

@@ -5,6 +5,7 @@ made by functions, which Dynamo must call rather than trace."""
 from __future__ import annotations
 
 import functools
+import types
 from typing import Callable
 
 import torch
@@ -41,22 +42,42 @@ def constant_under_compile(fn: Callable) -> Callable:
     return fn
 
 
-def epilogue_factory(fn: Callable) -> Callable:
-    """Decorator for a function of hashable arguments that makes an epilogue (one per activation, cap value,
-    ...): each epilogue is made once per arguments, and the function may be called inside
-    torch.compile(fullgraph=True), which calls it while tracing instead of tracing the DSL's tracer (a
-    number it traces symbolically is specialized: it shapes the kernel)."""
-    made = functools.cache(fn)
-    by_uid: dict[str, Epilogue] = {}  # a plain dict, which Dynamo reads (Epilogue._by_uid is weak)
+def made_once(make: Callable) -> Callable:
+    """make(*args, **kwargs), called once per argument values (told apart by repr: 0.0 and -0.0 too) and
+    kept for the process's life; callable inside torch.compile(fullgraph=True), which then calls make
+    instead of tracing it (a pass over the IR, the DSL's tracer) and reads what it made as an attribute of
+    a plain object (Dynamo reads that as it is; a dict it has read before, from its own copy, which lacks
+    what an untraced call added since: a second new entry in one graph was a KeyError)."""
+    names: dict[str, str] = {}
+    made = types.SimpleNamespace()
 
     @constant_under_compile
-    def uid(*args, **kwargs) -> str:
-        ep = made(*args, **kwargs)
+    def name(*args, **kwargs) -> str:
+        key = repr((args, sorted(kwargs.items())))
+        if key not in names:
+            attr = f"made{len(names)}"
+            setattr(made, attr, make(*args, **kwargs))
+            names[key] = attr
+        return names[key]
+
+    @functools.wraps(make)
+    def get(*args, **kwargs):
+        return getattr(made, name(*args, **kwargs))
+    return get
+
+
+def epilogue_factory(fn: Callable) -> Callable:
+    """Decorator for a function of hashable arguments that makes an epilogue (one per activation, cap value,
+    ...): each epilogue is made once per arguments (made_once), and the function may be called inside
+    torch.compile(fullgraph=True), which calls it while tracing instead of tracing the DSL's tracer (a
+    number it traces symbolically is specialized: it shapes the kernel)."""
+    @made_once
+    def made(*args, **kwargs) -> Epilogue:
+        ep = fn(*args, **kwargs)
         if not isinstance(ep, Epilogue):
             raise TypeError(f"{fn.__qualname__} is a cd.epilogue_factory but returned {type(ep).__name__}, "
                             "not an epilogue")
-        by_uid[ep.uid] = ep
-        return ep.uid
+        return ep
 
     @functools.wraps(fn)
     def get(*args, **kwargs) -> Epilogue:
@@ -66,7 +87,7 @@ def epilogue_factory(fn: Callable) -> Callable:
                             "value an operand of the epilogue (cd.Scalar)")
         if torch.compiler.is_compiling():
             args, kwargs = tuple(map(constant, args)), {k: constant(v) for k, v in kwargs.items()}
-        return by_uid[uid(*args, **kwargs)]
+        return made(*args, **kwargs)
     return get
 
 
