@@ -140,7 +140,12 @@ class TPLlamaDecoderLayer(LlamaDecoderLayer):
         w_qkv = qkv_weight(*(_local(p.weight) for p in (attn.q_proj, attn.k_proj, attn.v_proj)), hd)
         inv_freq = self._tp_inv_freq.to(x.device)
         qkv = cd.linear(xg, w_qkv, rms_rope, rstd=rstd, pos=pos, inv_freq=inv_freq, backend=backend)["D"]
-        o = causal_attention(*split_qkv(qkv, nh, nkv, hd), b, hd, attn.attention_dropout if attn.training else 0.0)
+        dropout = attn.attention_dropout if attn.training else 0.0
+        if dropout:
+            raise UnsupportedError("coda_dsl.parallel: attention dropout in a tensor-parallel layer would draw the "
+                                   "same masks for every rank's heads (each rank's generator, seeded alike)\n  fix: "
+                                   "attention_dropout=0.0 (Llama's), or the unsharded layer")
+        o = causal_attention(*split_qkv(qkv, nh, nkv, hd), b, hd, dropout)
         # row-parallel o_proj: reduce, then the residual add and the post-attention norm's statistics, from
         # the fp32 sum as the fused epilogue (rms_producer) takes them
         h32 = self._row_parallel(o, attn.o_proj.weight, group) + xf.float()
@@ -153,6 +158,13 @@ class TPLlamaDecoderLayer(LlamaDecoderLayer):
         out32 = self._row_parallel(y, mlp.down_proj.weight, group) + h.float()
         out = out32.to(x.dtype).view(b, s, d)
         return (out, input_rms(out32, eps).view(b, s)) if return_rstd else out
+
+    def load_hf_state_dict(self, state_dict, strict: bool = True):
+        """A whole (unsharded) transformers layer's state dict, the same on every rank: each rank keeps its
+        shards (plain load_state_dict cannot copy whole tensors into DTensors)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        return set_model_state_dict(self, dict(state_dict), options=StateDictOptions(full_state_dict=True,
+                                                                                      strict=strict))
 
     def _row_parallel(self, a: torch.Tensor, w: torch.Tensor, group) -> torch.Tensor:
         """sum over ranks of a @ w_local^T, fp32."""
@@ -177,6 +189,7 @@ def tensor_parallel(layer: LlamaDecoderLayer, mesh: DeviceMesh) -> TPLlamaDecode
             raise UnsupportedError(f"coda_dsl.parallel.tensor_parallel: {what} = {n} does not split evenly over "
                                    f"{world} ranks (each rank must hold whole heads and equal shares); use a "
                                    f"tensor-parallel size that divides it")
+    layer.mlp.tied = False  # the tensor-parallel step interleaves its shards of gate and up itself
     col, row = ColwiseParallel(), RowwiseParallel()
     parallelize_module(layer, mesh, {"self_attn.q_proj": col, "self_attn.k_proj": col, "self_attn.v_proj": col,
                                      "self_attn.o_proj": row, "mlp.gate_proj": col, "mlp.up_proj": col,
@@ -217,7 +230,8 @@ class _VocabParallelCE(torch.autograd.Function):
         vocab_start, vocab_size, group, ignore_index, reduction, smoothing, backend = ctx.cfg
         m, v = x.shape[0], w.shape[0]
         valid = target != ignore_index
-        scale = grad.float() if reduction == "none" else grad.float().expand(m)
+        scale = grad.to(torch.promote_types(x.dtype, torch.float32))
+        scale = scale if reduction == "none" else scale.expand(m)
         if reduction == "mean":
             scale = scale / valid.sum().clamp_min(1)
         scale = torch.where(valid, scale, torch.zeros_like(scale)).contiguous()
@@ -253,11 +267,21 @@ def vocab_parallel_cross_entropy(x: torch.Tensor, lm_head_weight: DTensor, targe
         raise UnsupportedError("coda_dsl.parallel.vocab_parallel_cross_entropy: lm_head_weight must be a DTensor "
                                "sharded by rows over a 1-D mesh: distribute_tensor(w, mesh, [Shard(0)]) or "
                                "ColwiseParallel on the LM head")
+    if isinstance(x, DTensor) or isinstance(target, DTensor):
+        raise UnsupportedError("coda_dsl.parallel.vocab_parallel_cross_entropy: x and target are plain tensors, "
+                               "the same on every rank (x.to_local() of a replicated DTensor, or use_local_output="
+                               "True on the layer that makes it)")
     mesh = lm_head_weight.device_mesh
     vocab_size = lm_head_weight.shape[0]
     w = lm_head_weight.to_local()
     check_args(x, w, target, reduction, label_smoothing)
-    vocab_start = min(mesh.get_local_rank() * -(-vocab_size // mesh.size()), vocab_size)  # torch.chunk's split
+    per_rank = -(-vocab_size // mesh.size())  # torch.chunk's split, which the rows' offsets assume
+    vocab_start = min(mesh.get_local_rank() * per_rank, vocab_size)
+    if w.shape[0] != min(per_rank, vocab_size - vocab_start):
+        raise UnsupportedError(f"coda_dsl.parallel.vocab_parallel_cross_entropy: this rank holds {w.shape[0]} "
+                               f"vocabulary rows, torch.chunk's split of {vocab_size} over {mesh.size()} ranks gives "
+                               f"it {min(per_rank, vocab_size - vocab_start)}: shard with distribute_tensor(w, mesh, "
+                               "[Shard(0)]) (uneven DTensor.from_local shards are not supported)")
     if x.is_cuda and backend != "reference" and w.shape[0] % 8:
         raise UnsupportedError(f"coda_dsl.parallel.vocab_parallel_cross_entropy: this rank holds {w.shape[0]} "
                                "vocabulary rows; the cutlass backward stores [rows, V_shard] with 16-byte rows, "

@@ -245,6 +245,17 @@ def _tp_rank(rank, mesh):
         single, sharded = rel_err(runs[1][i], runs[0][i]), rel_err(runs[2][i], runs[0][i])
         assert sharded < 2 * single + 2e-3, (what, sharded, single)
 
+    # a whole (HF) state dict loads into the sharded layer: each rank keeps its shards
+    fresh = tensor_parallel(random_layer(config), mesh)
+    fresh.load_hf_state_dict(ref.state_dict())
+    for n, p in fresh.named_parameters():
+        assert_close(p.full_tensor(), ref.state_dict()[n], f"loaded {n}")
+    # attention dropout would draw one mask for every rank's heads: refused in training
+    dropped = tensor_parallel(random_layer(llama_config(attention_dropout=0.1)), mesh).train()
+    with pytest.raises(cd.UnsupportedError, match="same masks for every rank's heads"):
+        dropped(x)
+    dropped.eval()(x)  # no dropout outside training
+
     with pytest.raises(cd.UnsupportedError, match="num_key_value_heads = 1 does not split evenly"):
         tensor_parallel(cdnn.LlamaDecoderLayer(llama_config(num_key_value_heads=1)), mesh)
     with pytest.raises(cd.UnsupportedError, match="expected a coda_dsl.nn.LlamaDecoderLayer"):
@@ -258,7 +269,7 @@ def test_tensor_parallel_layer_matches_unsharded():
 
 
 def _vocab_ce_rank(rank, mesh):
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     from coda_dsl.parallel import vocab_parallel_cross_entropy
     m, d, v = 37, 24, 51  # 51 rows: 26 on rank 0, 25 on rank 1
@@ -284,6 +295,11 @@ def _vocab_ce_rank(rank, mesh):
         assert_close(ws.grad.full_tensor(), w.grad, f"grad_W ({case})")
     with pytest.raises(cd.UnsupportedError, match="must be a DTensor sharded by rows"):
         vocab_parallel_cross_entropy(x0, w0, target)
+    # shards that are not torch.chunk's split (26 and 25 rows): the rows' offsets would be wrong
+    uneven = DTensor.from_local(w0[:25] if rank == 0 else w0[25:], mesh, [Shard(0)], shape=w0.shape,
+                                stride=w0.stride())
+    with pytest.raises(cd.UnsupportedError, match="torch.chunk's split of 51 over 2 ranks gives it"):
+        vocab_parallel_cross_entropy(x0, uneven, target, backend="reference")
     # a one-row head: rank 1 holds none of it (it deadlocked the backward's all-reduce)
     x, w1 = x0.clone().requires_grad_(), w0[:1].clone().requires_grad_()
     t1 = torch.zeros(m, dtype=torch.long)
