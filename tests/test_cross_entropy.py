@@ -255,6 +255,21 @@ def test_very_confident_rows_keep_their_gradient(reduction, dtype):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_fp16_grad_w_sums_many_rows_without_overflow(reduction):
+    """4096 rows with one target and |x| = 30: grad_W's sum over the rows (1.2e5) is beyond fp16; as a mean
+    (the GEMMs' alpha = 1/M) it is -28.1, as torch gives it. (Summed first and scaled after, it was -inf.)"""
+    m, d, v = 4096, 16, 16
+    x = torch.full((m, d), 30.0, dtype=torch.float16, requires_grad=True)
+    w = torch.zeros(v, d, dtype=torch.float16, requires_grad=True)
+    t = torch.zeros(m, dtype=torch.long)
+    loss = cd.linear_cross_entropy(x, w, t, reduction=reduction, backend="reference")
+    (loss.mean() if reduction == "none" else loss).backward()
+    wr = w.detach().float().requires_grad_()
+    F.cross_entropy(x.detach().float() @ wr.t(), t).backward()
+    assert w.grad.isfinite().all() and _rel(w.grad, wr.grad) < 1e-3
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_fp64_inputs_give_fp64_accuracy(reduction):
     """fp64 (the reference backend's gradcheck precision): loss and gradients to ~1e-15, the fp32 tail's
     columns (V % 8) included."""

@@ -381,17 +381,20 @@ def test_refusals():
 
 def test_calls_that_would_be_silently_wrong_are_refused():
     """cos/sin tables without their positions (the layer rotates by positions, and would use 0..S-1), and
-    flash-attention calls (HF splits packed sequences by position_ids or cu_seq_lens there; this layer
-    attends over whole rows)."""
+    attention implementations but sdpa/eager (flash attention splits packed sequences by position_ids or
+    cu_seq_lens, others may pass no mask; this layer attends over whole rows)."""
     config = llama_config()
     ours = cdnn.LlamaDecoderLayer(config, backend="reference")
     x, pid = torch.randn(1, 7, config.hidden_size), positions(1, 7, packed=True)
     with pytest.raises(cd.UnsupportedError, match="position_embeddings without position_ids"):
         ours(x, position_embeddings=LlamaRotaryEmbedding(config)(x, pid))
-    with pytest.raises(cd.UnsupportedError, match="flash-attention calls"):
+    with pytest.raises(cd.UnsupportedError, match="other than 'sdpa' and 'eager'"):
         ours(x, position_ids=pid, cu_seq_lens_q=torch.tensor([0, 4, 7], dtype=torch.int32))
-    with pytest.raises(cd.UnsupportedError, match="flash-attention calls"):
-        cdnn.LlamaDecoderLayer(llama_config(attn_implementation="flash_attention_2"), backend="reference")(x)
+    for impl in ("flash_attention_2", "kernels-community/flash-attn"):  # a hub kernel's name too
+        config = llama_config()
+        config._attn_implementation = impl
+        with pytest.raises(cd.UnsupportedError, match="other than 'sdpa' and 'eager'"):
+            cdnn.LlamaDecoderLayer(config, backend="reference")(x)
 
 
 def test_building_blocks_take_hf_constructor_arguments():

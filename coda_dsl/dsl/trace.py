@@ -78,7 +78,8 @@ def _called_function() -> str | None:
         first, last, col, end = next(itertools.islice(f.f_code.co_positions(), f.f_lasti // 2, None),
                                      (None,) * 4)
         if first is not None and first == last == f.f_lineno and col is not None:
-            m = re.match(r"\s*([A-Za-z_][\w.]*)\s*\(", line[col:end])
+            call = line.encode()[col:end].decode(errors="replace")  # (the columns count UTF-8 bytes)
+            m = re.match(r"\s*([A-Za-z_][\w.]*)\s*\(", call)
             head, *rest = m.group(1).split(".") if m else ("",)
             obj = f.f_locals.get(head, f.f_globals.get(head, getattr(builtins, head, None)))
             for part in rest:

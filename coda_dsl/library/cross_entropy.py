@@ -197,12 +197,14 @@ def _out_of_range(target: torch.Tensor, v: int, ignore_index: int) -> torch.Tens
     return bad
 
 
-def _factored(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """scale = unit * peak, |unit| <= 1, peak a 0-dim tensor (no synchronization): the logits' gradient is
-    formed with unit, and grad_x and grad_W times peak after; in fp16, with a scale like 1/M, most of g
-    would be subnormal (p < 2^-14 / 8192 at M = 8192) and lost."""
+def _factored(scale: torch.Tensor, m: int) -> tuple[torch.Tensor, float, torch.Tensor]:
+    """The rows' gradient scale as unit * alpha * after. |unit| <= 1 goes into the logits' gradient g
+    (fp16's g kept out of subnormals: with a scale like 1/M most of it was, 1/8192 of p at M = 8192);
+    alpha = 1/M, a host number, is the GEMMs' (applied in fp32 before rounding: grad_W's sum over the
+    rows stays a mean's size, which fp16 holds); after = peak * M multiplies grad_x and grad_W at the
+    end (a 0-dim tensor: no synchronization)."""
     peak = scale.nan_to_num().abs().amax().clamp_min(1e-30) if scale.numel() else scale.new_ones(())
-    return scale / peak, peak
+    return (scale / peak).contiguous(), 1.0 / max(m, 1), peak * max(m, 1)
 
 
 def _poisoned(scale: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
@@ -234,8 +236,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             return _reduce(_row_loss(st, v, smoothing), valid, count, reduction, bad)
         # gradients now, chunk by chunk: the backward then only scales them
         loss = torch.empty(m, device=x.device, dtype=torch.promote_types(x.dtype, torch.float32))
-        scale, peak = _factored(_poisoned(valid.to(loss.dtype) / (count.clamp_min(1) if reduction == "mean" else 1),
-                                          bad))
+        scale, alpha, after = _factored(
+            _poisoned(valid.to(loss.dtype) / (count.clamp_min(1) if reduction == "mean" else 1), bad), m)
         gx = torch.empty_like(x) if need_x else None
         gw = torch.empty_like(w) if need_w else None  # in w's dtype: each chunk's GEMM sums in fp32
         vk = _split(v)
@@ -251,21 +253,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
             loss[s:e] = _row_loss(st, v, smoothing)
             _logit_grad_(z, st["lse"], scale[s:e], ts, st["z_target"], smoothing / v, 1.0 - smoothing, cap, x.dtype)
             g = z.view(x.dtype)
-            if need_x:
-                torch.mm(g, wk, out=gx[s:e])
+            if need_x:  # (beta 0: the uninitialized output is not read)
+                gx[s:e].addmm_(g, wk, beta=0, alpha=alpha)
             if need_w:
-                gw[:vk].addmm_(g.t(), xs) if s else torch.mm(g.t(), xs, out=gw[:vk])
+                gw[:vk].addmm_(g.t(), xs, beta=1 if s else 0, alpha=alpha)
             if vk < v:  # the last V % 8 columns, in fp32 (_tail)
                 gt = _logit_grad(zt, st["lse"], scale[s:e], ts - vk, st["z_target"], smoothing / v, 1.0 - smoothing,
                                  cap).to(x.dtype)
                 if need_x:
-                    gx[s:e].addmm_(gt, wt)
+                    gx[s:e].addmm_(gt, wt, alpha=alpha)
                 if need_w:
-                    gw[vk:].addmm_(gt.t(), xs) if s else torch.mm(gt.t(), xs, out=gw[vk:])
+                    gw[vk:].addmm_(gt.t(), xs, beta=1 if s else 0, alpha=alpha)
         if need_w and m == 0:
             gw.zero_()
-        ctx.grads = (gx, gw, peak)
-        ctx.save_for_backward(x, w)  # (for cd.first_order: a second derivative with respect to them raises)
+        ctx.grads = (gx, gw, after)
         return _reduce(loss, valid, count, reduction, bad)
 
     @staticmethod
@@ -276,9 +277,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 raise RuntimeError("linear_cross_entropy: backward ran twice through the same forward (retain_graph); "
                                    "its gradients were computed in the forward and handed out by the first backward. "
                                    "Call linear_cross_entropy again for a second backward")
-            gx, gw, peak = ctx.grads
+            gx, gw, after = ctx.grads
             ctx.grads = None  # the only reference left is ours: autograd takes the tensors without a copy
-            _scale_(gx, gw, grad * peak)
+            _scale_(gx, gw, grad * after)
             return gx, gw, *[None] * 10
         x, w, safe, valid, lse, count = ctx.saved_tensors
         reduction, smoothing, cap, backend, config, chunk = ctx.cfg
@@ -287,7 +288,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if reduction != "none":
             scale = scale.expand(m) / (count.clamp_min(1) if reduction == "mean" else 1)
         bad = valid & ((safe < 0) | (safe >= v))  # out of range (safe keeps such a target)
-        scale, peak = _factored(_poisoned(torch.where(valid, scale, torch.zeros_like(scale)), bad).contiguous())
+        scale, alpha, after = _factored(_poisoned(torch.where(valid, scale, torch.zeros_like(scale)), bad), m)
         need_x, need_w = ctx.needs_input_grad[:2]  # a frozen LM head needs no grad_w GEMMs
         grad_x = torch.empty_like(x) if need_x else None
         grad_w = torch.zeros_like(w) if need_w else None  # in w's dtype: each chunk's GEMM sums in fp32
@@ -303,18 +304,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
             p = out["D"]  # [chunk, V - V % 8]: the logits' gradient, but for the one-hot term
             put_target_column(p, out["g_target"], tk, (1 - smoothing) * sc * (out["dz_target"] if cap else 1))
             if need_x:
-                grad_x[s:e] = p @ wk
+                grad_x[s:e].addmm_(p, wk, beta=0, alpha=alpha)
             if need_w:
-                grad_w[:vk].addmm_(p.t(), xs)
+                grad_w[:vk].addmm_(p.t(), xs, alpha=alpha)
             if vk < v:  # the last V % 8 columns, in fp32 (_tail)
                 zt = _tail(xs, wt, cap)
                 z_target = zt.gather(1, (ts - vk).clamp(0, v - vk - 1)[:, None])[:, 0]  # read where ts is a tail column
                 gt = _logit_grad(zt, lse_s, sc, ts - vk, z_target, smoothing / v, 1.0 - smoothing, cap).to(x.dtype)
                 if need_x:
-                    grad_x[s:e] += gt @ wt
+                    grad_x[s:e].addmm_(gt, wt, alpha=alpha)
                 if need_w:
-                    grad_w[vk:].addmm_(gt.t(), xs)
-        _scale_(grad_x, grad_w, peak)
+                    grad_w[vk:].addmm_(gt.t(), xs, alpha=alpha)
+        _scale_(grad_x, grad_w, after)
         return grad_x, grad_w, *[None] * 10
 
 

@@ -5,6 +5,7 @@ made by functions, which Dynamo must call rather than trace."""
 from __future__ import annotations
 
 import functools
+import threading
 import types
 from typing import Callable
 
@@ -48,16 +49,20 @@ def made_once(make: Callable) -> Callable:
     instead of tracing it (a pass over the IR, the DSL's tracer) and reads what it made as an attribute of
     a plain object (Dynamo reads that as it is; a dict it has read before, from its own copy, which lacks
     what an untraced call added since: a second new entry in one graph was a KeyError)."""
-    names: dict[str, str] = {}
+    names: dict[tuple, str] = {}
     made = types.SimpleNamespace()
+    lock = threading.Lock()
 
     @constant_under_compile
     def name(*args, **kwargs) -> str:
-        key = repr((args, sorted(kwargs.items())))
+        kw = tuple(sorted(kwargs.items()))
+        key = (repr((args, kw)), args, kw)  # repr: 0.0 and -0.0 apart; the values: equal reprs apart
         if key not in names:
-            attr = f"made{len(names)}"
-            setattr(made, attr, make(*args, **kwargs))
-            names[key] = attr
+            value = make(*args, **kwargs)  # first: make may itself make another (the names must not shift)
+            with lock:
+                if key not in names:
+                    setattr(made, attr := f"made{len(names)}", value)
+                    names[key] = attr
         return names[key]
 
     @functools.wraps(make)
