@@ -646,6 +646,36 @@ def test_two_epilogues_derived_while_one_graph_is_traced():
     assert rel_err(ga, torch.autograd.grad(want.sum(), a)[0]) < 1e-5
 
 
+def test_new_epilogues_elsewhere_do_not_recompile_a_compiled_step():
+    """A compiled training step with cd.linear recompiles when its inputs change, not when the process
+    makes new IR nodes elsewhere (a new epilogue, a new cd.Const value): tracing the derived backward
+    once guarded on the DSL's node-interning table, so every new node anywhere recompiled the step, and
+    after 8 recompiles torch.compile runs it eagerly, silently."""
+    @cd.epilogue
+    def leaky(acc, slope: cd.Const):
+        return cd.where(acc > 0, acc, acc * slope)
+
+    compiles = []
+
+    def backend(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    def step(x, w):
+        return cd.linear(x, w, leaky, slope=0.1, backend="reference")["D"].square().mean()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    x, w = torch.randn(16, 8, requires_grad=True), torch.randn(12, 8, requires_grad=True)
+    compiled(x, w).backward()
+    first = len(compiles)
+    for slope in (0.2, 0.3, 0.4):  # new nodes: another Const value's specialization and its derivative
+        cd.linear(x, w, leaky, slope=slope, backend="reference")["D"].sum().backward()
+        cd.epilogue(lambda acc: acc * slope, name="fresh")  # noqa: B023
+    compiled(x, w).backward()
+    assert len(compiles) == first
+
+
 def test_outputs_that_do_not_depend_on_the_accumulator_give_zero_gradients():
     """cd.round(acc) + b: dacc is 0 everywhere; x and W get zeros, as torch gives them (None would make
     optimizers skip the parameter and DDP call it unused)."""

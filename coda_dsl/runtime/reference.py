@@ -60,6 +60,9 @@ def _full(v: torch.Tensor, acc: torch.Tensor, width) -> torch.Tensor:
     return torch.broadcast_to(v, (*acc.shape[:-1], acc.shape[-1] * width.numerator // width.denominator))
 
 
+_REDUCED = ir.reduced()  # made once: under torch.compile, making it in _evaluate guarded on the interning table
+
+
 def _evaluate(nodes, values: dict, operands: dict, acc: torch.Tensor, widths: dict) -> dict[int, torch.Tensor]:
     for node in nodes:
         if id(node) in values:
@@ -75,7 +78,7 @@ def _evaluate(nodes, values: dict, operands: dict, acc: torch.Tensor, widths: di
             v = r.torch_fn(x, operands[node.inputs[1].attr[1]]) if r.indexed else \
                 r.torch_fn(x, _reduce_dims(axis, x.ndim))
         elif node.op == "finish":  # the finishing expression, with `reduced` bound to the statistic
-            done = _evaluate(ir.topo_order([node.attr]), {id(ir.reduced()): args[0]}, operands, acc, widths)
+            done = _evaluate(ir.topo_order([node.attr]), {id(_REDUCED): args[0]}, operands, acc, widths)
             v = done[id(node.attr)]
         elif node.kind == "structural":  # on operands expanded to their widths (constants and vectors)
             here = widths.get(id(node), Fraction(1))  # a uniform value has none: any width will do
