@@ -404,7 +404,8 @@ def cmd_doctor(args) -> int:
     else:
         row("ok", "torch", f"{torch.__version__}, CUDA {torch.version.cuda} build")
     _probe_row(row, "nvcc", lambda: (nv := tools.find_nvcc()) + (tools.nvcc_version(nv[0]),),
-               "a CUDA toolkit 12.4+: install one, or point CUDA_HOME at one", lambda n: f"{n[0]} ({n[2]}; CUDA_HOME {n[1]})")
+               "a CUDA toolkit 12.4+: install one, or point CUDA_HOME at one",
+               lambda n: f"{n[0]} ({n[2]}; CUDA_HOME {n[1]})")
     _probe_row(row, "CUTLASS", tools.find_cutlass, "pip install nvidia-cutlass",
                lambda c: f"{c[1]} headers in {c[0][0]}")
     version = lambda tool: subprocess.run([tool, "--version"], capture_output=True, text=True).stdout.strip()  # noqa: E731

@@ -322,9 +322,10 @@ def check_training_call(where: str, config, attention_mask, cache, use_cache, po
     if getattr(config, "_attn_implementation", None) not in (None, "sdpa", "eager") or any(
             kwargs.get(k) is not None for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")):
         raise UnsupportedError(f"coda_dsl: {where}: attention implementations other than 'sdpa' and 'eager' (flash "
-                               "attention splits packed sequences by their position_ids or cu_seq_lens; others may pass "
-                               "no mask) are not supported: this layer attends causally over whole rows (SDPA)\n  fix: attn_implementation='sdpa' (a packed batch is then refused by its "
-                               "mask instead of attended across)")
+                               "attention splits packed sequences by their position_ids or cu_seq_lens; others may "
+                               "pass no mask) are not supported: this layer attends causally over whole rows (SDPA)"
+                               "\n  fix: attn_implementation='sdpa' (a packed batch is then refused by its mask "
+                               "instead of attended across)")
     if attention_mask is not None:
         raise UnsupportedError(f"coda_dsl: {where}: attention is causal only; pass attention_mask=None (no padding or "
                                "packed-sequence masks yet). In a transformers model, use attn_implementation='sdpa' "
