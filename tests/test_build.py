@@ -321,6 +321,21 @@ def test_toolchain_error_without_nvcc(cache_root, monkeypatch, tmp_path):
         b.toolchain()
 
 
+def test_first_error_names_the_cause():
+    """A build log's named cause comes before the first line saying "error": a full disk fails the link as
+    collect2's "error" after ld's "No space left on device"; a missing $CXX as the shell's "not found"
+    before ninja gives up. A warning is not a cause."""
+    from coda_dsl.build.builder import _first_error
+    full = "/usr/bin/ld: final link failed: No space left on device\ncollect2: error: ld returned 1 exit status\n"
+    assert _first_error(full) == "/usr/bin/ld: final link failed: No space left on device"
+    no_cxx = ("FAILED: k/kernel.so\n/bin/sh: 1: /nonexistent/c++: not found\n"
+              "ninja: build stopped: cannot make progress due to previous errors.\n")
+    assert _first_error(no_cxx) == "/bin/sh: 1: /nonexistent/c++: not found"
+    nvcc = "k.cu(3): warning #1: include file not found: x\nk.cu(9): error: expected a \";\"\n"
+    assert _first_error(nvcc) == 'k.cu(9): error: expected a ";"'
+    assert _first_error("$ nvcc -c k.cu\n") == "(no compiler output)"
+
+
 # ---- real nvcc --------------------------------------------------------------------------------
 
 @needs_nvcc

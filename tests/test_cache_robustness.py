@@ -406,3 +406,28 @@ def test_broken_nvcc_shows_its_own_error(tmp_path):
     with pytest.raises(b.ToolchainError, match=r"failed \(exit code 127\): nvcc: error while loading shared "
                                                r"libraries: libnvvm.so.4"):
         tcmod.nvcc_version(str(nvcc))
+
+
+def test_a_lock_in_a_directory_nobody_may_write_says_permission_denied(cache_root, monkeypatch):
+    """No lock file, and none can be made (a cache directory the user cannot write): the message says
+    permission denied with the fix, not the read-only fallback's 'No such file or directory'."""
+    from coda_dsl.build import cache
+    real_open = os.open
+
+    def denied(path, flags, *mode):
+        if flags & os.O_CREAT:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *mode)
+    monkeypatch.setattr(cache.os, "open", denied)
+    lock = cache_root / "0123456789abcdef01234567.lock"
+    cache_root.mkdir(parents=True, exist_ok=True)
+    with pytest.raises(cache.CacheError, match="permission denied(.|\\n)*make it writable"):
+        cache._open_lock(lock)
+
+
+def test_a_key_is_24_hex_digits_and_nothing_after():
+    """An archive member or directory named by a key and a trailing newline is no key ('$' matched before
+    it: such an entry was imported, and broke `cache list` across two lines)."""
+    from coda_dsl.build import cache
+    assert cache.KEY_RE.fullmatch("0123456789abcdef01234567")
+    assert not cache.KEY_RE.fullmatch("0123456789abcdef01234567\n")

@@ -135,11 +135,21 @@ def _run_ninja(staging: Path, targets: list[str], jobs: int, verbose: bool, log)
     return p.returncode, "".join(out)
 
 
+# causes named outright, before the first line that says "error" (a full disk fails the link with
+# "collect2: error: ld returned 1" after ld's "No space left on device"; a missing $CXX, "sh: 1: c++: not
+# found", before ninja's "build stopped")
+_CAUSES = ("no space left on device", ": not found", "permission denied")
+
+
 def _first_error(*texts: str) -> str:
-    for text in texts:
-        for line in text.splitlines():
-            if "error" in line.lower() and not line.startswith("$ "):  # skip echoed commands
-                return line.strip()
+    lines = [ln.strip() for t in texts for ln in t.splitlines() if not ln.startswith("$ ")]  # no echoed commands
+    for cause in _CAUSES:
+        for line in lines:
+            if cause in line.lower() and "warning" not in line.lower():
+                return line
+    for line in lines:
+        if "error" in line.lower():
+            return line
     tails = [ln.strip() for t in texts for ln in t.splitlines() if ln.strip() and not ln.startswith("$ ")]
     return tails[-1] if tails else "(no compiler output)"
 

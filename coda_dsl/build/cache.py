@@ -33,7 +33,7 @@ from . import paths
 from .tools import ARCH, toolchain
 
 CODEGEN_VERSION = "2"  # 2: kernels link no torch library  # bump when build flags change in a way the key can't see
-KEY_RE = re.compile(r"^[0-9a-f]{24}$")
+KEY_RE = re.compile(r"[0-9a-f]{24}")  # fullmatch: "$" would also take a trailing newline
 META = "meta.json"
 WAIT_NOTICE_S = 3.0  # a process waiting on another's build lock says so after this long
 
@@ -313,7 +313,9 @@ def _open_lock(path: Path) -> int:
     with cache_io(path):
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except PermissionError:  # someone else's lock file: flock needs no write access
+        except PermissionError as denied:  # someone else's lock file: flock needs no write access
+            if not path.exists():  # no lock file, and none can be made: the directory is not writable
+                raise denied
             fd = os.open(path, os.O_RDONLY)
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
@@ -378,7 +380,7 @@ def _try_flock(fd: int) -> bool:
 
 def _entry_keys() -> list[str]:
     with cache_io(cache_dir()):
-        return sorted(p.name for p in cache_dir().iterdir() if KEY_RE.match(p.name) and p.is_dir())
+        return sorted(p.name for p in cache_dir().iterdir() if KEY_RE.fullmatch(p.name) and p.is_dir())
 
 
 def cache_entries() -> list[dict]:
@@ -473,7 +475,7 @@ def _commit_members(tar: tarfile.TarFile, tmp: Path, result: Imported) -> None:
     got: dict[str, dict[str, Path]] = {}
     for m in tar.getmembers():
         key, _, name = m.name.partition("/")
-        if not (KEY_RE.match(key) and name in PORTABLE and m.isreg()):
+        if not (KEY_RE.fullmatch(key) and name in PORTABLE and m.isreg()):
             result.rejected.append(f"{m.name}: not <key>/{{{','.join(PORTABLE)}}} as a regular file")
             continue
         dst = tmp / key / name
@@ -525,7 +527,7 @@ def clear_cache() -> Cleared:
     result = Cleared()
     with cache_io(root):
         entries = set(_entry_keys())
-        locks = {p.name[:-5] for p in root.glob("*.lock") if KEY_RE.match(p.name[:-5])}
+        locks = {p.name[:-5] for p in root.glob("*.lock") if KEY_RE.fullmatch(p.name[:-5])}
         for key in sorted(entries | locks):
             lock = root / f"{key}.lock"
             if lock.exists() and not lock.is_file():  # debris no process can hold
