@@ -163,6 +163,20 @@ def test_build_then_cached(fake):
     assert not list((b.cache_dir() / ".staging").iterdir())  # staging cleaned up
 
 
+def test_complete_entries_need_no_lock(fake, monkeypatch):
+    """Units whose entries are complete are answered without taking their build locks: a read-only cache
+    (where a lock file cannot be made) still serves what it holds, as loading a kernel does."""
+    u = unit()
+    [so] = b.build_units([u], log=quiet)
+
+    def no_locks(*a, **k):
+        raise b.CacheError("read-only file system")
+    monkeypatch.setattr(builder, "key_locks", no_locks)
+    assert b.build_units([u], log=quiet) == [so]
+    with pytest.raises(b.CacheError, match="read-only"):  # a missing one still needs its lock
+        b.build_units([unit("other")], log=quiet)
+
+
 @pytest.mark.parametrize("corrupt", ["meta_garbage", "meta_other_key", "no_meta", "so_missing",
                                      "so_truncated", "entry_is_file"])
 def test_corrupt_entry_is_rebuilt(fake, corrupt):
