@@ -17,6 +17,8 @@ from typing import Callable
 
 import torch
 
+from coda_dsl.runtime.tune import round_robin as tuner_round_robin
+
 RESULTS = Path(__file__).resolve().parent / "results"
 FLOOR = "cuBLAS GEMM (floor)"
 
@@ -70,28 +72,11 @@ def rotation(make: Callable[[], tuple], bytes_per_set: int, l2_bytes: int | None
 
 
 def round_robin(variants: dict[str, Callable], sets: list[tuple], iters: int, warmup: int = 2) -> dict[str, float]:
-    """Median µs of each variant(*set), by CUDA events, calling the variants in turn (every call on the next
-    set of the rotation, so no call finds its inputs in L2 from the one before; every other round in
-    reverse order, so that no variant always follows the same one).
-    An H200 under sustained load clocks ~10 % below one that just idled: timed one after another,
-    whichever ran first (often the cuBLAS floor) would look faster. Nothing waits for the GPU until
-    every call is queued, so the GPU never idles between calls either."""
-    for i in range(warmup):
-        for fn in variants.values():
-            fn(*sets[i % len(sets)])
-    events: dict[str, list] = {name: [] for name in variants}
-    calls = 0
-    for i in range(iters):
-        for name, fn in (reversed if i % 2 else iter)(list(variants.items())):
-            args = sets[calls % len(sets)]
-            calls += 1
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn(*args)
-            e.record()
-            events[name].append((s, e))
-    torch.cuda.synchronize()
-    return {name: statistics.median(s.elapsed_time(e) * 1e3 for s, e in ev) for name, ev in events.items()}
+    """Median µs of each variant(*set): the library's tuner's round_robin (the variants in turn, every other
+    round reversed), every call on the next set of the rotation, so no call finds its inputs in L2 from
+    the one before. An H200 under sustained load clocks ~10 % below one that just idled: timed one after
+    another, whichever ran first (often the cuBLAS floor) would look faster."""
+    return tuner_round_robin(variants, iters, warmup, lambda call: sets[call % len(sets)])
 
 
 def peak_mib(fn: Callable, *args) -> float:

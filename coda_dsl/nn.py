@@ -311,8 +311,8 @@ def _check_inputs(x, hidden_size: int, dtype: torch.dtype, position_ids, input_r
                            f"got {list(input_rstd.shape)}")
 
 
-def check_training_call(where: str, config, attention_mask, cache, use_cache, position_ids, position_embeddings,
-                        kwargs: dict) -> None:
+def _check_training_call(where: str, config, attention_mask, cache, use_cache, position_ids, position_embeddings,
+                         kwargs: dict) -> None:
     """A decoder layer's call as training makes it: causal attention over whole rows, no KV cache, RoPE from
     positions."""
     if position_embeddings is not None and position_ids is None:
@@ -612,8 +612,8 @@ class LlamaDecoderLayer(nn.Module):
         given without them, it is refused).
         input_rstd [B, S] (fp32): rsqrt(mean(x^2) + eps) of the input, as a previous layer returns it with
         return_rstd=True; computed here when None. return_rstd: also return this output's rstd."""
-        check_training_call(type(self).__name__, self.config, attention_mask, cache, use_cache, position_ids,
-                            position_embeddings, kwargs)
+        _check_training_call(type(self).__name__, self.config, attention_mask, cache, use_cache, position_ids,
+                             position_embeddings, kwargs)
         step = functools.partial(self._step, position_ids=position_ids, return_rstd=return_rstd)
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             return self._gradient_checkpointing_func(step, hidden_states, input_rstd)  # (tensors positional)

@@ -130,7 +130,7 @@ def test_examples_fit_at_the_default_config(make_plan, ep, consts, operand_dtype
 def test_tuning_skips_candidates_that_cannot_fit(cache_root, monkeypatch):
     """A candidate config whose buffers do not fit is not built or timed; the others are."""
     monkeypatch.setattr(tuning, "device_key", lambda device: "FakeGPU|sm90")
-    monkeypatch.setattr(tuning, "_times_us", lambda fns: {k: fn() or 1.0 for k, fn in fns.items()})
+    monkeypatch.setattr(tuning, "round_robin", lambda fns, iters: {k: fn() or 1.0 for k, fn in fns.items()})
     built, launched = [], []
     monkeypatch.setattr(tuning.build, "build_units", lambda units, **kw: built.extend(units))
     a, b = torch.randn(64, 32).bfloat16(), torch.randn(48, 32).bfloat16()

@@ -150,7 +150,7 @@ def _first_error(*texts: str) -> str:
     for line in lines:
         if "error" in line.lower():
             return line
-    tails = [ln.strip() for t in texts for ln in t.splitlines() if ln.strip() and not ln.startswith("$ ")]
+    tails = [ln for ln in lines if ln]
     return tails[-1] if tails else "(no compiler output)"
 
 
@@ -230,12 +230,15 @@ def build_units(units: list[BuildUnit], *, compile_only: bool = False, jobs: int
     out_name = "kernel.o" if compile_only else "kernel.so"
     bkeys = {u.key: build_key(u.key) for u in units}
     unique = list({u.key: u for u in units}.values())
-    if all(check_output(bkeys[u.key], out_name)[0] is not None for u in unique):
-        # complete entries need no lock (as load_library): a read-only cache still answers for them
-        return [entry_dir(bkeys[u.key]) / out_name for u in units]
-    with key_locks([bkeys[u.key] for u in unique], {bkeys[u.key]: u.epilogue or u.op_name for u in unique}, log):
+    paths = [entry_dir(bkeys[u.key]) / out_name for u in units]
+    # complete entries need no lock (as load_library: a read-only cache still serves them); the others are
+    # checked again under their locks (another process may have built them meanwhile)
+    missing = [u for u in unique if check_output(bkeys[u.key], out_name)[0] is None]
+    if not missing:
+        return paths
+    with key_locks([bkeys[u.key] for u in missing], {bkeys[u.key]: u.epilogue or u.op_name for u in missing}, log):
         todo = []
-        for u in unique:
+        for u in missing:
             path, problem = check_output(bkeys[u.key], out_name)
             if path is None:
                 if problem:
@@ -244,7 +247,7 @@ def build_units(units: list[BuildUnit], *, compile_only: bool = False, jobs: int
                 todo.append(u)
         if todo:
             _build(todo, bkeys, tc, compile_only, jobs, verbose, log)
-    return [entry_dir(bkeys[u.key]) / out_name for u in units]
+    return paths
 
 
 _loaded: dict[str, Path] = {}

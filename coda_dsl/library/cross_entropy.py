@@ -207,14 +207,14 @@ def _factored(scale: torch.Tensor, m: int) -> tuple[torch.Tensor, float, torch.T
     return (scale / peak).contiguous(), 1.0 / max(m, 1), peak * max(m, 1)
 
 
-def _poisoned(scale: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
-    """The rows' gradient scale, NaN where the target is out of range: the gradients are as NaN as the loss
-    (where no error can be raised: on CUDA, inside torch.compile)."""
-    return torch.where(bad, torch.full_like(scale, float("nan")), scale)
+def _poisoned(t: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    """t (per row: the loss, or the gradient's scale), NaN where the target is out of range: the loss and the
+    gradients are NaN there (where no error can be raised: on CUDA, inside torch.compile)."""
+    return torch.where(bad, torch.full_like(t, float("nan")), t)
 
 
 def _reduce(loss, valid, count, reduction, bad):
-    loss = torch.where(bad, torch.full_like(loss, float("nan")), torch.where(valid, loss, torch.zeros_like(loss)))
+    loss = _poisoned(torch.where(valid, loss, torch.zeros_like(loss)), bad)
     if reduction == "none":
         return loss
     total = loss.sum()
@@ -232,7 +232,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx.cfg = (reduction, smoothing, cap, backend, config, chunk)
         if reduction == "none" or not (need_x or need_w):
             st = _stats(x, w, safe, smoothing, cap, backend, config)
-            ctx.save_for_backward(x, w, safe, valid, st["lse"], count)
+            ctx.save_for_backward(x, w, safe, valid, bad, st["lse"], count)
             return _reduce(_row_loss(st, v, smoothing), valid, count, reduction, bad)
         # gradients now, chunk by chunk: the backward then only scales them
         loss = torch.empty(m, device=x.device, dtype=torch.promote_types(x.dtype, torch.float32))
@@ -281,13 +281,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
             ctx.grads = None  # the only reference left is ours: autograd takes the tensors without a copy
             _scale_(gx, gw, grad * after)
             return gx, gw, *[None] * 10
-        x, w, safe, valid, lse, count = ctx.saved_tensors
+        x, w, safe, valid, bad, lse, count = ctx.saved_tensors
         reduction, smoothing, cap, backend, config, chunk = ctx.cfg
         m, v = x.shape[0], w.shape[0]
         scale = grad.to(torch.promote_types(x.dtype, torch.float32))
         if reduction != "none":
             scale = scale.expand(m) / (count.clamp_min(1) if reduction == "mean" else 1)
-        bad = valid & ((safe < 0) | (safe >= v))  # out of range (safe keeps such a target)
         scale, alpha, after = _factored(_poisoned(torch.where(valid, scale, torch.zeros_like(scale)), bad), m)
         need_x, need_w = ctx.needs_input_grad[:2]  # a frozen LM head needs no grad_w GEMMs
         grad_x = torch.empty_like(x) if need_x else None

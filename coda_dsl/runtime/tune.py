@@ -16,6 +16,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -121,7 +122,7 @@ def tune(make_op, launch, device: torch.device, mnkl, log=None) -> Config:
             pass
     log(f"coda_dsl: tuning {first.epilogue.name} at M,N,K,L={mnkl}: {len(ops)} configurations")
     build.build_units([op.unit for op in ops.values()])
-    times = _times_us({key: (lambda op=op: launch(op)) for key, op in ops.items()})
+    times = round_robin({key: (lambda op=op: launch(op)) for key, op in ops.items()}, iters=20)
     for key, t in times.items():
         log(f"  {key:32s} {t:9.1f} us")
     best = min(times, key=times.get)
@@ -130,18 +131,24 @@ def tune(make_op, launch, device: torch.device, mnkl, log=None) -> Config:
     return Config.parse(best)
 
 
-def _times_us(fns: dict, iters: int = 20) -> dict[str, float]:
-    """Median µs of each candidate's call, by CUDA events, the candidates in turn (every other round in
-    reverse order): timed one after another, the later ones ran on a hotter, slower-clocked GPU."""
-    for fn in fns.values():
-        for _ in range(3):
-            fn()
+def round_robin(fns: dict[str, Callable], iters: int, warmup: int = 2,
+                args: Callable[[int], tuple] = lambda call: ()) -> dict[str, float]:
+    """Median µs of each fns[key](*args(call)), by CUDA events, the functions called in turn (every other
+    round in reverse order, so that none always follows the same one): timed one after another, the later
+    ones ran on a hotter, slower-clocked GPU. Nothing waits for the GPU until every call is queued.
+    args(call): the arguments of the call-th call (a benchmark's rotation of input sets)."""
+    for i in range(warmup):
+        for fn in fns.values():
+            fn(*args(i))
     events: dict[str, list] = {key: [] for key in fns}
+    calls = 0
     for i in range(iters):
         for key, fn in (reversed if i % 2 else iter)(list(fns.items())):
+            call_args = args(calls)
+            calls += 1
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
-            fn()
+            fn(*call_args)
             e.record()
             events[key].append((s, e))
     torch.cuda.synchronize()

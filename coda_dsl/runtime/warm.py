@@ -57,10 +57,10 @@ def table(names):
 def add(table, kernel, tensors: list, n_scalars: int, inputs: list, outputs: list, scalars: list,
         consts: list) -> None:
     """Offers the layout of a launch that just ran (the table keeps it once, and only the newest layouts):
-    `tensors` and `n_scalars` as the kernel got them (abi.h). inputs: (call value, its slot among `tensors`, the tensor), call value 0: A, 1: B, 2 + i: operand i,
-    slot -1: matched but not read; outputs: (name, slot, the tensor allocated for it); scalars: (call
-    value, its index among the scalars, -1: matched but not read); consts: (call value, the value the
-    kernel was built for)."""
+    `tensors` and `n_scalars` as the kernel got them (abi.h). inputs: (call value, its slot among `tensors`,
+    the tensor), call value 0: A, 1: B, 2 + i: operand i, slot -1: matched but not read; outputs: (name,
+    slot, the tensor allocated for it); scalars: (call value, its index among the scalars, -1: matched but
+    not read); consts: (call value, the value the kernel was built for)."""
     block, workspace_size = kernel.template(tensors, n_scalars)
     table.add(inputs, scalars, consts, [(name, tuple(t.shape), t, slot) for name, slot, t in outputs], block,
               workspace_size, kernel.launch_address)
