@@ -419,8 +419,8 @@ def test_scalar_change_does_not_rebuild(kernels, monkeypatch):
     ops = _operands(all_kinds, 256, 256, torch.bfloat16)
     launched = []
     launch = runtime.CompiledOp.launch
-    monkeypatch.setattr(runtime.CompiledOp, "launch", lambda self, *args: launched.append(self.key) or
-                        launch(self, *args))
+    monkeypatch.setattr(runtime.CompiledOp, "launch", lambda self, *args, **kw: launched.append(self.key) or
+                        launch(self, *args, **kw))
     for alpha in (0.37, 0.1, -2.0, 7.5):
         _check(all_kinds, a, b, {**ops, "alpha": alpha})
     assert len(launched) == 4 and len(set(launched)) == 1
@@ -645,9 +645,10 @@ def test_linear_cross_entropy_default_chunks_fp16_and_frozen_head(kernels):
 def test_linear_cross_entropy_confident_rows(kernels, dtype, reduction, cap):
     """p(target) 0.96-0.999 with logits ~ 20-36: 1 - p is below the rounding of the stored logits (fp16
     buffer) and of the backward's D, so the target's column must come from fp32 (z_target; the epilogue's
-    g_target), and fp16's g must not carry 1/M. grad_x and grad_W within 1 % of fp64 autograd on the same
-    (rounded) inputs (the reference backend: 0.3 %; before the fix 8-1500 %), with a loss scale as AMP
-    uses (the gradients of a confident fp16 model are subnormal without one); V = 2003 has a tail."""
+    g_target), and in fp16 neither g nor the GEMMs' results may carry 1/M (subnormal). grad_x and grad_W
+    within 1 % of fp64 autograd on the same (rounded) inputs (the reference backend: 0.3 %; before the
+    fixes 3-1500 %), with a loss scale as AMP uses (the gradients of a confident fp16 model are subnormal
+    without one); V = 2003 has a tail."""
     m, d, v = 256, 64, 2003
     x, w = torch.randn(m, d, device="cuda", dtype=torch.float64), _rand(v, d, dtype=torch.float64) * d ** -0.5
     t = torch.randperm(v, device="cuda")[:m]  # one row per class: each row is confident

@@ -26,6 +26,7 @@ fp32 target logit instead: on a confident row 1 - p is below the buffer's roundi
 """
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Sequence
 
@@ -133,13 +134,15 @@ def _logit_grad_(z: torch.Tensor, lse, scale, target, z_target, uniform: float, 
 
 
 @cd.on_cuda
-def _scale_(gx: torch.Tensor | None, gw: torch.Tensor | None, grad: torch.Tensor) -> None:
-    """gx and gw times the incoming gradient, in place (no second grad_W). Compiled on CUDA: eagerly,
-    a multiply by a 0-dim CUDA tensor takes the unvectorized broadcast path, and so does
-    torch._foreach_mul_ with it (2.36 ms for grad_W at V = 128256 on the H200, a third of the bandwidth)."""
-    for t in (gx, gw):
-        if t is not None:
-            t.mul_(grad)
+def _scale_(gx: torch.Tensor | None, gw: torch.Tensor | None, by: torch.Tensor, alpha: float) -> None:
+    """In place: gx times by, gw times by / alpha (the factors _factored left out; no second grad_W).
+    Compiled on CUDA: eagerly, a multiply by a 0-dim CUDA tensor takes the unvectorized broadcast path,
+    and so does torch._foreach_mul_ with it (2.36 ms for grad_W at V = 128256 on the H200, a third of
+    the bandwidth)."""
+    if gx is not None:
+        gx.mul_(by)
+    if gw is not None:
+        gw.mul_(by * (1.0 / alpha))
 
 
 def _chunk_buffer(rows: int, v: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -198,13 +201,14 @@ def _out_of_range(target: torch.Tensor, v: int, ignore_index: int) -> torch.Tens
 
 
 def _factored(scale: torch.Tensor, m: int) -> tuple[torch.Tensor, float, torch.Tensor]:
-    """The rows' gradient scale as unit * alpha * after. |unit| <= 1 goes into the logits' gradient g
-    (fp16's g kept out of subnormals: with a scale like 1/M most of it was, 1/8192 of p at M = 8192);
-    alpha = 1/M, a host number, is the GEMMs' (applied in fp32 before rounding: grad_W's sum over the
-    rows stays a mean's size, which fp16 holds); after = peak * M multiplies grad_x and grad_W at the
-    end (a 0-dim tensor: no synchronization)."""
+    """The rows' gradient scale as unit * peak: |unit| <= 1 goes into the logits' gradient g (fp16's g kept
+    out of subnormals: with a scale like 1/M most of it was). The GEMMs then scale in fp32 before rounding:
+    grad_x by 1 (a row's own sum), grad_W by alpha = 2^-round(log2(M) / 2), its sum over M rows kept
+    within fp16's range both ways: a class many rows share reaches M |x| (past 65504 at M = 4096,
+    |x| = 30), a class one row has (1 - p) |x| / M (subnormal under a plain mean). peak (a 0-dim tensor:
+    no synchronization) and 1 / alpha (exact: a power of 2) multiply afterwards (_scale_)."""
     peak = scale.nan_to_num().abs().amax().clamp_min(1e-30) if scale.numel() else scale.new_ones(())
-    return (scale / peak).contiguous(), 1.0 / max(m, 1), peak * max(m, 1)
+    return (scale / peak).contiguous(), 2.0 ** -round(math.log2(max(m, 1)) / 2), peak
 
 
 def _poisoned(t: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
@@ -236,7 +240,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             return _reduce(_row_loss(st, v, smoothing), valid, count, reduction, bad)
         # gradients now, chunk by chunk: the backward then only scales them
         loss = torch.empty(m, device=x.device, dtype=torch.promote_types(x.dtype, torch.float32))
-        scale, alpha, after = _factored(
+        scale, alpha, peak = _factored(
             _poisoned(valid.to(loss.dtype) / (count.clamp_min(1) if reduction == "mean" else 1), bad), m)
         gx = torch.empty_like(x) if need_x else None
         gw = torch.empty_like(w) if need_w else None  # in w's dtype: each chunk's GEMM sums in fp32
@@ -254,19 +258,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
             _logit_grad_(z, st["lse"], scale[s:e], ts, st["z_target"], smoothing / v, 1.0 - smoothing, cap, x.dtype)
             g = z.view(x.dtype)
             if need_x:  # (beta 0: the uninitialized output is not read)
-                gx[s:e].addmm_(g, wk, beta=0, alpha=alpha)
+                gx[s:e].addmm_(g, wk, beta=0)
             if need_w:
                 gw[:vk].addmm_(g.t(), xs, beta=1 if s else 0, alpha=alpha)
             if vk < v:  # the last V % 8 columns, in fp32 (_tail)
                 gt = _logit_grad(zt, st["lse"], scale[s:e], ts - vk, st["z_target"], smoothing / v, 1.0 - smoothing,
                                  cap).to(x.dtype)
                 if need_x:
-                    gx[s:e].addmm_(gt, wt, alpha=alpha)
+                    gx[s:e].addmm_(gt, wt)
                 if need_w:
                     gw[vk:].addmm_(gt.t(), xs, beta=1 if s else 0, alpha=alpha)
         if need_w and m == 0:
             gw.zero_()
-        ctx.grads = (gx, gw, after)
+        ctx.grads = (gx, gw, peak, alpha)
         return _reduce(loss, valid, count, reduction, bad)
 
     @staticmethod
@@ -277,9 +281,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 raise RuntimeError("linear_cross_entropy: backward ran twice through the same forward (retain_graph); "
                                    "its gradients were computed in the forward and handed out by the first backward. "
                                    "Call linear_cross_entropy again for a second backward")
-            gx, gw, after = ctx.grads
+            gx, gw, peak, alpha = ctx.grads
             ctx.grads = None  # the only reference left is ours: autograd takes the tensors without a copy
-            _scale_(gx, gw, grad * after)
+            _scale_(gx, gw, grad * peak, alpha)
             return gx, gw, *[None] * 10
         x, w, safe, valid, bad, lse, count = ctx.saved_tensors
         reduction, smoothing, cap, backend, config, chunk = ctx.cfg
@@ -287,7 +291,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         scale = grad.to(torch.promote_types(x.dtype, torch.float32))
         if reduction != "none":
             scale = scale.expand(m) / (count.clamp_min(1) if reduction == "mean" else 1)
-        scale, alpha, after = _factored(_poisoned(torch.where(valid, scale, torch.zeros_like(scale)), bad), m)
+        scale, alpha, peak = _factored(_poisoned(torch.where(valid, scale, torch.zeros_like(scale)), bad), m)
         need_x, need_w = ctx.needs_input_grad[:2]  # a frozen LM head needs no grad_w GEMMs
         grad_x = torch.empty_like(x) if need_x else None
         grad_w = torch.zeros_like(w) if need_w else None  # in w's dtype: each chunk's GEMM sums in fp32
@@ -303,7 +307,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             p = out["D"]  # [chunk, V - V % 8]: the logits' gradient, but for the one-hot term
             put_target_column(p, out["g_target"], tk, (1 - smoothing) * sc * (out["dz_target"] if cap else 1))
             if need_x:
-                grad_x[s:e].addmm_(p, wk, beta=0, alpha=alpha)
+                grad_x[s:e].addmm_(p, wk, beta=0)
             if need_w:
                 grad_w[:vk].addmm_(p.t(), xs, alpha=alpha)
             if vk < v:  # the last V % 8 columns, in fp32 (_tail)
@@ -311,10 +315,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 z_target = zt.gather(1, (ts - vk).clamp(0, v - vk - 1)[:, None])[:, 0]  # read where ts is a tail column
                 gt = _logit_grad(zt, lse_s, sc, ts - vk, z_target, smoothing / v, 1.0 - smoothing, cap).to(x.dtype)
                 if need_x:
-                    grad_x[s:e].addmm_(gt, wt, alpha=alpha)
+                    grad_x[s:e].addmm_(gt, wt)
                 if need_w:
                     grad_w[vk:].addmm_(gt.t(), xs, alpha=alpha)
-        _scale_(grad_x, grad_w, after)
+        _scale_(grad_x, grad_w, peak, alpha)
         return grad_x, grad_w, *[None] * 10
 
 
