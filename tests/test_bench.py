@@ -394,8 +394,8 @@ def test_host_overhead_python_only_runs_without_a_gpu(monkeypatch, capsys):
         assert "| CompiledOp(A, B, ...), C++ warm path (ctypes into a no-op library) | 1.0 |" in out
     if shutil.which("cc"):  # and the library's call alone, with the block of one call
         assert "| coda_launch alone, one packed block (ctypes into a no-op library) | 1.0 |" in out
-        assert calls.pop() is None
-    assert all(isinstance(c, dict) and "D" in c for c in calls)  # each timed call returned its outputs
+    assert calls.count(None) == (host_overhead.ROUNDS if shutil.which("cc") else 0)  # coda_launch alone's
+    assert all(c is None or isinstance(c, dict) and "D" in c for c in calls)  # each call returned its outputs
     runtime.clear()  # its ops hold the stubs
 
 
