@@ -323,14 +323,14 @@ def test_compiled_gradient_step_matches_eager():
 
 def test_compiled_scaling_in_place():
     """The backward's scaling as torch.compile runs it on CUDA (here inductor's CPU backend): in place,
-    grad_x absent (a frozen input) too."""
+    grad_W also by 1 / alpha (its GEMMs' factor), grad_x absent (a frozen input) too."""
     from coda_dsl.library import cross_entropy as ce
     scale_ = torch.compile(ce._scale_.eager)
     gx, gw = torch.randn(8, 16).bfloat16(), torch.randn(32, 16).bfloat16()
-    want_x, want_w = gx * 0.5, gw * 0.5
-    scale_(gx, gw, torch.tensor(0.5))
+    want_x, want_w = gx * 0.5, gw * 2
+    scale_(gx, gw, torch.tensor(0.5), 0.25)
     assert torch.equal(gx, want_x) and torch.equal(gw, want_w)
-    scale_(None, gw, torch.tensor(2.0))
+    scale_(None, gw, torch.tensor(2.0), 1.0)
     assert torch.equal(gw, want_w * 2)
 
 
