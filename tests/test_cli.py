@@ -278,6 +278,27 @@ def test_cache_export_import_round_trip(capsys, tmp_path, monkeypatch):
     assert rc == 0 and "added 0, already present 3, rejected 0" in out
 
 
+def test_compile_only_build_keeps_the_kernel_and_export_skips_an_edited_source(capsys, tmp_path, monkeypatch):
+    """An imported entry (kernel.so, no kernel.o) that `build --compile-only` then compiles keeps its
+    kernel.so (the new meta.json used to list the object alone: the next load rebuilt the kernel); a
+    kernel.cu edited by hand in the cache is left out of an export, whose importer would reject the whole
+    entry for it."""
+    key = f"{7:024x}"
+    _entry(tmp_path, key, b"kernel")
+    obj = tmp_path / "kernel.o"
+    obj.write_bytes(b"object")
+    cu = tmp_path / "kernel.cu"
+    cu.write_text("// Epilogue `e`\n")
+    cache.commit_entry(key, {"kernel.cu": cu, "kernel.o": obj}, {"op_name": "k07"})
+    assert cache.check_output(key)[0].read_bytes() == b"kernel" and cache.check_output(key, "kernel.o")[0]
+    (cache.entry_dir(key) / "kernel.cu").write_text("// tried a change\n")
+    rc, _, _ = run(capsys, "cache", "export", str(tmp_path / "k.tar.gz"))
+    monkeypatch.setenv("CODA_DSL_CACHE", str(tmp_path / "other"))
+    rc, out, _ = run(capsys, "cache", "import", str(tmp_path / "k.tar.gz"))
+    assert rc == 0 and "added 1, already present 0, rejected 0" in out
+    assert cache.check_output(key)[0].read_bytes() == b"kernel" and not (cache.entry_dir(key) / "kernel.cu").exists()
+
+
 def test_cache_import_rejects_what_is_not_a_checked_entry(capsys, tmp_path, monkeypatch):
     """A member outside <key>/{kernel.so,kernel.cu,meta.json}, a link, a kernel.so that does not match its
     meta.json: reported and not added; the good entry beside them is added. A broken file: a clear error."""

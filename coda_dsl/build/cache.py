@@ -270,13 +270,19 @@ def _remove(path: Path) -> None:
 
 
 def commit_entry(key: str, files: dict[str, Path], meta: dict) -> Path:
-    """Move finished build outputs into the entry dir, meta.json last. Caller holds the key's lock."""
+    """Move finished build outputs into the entry dir, meta.json last. The entry's other complete outputs
+    stay in it (a compile-only build of an imported or linked entry keeps its kernel.so). Caller holds
+    the key's lock."""
     entry = entry_dir(key)
     if entry.is_symlink() or (entry.exists() and not entry.is_dir()):
         entry.unlink()
     make_dir(entry)
+    old = read_meta(key) or {}
+    kept = [n for n in old.get("files") or {} if n not in files and valid_output(key, n) is not None]
+    recorded = old.get("sha256") if isinstance(old.get("sha256"), dict) else {}
+    sizes = {n: old["files"][n] for n in kept}  # (valid_output read them: a dict)
+    digests = {n: recorded.get(n) for n in kept}  # (none: the first load's check rebuilds it)
     (entry / META).unlink(missing_ok=True)  # invalidate first: readers never pair old meta with new files
-    sizes, digests = {}, {}
     for name, src in files.items():
         sizes[name], digests[name] = src.stat().st_size, _sha256(src)
         dst = entry / name
@@ -409,11 +415,14 @@ def export_cache(path: Path, part_bytes: int | None = None) -> list[Path]:
     a machine whose disk does not persist: `path`, or with part_bytes, path.part1.tar.gz, ... of at
     most about part_bytes each (an entry is never split). Entries being built are skipped."""
     keys = [k for k in _entry_keys() if check_output(k)[0] is not None]
+    # each entry's files as recorded: a kernel.cu edited by hand in the cache stays behind (with it the
+    # importer would reject the whole entry)
+    packed = {k: [n for n in PORTABLE if n == META or check_output(k, n)[0] is not None] for k in keys}
     base = path.name[:-len(".tar.gz")] if path.name.endswith(".tar.gz") else path.name
     parts: list[list[str]] = [[]]
     filled = 0  # raw bytes in the last part; gzip only shrinks them, so a part stays below part_bytes
     for k in keys:
-        size = sum((entry_dir(k) / n).stat().st_size for n in PORTABLE if (entry_dir(k) / n).exists())
+        size = sum((entry_dir(k) / n).stat().st_size for n in packed[k])
         if part_bytes and parts[-1] and filled + size > part_bytes:
             parts.append([])
             filled = 0
@@ -425,9 +434,8 @@ def export_cache(path: Path, part_bytes: int | None = None) -> list[Path]:
         try:
             with tarfile.open(tmp, "w:gz") as tar:
                 for k in part:
-                    for name in PORTABLE:
-                        if (entry_dir(k) / name).is_file():
-                            tar.add(entry_dir(k) / name, arcname=f"{k}/{name}", recursive=False)
+                    for name in packed[k]:
+                        tar.add(entry_dir(k) / name, arcname=f"{k}/{name}", recursive=False)
             os.replace(tmp, dest)
         except BaseException as e:
             with contextlib.suppress(OSError):
