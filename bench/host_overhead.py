@@ -15,9 +15,9 @@ no-op library with the kernels' two extern "C" functions (built with the C compi
 from __future__ import annotations
 
 import argparse
-import statistics
 import ctypes
 import shutil
+import statistics
 import struct
 import subprocess
 import sys
