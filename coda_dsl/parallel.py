@@ -35,8 +35,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import coda_dsl as cd
 from .errors import UnsupportedError
 from .library import interleave_gate_up
-from .library.cross_entropy import (ce_backward, check_args, combine_vocab_shards, default_chunk_rows,
-                                    put_target_column, vocab_shard_stats)
+from .library.cross_entropy import (check_args, combine_vocab_shards, default_chunk_rows, recomputed_grads,
+                                    vocab_shard_stats)
 from .nn import (LlamaDecoderLayer, causal_attention, flat_inputs, input_norm, input_rms,
                  qkv_inv_freq, qkv_weight, rms_rope, rms_swiglu, rope_inv_freq, split_qkv)
 
@@ -234,23 +234,13 @@ class _VocabParallelCE(torch.autograd.Function):
         scale = scale if reduction == "none" else scale.expand(m)
         if reduction == "mean":
             scale = scale / valid.sum().clamp_min(1)
-        scale = torch.where(valid, scale, torch.zeros_like(scale)).contiguous()
+        scale = torch.where(valid, scale, torch.zeros_like(scale))
         local = target - vocab_start
         local = torch.where(valid & (local >= 0) & (local < v), local, -1)  # -1: the target is on another shard
-        grad_x = torch.zeros_like(x)  # this shard's part; all-reduced below
-        grad_w = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
-        chunk = default_chunk_rows(m, max(v, 1), x.device)
-        for s in range(0, m, chunk):
-            e = min(m, s + chunk)
-            xs, sc = x[s:e], scale[s:e]
-            # (softmax - eps/V) * scale over this shard's columns, then the one-hot term where it lies here
-            out = cd.gemm(xs, w, ce_backward, lse=lse[s:e].contiguous(), scale=sc, target=local[s:e],
-                          uniform=smoothing / vocab_size, backend=backend)
-            p = out["D"]  # (a rank may hold no rows of the head, V < world size: p has no columns)
-            put_target_column(p, out["g_target"], local[s:e], (1 - smoothing) * sc)
-            grad_x[s:e] = p @ w
-            if grad_w is not None:
-                grad_w.addmm_(p.t(), xs)
+        # this shard's part of grad_x (all-reduced below) and its rows of grad_W
+        grad_x, grad_w = recomputed_grads(x, w, lse, scale, local, smoothing / vocab_size, 1.0 - smoothing, None,
+                                          backend, None, default_chunk_rows(m, max(v, 1), x.device),
+                                          need_w=ctx.needs_input_grad[1])
         dist.all_reduce(grad_x, group=group)
         return grad_x, grad_w, *[None] * 8
 

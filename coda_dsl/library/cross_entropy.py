@@ -291,35 +291,50 @@ class _LinearCrossEntropy(torch.autograd.Function):
         scale = grad.to(torch.promote_types(x.dtype, torch.float32))
         if reduction != "none":
             scale = scale.expand(m) / (count.clamp_min(1) if reduction == "mean" else 1)
-        scale, alpha, peak = _factored(_poisoned(torch.where(valid, scale, torch.zeros_like(scale)), bad), m)
+        scale = _poisoned(torch.where(valid, scale, torch.zeros_like(scale)), bad)
         need_x, need_w = ctx.needs_input_grad[:2]  # a frozen LM head needs no grad_w GEMMs
-        grad_x = torch.empty_like(x) if need_x else None
-        grad_w = torch.zeros_like(w) if need_w else None  # in w's dtype: each chunk's GEMM sums in fp32
-        vk = _split(v)
-        wk, wt = w[:vk], w[vk:]
-        buf = _chunk_buffer(min(chunk, m), vk, x, x.dtype)
-        for s in range(0, m, chunk):
-            e = min(m, s + chunk)
-            xs, ts, sc, lse_s = x[s:e], safe[s:e], scale[s:e], lse[s:e].contiguous()
-            tk = torch.where(ts < vk, ts, -1)
-            out = cd.gemm(xs, wk, _backward_softcap_epilogue(cap) if cap else ce_backward, lse=lse_s, scale=sc,
-                          target=tk, uniform=smoothing / v, backend=backend, out={"D": buf[: e - s]}, config=config)
-            p = out["D"]  # [chunk, V - V % 8]: the logits' gradient, but for the one-hot term
-            put_target_column(p, out["g_target"], tk, (1 - smoothing) * sc * (out["dz_target"] if cap else 1))
-            if need_x:
-                grad_x[s:e].addmm_(p, wk, beta=0)
-            if need_w:
-                grad_w[:vk].addmm_(p.t(), xs, alpha=alpha)
-            if vk < v:  # the last V % 8 columns, in fp32 (_tail)
-                zt = _tail(xs, wt, cap)
-                z_target = zt.gather(1, (ts - vk).clamp(0, v - vk - 1)[:, None])[:, 0]  # read where ts is a tail column
-                gt = _logit_grad(zt, lse_s, sc, ts - vk, z_target, smoothing / v, 1.0 - smoothing, cap).to(x.dtype)
-                if need_x:
-                    grad_x[s:e].addmm_(gt, wt)
-                if need_w:
-                    grad_w[vk:].addmm_(gt.t(), xs, alpha=alpha)
-        _scale_(grad_x, grad_w, peak, alpha)
+        grad_x, grad_w = recomputed_grads(x, w, lse, scale, safe, smoothing / v, 1.0 - smoothing, cap, backend, config,
+                                          chunk, need_x, need_w)
         return grad_x, grad_w, *[None] * 10
+
+
+def recomputed_grads(x, w, lse, scale, target, uniform: float, hot: float, cap: float | None, backend, config,
+                     chunk: int, need_x: bool = True, need_w: bool = True):
+    """grad_x and grad_W of the loss over w's vocabulary rows, the logits recomputed: per chunk of rows, a
+    GEMM forms (softmax - uniform) * scale in its epilogue (lse: the rows' log-sum-exp over the whole
+    vocabulary), the one-hot term hot * scale lands at target's column (-1 or out of range: none here, the
+    row is ignored or its target is on another shard), then grad_x = g @ W and grad_W = g^T @ x, with the
+    rows' scale factored as _factored says. scale: per row, 0 on ignored rows. linear_cross_entropy's
+    reduction="none" backward, and each vocabulary shard's in coda_dsl.parallel."""
+    m, v = x.shape[0], w.shape[0]
+    scale, alpha, peak = _factored(scale, m)
+    grad_x = torch.empty_like(x) if need_x else None
+    grad_w = torch.zeros_like(w) if need_w else None  # in w's dtype: each chunk's GEMM sums in fp32
+    vk = _split(v)
+    wk, wt = w[:vk], w[vk:]
+    buf = _chunk_buffer(min(chunk, m), vk, x, x.dtype)
+    for s in range(0, m, chunk):
+        e = min(m, s + chunk)
+        xs, ts, sc, lse_s = x[s:e], target[s:e], scale[s:e], lse[s:e].contiguous()
+        tk = torch.where(ts < vk, ts, -1)
+        out = cd.gemm(xs, wk, _backward_softcap_epilogue(cap) if cap else ce_backward, lse=lse_s, scale=sc,
+                      target=tk, uniform=uniform, backend=backend, out={"D": buf[: e - s]}, config=config)
+        p = out["D"]  # [chunk, V - V % 8]: the logits' gradient, but for the one-hot term
+        put_target_column(p, out["g_target"], tk, hot * sc * (out["dz_target"] if cap else 1))
+        if need_x:
+            grad_x[s:e].addmm_(p, wk, beta=0)
+        if need_w:
+            grad_w[:vk].addmm_(p.t(), xs, alpha=alpha)
+        if vk < v:  # the last V % 8 columns, in fp32 (_tail)
+            zt = _tail(xs, wt, cap)
+            z_target = zt.gather(1, (ts - vk).clamp(0, v - vk - 1)[:, None])[:, 0]  # read where ts is a tail column
+            gt = _logit_grad(zt, lse_s, sc, ts - vk, z_target, uniform, hot, cap).to(x.dtype)
+            if need_x:
+                grad_x[s:e].addmm_(gt, wt)
+            if need_w:
+                grad_w[vk:].addmm_(gt.t(), xs, alpha=alpha)
+    _scale_(grad_x, grad_w, peak, alpha)
+    return grad_x, grad_w
 
 
 def _check_options(reduction, label_smoothing):
