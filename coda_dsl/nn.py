@@ -229,6 +229,7 @@ class _Mlp(torch.autograd.Function):
         ctx.save_for_backward(h, gamma, rstd, w_gate, w_up, w_down, r["D"] if keep_y else None, r["acc"],
                               o["D"], o["rstd"])
         ctx.inv_n, ctx.backend = inv_n, backend
+        ctx.set_materialize_grads(False)  # rstd's gradient is None unless a next layer's norm took it
         return o["D"], o["rstd"]
 
     @staticmethod
@@ -237,7 +238,11 @@ class _Mlp(torch.autograd.Function):
         h, gamma, rstd, w_gate, w_up, w_down, y, acc, out, rstd_out = ctx.saved_tensors
         _check_unreleased("LlamaMLP", *(t for t in (y, acc) if t is not None))
         need = ctx.needs_input_grad  # h, gamma, (hg, rstd: made, never differentiable), w_gate, w_up, w_down
-        dacc = residual_rms_backward(dout, drstd_out, out, rstd_out, ctx.inv_n).to(acc.dtype)  # = d residual
+        if dout is None:
+            dout = torch.zeros_like(out)
+        if drstd_out is not None:
+            dout = residual_rms_backward(dout, drstd_out, out, rstd_out, ctx.inv_n)
+        dacc = dout.to(acc.dtype)  # = d residual
         dw_down = None
         if y is not None:  # kept: W_down's gradient first, and y's memory goes before the dY GEMM's outputs come
             dw_down = _mm(dacc.t(), y, w_down.dtype) if need[6] else None

@@ -34,56 +34,57 @@ def rope_backward_reference(dq, dk, dv, y, rstd, pos, freq):
     return dacc, (dy * y.float()).sum(-1) / rstd.float()
 
 
+_TILE, _WARPS = (16, 8), 4  # rope_backward's rows and heads per program, warps: measured below
+
 if triton is not None:
     @triton.jit
-    def _rope_part(d_ptr, y_ptr, o_ptr, cos, sin, r, HEADS: tl.constexpr, HALF: tl.constexpr,
-                   BH: tl.constexpr, BF: tl.constexpr, ROTATE: tl.constexpr):
-        """One row's part of HEADS heads of 2 HALF columns: stores rotate_back(d) * r, returns sum(d * y)."""
-        h = tl.arange(0, BH)[:, None, None]
-        j = tl.arange(0, BF)[None, :, None]
-        e = tl.arange(0, 2)[None, None, :]
-        offs = h * (2 * HALF) + 2 * j + e
-        mask = (h < HEADS) & (j < HALF) & (e < 2)
-        d = tl.load(d_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        dot = tl.sum(d * y)
-        if ROTATE:
-            d0, d1 = tl.split(d)
-            c, s = cos[None, :], sin[None, :]
-            d = tl.join(d0 * c + d1 * s, d1 * c - d0 * s)
-        tl.store(o_ptr + offs, (d * r).to(o_ptr.dtype.element_ty), mask=mask)
-        return dot
-
-    @triton.jit
-    def _rope_backward_kernel(dq, dk, dv, y, rstd, pos, freq, dacc, drstd, s_q, s_k, s_v, s_y, s_o,
-                              HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr,
-                              BQ: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr):
-        m = tl.program_id(0).to(tl.int64)
-        r = tl.load(rstd + m)
-        j = tl.arange(0, BF)
-        angle = tl.load(pos + m) * tl.load(freq + j, mask=j < HALF, other=0.0)  # once per frequency
+    def _rope_backward_kernel(dq, dk, dv, y, rstd, pos, freq, dacc, drstd, s_q, s_k, s_v, s_y, s_o, M,
+                              HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                              GROUP: tl.constexpr, BM: tl.constexpr):
+        """BM rows x GROUP heads: cos and sin once per row and column of a head, then each head's [BM, D]
+        tile in its columns' order (a column's pair partner is column ^ 1: a second load of the same lines),
+        so every load and store is a row's contiguous run. d rstd's partial sums go to drstd atomically."""
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        c = tl.arange(0, BD)
+        rmask, cmask = rows < M, c < D
+        r = tl.load(rstd + rows, mask=rmask, other=1.0)
+        angle = tl.load(pos + rows, mask=rmask, other=0.0)[:, None] * tl.load(freq + c // 2, mask=cmask)[None, :]
         cos, sin = tl.cos(angle), tl.sin(angle)
-        nq, nk = HQ * 2 * HALF, HK * 2 * HALF
-        yr, o = y + m * s_y, dacc + m * s_o
-        dot = _rope_part(dq + m * s_q, yr, o, cos, sin, r, HQ, HALF, BQ, BF, True)
-        dot += _rope_part(dk + m * s_k, yr + nq, o + nq, cos, sin, r, HK, HALF, BK, BF, True)
-        dot += _rope_part(dv + m * s_v, yr + nq + nk, o + nq + nk, cos, sin, r, HK, HALF, BK, BF, False)
-        tl.store(drstd + m, dot / r)
+        sin = tl.where((c % 2 == 0)[None, :], sin, -sin)  # even: d0 cos + d1 sin; odd: d1 cos - d0 sin
+        row = rows.to(tl.int64)[:, None]
+        mask = rmask[:, None] & cmask[None, :]
+        dot = tl.zeros([BM], dtype=tl.float32)
+        for i in tl.static_range(GROUP):
+            h = tl.program_id(1) * GROUP + i  # q's heads, then k's, then v's
+            if h < HQ:
+                src = dq + row * s_q + h * D
+            elif h < HQ + HK:
+                src = dk + row * s_k + (h - HQ) * D
+            else:
+                src = dv + row * s_v + (h - HQ - HK) * D
+            m = mask & (h < HQ + 2 * HK)
+            d = tl.load(src + c[None, :], mask=m, other=0.0).to(tl.float32)
+            dot += tl.sum(d * tl.load(y + row * s_y + h * D + c[None, :], mask=m, other=0.0).to(tl.float32), 1)
+            if h < HQ + HK:
+                d = d * cos + tl.load(src + (c ^ 1)[None, :], mask=m, other=0.0).to(tl.float32) * sin
+            tl.store(dacc + row * s_o + h * D + c[None, :], (d * r[:, None]).to(dacc.dtype.element_ty), mask=m)
+        tl.atomic_add(drstd + rows, dot / r, mask=rmask)
 
     @torch.library.custom_op("coda_dsl::rope_backward", mutates_args=())
     def _rope_backward_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, y: torch.Tensor,
                           rstd: torch.Tensor, pos: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dq, dk, dv, y = (t if t.stride(1) == 1 else t.contiguous() for t in (dq, dk, dv, y))  # adjacent columns
         rstd, pos, freq = (t.float().contiguous() for t in (rstd, pos, freq))
-        dacc, drstd = _rope_backward_fake(dq, dk, dv, y, rstd, pos, freq)
-        half = freq.shape[0]
-        hq, hk = dq.shape[1] // (2 * half), dk.shape[1] // (2 * half)
-        p2 = triton.next_power_of_2
-        with torch.cuda.device(y.device) if y.is_cuda else contextlib.nullcontext():
-            _rope_backward_kernel[(y.shape[0],)](
+        dacc = torch.empty(y.shape, dtype=dq.dtype, device=y.device)
+        drstd = torch.zeros(y.shape[0], dtype=torch.float32, device=y.device)
+        m, d = y.shape[0], 2 * freq.shape[0]
+        hq, hk = dq.shape[1] // d, dk.shape[1] // d
+        bm, group = _TILE
+        with torch.cuda.device(y.device) if y.is_cuda else contextlib.nullcontext():  # the interpreter: CPU
+            _rope_backward_kernel[(triton.cdiv(m, bm), triton.cdiv(hq + 2 * hk, group))](
                 dq, dk, dv, y, rstd, pos, freq, dacc, drstd,
-                dq.stride(0), dk.stride(0), dv.stride(0), y.stride(0), dacc.stride(0),
-                HQ=hq, HK=hk, HALF=half, BQ=p2(hq), BK=p2(hk), BF=p2(half), num_warps=8)
+                dq.stride(0), dk.stride(0), dv.stride(0), y.stride(0), dacc.stride(0), m,
+                HQ=hq, HK=hk, D=d, BD=triton.next_power_of_2(d), GROUP=group, BM=bm, num_warps=_WARPS)
         return dacc, drstd
 
     @_rope_backward_op.register_fake
