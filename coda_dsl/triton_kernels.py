@@ -34,7 +34,7 @@ def rope_backward_reference(dq, dk, dv, y, rstd, pos, freq):
     return dacc, (dy * y.float()).sum(-1) / rstd.float()
 
 
-_TILE, _WARPS = (16, 8), 4  # rope_backward's rows and heads per program, warps: measured below
+_TILE, _WARPS = (8, 8), 4  # rope_backward's rows and heads per program, warps: measured below
 
 if triton is not None:
     @triton.jit
