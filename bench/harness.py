@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -236,12 +237,14 @@ def profile_kernels(fn: Callable, top: int, timeline: bool = False) -> str:
     """One fn() under torch.profiler: its `top` costliest GPU kernels, a line each, the GPU total, and
     how long the GPU sat idle between the first kernel and the last (host-bound gaps), with the
     kernels that waited longest. timeline: then every kernel of a fn() launched right behind another
-    (the host ahead, the GPU under load), in order: its start (ms from the first) and duration."""
+    (the host ahead, the GPU under load), in order: its start (ms from the first) and duration.
+    coda_dsl's kernels are named by their epilogue and config (kernel_name)."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    lines = _costliest(prof, top)
+    labels = specialization_labels()
+    lines = _costliest(prof, top, labels)
     if timeline:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             fn()
@@ -252,8 +255,32 @@ def profile_kernels(fn: Callable, top: int, timeline: bool = False) -> str:
         marker = max(i for i, (_, _, name) in enumerate(spans) if "spin_kernel" in name)
         spans = spans[marker + 1:]
         lines.append(f"every kernel of a call right behind another ({len(spans)}; start and duration in ms):")
-        lines += [f"{(s - spans[0][0]) / 1e3:8.3f} {(e - s) / 1e3:7.3f}  {name[:150]}" for s, e, name in spans]
+        lines += [f"{(s - spans[0][0]) / 1e3:8.3f} {(e - s) / 1e3:7.3f}  {kernel_name(name, labels)}"
+                  for s, e, name in spans]
     return "\n".join(lines)
+
+
+_NAMESPACE = re.compile(r"k[0-9a-f]{20}(?=_ns)")  # a specialization's C++ namespace (codegen.op_name)
+
+
+def specialization_labels() -> dict[str, str]:
+    """op_name -> "epilogue [config]" of every kernel in the disk cache (its kernel.cu's header)."""
+    from coda_dsl import build
+    from coda_dsl.codegen import file_header_fields
+    return {e["op_name"]: "{} [{}]".format(*file_header_fields(e["cu_path"])) for e in build.cache_entries()}
+
+
+def kernel_name(name: str, labels: dict[str, str]) -> str:
+    """A profiled kernel's name for a table, at most 150 characters. coda_dsl's carry their
+    specialization's namespace (k<key>_ns) deep inside CUTLASS's mangled template name, which
+    torch.profiler leaves undemangled: "coda_dsl <epilogue> [<config>]: GEMM" (or the finishing kernel's
+    name instead of GEMM). An epilogue built of CUTLASS's own nodes alone (e.g. cross-entropy's forward
+    logits) has no type in its namespace to show it: its name stays as it is."""
+    m = _NAMESPACE.search(name)
+    if m is None:
+        return name[:150]
+    what = "GEMM" if name.startswith("_ZN7cutlass13device_kernel") else name.split("<")[0].removeprefix("void ")
+    return f"coda_dsl {labels.get(m[0], m[0])}: {what}"[:150]
 
 
 def _kernel_spans(prof) -> list[tuple[float, float, str]]:
@@ -262,12 +289,12 @@ def _kernel_spans(prof) -> list[tuple[float, float, str]]:
                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
 
 
-def _costliest(prof, top: int) -> list[str]:
+def _costliest(prof, top: int, labels: dict[str, str]) -> list[str]:
     """profile_kernels' summary lines: the costliest kernels, the GPU total and its idle gaps."""
     kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
     kernels.sort(key=lambda e: -e.device_time_total)
     total = sum(e.device_time_total for e in kernels) / 1e3
-    lines = [f"{e.device_time_total / 1e3:8.3f} ms {e.count:4d}x  {e.key[:150]}" for e in kernels[:top]]
+    lines = [f"{e.device_time_total / 1e3:8.3f} ms {e.count:4d}x  {kernel_name(e.key, labels)}" for e in kernels[:top]]
     spans = _kernel_spans(prof)
     waits, reach = [], spans[0][1] if spans else 0
     for start, end, name in spans[1:]:
@@ -277,5 +304,5 @@ def _costliest(prof, top: int) -> list[str]:
     waits.sort(reverse=True)
     lines.append(f"{total:8.3f} ms total GPU time; GPU idle {sum(w for w, _ in waits) / 1e3:.3f} ms "
                  f"between the first and the last kernel, in {len(waits)} gaps; the longest before:")
-    lines += [f"{w / 1e3:8.3f} ms  {name[:150]}" for w, name in waits[:max(3, top // 2)]]
+    lines += [f"{w / 1e3:8.3f} ms  {kernel_name(name, labels)}" for w, name in waits[:max(3, top // 2)]]
     return lines

@@ -341,7 +341,8 @@ def cmd_cache(args) -> int:
     print(f"cache {root}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, "
           f"{_size(sum(e['size'] for e in entries))}")
     if entries:
-        rows = [(e, *_kernel_header(e["cu_path"])) for e in sorted(entries, key=lambda e: -e["mtime"])]
+        from .codegen import file_header_fields
+        rows = [(e, *file_header_fields(e["cu_path"])) for e in sorted(entries, key=lambda e: -e["mtime"])]
         width = max(len("epilogue"), *(len(name) for _, name, _ in rows))
         print(f"  {'key':<24}  {'epilogue':<{width}}  {'size':>9}  {'age':>4}  .so  config")
         now = time.time()
@@ -349,16 +350,6 @@ def cmd_cache(args) -> int:
             print(f"  {e['key']:<24}  {name:<{width}}  {_size(e['size']):>9}  {_age(now - e['mtime']):>4}  "
                   f"{'yes' if e['has_so'] else 'no':<3}  {config}")
     return 0
-
-
-def _kernel_header(cu_path: str | None) -> tuple[str, str]:
-    """(epilogue name, config) of a cache entry's kernel.cu (codegen.header_fields); "?" if unreadable."""
-    from .codegen import header_fields
-    try:
-        with open(cu_path or "", encoding="utf-8", errors="replace") as f:
-            return header_fields("".join(next(f, "") for _ in range(8)))
-    except OSError:
-        return "?", "?"
 
 
 def _probe(fn):

@@ -421,3 +421,26 @@ def test_build_time_table_without_building(monkeypatch, capsys):
     assert timed == [1, 1, 1, 3] and untimed == [7]
     assert "| cold build, alone: bias_gelu | 2.5 |" in out
     assert "| fresh process: import + load 10, torch's import included | 2.25 |" in out
+
+
+def test_profiled_kernel_names_show_the_epilogue_and_config(monkeypatch, tmp_path):
+    """A coda_dsl GEMM's profiled name (CUTLASS's mangled template, with the specialization's namespace
+    inside) becomes its epilogue and config, read from the cached kernel.cu; other names stay, cut to 150."""
+    from coda_dsl import build, cli
+    from coda_dsl.codegen import header_fields
+    op = cli.specialization_from_options(epilogues.CASES["bias_gelu"].epilogue, "bf16")
+    (tmp_path / "kernel.cu").write_text(op.cu_text)
+    monkeypatch.setattr(build, "cache_entries", lambda: [{"op_name": op.op_name, "cu_path": str(tmp_path / "kernel.cu")},
+                                                         {"op_name": "k" + "0" * 20, "cu_path": None}])
+    labels = harness.specialization_labels()
+    name, config = header_fields(op.cu_text)
+    assert labels == {op.op_name: f"{name} [{config}]", "k" + "0" * 20: "? [?]"} and name == "bias_gelu"
+    assert op.op_name + "_ns" in op.cu_text  # what the mangled names carry
+    gemm = ("_ZN7cutlass13device_kernelINS_4gemm6kernel13GemmUniversalIN4cute5tupleIJiiiiEEENS1_10collective13"
+            f"CollectiveMmaI{'x' * 300}N{len(op.op_name) + 3}{op.op_name}_ns3Fn1IfEEEEEEvNT_6ParamsE")
+    assert harness.kernel_name(gemm, labels) == f"coda_dsl bias_gelu [{config}]: GEMM"[:150]
+    finish = f"void coda::finish_rows<coda::Plus, {op.op_name}_ns::Fn1<float>, {op.op_name}_ns::Scalars>(float const*)"
+    assert harness.kernel_name(finish, labels) == f"coda_dsl bias_gelu [{config}]: coda::finish_rows"[:150]
+    assert harness.kernel_name(gemm.replace(op.op_name, "k" + "1" * 20), labels).endswith("k" + "1" * 20 + ": GEMM")
+    nvjet = "nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN" + "_" * 200
+    assert harness.kernel_name(nvjet, labels) == nvjet[:150]

@@ -41,6 +41,15 @@ def header_fields(cu_text: str) -> tuple[str, str]:
     return name, config
 
 
+def file_header_fields(cu_path: str | None) -> tuple[str, str]:
+    """header_fields of a kernel.cu on disk (a cache entry's); "?" for both if it cannot be read."""
+    try:
+        with open(cu_path or "", encoding="utf-8", errors="replace") as f:
+            return header_fields("".join(next(f, "") for _ in range(8)))
+    except OSError:
+        return "?", "?"
+
+
 def render(plan: Plan, key: str, defined_at: str = "") -> str:
     sig = plan.signature
     return _environment().get_template("kernel.cu.j2").render(
