@@ -656,3 +656,11 @@ def test_parameters_an_epilogue_cannot_take():
             cd.epilogue(fn)
     with pytest.raises(TypeError, match="cd.epilogue decorates a function"):
         cd.epilogue(3)
+
+
+def test_every_dsl_function_is_a_cd_name():
+    """coda_dsl exports dsl.ops lazily under a list of its own: the two must name the same functions (the
+    fixes that errors suggest, "use cd.<name>(...)", are taken from dsl.ops.__all__)."""
+    from coda_dsl.dsl import ops
+    assert sorted(ops.__all__) == sorted(cd._LAZY["dsl.ops"])
+    assert all(getattr(cd, name) is getattr(ops, name) for name in ops.__all__)

@@ -48,11 +48,9 @@ _CD_NAMES = {"fabs": "abs", "absolute": "abs", "fmax": "maximum", "fmin": "minim
 def _cd_fix(name: str) -> str:
     """The fix for a math/numpy/torch function or method `name` on a traced value: its cd. function (with
     its required arguments), where coda_dsl has one."""
-    import coda_dsl
-
     from . import ops
     name = _CD_NAMES.get(name, name)
-    if name in vars(ops) and name in coda_dsl.__all__:
+    if name in ops.__all__:  # each is cd.<name> too
         fn = getattr(ops, name)
         required = [p.name for p in inspect.signature(fn).parameters.values() if p.default is p.empty]
         return f"use cd.{name}({', '.join(required)})"
