@@ -35,7 +35,7 @@ def rope_backward_reference(dq, dk, dv, y, rstd, pos, freq):
 
 
 # rope_backward's rows and heads per program, and warps: at Llama-3-8B's 8192 tokens on an H100 (ncu), 0.120 ms
-# (72 % of DRAM bandwidth) against 0.167 for 16 rows and 0.33-0.47 for 32-64 rows, whose tiles spill to 235+ registers
+# (72 % of DRAM bandwidth) against 0.167 for 16 rows and 0.33-0.47 for 32-64 rows (166-255 registers a thread)
 _TILE, _WARPS = (8, 8), 4
 
 if triton is not None:
