@@ -266,8 +266,8 @@ _NAMESPACE = re.compile(r"k[0-9a-f]{20}(?=_ns)")  # a specialization's C++ names
 def specialization_labels() -> dict[str, str]:
     """op_name -> "epilogue [config]" of every kernel in the disk cache (its kernel.cu's header)."""
     from coda_dsl import build
-    from coda_dsl.codegen import file_header_fields
-    return {e["op_name"]: "{} [{}]".format(*file_header_fields(e["cu_path"])) for e in build.cache_entries()}
+    from coda_dsl.codegen import file_header_fields, op_name
+    return {op_name(e["key"]): "{} [{}]".format(*file_header_fields(e["cu_path"])) for e in build.cache_entries()}
 
 
 def kernel_name(name: str, labels: dict[str, str]) -> str:

@@ -45,7 +45,8 @@ if triton is not None:
                               GROUP: tl.constexpr, BM: tl.constexpr):
         """BM rows x GROUP heads: cos and sin once per row and column of a head, then each head's [BM, D]
         tile in its columns' order (a column's pair partner is column ^ 1: a second load of the same lines),
-        so every load and store is a row's contiguous run. d rstd's partial sums go to drstd atomically."""
+        so every load and store is a row's contiguous run. d rstd's partial sums go to drstd atomically (their
+        order varies: d rstd is not bit-reproducible, like cd.gemm's reductions with deterministic=False)."""
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         c = tl.arange(0, BD)
         rmask, cmask = rows < M, c < D

@@ -430,8 +430,8 @@ def test_profiled_kernel_names_show_the_epilogue_and_config(monkeypatch, tmp_pat
     from coda_dsl.codegen import header_fields
     op = cli.specialization_from_options(epilogues.CASES["bias_gelu"].epilogue, "bf16")
     (tmp_path / "kernel.cu").write_text(op.cu_text)
-    monkeypatch.setattr(build, "cache_entries", lambda: [{"op_name": op.op_name, "cu_path": str(tmp_path / "kernel.cu")},
-                                                         {"op_name": "k" + "0" * 20, "cu_path": None}])
+    monkeypatch.setattr(build, "cache_entries", lambda: [{"key": op.key, "cu_path": str(tmp_path / "kernel.cu")},
+                                                         {"key": "0" * 24, "cu_path": None}])
     labels = harness.specialization_labels()
     name, config = header_fields(op.cu_text)
     assert labels == {op.op_name: f"{name} [{config}]", "k" + "0" * 20: "? [?]"} and name == "bias_gelu"
