@@ -1,6 +1,7 @@
 """Rendering plans into CUDA C++ (codegen.render + templates/kernel.cu.j2), checked as text: the
 visitor types and edges, operand node types, bindings, scalars, literals, layouts, dtypes, config."""
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -222,7 +223,7 @@ def test_config(make_plan):
     assert "using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpong;" in ping
     assert "using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;" in ping
     assert "coda::swizzle_for<TileShape, ClusterShape>(M, N, 8);" in ping  # at most 8: chosen per launch
-    assert "StreamK" not in ping and "coda::launch<Gemm>(" in ping
+    assert "StreamK" not in ping and "coda::launch<GemmKernel>(" in ping
 
 
 @pytest.mark.parametrize("text", ["128x256x64_c2x1x1_cooperative", "128x256x64_x2x1_cooperative",
@@ -251,10 +252,10 @@ def test_scheduler_options(make_plan):
     assert "args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::AlongM;" in src
     assert "args.scheduler.max_swizzle_size = coda::swizzle_for<TileShape, ClusterShape>(M, N, 2);" in src
     assert "CollectiveEpilogue,\n" in src and "cutlass::gemm::StreamKScheduler>;" in src
-    assert "coda::launch<Gemm, true>(args, gemm_ws, gemm_ws_size, call, op_name);" in src  # stream-K: flags zeroed per launch
+    assert "coda::launch<GemmKernel, true>(args, gemm_ws, gemm_ws_size, call, op_name);" in src  # stream-K: flags zeroed per launch
     _, along_n = emit(make_plan, bias_gelu, config=Config(raster="n", swizzle=1))
     assert "RasterOrderOptions::AlongN;" in along_n and "swizzle_for<TileShape, ClusterShape>(M, N, 1);" in along_n
-    assert "StreamKScheduler" not in along_n and "coda::launch<Gemm>(" in along_n
+    assert "StreamKScheduler" not in along_n and "coda::launch<GemmKernel>(" in along_n
 
 
 def test_functor_text(make_plan):
@@ -295,3 +296,13 @@ def test_pair_functors_write_both_slots(make_plan):
 def test_accumulate_reads_d_as_the_c_operand(make_plan):
     _, src = emit(make_plan, bias_gelu, accumulate=True)
     assert "{evt_args, ptr_D, dD, ptr_D, dD}" in src
+
+
+def test_kernels_include_hoppers_cutlass_only():
+    """A kernel's translation unit parses CUTLASS's sm90 mainloop, builder and kernels, not the umbrella
+    headers that bring every architecture's and CUTLASS 2.x's device layer (a fifth of a cold build)."""
+    evt_h = (Path(__file__).resolve().parents[1] / "csrc" / "coda_dsl" / "evt.h").read_text()
+    includes = set(re.findall(r'#include "(cutlass/gemm/[^"]+)"', evt_h))
+    assert not includes & {"cutlass/gemm/collective/collective_builder.hpp", "cutlass/gemm/kernel/gemm_universal.hpp",
+                           "cutlass/gemm/device/gemm_universal_adapter.h"}
+    assert "cutlass/gemm/collective/builders/sm90_gmma_builder.inl" in includes

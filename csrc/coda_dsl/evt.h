@@ -9,11 +9,19 @@
 
 #include "cutlass/cutlass.h"
 #include "cute/tensor.hpp"
+#include "cutlass/device_kernel.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
 #include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
-#include "cutlass/gemm/collective/collective_builder.hpp"
-#include "cutlass/gemm/device/gemm_universal_adapter.h"
-#include "cutlass/gemm/kernel/gemm_universal.hpp"
+// Hopper's mainloop, its builder and kernels alone: CUTLASS's umbrella headers (gemm/collective/
+// collective_builder.hpp, gemm/kernel/gemm_universal.hpp, gemm/device/gemm_universal_adapter.h) would
+// parse every collective and kernel from sm70 to sm120, and CUTLASS 2.x's device layer.
+#include "cutlass/gemm/collective/collective_mma_decl.hpp"
+#include "cutlass/gemm/collective/sm90_mma_tma_gmma_ss_warpspecialized.hpp"
+#include "cutlass/gemm/collective/collective_builder_decl.hpp"
+#include "cutlass/gemm/collective/builders/sm90_gmma_builder.inl"
+#include "cutlass/gemm/kernel/gemm_universal_decl.h"
+#include "cutlass/gemm/kernel/sm90_gemm_tma_warpspecialized_cooperative.hpp"
+#include "cutlass/gemm/kernel/sm90_gemm_tma_warpspecialized_pingpong.hpp"
 
 #include "coda_dsl/abi.h"
 #include "coda_dsl/device.h"
@@ -134,9 +142,8 @@ Stride make_stride(int64_t s0, int64_t s1, int64_t s2) {
 // file; not a static here: a static in a function template is one object in the whole process
 // (GNU unique), shared by every library whose GEMM has the same type (configs that differ only in
 // raster order or swizzle), whose kernels would then never get their shared-memory attribute.
-template <class Gemm>
-size_t prepare(typename Gemm::Arguments& args, Call const& call, char const* op_name, int* sm_count) {
-  using Kernel = typename Gemm::GemmKernel;
+template <class Kernel>
+size_t prepare(typename Kernel::Arguments& args, Call const& call, char const* op_name, int* sm_count) {
   int device = call.device;
   if (device < 0 || device >= 64) fail(op_name, ": unsupported device index ", std::to_string(device));
   if (sm_count[device] == 0) {
@@ -149,17 +156,15 @@ size_t prepare(typename Gemm::Arguments& args, Call const& call, char const* op_
   }
   args.hw_info = cutlass::KernelHardwareInfo{device, sm_count[device]};
 
-  cutlass::Status status = Gemm::can_implement(args);
-  if (status != cutlass::Status::kSuccess)
-    fail(op_name, ": CUTLASS cannot run this problem (", cutlassGetStatusString(status),
+  if (!Kernel::can_implement(args))  // what GemmUniversalAdapter::can_implement asks
+    fail(op_name, ": CUTLASS cannot run this problem (", cutlassGetStatusString(cutlass::Status::kInvalid),
          "); check operand alignment (16 bytes) and shapes");
-  return Gemm::get_workspace_size(args);
+  return Kernel::get_workspace_size(args);  // the adapter's, less its split-K-parallel mode (not used)
 }
 
 // The launch of a prepared GEMM on the caller's stream, with its workspace (`ws_size` bytes at `ws`).
-template <class Gemm, bool ZeroWorkspace = false>
-void launch(typename Gemm::Arguments& args, void* ws, size_t ws_size, Call const& call, char const* op_name) {
-  using Kernel = typename Gemm::GemmKernel;
+template <class Kernel, bool ZeroWorkspace = false>
+void launch(typename Kernel::Arguments& args, void* ws, size_t ws_size, Call const& call, char const* op_name) {
   if constexpr (ZeroWorkspace) {
     // Stream-K's tile flags must start at zero. Zeroing the whole workspace (flags and partials) with the
     // runtime API, rather than Kernel::initialize_workspace, keeps the epilogue's own workspace set-up
@@ -167,7 +172,7 @@ void launch(typename Gemm::Arguments& args, void* ws, size_t ws_size, Call const
     if (ws_size > 0) check_cuda(cudaMemsetAsync(ws, 0, ws_size, call.stream), op_name, "workspace memset");
   }
   auto params = Kernel::to_underlying_arguments(args, ws);
-  // The launch Gemm::run makes, less its per-launch cudaFuncSetAttribute (non-portable cluster sizes:
+  // The launch GemmUniversalAdapter::run makes, less its per-launch cudaFuncSetAttribute (non-portable cluster sizes:
   // ours have at most 4 CTAs, portable): one cudaLaunchKernelExC.
   using Cluster = typename Kernel::DispatchPolicy::ClusterShape;
   cudaLaunchAttribute cluster[1];

@@ -89,7 +89,6 @@ using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder
     KernelSchedule>::CollectiveOp;
 
 using GemmKernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop, CollectiveEpilogue>;
-using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 
 static int sm_count[64] = {};  // per device: set up once (coda::prepare), by this library for its kernel
 
@@ -133,17 +132,17 @@ int64_t run(coda::Call const& call) {
   auto dD = coda::make_stride<StrideD>(d.stride(-2), d.stride(-1), coda::batch_stride(d));
   auto* ptr_D = reinterpret_cast<ElementD*>(d.data_ptr());
 
-  typename Gemm::Arguments args{
+  typename GemmKernel::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGemm,
       {M, N, K, L},
       {reinterpret_cast<ElementAB const*>(a.data_ptr()), dA, reinterpret_cast<ElementAB const*>(b.data_ptr()), dB},
       {evt_args, nullptr, dD, ptr_D, dD}};
   args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::Heuristic;
   args.scheduler.max_swizzle_size = coda::swizzle_for<TileShape, ClusterShape>(M, N, 8);
-  size_t gemm_ws_size = coda::prepare<Gemm>(args, call, op_name, sm_count);
+  size_t gemm_ws_size = coda::prepare<GemmKernel>(args, call, op_name, sm_count);
   void* gemm_ws = ws.take(int64_t(gemm_ws_size));
   if (call.query) return ws.used();
-  coda::launch<Gemm>(args, gemm_ws, gemm_ws_size, call, op_name);
+  coda::launch<GemmKernel>(args, gemm_ws, gemm_ws_size, call, op_name);
   coda::finish<coda::Max, coda::Identity<float>>(partial_0, outputs[0].data_ptr<float>(), partial_0_shape.rows, partial_0_shape.rows_padded, partial_0_shape.tiles, L, true, 0.f, scalars, call, op_name);  // Reduce_amax
   coda::finish<coda::Max, coda::Identity<float>>(partial_1, outputs[1].data_ptr<float>(), partial_1_shape.rows, partial_1_shape.rows_padded, partial_1_shape.tiles, L, false, -INFINITY, scalars, call, op_name);  // Reduce_row_max
   coda::finish<coda::Min, coda::Identity<float>>(partial_2, outputs[2].data_ptr<float>(), partial_2_shape.rows, partial_2_shape.rows_padded, partial_2_shape.tiles, L, false, INFINITY, scalars, call, op_name);  // Reduce_col_min

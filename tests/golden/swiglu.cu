@@ -90,7 +90,6 @@ using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder
     KernelSchedule>::CollectiveOp;
 
 using GemmKernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop, CollectiveEpilogue>;
-using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 
 static int sm_count[64] = {};  // per device: set up once (coda::prepare), by this library for its kernel
 
@@ -125,17 +124,17 @@ int64_t run(coda::Call const& call) {
   auto dD = coda::make_stride<StrideD>(N, 1, int64_t(M) * N);  // unused: no D
   std::nullptr_t ptr_D = nullptr;
 
-  typename Gemm::Arguments args{
+  typename GemmKernel::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGemm,
       {M, N, K, L},
       {reinterpret_cast<ElementAB const*>(a.data_ptr()), dA, reinterpret_cast<ElementAB const*>(b.data_ptr()), dB},
       {evt_args, nullptr, dD, ptr_D, dD}};
   args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::Heuristic;
   args.scheduler.max_swizzle_size = coda::swizzle_for<TileShape, ClusterShape>(M, N, 8);
-  size_t gemm_ws_size = coda::prepare<Gemm>(args, call, op_name, sm_count);
+  size_t gemm_ws_size = coda::prepare<GemmKernel>(args, call, op_name, sm_count);
   void* gemm_ws = ws.take(int64_t(gemm_ws_size));
   if (call.query) return ws.used();
-  coda::launch<Gemm>(args, gemm_ws, gemm_ws_size, call, op_name);
+  coda::launch<GemmKernel>(args, gemm_ws, gemm_ws_size, call, op_name);
   return ws.used();
 }
 
