@@ -172,8 +172,8 @@ void launch(typename Kernel::Arguments& args, void* ws, size_t ws_size, Call con
     if (ws_size > 0) check_cuda(cudaMemsetAsync(ws, 0, ws_size, call.stream), op_name, "workspace memset");
   }
   auto params = Kernel::to_underlying_arguments(args, ws);
-  // The launch GemmUniversalAdapter::run makes, less its per-launch cudaFuncSetAttribute (non-portable cluster sizes:
-  // ours have at most 4 CTAs, portable): one cudaLaunchKernelExC.
+  // The launch GemmUniversalAdapter::run makes, less its per-launch cudaFuncSetAttribute (non-portable
+  // cluster sizes: ours have at most 4 CTAs, portable): one cudaLaunchKernelExC.
   using Cluster = typename Kernel::DispatchPolicy::ClusterShape;
   cudaLaunchAttribute cluster[1];
   cluster[0].id = cudaLaunchAttributeClusterDimension;
