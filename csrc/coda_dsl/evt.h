@@ -156,9 +156,8 @@ size_t prepare(typename Kernel::Arguments& args, Call const& call, char const* o
   }
   args.hw_info = cutlass::KernelHardwareInfo{device, sm_count[device]};
 
-  if (!Kernel::can_implement(args))  // what GemmUniversalAdapter::can_implement asks
-    fail(op_name, ": CUTLASS cannot run this problem (", cutlassGetStatusString(cutlass::Status::kInvalid),
-         "); check operand alignment (16 bytes) and shapes");
+  if (!Kernel::can_implement(args))  // what GemmUniversalAdapter::can_implement asks (a yes or no)
+    fail(op_name, ": CUTLASS cannot run this problem; check operand alignment (16 bytes) and shapes");
   return Kernel::get_workspace_size(args);  // the adapter's, less its split-K-parallel mode (not used)
 }
 
