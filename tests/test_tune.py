@@ -68,18 +68,17 @@ def test_record_key_separates_batch_counts():
     assert tuning.record_key("k", tuning.DEFAULT, 64, 64, 64, 1) != tuning.record_key("k", tuning.DEFAULT, 64, 64, 64, 4)
 
 
-@pytest.mark.parametrize("mnk, expected", [
-    ((8192, 4096, 4096), tuning.PINGPONG), ((8192, 14336, 4096), tuning.PINGPONG),
-    ((8192, 6144, 4096), tuning.PINGPONG_192), ((8192, 12288, 4096), tuning.PINGPONG_192),
-    ((8192, 4096, 14336), tuning.DEFAULT), ((8192, 28672, 8192), tuning.DEFAULT), ((777, 4104, 1000), tuning.DEFAULT),
-])
-def test_default_config_by_shape(mnk, expected):
+@pytest.mark.parametrize("mnk", [(8192, 4096, 4096), (8192, 14336, 4096), (8192, 6144, 4096), (8192, 4096, 14336),
+                                 (8192, 28672, 8192), (777, 4104, 1000)])
+def test_default_config_by_shape(mnk):
     config, why = tuning.default(*mnk)
-    assert config == expected and why and all(c.swizzle == 8 for c in (config, tuning.DEFAULT))
+    assert config == tuning.DEFAULT and why and config.swizzle == 8
 
 
-def test_gemm_uses_the_shape_default_and_tells_buckets_apart(fake_kernels):
+def test_gemm_uses_the_shape_default_and_tells_buckets_apart(fake_kernels, monkeypatch):
     """Two shapes of one bucket (N 6144 and 8192) get the configurations the rule gives each."""
+    rule = lambda m, n, k, l=1: (tuning.PINGPONG_192 if n % 192 == 0 else tuning.PINGPONG, "test rule")  # noqa: E731
+    monkeypatch.setattr(tuning, "default", rule)
     for n in (6144, 8192):
         cd.gemm(torch.randn(4096, 64).bfloat16(), torch.randn(n, 64).bfloat16(), backend="cutlass")
     assert [op.plan.signature.config for op, _ in fake_kernels] == [tuning.PINGPONG_192, tuning.PINGPONG]

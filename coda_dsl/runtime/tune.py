@@ -24,7 +24,7 @@ from .. import build
 from ..errors import SharedMemoryError
 from ..passes.plan import Config
 
-DEFAULT = Config()  # shape-free (cd.compile without config=): cooperative 128x256, cluster 2x1, swizzle 8
+DEFAULT = Config()  # cd.compile without config= and cd.gemm untuned: cooperative 128x256, cluster 2x1, swizzle 8
 PINGPONG = Config((128, 128, 64), (2, 1), "pingpong")
 PINGPONG_192 = Config((128, 192, 64), (2, 1), "pingpong")
 CANDIDATES = [
@@ -40,23 +40,18 @@ CANDIDATES = [
 
 
 def default(m: int, n: int, k: int, l: int = 1) -> tuple[Config, str]:
-    """The configuration a call gets without tuning, and why. Measured on the H200 with
-    `python -m bench.sweep` (bench/results/sweep_h200.md), M = 8192, every epilogue of the bench:
-    - swizzle 8 everywhere: one wave's A and B slices stay in L2 (unswizzled, a wave at N >= 14336
-      streams all of B from memory; -2 to -7 % at N = 14336-28672);
-    - K < 8192 (measured at 4096): pingpong, whose two warp groups overlap one tile's epilogue with the other's
-      mainloop: 0.94-1.02x cuBLAS, against 1.00-1.09x for the cooperative 128x256 tile; 128x192 where
-      it divides N (6144, 12288: 0.94-0.99x), else 128x128 (a 192 tile at N = 4096: 1.15-1.19x);
-    - K >= 8192: the cooperative 128x256 tile, whose mainloop is the faster one once the epilogue is a
-      small share of the tile's time (70B shapes: 0.99-1.04x, pingpong 1.03-1.32x);
-    - below 4096 x 4096 outputs (not measured yet): the shape-free default."""
-    if m * l * n < 4096 * 4096:
-        return DEFAULT, f"M x N = {m * l} x {n} < 4096 x 4096: the shape-free default"
-    if k >= 8192:
-        return DEFAULT, f"K = {k} >= 8192: the mainloop dominates, cooperative 128x256"
-    if n % 192 == 0:
-        return PINGPONG_192, f"K = {k} < 8192: pingpong hides the epilogue; 192 divides N = {n}"
-    return PINGPONG, f"K = {k} < 8192: pingpong hides the epilogue; 192 does not divide N = {n}"
+    """The configuration a call gets without tuning, and why: the cooperative 128x256 tile, cluster 2x1,
+    swizzle 8 (one wave's A and B slices stay in L2) at every shape.
+    Pingpong 128x128 / 128x192 at K < 8192 was the rule until 2026-12-05: in short round-robin bursts
+    (bench.sweep on the H200, bench/results/sweep_h200.md) its two warp groups hide the epilogue,
+    0.94-1.02x cuBLAS against 1.00-1.09x. Under sustained load the 700 W cap decides instead: the smaller
+    tile moves more shared-memory bytes per FLOP, draws the cap and clocks lower. Measured on an H100, one
+    process each: `bench.mlp --steps gate_up --sustained 300` at 8192 x 14336 x 4096, rms_swiglu_fwd
+    1.272x cuBLAS (pingpong 128x128) against 1.061x (cooperative 128x256), at 16384 tokens 1.424x against
+    1.137x; the Llama-3-8B layer's forward + backward (bench.llama_layer, 8192 / 16384 tokens) 1.056x /
+    1.072x the floor with the old rule against 1.034x / 1.012x with this one (pingpong kept for the QKV and
+    o projections only: 1.054x / 1.028x)."""
+    return DEFAULT, "cooperative 128x256: the fastest tile under sustained load (runtime/tune.py:default)"
 
 
 def bucket(m: int, n: int, k: int, l: int) -> str:
