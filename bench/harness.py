@@ -91,37 +91,44 @@ def peak_mib(fn: Callable, *args) -> float:
     return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
-def sustained(variants: dict[str, Callable], sets: list[tuple], iters: int, warm_ms: float = 300.0) -> dict[str, dict]:
-    """Each variant alone, back to back: warm_ms of its calls, then `iters` timed ones. The GPU's clocks
-    settle where that variant's own power draw puts them, as in training, where one mix of kernels runs
-    for hours (round_robin instead averages the clocks over all variants). Per variant: the median µs
-    of its timed calls (each between two CUDA events, so one slow call does not move it), and the SM
-    clock (MHz) and board power (W) that NVML read while they ran, medians of the second half of the
-    samples (None without NVML)."""
-    out = {}
-    for name, fn in variants.items():
+def sustained(variants: dict[str, Callable], sets: list[tuple], iters: int, warm_ms: float = 300.0,
+              rounds: int = 3) -> dict[str, dict]:
+    """Each variant alone, in blocks: warm_ms of its calls, then its share of the `iters` timed ones; the
+    GPU's clocks settle where that variant's own power draw puts them, as in training, where one mix of
+    kernels runs for hours (round_robin instead averages the clocks over all variants). The blocks run
+    in `rounds` rounds, each starting one variant later, so that no variant always comes first, after
+    the idle time of building and checking (a cooler GPU). Per variant: the median µs of its timed calls
+    (each between two CUDA events, so one slow call does not move it), and the SM clock (MHz) and board
+    power (W) that NVML read while they ran, medians of the second half of each block's samples (None
+    without NVML)."""
+    names, warm, timed = list(variants), {}, max(1, iters // rounds)
+    for name, fn in variants.items():  # first call (builds, compiles), then one to size the warm-up
         fn(*sets[0])
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn(*sets[0])
         torch.cuda.synchronize()
-        warm = max(1, int(warm_ms / 1e3 / max(time.perf_counter() - t0, 1e-6)))
-        for i in range(warm):
-            fn(*sets[i % len(sets)])
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
-        events[0].record()
-        for i in range(iters):
-            fn(*sets[i % len(sets)])
-            events[i + 1].record()
-        samples = []
-        while not events[-1].query():
-            samples.append(_clock_and_power())
-            time.sleep(0.005)
-        events[-1].synchronize()
-        late = samples[len(samples) // 2:]
-        out[name] = {"us": statistics.median(a.elapsed_time(b) * 1e3 for a, b in zip(events, events[1:])),
-                     "mhz": _median([c for c, _ in late]), "watts": _median([w for _, w in late])}
-    return out
+        warm[name] = max(1, int(warm_ms / 1e3 / max(time.perf_counter() - t0, 1e-6)))
+    times, late = {n: [] for n in names}, {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn = variants[name]
+            for i in range(warm[name]):
+                fn(*sets[i % len(sets)])
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(timed + 1)]
+            events[0].record()
+            for i in range(timed):
+                fn(*sets[i % len(sets)])
+                events[i + 1].record()
+            samples = []
+            while not events[-1].query():
+                samples.append(_clock_and_power())
+                time.sleep(0.005)
+            events[-1].synchronize()
+            times[name] += [a.elapsed_time(b) * 1e3 for a, b in zip(events, events[1:])]
+            late[name] += samples[len(samples) // 2:]
+    return {n: {"us": statistics.median(times[n]), "mhz": _median([c for c, _ in late[n]]),
+                "watts": _median([w for _, w in late[n]])} for n in names}
 
 
 def _clock_and_power() -> tuple[float | None, float | None]:

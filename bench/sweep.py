@@ -2,11 +2,15 @@
 default configuration (runtime/tune.py) and its shape rule.
 
     python -m bench.sweep [--only identity,...] [--configs KEY,...] [--shapes MxNxK,...] [--iters 30]
+                          [--sustained MS]
 
 Every (epilogue, configuration) kernel is built in one parallel ninja run; then, per shape, the
 cuBLAS GEMM and every configuration are timed round-robin (CUDA events, median of rounds, inputs
-rotated past L2). Also prints the name of the kernel cuBLAS runs at each shape (its tile, cluster
-and schedule are in the name). JSON under $OUT or bench/results/ (sweep.json).
+rotated past L2), or with --sustained MS each alone after MS ms of its own calls (harness.sustained),
+as training runs them: under the 700 W cap a tile that draws more power per FLOP clocks lower, which
+short round-robin bursts do not show (runtime/tune.py:default). Also prints the name of the kernel
+cuBLAS runs at each shape (its tile, cluster and schedule are in the name). JSON under $OUT or
+bench/results/ (sweep.json).
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from coda_dsl.runtime import op as runtime
 
 from .epilogues import CASES, _inputs
 from .harness import (Row, fmt, markdown, no_gpu, parser, progress, rel_err, results_only_on_stdout, rotation,
-                      round_robin, save, shapes, subset)
+                      round_robin, save, shapes, subset, sustained)
 from .harness import command as command_line
 
 LLAMA = ((8192, 4096, 4096), (8192, 6144, 4096), (8192, 14336, 4096), (8192, 4096, 14336),  # 8B: o, qkv, up, down
@@ -44,12 +48,28 @@ def cublas_kernel(m: int, n: int, k: int) -> str:
     return names[0] if names else "?"
 
 
+def built_kernels(cases, configs: list[Config]) -> tuple[dict, list[str]]:
+    """Every (epilogue, configuration) kernel, built in one parallel ninja run: {(name, config text): op}
+    for those that built, and a line for each that did not."""
+    a, w = (torch.randn(256, 256, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    ops = {(c.name, cfg.text): cd.compile(c.epilogue, a, w, config=cfg, **c.operands(256, 256))
+           for c in cases for cfg in configs}
+    try:
+        runtime.prebuild(list(ops.values()))
+    except Exception as e:  # noqa: BLE001  measure what built
+        progress(f"builds: {type(e).__name__}: {str(e)[:2000]}")
+    built = {key: op for key, op in ops.items() if valid_output(build_key(op.unit.key)) is not None}
+    return built, [f"{name} {config}: did not build" for name, config in ops.keys() - built.keys()]
+
+
 def main(argv=None) -> int:
     p = parser("python -m bench.sweep", __doc__)
     p.add_argument("--only", type=subset(tuple(CASES)), default=list(CASES), help="epilogues")
     p.add_argument("--configs", default=",".join(CONFIGS), help="configuration keys, comma-separated")
     p.add_argument("--shapes", type=shapes, help="MxNxK,... (default: Llama-3 8B/70B projections at 8192 tokens)")
     p.add_argument("--iters", type=int, default=30, help="timed calls per variant, over all rounds")
+    p.add_argument("--sustained", type=float, default=0, metavar="MS",
+                   help="time each variant alone after MS ms of its own calls (default: round-robin)")
     args = p.parse_args(argv)
     configs = [Config.parse(c) for c in args.configs.split(",")]
     if no_gpu():
@@ -57,15 +77,8 @@ def main(argv=None) -> int:
     command = command_line("python -m bench.sweep", argv)
     cases = [CASES[n] for n in args.only]
     with results_only_on_stdout():
-        a, w = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16), torch.randn(256, 256, device="cuda",
-                                                                                       dtype=torch.bfloat16)
-        ops = {(c.name, cfg.text): cd.compile(c.epilogue, a, w, config=cfg, **c.operands(256, 256))
-               for c in cases for cfg in configs}
-        try:
-            runtime.prebuild(list(ops.values()))
-        except Exception as e:  # noqa: BLE001  measure what built
-            progress(f"builds: {type(e).__name__}: {str(e)[:2000]}")
-    rows, failed, tables = [], [], []
+        ops, failed = built_kernels(cases, configs)
+    rows, tables = [], []
     for c in cases:
         header, lines = None, []
         for shape in args.shapes or SHAPES.get(c.name, LLAMA):
@@ -76,9 +89,8 @@ def main(argv=None) -> int:
             ref = ref[0] if isinstance(ref, tuple) else ref
             variants = {"cuBLAS": lambda a, w, o: a @ w.t()}
             for cfg in configs:
-                op = ops[c.name, cfg.text]
-                if valid_output(build_key(op.unit.key)) is None:
-                    failed.append(f"{c.name} {cfg.text}: did not build")
+                op = ops.get((c.name, cfg.text))
+                if op is None:
                     continue
                 try:
                     err = rel_err(op(a, w, **o)["D"], ref)
@@ -89,8 +101,13 @@ def main(argv=None) -> int:
                     failed.append(f"{c.name} {cfg.text} {fmt(shape)}: rel. error {err:.3g}")
                     continue
                 variants[cfg.text] = (lambda op: lambda a, w, o: op(a, w, **o))(op)
-            t = round_robin(variants, sets, args.iters)
-            rows += [Row(c.name, fmt(shape), v, t[v], 2 * m * n * k / t[v] / 1e6, t[v] / t["cuBLAS"]) for v in t]
+            if args.sustained:
+                steady = sustained(variants, sets, args.iters, args.sustained)
+                t = {v: r["us"] for v, r in steady.items()}
+            else:
+                t, steady = round_robin(variants, sets, args.iters), {}
+            rows += [Row(c.name, fmt(shape), v, t[v], 2 * m * n * k / t[v] / 1e6, t[v] / t["cuBLAS"],
+                         {key: x for key, x in steady.get(v, {}).items() if key != "us"}) for v in t]
             header = header or [cfg.text for cfg in configs]
             lines.append([fmt(shape), f"{t['cuBLAS']:.0f}", *(f"{t[k] / t['cuBLAS']:.3f}" if k in t else "–"
                                                                for k in header)])

@@ -19,7 +19,7 @@ from coda_dsl.runtime import op as runtime_op
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ lives at the repository root
 
 from bench import __main__ as bench_main  # noqa: E402
-from bench import cross_entropy, epilogues, harness, host_overhead, linear_backward, mlp  # noqa: E402
+from bench import cross_entropy, epilogues, harness, host_overhead, linear_backward, mlp, sweep  # noqa: E402
 from bench.harness import FLOOR, Row  # noqa: E402
 from build_helpers import FAKE_TC  # noqa: E402
 
@@ -132,16 +132,17 @@ def test_round_robin_alternates_the_order_and_takes_each_variants_median(fake_ev
 
 @pytest.mark.parametrize("nvml", [True, False])
 def test_sustained_times_each_variant_alone_after_its_warm_up(fake_events, monkeypatch, nvml):
-    """harness.sustained: a variant's calls all come before the next variant's, the timed ones after its
-    warm-up; µs per timed call, and NVML's clock and power (None without NVML)."""
+    """harness.sustained: blocks of one variant's calls, the timed ones after its warm-up, rounds that
+    start one variant later each; µs per timed call, and NVML's clock and power (None without NVML)."""
     calls, variant = fake_events
 
     def no_nvml():
         raise ModuleNotFoundError("pynvml")
     monkeypatch.setattr(torch.cuda, "clock_rate", (lambda: 1500) if nvml else no_nvml)
     monkeypatch.setattr(torch.cuda, "power_draw", lambda: 650_000)
-    got = harness.sustained({"a": variant("a", 1.0), "b": variant("b", 2.0)}, [(0,)], iters=4, warm_ms=0)
-    assert calls == ["a"] * 7 + ["b"] * 7  # a first call, one to size the warm-up, one warm, four timed
+    got = harness.sustained({"a": variant("a", 1.0), "b": variant("b", 2.0)}, [(0,)], iters=4, warm_ms=0, rounds=2)
+    # a first call and one to size the warm-up each; then per round and variant one warm call, two timed
+    assert calls == ["a", "a", "b", "b"] + ["a"] * 3 + ["b"] * 3 + ["b"] * 3 + ["a"] * 3
     assert got["a"]["us"] == 1000.0 and got["b"]["us"] == 2000.0
     assert (got["a"]["mhz"], got["a"]["watts"]) == ((1500.0, 650.0) if nvml else (None, None))
 
@@ -288,6 +289,33 @@ def test_cross_entropy_other_chunk_rows_on_fake_gpu(fake_gpu, capsys, monkeypatc
     assert "| 64×32×100 | forward+backward | coda_dsl (chunk 16) |" in capsys.readouterr().out
     rows = json.loads((fake_gpu / "cross_entropy.json").read_text())["rows"]
     assert [r["extra"]["chunk_rows"] for r in rows if r["variant"] == "coda_dsl (chunk 16)"] == [16, 16]
+
+
+@pytest.mark.parametrize("sustained", [False, True])
+def test_sweep_on_fake_gpu(fake_gpu, capsys, monkeypatch, sustained):
+    """bench.sweep's plumbing: a kernel that did not build is reported and left out of its table, the others
+    are checked against eager PyTorch and timed round-robin or (--sustained) alone, with NVML's readings
+    in the JSON."""
+    configs = ["128x256x64_c2x1_cooperative", "128x128x64_c2x1_pingpong"]
+
+    def built(cases, cfgs):
+        ops = {(c.name, cfg.text): (lambda a, w, ep=c.epilogue, **o: cd.gemm(a, w, ep, backend="reference", **o))
+               for c in cases for cfg in cfgs if cfg.text != configs[1] or c.name != "bias_gelu"}
+        return ops, [f"bias_gelu {configs[1]}: did not build"]
+    timed = lambda fns, sets, iters: {n: 100.0 * (i + 1) for i, n in enumerate(fns)}  # noqa: E731
+    for name, value in (("no_gpu", lambda: False), ("built_kernels", built), ("cublas_kernel", lambda m, n, k: "k"),
+                        ("rotation", lambda make, nbytes: [make(), make()]), ("round_robin", timed),
+                        ("sustained", lambda fns, sets, iters, ms: {n: {"us": us, "mhz": 1400.0, "watts": 690.0}
+                                                                    for n, us in timed(fns, sets, iters).items()})):
+        monkeypatch.setattr(sweep, name, value)
+    argv = ["--only", "identity,bias_gelu", "--shapes", "64x128x32", "--configs", ",".join(configs), "--iters", "2"]
+    assert sweep.main(argv + (["--sustained", "5"] if sustained else [])) == 1  # a failed build fails the run
+    out = capsys.readouterr().out
+    assert "| 64×128×32 | 100 | 2.000 | 3.000 |" in out  # identity: both configs
+    assert "| 64×128×32 | 100 | 2.000 | – |" in out  # bias_gelu: the pingpong kernel did not build
+    assert f"- FAILED bias_gelu {configs[1]}: did not build" in out and out.count("- FAILED") == 1  # the rest agree
+    rows = json.loads((fake_gpu / "sweep.json").read_text())["rows"]
+    assert len(rows) == 5 and all((r["extra"] == {"mhz": 1400.0, "watts": 690.0}) == sustained for r in rows)
 
 
 def test_linear_backward_on_fake_gpu(fake_gpu, capsys):
