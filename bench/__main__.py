@@ -3,7 +3,7 @@ cross-entropy. Tables on stdout, progress on stderr; JSON and a PNG chart under 
 (or $OUT). The same as `coda-dsl bench ARGS`.
 
     python -m bench [--only identity,...,cross_entropy] [--shapes MxNxK,...] [--ce-shape MxDxV,...]
-                    [--iters 50] [--autotune] [--compile-dynamic] [--tune] [--dry-run]
+                    [--iters 50] [--autotune] [--compile-dynamic] [--tune] [--sustained MS] [--dry-run]
 
 Each part also runs alone: python -m bench.epilogues, python -m bench.cross_entropy.
 """
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
             ce_kernels = cross_entropy.kernels() if with_ce else []  # one parallel build for all
             rows, ep_failed = epilogues.run(cases, args.shapes, args.autotune, args.iters, args.tune,
                                             args.compile_dynamic, ce_kernels, epilogues.checkpoint(command),
-                                            args.config)
+                                            args.config, args.sustained)
         epilogues.report(rows, ep_failed, command)
         failed += ep_failed
     if with_ce:

@@ -255,6 +255,17 @@ def test_whole_run_on_fake_gpu(fake_gpu, capsys):
     assert checked == {"coda_dsl fused", "torch.compile", "cuBLASLt fused"}  # every variant of the epilogue
 
 
+def test_epilogue_bench_sustained_keeps_the_clocks(fake_gpu, capsys, monkeypatch):
+    """--sustained MS: harness.sustained instead of the round-robin, NVML's readings in every row's JSON."""
+    monkeypatch.setattr(epilogues, "no_gpu", lambda: False)
+    monkeypatch.setattr(epilogues, "sustained", lambda fns, sets, iters, ms: {
+        name: {"us": 10.0 * (i + 1), "mhz": 1400.0, "watts": 690.0} for i, name in enumerate(fns)})
+    assert epilogues.main(["--only", "bias_gelu", "--shapes", "64x128x32", "--iters", "2", "--sustained", "5"]) == 0
+    rows = json.loads((fake_gpu / "epilogues.json").read_text())["rows"]
+    assert len(rows) == 5 and all(r["extra"]["mhz"] == 1400.0 and r["extra"]["watts"] == 690.0 for r in rows)
+    assert {r["variant"]: r["vs_gemm"] for r in rows}[FLOOR] == 1.0
+
+
 def test_a_variant_that_computes_something_else_times_nothing(fake_gpu, monkeypatch):
     """A variant whose outputs are not eager's (a silently failed fusion, say) fails its case and shape
     before anything is timed: no row of a wrong variant can be published."""
