@@ -224,11 +224,10 @@ class _Mlp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, gamma, hg, rstd, w_gate, w_up, w_down, eps, backend, keep_y):
         r = cd.gemm(hg, gate_up_weight(w_gate, w_up), rms_swiglu_fwd, rstd=rstd, backend=backend)
-        inv_n = 1.0 / w_down.shape[0]
-        o = cd.gemm(r["D"], w_down, residual_rms, residual=h, inv_n=inv_n, eps=eps, backend=backend)
+        o = _down_proj(r["D"], w_down, h, eps, backend)
         ctx.save_for_backward(h, gamma, rstd, w_gate, w_up, w_down, r["D"] if keep_y else None, r["acc"],
                               o["D"], o["rstd"])
-        ctx.inv_n, ctx.backend = inv_n, backend
+        ctx.inv_n, ctx.backend = 1.0 / w_down.shape[0], backend
         ctx.set_materialize_grads(False)  # rstd's gradient is None unless a next layer's norm took it
         return o["D"], o["rstd"]
 
@@ -268,6 +267,11 @@ class _Mlp(torch.autograd.Function):
             del g, dgate  # its memory for dw_up
             dw_up = _gained_wgrad(dup, h, gamma, w_up.dtype, ctx.backend) if need[5] else None
         return dh, dgamma, None, None, dw_gate, dw_up, dw_down, None, None, None
+
+
+def _down_proj(y: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, eps: float, backend: str) -> dict:
+    """out = y @ W_down^T + h and the next norm's rstd of it."""
+    return cd.gemm(y, w_down, residual_rms, residual=h, inv_n=1.0 / w_down.shape[0], eps=eps, backend=backend)
 
 
 @on_cuda
@@ -535,8 +539,14 @@ class LlamaMLP(nn.Module):
         if hg is None or rstd is None:
             with torch.no_grad():
                 hg, rstd = input_norm(h, norm.weight, norm.variance_epsilon)
-        return _Mlp.apply(h, norm.weight, hg, rstd, self.gate_proj.weight, self.up_proj.weight,
-                          self.down_proj.weight, eps, backend, self.keep_y)
+        w_gate, w_up, w_down = self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
+        if not (torch.is_grad_enabled() and any(t.requires_grad for t in (h, norm.weight, w_gate, w_up, w_down))):
+            # nothing to differentiate: y alone, without the [M, 2F] accumulator (the GEMM's largest store)
+            # that only the backward reads
+            y = cd.gemm(hg, gate_up_weight(w_gate, w_up), rms_swiglu, rstd=rstd, backend=backend)["D"]
+            o = _down_proj(y, w_down, h, eps, backend)
+            return o["D"], o["rstd"]
+        return _Mlp.apply(h, norm.weight, hg, rstd, w_gate, w_up, w_down, eps, backend, self.keep_y)
 
 
 def _tied(w_gate: torch.Tensor, w_up: torch.Tensor) -> bool:
@@ -593,10 +603,10 @@ class LlamaDecoderLayer(nn.Module):
         return hf
 
     def prebuild(self, tokens: int) -> int:
-        """Build every kernel a training step of this layer launches on `tokens` rows, in one parallel
-        ninja run, or find them in the cache (cd.prebuild of one forward and backward on random data,
-        whose GEMMs run on the reference backend meanwhile); else the first forward and backward build
-        them one after another. Returns the number of kernels."""
+        """Build every kernel a training step of this layer, and a forward under no_grad, launch on `tokens`
+        rows, in one parallel ninja run, or find them in the cache (cd.prebuild of a forward and a forward
+        and backward on random data, whose GEMMs run on the reference backend meanwhile); else the first
+        calls build them one after another. Returns the number of kernels."""
         p = self.self_attn.q_proj.weight
         if self.backend == "reference" or (self.backend == "auto" and not checks.is_hopper(p.device)):
             return 0  # every GEMM runs on the reference backend: no kernel to build
@@ -604,6 +614,8 @@ class LlamaDecoderLayer(nn.Module):
         wrt = [x, *(q for q in self.parameters() if q.requires_grad)]
 
         def step():  # gradients returned, not accumulated into .grad; also when called under no_grad
+            with torch.no_grad():  # a forward alone runs the MLP's y-only kernel
+                self(x)
             with torch.enable_grad():
                 out, rstd = self(x, return_rstd=True)
                 torch.autograd.grad((out, rstd), wrt, (torch.randn_like(out), torch.randn_like(rstd)))

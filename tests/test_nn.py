@@ -563,6 +563,27 @@ def test_forward_steps_compile_to_the_same_values_and_gradients():
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_forward_without_gradients_stores_no_accumulator(monkeypatch):
+    """Under no_grad (or with nothing requiring grad) the MLP's gate/up GEMM writes y alone (rms_swiglu),
+    not the [M, 2F] accumulator only a backward reads; the output is the training forward's."""
+    layer = cdnn.LlamaDecoderLayer(llama_config(), backend="reference")
+    x = torch.randn(2, 16, layer.hidden_size)
+    used, gemm = [], cd.gemm
+    monkeypatch.setattr(cd, "gemm", lambda a, b, ep, **kw: (used.append(ep), gemm(a, b, ep, **kw))[1])
+    with torch.no_grad():
+        y_inference = layer(x)
+    inference, used[:] = list(used), []
+    y_training = layer(x)
+    assert cdnn.rms_swiglu in inference and cdnn.rms_swiglu_fwd not in inference
+    assert cdnn.rms_swiglu_fwd in used and cdnn.rms_swiglu not in used
+    torch.testing.assert_close(y_inference, y_training.detach(), rtol=1e-6, atol=1e-6)
+    for p in layer.parameters():
+        p.requires_grad_(False)
+    used[:] = []
+    torch.testing.assert_close(layer(x), y_inference, rtol=1e-6, atol=1e-6)  # frozen: no grad anywhere
+    assert cdnn.rms_swiglu in used
+
+
 def test_prebuild_builds_the_kernels_of_a_training_step(fake_kernels, monkeypatch):
     """LlamaDecoderLayer.prebuild: one forward and backward (GEMMs on the reference backend meanwhile) notes
     every kernel the layer launches; they are built in one run, and no gradient is left in .grad."""
@@ -574,7 +595,10 @@ def test_prebuild_builds_the_kernels_of_a_training_step(fake_kernels, monkeypatc
         n = layer.prebuild(64)
     names = {op.epilogue.name for op in runtime._ops.values()}
     assert len(builds) == 1 and n == len(builds[0]) == len(runtime._ops) and fake_kernels == []
-    assert {"rms_rope", "rms_producer", "residual_rms", "input_norm_grad", "post_norm_grad", "gain_wgrad"} <= names
-    assert len(names) == n == 8, names  # one kernel per epilogue at this size (the default config everywhere)
+    assert {"rms_rope", "rms_producer", "rms_swiglu", "residual_rms", "input_norm_grad", "post_norm_grad",
+            "gain_wgrad"} <= names  # rms_swiglu: the MLP's forward under no_grad
+    # one kernel per epilogue at this size (the default config everywhere); rms_swiglu twice: y alone under
+    # no_grad, y and the accumulator for training
+    assert len(names) == 8 and n == 9, names
     assert all(p.grad is None for p in layer.parameters())
     assert cdnn.LlamaDecoderLayer(llama_config(), backend="reference").prebuild(64) == 0 and len(builds) == 1
