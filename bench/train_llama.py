@@ -12,7 +12,9 @@ Model: transformers' LlamaModel (embedding, decoder layers, final norm) + a line
   the bf16 variants' distances from it and from HF eager show how much of a gap is bf16 rounding;
 - "HF torch.compile" (GPU only; --no-compile skips it): the same under torch.compile (default mode);
 - "coda_dsl": every decoder layer replaced by coda_dsl.nn.LlamaDecoderLayer.from_hf(...) (the norm
-  statistic passed from layer to layer), the LM head + loss by coda_dsl.library.linear_cross_entropy.
+  statistic passed from layer to layer), the LM head + loss by coda_dsl.library.linear_cross_entropy;
+- "coda_dsl + torch.compile" (GPU only; --no-compile skips it): that model under torch.compile (default
+  mode), as one would run HF's: at this size every variant is bound by host time per launch.
 Data: sequences of a fixed random Markov chain in which each token has SUCCESSORS possible next
 tokens, equally likely, so the best reachable loss is about ln(SUCCESSORS) (the start: ln(512) = 6.24).
 Precision: on the GPU every variant has bf16 parameters and activations (the coda_dsl layer has no
@@ -42,6 +44,7 @@ SMALL = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head
 SUCCESSORS = 4
 WARMUP_STEPS = 10
 HF, FP32, COMPILED, CODA = "HF eager", "HF eager fp32", "HF torch.compile", "coda_dsl"
+CODA_COMPILED = CODA + " + torch.compile"
 
 
 def markov_batches(vocab: int, steps: int, batch: int, seq: int, seed: int = 0) -> torch.Tensor:
@@ -185,7 +188,8 @@ def plot(curves: list[Curve], path, title: str):
         return None
     fig, (ax, dax) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(2, 1))
     steps = range(1, len(curves[0].losses) + 1)
-    looks = {HF: ("-", "C0"), COMPILED: ("--", "C1"), CODA: (":", "C2"), FP32: ("-.", "C3")}  # in both panels
+    looks = {HF: ("-", "C0"), COMPILED: ("--", "C1"), CODA: (":", "C2"), FP32: ("-.", "C3"),
+             CODA_COMPILED: ((0, (1, 3)), "C4")}  # in both panels
     for c in curves:
         style, color = looks[c.variant]
         ax.plot(steps, c.losses, style, color=color, label=c.variant)
@@ -214,7 +218,7 @@ def parse(argv=None):
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--backend", choices=("auto", "cutlass", "reference"), default="auto",
                    help="cd.gemm's backend for the coda_dsl layers and loss")
-    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant (always off on the CPU)")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants (always off on the CPU)")
     args = p.parse_args(argv)
     if min(args.steps, args.batch, args.seq, args.layers) <= 0:
         p.error("--steps, --batch, --seq and --layers must be positive")
@@ -234,6 +238,8 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not args.no_compile:
         runs.append((COMPILED, lambda: copy.deepcopy(init), True))
     runs.append((CODA, lambda: prebuilt(CodaLM(init, args.backend), batches[0]), False))
+    if args.device == "cuda" and not args.no_compile:
+        runs.append((CODA_COMPILED, lambda: prebuilt(CodaLM(init, args.backend), batches[0]), True))
     with results_only_on_stdout():
         curves = [train(name, make(), batches, args.lr, args.device, compiled) for name, make, compiled in runs]
     command = command_line("python -m bench.train_llama", argv)
