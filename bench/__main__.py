@@ -5,7 +5,8 @@ cross-entropy. Tables on stdout, progress on stderr; JSON and a PNG chart under 
     python -m bench [--only identity,...,cross_entropy] [--shapes MxNxK,...] [--ce-shape MxDxV,...]
                     [--iters 50] [--autotune] [--compile-dynamic] [--tune] [--sustained MS] [--dry-run]
 
-Each part also runs alone: python -m bench.epilogues, python -m bench.cross_entropy.
+Each part also runs alone: python -m bench.epilogues, python -m bench.cross_entropy. --sustained acts
+on the epilogue part (the cross-entropy's steps run long enough to load the GPU as training does).
 """
 from __future__ import annotations
 

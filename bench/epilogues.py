@@ -28,8 +28,8 @@ from coda_dsl.runtime import op as runtime
 from coda_dsl.runtime import tune as tuning
 
 from .harness import (FLOOR, Row, background, compile_label, compile_mode, config_text, fmt, markdown, no_gpu,
-                      out_dir, parser, progress, rel_err, results_only_on_stdout, rotation, round_robin, save, shapes,
-                      subset, sustained, table)
+                      out_dir, parser, progress, rel_err, results_only_on_stdout, rotation, save, shapes, subset,
+                      table, timed)
 from .harness import command as command_line
 
 CUBES = tuple((s, s, s) for s in (2048, 4096, 8192))  # M, N, K
@@ -230,13 +230,9 @@ def _measure(c: Case, shape, op, compiled, compile_s: float | None, label: str, 
             if name not in (FLOOR, "eager")}
     if wrong := {name: e for name, e in errs.items() if not e <= MAX_REL_ERR}:
         raise ValueError(f"outputs differ from eager's beyond {MAX_REL_ERR} (relative): {wrong}; nothing timed")
-    if sustain_ms:
-        steady = sustained(variants, sets, iters, sustain_ms)
-        times = {name: r["us"] for name, r in steady.items()}
-    else:
-        times, steady = round_robin(variants, sets, iters), {}
-    extra = {name: {**({"rel_err_vs_eager": errs[name]} if name in errs else {}),
-                    **{key: x for key, x in steady.get(name, {}).items() if key != "us"}} for name in times}
+    times, clocks = timed(variants, sets, iters, sustain_ms)
+    extra = {name: {**({"rel_err_vs_eager": errs[name]} if name in errs else {}), **clocks.get(name, {})}
+             for name in times}
     extra.setdefault(label, {})["compile_s"] = round(compile_s or 0, 2)
     return [Row(c.name, fmt(shape), name, t, 2 * m * n * k / t / 1e6, t / times[FLOOR], extra.get(name, {}))
             for name, t in times.items()]

@@ -95,13 +95,16 @@ def sustained(variants: dict[str, Callable], sets: list[tuple], iters: int, warm
               rounds: int = 3) -> dict[str, dict]:
     """Each variant alone, in blocks: warm_ms of its calls, then its share of the `iters` timed ones; the
     GPU's clocks settle where that variant's own power draw puts them, as in training, where one mix of
-    kernels runs for hours (round_robin instead averages the clocks over all variants). The blocks run
-    in `rounds` rounds, each starting one variant later, so that no variant always comes first, after
-    the idle time of building and checking (a cooler GPU). Per variant: the median µs of its timed calls
-    (each between two CUDA events, so one slow call does not move it), and the SM clock (MHz) and board
-    power (W) that NVML read while they ran, medians of the second half of each block's samples (None
-    without NVML)."""
-    names, warm, timed = list(variants), {}, max(1, iters // rounds)
+    kernels runs for hours (round_robin instead averages the clocks over all variants). First an untimed
+    block of every variant brings the GPU from the idle of building and checking to the load's
+    temperature; then `rounds` rounds of blocks, in alternating order (forward, reversed, ...). Per
+    variant: the median µs of its timed calls (each between two CUDA events, so one slow call does not
+    move it), and the SM clock (MHz) and board power (W) that NVML read while they ran, medians of the
+    second half of each block's samples (None without NVML). NVML's power is an average over up to a
+    second: with warm_ms under that, a block's W still carries some of the block before it."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, not {rounds}")
+    names, warm, timed = list(variants), {}, -(-iters // rounds)
     for name, fn in variants.items():  # first call (builds, compiles), then one to size the warm-up
         fn(*sets[0])
         torch.cuda.synchronize()
@@ -109,9 +112,12 @@ def sustained(variants: dict[str, Callable], sets: list[tuple], iters: int, warm
         fn(*sets[0])
         torch.cuda.synchronize()
         warm[name] = max(1, int(warm_ms / 1e3 / max(time.perf_counter() - t0, 1e-6)))
+    for name in names:  # untimed: the GPU at the load's temperature before the first timed block
+        for i in range(warm[name]):
+            variants[name](*sets[i % len(sets)])
     times, late = {n: [] for n in names}, {n: [] for n in names}
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names if r % 2 == 0 else names[::-1]:
             fn = variants[name]
             for i in range(warm[name]):
                 fn(*sets[i % len(sets)])
@@ -129,6 +135,17 @@ def sustained(variants: dict[str, Callable], sets: list[tuple], iters: int, warm
             late[name] += samples[len(samples) // 2:]
     return {n: {"us": statistics.median(times[n]), "mhz": _median([c for c, _ in late[n]]),
                 "watts": _median([w for _, w in late[n]])} for n in names}
+
+
+def timed(variants: dict[str, Callable], sets: list[tuple], iters: int, sustain_ms: float = 0,
+          warmup: int = 2) -> tuple[dict[str, float], dict[str, dict]]:
+    """µs per variant, round-robin, or with sustain_ms each alone after that many ms of its own calls
+    (sustained); and, for the latter, each variant's SM clock and board power ({"mhz", "watts"})."""
+    if not sustain_ms:
+        return round_robin(variants, sets, iters, warmup), {}
+    steady = sustained(variants, sets, iters, sustain_ms)
+    return ({n: r["us"] for n, r in steady.items()},
+            {n: {k: v for k, v in r.items() if k != "us"} for n, r in steady.items()})
 
 
 def _clock_and_power() -> tuple[float | None, float | None]:

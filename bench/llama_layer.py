@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from .harness import (markdown, no_gpu, parser, peak_mib, profile_kernels, progress, rel_err, results_only_on_stdout,
-                      round_robin, save, sustained)
+                      save, timed)
 from .harness import command as command_line
 
 CONFIGS = {
@@ -250,7 +250,7 @@ def run_tokens(config, tokens: int, seq: int, iters: int, device="cuda", backend
     batch = tokens // seq
     calls = variant_calls(config, batch, seq, device, backend, compile_fn, without_y)
     parts = floor_parts(config, batch, seq, device)
-    timed, extra, failed = {}, {}, []
+    steps, extra, failed = {}, {}, []
     outputs = {}
     for name, (fwd, fwd_bwd, _) in calls.items():
         try:
@@ -269,7 +269,7 @@ def run_tokens(config, tokens: int, seq: int, iters: int, device="cuda", backend
                     del out
                     for _ in range(WARMUP):
                         fn()
-            timed[(name, "fwd")], timed[(name, "fwd+bwd")] = fwd, fwd_bwd
+            steps[(name, "fwd")], steps[(name, "fwd+bwd")] = fwd, fwd_bwd
         except Exception as e:  # noqa: BLE001  keep the other variants' numbers
             failed.append(f"{tokens} tokens {name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     for name in outputs:
@@ -280,20 +280,17 @@ def run_tokens(config, tokens: int, seq: int, iters: int, device="cuda", backend
         for _ in range(WARMUP):
             fn()
     synchronize(device)
-    progress(f"llama_layer {tokens} tokens: timing {len(timed)} variant calls and {len(parts)} floor parts, "
+    progress(f"llama_layer {tokens} tokens: timing {len(steps)} variant calls and {len(parts)} floor parts, "
              + (f"each alone after {sustain_ms:g} ms of its own calls" if sustain_ms else f"{iters} rounds"))
-    fns = {**{f"{n} {s}": fn for (n, s), fn in timed.items()}, **{f"floor {p}": fn for p, fn in parts.items()}}
+    fns = {**{f"{n} {s}": fn for (n, s), fn in steps.items()}, **{f"floor {p}": fn for p, fn in parts.items()}}
     mallocs = cuda_mallocs(device)
-    if sustain_ms:
-        steady = sustained(fns, [()], iters, sustain_ms)
-        ms = {name: r["us"] / 1e3 for name, r in steady.items()}
-        for name, r in steady.items():  # what each variant's own load did to the clock
-            progress(f"  {name}: {r['us'] / 1e3:.3f} ms at {r['mhz'] or '?'} MHz, {r['watts'] or '?'} W")
-            if not name.startswith("floor "):
-                variant, step = name.rsplit(" ", 1)
-                extra.setdefault(variant, {})[f"{step}_mhz_watts"] = (r["mhz"], r["watts"])
-    else:
-        ms = {name: us / 1e3 for name, us in round_robin(fns, [()], iters, warmup=0).items()}
+    us, clocks = timed(fns, [()], iters, sustain_ms, warmup=0)
+    ms = {name: t / 1e3 for name, t in us.items()}
+    for name, r in clocks.items():  # sustained: what each variant's own load did to the clock
+        progress(f"  {name}: {ms[name]:.3f} ms at {r['mhz'] or '?'} MHz, {r['watts'] or '?'} W")
+        if not name.startswith("floor "):
+            variant, step = name.rsplit(" ", 1)
+            extra.setdefault(variant, {})[f"{step}_mhz_watts"] = (r["mhz"], r["watts"])
     if mallocs is not None:  # each one can stall the host (and so the GPU): after the warm-up there should be none
         progress(f"llama_layer {tokens} tokens: cudaMalloc calls by the caching allocator while timing: "
                  f"{cuda_mallocs(device) - mallocs}")
@@ -301,14 +298,14 @@ def run_tokens(config, tokens: int, seq: int, iters: int, device="cuda", backend
     fwd_floor = sum(t for p, t in part_ms.items() if is_forward(p))
     rows = [LayerRow(tokens, FLOOR, fwd_floor, sum(part_ms.values()), None, {"parts_ms": part_ms})]
     for name in calls:
-        if (name, "fwd") in timed:
-            fwd_bwd = timed[(name, "fwd+bwd")]
+        if (name, "fwd") in steps:
+            fwd_bwd = steps[(name, "fwd+bwd")]
             rows.append(LayerRow(tokens, name, ms[f"{name} fwd"], ms[f"{name} fwd+bwd"], peak_mib(fwd_bwd),
                                  extra.get(name, {}), host_ms(fwd_bwd, iters), saved_mib(calls[name].train_fwd)))
     for name in calls if profile else ():
-        if (name, "fwd+bwd") in timed:
+        if (name, "fwd+bwd") in steps:
             progress(f"llama_layer {tokens} tokens: {name} fwd+bwd, GPU kernels by total time:\n"
-                     + profile_kernels(timed[(name, "fwd+bwd")], profile, timeline))
+                     + profile_kernels(steps[(name, "fwd+bwd")], profile, timeline))
     return rows, part_ms, failed
 
 

@@ -47,8 +47,8 @@ from coda_dsl.nn import rms_swiglu_fwd, rms_swiglu_grad, rms_swiglu_grad_and_y
 from coda_dsl.passes.plan import Config
 from coda_dsl.runtime.tune import DEFAULT, PINGPONG, PINGPONG_192, default
 
-from .harness import (Row, fmt, markdown, no_gpu, parser, progress, results_only_on_stdout, rotation, round_robin,
-                      save, shapes, sustained)
+from .harness import (Row, fmt, markdown, no_gpu, parser, progress, results_only_on_stdout, rotation, save, shapes,
+                      timed)
 from .harness import command as command_line
 
 SHAPES = [(8192, 14336, 4096)]  # Llama-3-8B: tokens x FFN x hidden
@@ -238,15 +238,11 @@ def measure(step: str, shape: tuple, configs: list[str], iters: int, sustain_ms:
             if errs[label] > 3e-2:
                 progress(f"  {label}: {worst} differs from PyTorch's by {errs[label]:.1e}")
     fns, args = {label: fn for label, (fn, _) in calls.items()}, [(o,) for o in sets]
-    if sustain_ms:
-        steady = sustained(fns, args, iters, sustain_ms)
-        times = {label: r["us"] for label, r in steady.items()}
-    else:
-        times, steady = round_robin(fns, args, iters), {}
+    times, steady = timed(fns, args, iters, sustain_ms)
     floor, compiled = times[s.floor_name], times[s.compiled_name]
     return [Row(f"mlp {step}", fmt(shape), label, us, s.flops(m, f, d) / us / 1e6, us / floor,
                 {"vs_compile": us / compiled, **({"rel_err": errs[label]} if label in errs else {}),
-                 **{k: v for k, v in steady.get(label, {}).items() if k != "us"}})
+                 **steady.get(label, {})})
             for label, us in times.items()]
 
 

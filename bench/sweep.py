@@ -1,5 +1,5 @@
 """Kernel configurations against the bare cuBLAS GEMM, one table per epilogue: the data behind the
-default configuration (runtime/tune.py) and its shape rule.
+default configuration (runtime/tune.py:default).
 
     python -m bench.sweep [--only identity,...] [--configs KEY,...] [--shapes MxNxK,...] [--iters 30]
                           [--sustained MS]
@@ -25,7 +25,7 @@ from coda_dsl.runtime import op as runtime
 
 from .epilogues import CASES, _inputs
 from .harness import (Row, fmt, markdown, no_gpu, parser, progress, rel_err, results_only_on_stdout, rotation,
-                      round_robin, save, shapes, subset, sustained)
+                      save, shapes, subset, timed)
 from .harness import command as command_line
 
 LLAMA = ((8192, 4096, 4096), (8192, 6144, 4096), (8192, 14336, 4096), (8192, 4096, 14336),  # 8B: o, qkv, up, down
@@ -59,7 +59,7 @@ def built_kernels(cases, configs: list[Config]) -> tuple[dict, list[str]]:
     except Exception as e:  # noqa: BLE001  measure what built
         progress(f"builds: {type(e).__name__}: {str(e)[:2000]}")
     built = {key: op for key, op in ops.items() if valid_output(build_key(op.unit.key)) is not None}
-    return built, [f"{name} {config}: did not build" for name, config in ops.keys() - built.keys()]
+    return built, [f"{name} {config}: did not build" for name, config in ops if (name, config) not in built]
 
 
 def main(argv=None) -> int:
@@ -101,13 +101,9 @@ def main(argv=None) -> int:
                     failed.append(f"{c.name} {cfg.text} {fmt(shape)}: rel. error {err:.3g}")
                     continue
                 variants[cfg.text] = (lambda op: lambda a, w, o: op(a, w, **o))(op)
-            if args.sustained:
-                steady = sustained(variants, sets, args.iters, args.sustained)
-                t = {v: r["us"] for v, r in steady.items()}
-            else:
-                t, steady = round_robin(variants, sets, args.iters), {}
+            t, clocks = timed(variants, sets, args.iters, args.sustained)
             rows += [Row(c.name, fmt(shape), v, t[v], 2 * m * n * k / t[v] / 1e6, t[v] / t["cuBLAS"],
-                         {key: x for key, x in steady.get(v, {}).items() if key != "us"}) for v in t]
+                         clocks.get(v, {})) for v in t]
             header = header or [cfg.text for cfg in configs]
             lines.append([fmt(shape), f"{t['cuBLAS']:.0f}", *(f"{t[k] / t['cuBLAS']:.3f}" if k in t else "–"
                                                                for k in header)])

@@ -540,7 +540,8 @@ class LlamaMLP(nn.Module):
             with torch.no_grad():
                 hg, rstd = input_norm(h, norm.weight, norm.variance_epsilon)
         w_gate, w_up, w_down = self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
-        if not (torch.is_grad_enabled() and any(t.requires_grad for t in (h, norm.weight, w_gate, w_up, w_down))):
+        inputs = (h, norm.weight, hg, rstd, w_gate, w_up, w_down)
+        if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
             # nothing to differentiate: y alone, without the [M, 2F] accumulator (the GEMM's largest store)
             # that only the backward reads
             y = cd.gemm(hg, gate_up_weight(w_gate, w_up), rms_swiglu, rstd=rstd, backend=backend)["D"]

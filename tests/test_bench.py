@@ -132,19 +132,31 @@ def test_round_robin_alternates_the_order_and_takes_each_variants_median(fake_ev
 
 @pytest.mark.parametrize("nvml", [True, False])
 def test_sustained_times_each_variant_alone_after_its_warm_up(fake_events, monkeypatch, nvml):
-    """harness.sustained: blocks of one variant's calls, the timed ones after its warm-up, rounds that
-    start one variant later each; µs per timed call, and NVML's clock and power (None without NVML)."""
+    """harness.sustained: an untimed block of every variant first, then rounds in alternating order of
+    blocks of one variant's calls, the timed ones after its warm-up; µs per timed call over all rounds,
+    and NVML's clock and power (None without NVML)."""
     calls, variant = fake_events
 
     def no_nvml():
         raise ModuleNotFoundError("pynvml")
     monkeypatch.setattr(torch.cuda, "clock_rate", (lambda: 1500) if nvml else no_nvml)
     monkeypatch.setattr(torch.cuda, "power_draw", lambda: 650_000)
-    got = harness.sustained({"a": variant("a", 1.0), "b": variant("b", 2.0)}, [(0,)], iters=4, warm_ms=0, rounds=2)
-    # a first call and one to size the warm-up each; then per round and variant one warm call, two timed
-    assert calls == ["a", "a", "b", "b"] + ["a"] * 3 + ["b"] * 3 + ["b"] * 3 + ["a"] * 3
-    assert got["a"]["us"] == 1000.0 and got["b"]["us"] == 2000.0
+    fast, slow, n_a = variant("a", 1.0), variant("a", 3.0), []
+
+    def a(x):  # 1 ms until its first round's block is over, then 3 ms
+        n_a.append(x)
+        return (fast if len(n_a) <= 6 else slow)(x)
+    got = harness.sustained({"a": a, "b": variant("b", 2.0), "c": variant("c", 4.0)}, [(0,)], iters=3, warm_ms=0,
+                            rounds=2)
+    # a first call and one to size the warm-up each; an untimed warm call each; then per round and variant
+    # one warm call and ceil(3 / 2) = 2 timed, the second round in reverse order
+    assert calls == ["a", "a", "b", "b", "c", "c"] + ["a", "b", "c"] + \
+        ["a"] * 3 + ["b"] * 3 + ["c"] * 3 + ["c"] * 3 + ["b"] * 3 + ["a"] * 3
+    assert got["a"]["us"] == 2000.0  # the median of both rounds' calls: 1, 1, 3, 3 ms
+    assert got["b"]["us"] == 2000.0 and got["c"]["us"] == 4000.0
     assert (got["a"]["mhz"], got["a"]["watts"]) == ((1500.0, 650.0) if nvml else (None, None))
+    with pytest.raises(ValueError, match="rounds"):
+        harness.sustained({"a": a}, [(0,)], iters=3, rounds=0)
 
 
 def test_tables_and_json(tmp_path, monkeypatch):
@@ -209,7 +221,7 @@ def fake_gpu(monkeypatch, tmp_path):
         t = time.perf_counter()
         fn(*sets[0])
         return (time.perf_counter() - t) * 1e6
-    for mod in (epilogues, linear_backward, mlp, cross_entropy):
+    for mod in (harness, linear_backward, cross_entropy):
         monkeypatch.setattr(mod, "round_robin", lambda variants, sets, iters, warmup=2:
                             {name: time_us(fn, sets) for name, fn in variants.items()})
     monkeypatch.setattr(linear_backward, "no_gpu", lambda: False)
@@ -258,7 +270,7 @@ def test_whole_run_on_fake_gpu(fake_gpu, capsys):
 def test_epilogue_bench_sustained_keeps_the_clocks(fake_gpu, capsys, monkeypatch):
     """--sustained MS: harness.sustained instead of the round-robin, NVML's readings in every row's JSON."""
     monkeypatch.setattr(epilogues, "no_gpu", lambda: False)
-    monkeypatch.setattr(epilogues, "sustained", lambda fns, sets, iters, ms: {
+    monkeypatch.setattr(harness, "sustained", lambda fns, sets, iters, ms: {
         name: {"us": 10.0 * (i + 1), "mhz": 1400.0, "watts": 690.0} for i, name in enumerate(fns)})
     assert epilogues.main(["--only", "bias_gelu", "--shapes", "64x128x32", "--iters", "2", "--sustained", "5"]) == 0
     rows = json.loads((fake_gpu / "epilogues.json").read_text())["rows"]
@@ -315,10 +327,11 @@ def test_sweep_on_fake_gpu(fake_gpu, capsys, monkeypatch, sustained):
         return ops, [f"bias_gelu {configs[1]}: did not build"]
     timed = lambda fns, sets, iters: {n: 100.0 * (i + 1) for i, n in enumerate(fns)}  # noqa: E731
     for name, value in (("no_gpu", lambda: False), ("built_kernels", built), ("cublas_kernel", lambda m, n, k: "k"),
-                        ("rotation", lambda make, nbytes: [make(), make()]), ("round_robin", timed),
-                        ("sustained", lambda fns, sets, iters, ms: {n: {"us": us, "mhz": 1400.0, "watts": 690.0}
-                                                                    for n, us in timed(fns, sets, iters).items()})):
+                        ("rotation", lambda make, nbytes: [make(), make()])):
         monkeypatch.setattr(sweep, name, value)
+    monkeypatch.setattr(harness, "round_robin", lambda fns, sets, iters, warmup=2: timed(fns, sets, iters))
+    monkeypatch.setattr(harness, "sustained", lambda fns, sets, iters, ms: {
+        n: {"us": us, "mhz": 1400.0, "watts": 690.0} for n, us in timed(fns, sets, iters).items()})
     argv = ["--only", "identity,bias_gelu", "--shapes", "64x128x32", "--configs", ",".join(configs), "--iters", "2"]
     assert sweep.main(argv + (["--sustained", "5"] if sustained else [])) == 1  # a failed build fails the run
     out = capsys.readouterr().out
@@ -367,8 +380,8 @@ def test_mlp_on_fake_gpu(fake_gpu, capsys, monkeypatch):
                         ("rotation", lambda make, nbytes: [make(), make()]), ("BACKEND", "reference"),
                         ("DEVICE", "cpu")):
         monkeypatch.setattr(mlp, name, value)
-    monkeypatch.setattr(mlp, "sustained", lambda fns, sets, iters, ms: {
-        name: {"us": us, "mhz": 1500.0, "watts": None} for name, us in mlp.round_robin(fns, sets, iters).items()})
+    monkeypatch.setattr(harness, "sustained", lambda fns, sets, iters, ms: {
+        name: {"us": us, "mhz": 1500.0, "watts": None} for name, us in harness.round_robin(fns, sets, iters).items()})
     assert mlp.main(["--shapes", "32x64x48", "--steps", "dY", "--iters", "2", "--sustained", "5"]) == 0
     out = capsys.readouterr().out
     assert "| MHz | W |" in out and "| 1500 | – |" in out

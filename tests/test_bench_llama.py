@@ -17,6 +17,7 @@ pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ lives at the repository root
 
 from bench import llama_layer as ll  # noqa: E402
+from bench import harness  # noqa: E402
 from bench import train_llama as tl  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -110,7 +111,7 @@ def host_timing(monkeypatch, tmp_path):
             fn(*sets[0])
             out[name] = (time.perf_counter() - t) * 1e6
         return out
-    monkeypatch.setattr(ll, "round_robin", round_robin)
+    monkeypatch.setattr(harness, "round_robin", round_robin)
     monkeypatch.setattr(ll, "peak_mib", lambda fn: fn() is not None and 1.0)
     monkeypatch.setattr(ll, "saved_mib", lambda fn: fn().requires_grad and 2.0)
     monkeypatch.setattr(ll, "host_ms", lambda fn, iters: fn() is not None and 3.0)
@@ -162,7 +163,7 @@ def test_layer_bench_sustained_times_each_alone_and_records_the_clocks(host_timi
     def sustained(fns, sets, iters, ms):
         seen.append(ms)
         return {name: {"us": 1000.0, "mhz": 1500.0, "watts": 600.0} for name in fns}
-    monkeypatch.setattr(ll, "sustained", sustained)
+    monkeypatch.setattr(harness, "sustained", sustained)
     argv = ["--config", "tiny", "--tokens", "32", "--seq", "16", "--iters", "1", "--sustained", "50"]
     assert ll.main(argv, device="cpu", backend="reference", compile_fn=lambda f, **kw: f) == 0
     assert seen == [50.0] and host_timing[1] == []  # no round-robin

@@ -432,7 +432,7 @@ def test_python_dash_m():
 
 def test_explain_shape_shows_the_default_config_and_why(capsys):
     rc, out, _ = run(capsys, "explain", "coda_dsl.examples:bias_gelu", "--shape", "8192x6144x4096")
-    assert rc == 0 and "config 128x256x64_c2x1_cooperative\n" in out and "fastest tile under sustained load" in out
+    assert rc == 0 and "config 128x256x64_c2x1_cooperative\n" in out and "measured fastest under sustained load" in out
     rc, out, _ = run(capsys, "explain", "coda_dsl.examples:bias_gelu", "--shape", "8192x4096x4096",
                      "--config", "128x128x64_c1x1_cooperative")
     assert "config 128x128x64_c1x1_cooperative\n" in out and "(--config)" in out

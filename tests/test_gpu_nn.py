@@ -58,8 +58,8 @@ def test_cutlass_matches_reference_bf16(tied):
     y_r, dx_r, g_r = run(ours["reference"], x, dy)
     assert y_c.dtype == torch.bfloat16
     assert rel_err(y_c, y_r) < 2e-2
-    with torch.no_grad():  # the MLP's y-only kernel (no accumulator stored)
-        assert rel_err(ours["cutlass"](x), y_r) < 2e-2
+    with torch.no_grad():  # the MLP's y-only kernel (no accumulator stored): the training forward's values
+        assert rel_err(ours["cutlass"](x), y_c) < 1e-3
     assert rel_err(dx_c, dx_r) < 3e-2
     for n in g_r:
         assert rel_err(g_c[n], g_r[n]) < 3e-2, n

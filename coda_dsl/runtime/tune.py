@@ -41,17 +41,19 @@ CANDIDATES = [
 
 def default(m: int, n: int, k: int, l: int = 1) -> tuple[Config, str]:
     """The configuration a call gets without tuning, and why: the cooperative 128x256 tile, cluster 2x1,
-    swizzle 8 (one wave's A and B slices stay in L2) at every shape.
+    swizzle 8 (one wave's A and B slices stay in L2) at every shape. The shape is an argument so that a
+    rule by shape has its one home here (cd.gemm, `coda-dsl explain --shape` and tuning's buckets ask it).
     Pingpong 128x128 / 128x192 at K < 8192 was the rule until 2026-12-05: in short round-robin bursts
-    (bench.sweep on the H200, bench/results/sweep_h200.md) its two warp groups hide the epilogue,
-    0.94-1.02x cuBLAS against 1.00-1.09x. Under sustained load the 700 W cap decides instead: the smaller
-    tile moves more shared-memory bytes per FLOP, draws the cap and clocks lower. Measured on an H100, one
-    process each: `bench.mlp --steps gate_up --sustained 300` at 8192 x 14336 x 4096, rms_swiglu_fwd
-    1.272x cuBLAS (pingpong 128x128) against 1.061x (cooperative 128x256), at 16384 tokens 1.424x against
-    1.137x; the Llama-3-8B layer's forward + backward (bench.llama_layer, 8192 / 16384 tokens) 1.056x /
-    1.072x the floor with the old rule against 1.034x / 1.012x with this one (pingpong kept for the QKV and
-    o projections only: 1.054x / 1.028x)."""
-    return DEFAULT, "cooperative 128x256: the fastest tile under sustained load (runtime/tune.py:default)"
+    (bench.sweep on the H200, bench/results/sweep_h200.md) it hid the epilogue, 0.94-1.02x cuBLAS against
+    1.00-1.09x. Timed as training runs, one mix of kernels for long at the 700 W cap, it lost (H100s, each
+    ratio in one process; bench/results/history.md): `bench.mlp --steps gate_up --sustained 300`,
+    rms_swiglu_fwd at 8192 x 14336 x 4096 1.272x cuBLAS against 1.061x for this tile, at 16384 tokens
+    1.424x against 1.137x; the Llama-3-8B layer's forward + backward (bench.llama_layer, 8192 / 16384
+    tokens) 1.056x / 1.072x its floor under the old rule against 1.034x / 1.012x under this one. Why is not
+    established: the SM clocks NVML read do not explain it alone (at 16384 tokens pingpong ran at the
+    higher clock). Not yet measured on the H200, nor per shape under sustained load (`bench.sweep
+    --sustained`)."""
+    return DEFAULT, "cooperative 128x256, measured fastest under sustained load (runtime/tune.py:default)"
 
 
 def bucket(m: int, n: int, k: int, l: int) -> str:
