@@ -58,6 +58,7 @@ from .library.rope import neox_to_interleaved, rotate
 from .ir.ops import dtype_name
 from .runtime import checks
 from .runtime.autograd import first_order, forward_epilogue
+from .runtime.op import BACKENDS
 from .runtime.reference import evaluate_on
 from .runtime.torch_compile import on_cuda
 from .triton_kernels import rope_backward
@@ -508,14 +509,18 @@ class LlamaMLP(nn.Module):
         self.up_proj = _linear(d, f, dtype, device)
         self.down_proj = _linear(f, d, dtype, device)
         self.tied, self.keep_y = False, True
+        self.register_state_dict_post_hook(_contiguous_tied_weights)
 
     def tie_gate_up(self) -> LlamaMLP:
         """Store gate_proj.weight and up_proj.weight as the halves of one interleaved [F, 2, D] buffer, so
         the forward passes it to the GEMM as it is instead of copying both weights per call. Same
         Parameter objects and values: an optimizer, load_state_dict and state_dict still see HF's two
         [F, D] weights, updated in place; .to() ties them again. Each is then a strided (non-contiguous)
-        tensor, which FSDP2 refuses: for single-process and DDP training. Weights assigned anew later
-        are simply copied per forward again."""
+        tensor: for single-process and DDP training, not FSDP2 (which refuses strided parameters) nor
+        optimizers with fused=True (torch's CPU fused kernels ignore strides and would write across the
+        two halves; its CUDA ones refuse them). state_dict() gives contiguous copies (safetensors and
+        save_pretrained refuse views of one buffer), unless keep_vars. Weights assigned anew later are
+        simply copied per forward again, as under torch.compile, where the tie cannot be seen."""
         g, u = self.gate_proj.weight, self.up_proj.weight
         if not _tied(g, u):
             both = torch.stack((g.detach(), u.detach()), dim=1)
@@ -550,6 +555,15 @@ class LlamaMLP(nn.Module):
         return _Mlp.apply(h, norm.weight, hg, rstd, w_gate, w_up, w_down, eps, backend, self.keep_y)
 
 
+def _contiguous_tied_weights(module: LlamaMLP, state_dict: dict, prefix: str, local_metadata) -> None:
+    """state_dict() of a tied MLP: each weight as a contiguous [F, D] tensor, not a strided view of the
+    shared buffer (Parameters stay as they are, with keep_vars=True)."""
+    for name in ("gate_proj.weight", "up_proj.weight"):
+        t = state_dict.get(prefix + name)
+        if t is not None and not isinstance(t, nn.Parameter) and not t.is_contiguous():
+            state_dict[prefix + name] = t.contiguous()
+
+
 def _tied(w_gate: torch.Tensor, w_up: torch.Tensor) -> bool:
     """Are the two [F, D] weights the halves of one interleaved [F, 2, D] buffer (LlamaMLP.tie_gate_up)?
     Never under torch.compile, where storages cannot be compared."""
@@ -573,6 +587,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, config, layer_idx: int = 0, backend: str = "auto", dtype=None, device=None):
         super().__init__()
+        if backend not in BACKENDS:
+            raise OperandError(f"coda_dsl.nn.LlamaDecoderLayer: backend must be one of {BACKENDS}, not {backend!r}")
         self.config, self.layer_idx, self.backend = config, layer_idx, backend
         self.hidden_size = config.hidden_size
         eps = config.rms_norm_eps
@@ -595,8 +611,9 @@ class LlamaDecoderLayer(nn.Module):
         return self.load_state_dict(state_dict, strict=strict)
 
     def to_hf(self):
-        """A transformers LlamaDecoderLayer with these weights (eager attention); a tensor-parallel layer's
-        (DTensor) weights are gathered whole."""
+        """A transformers LlamaDecoderLayer with these weights, made from this layer's config (the same
+        object, attention implementation included); a tensor-parallel layer's (DTensor) weights are
+        gathered whole."""
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer as HFLayer
         w = self.self_attn.q_proj.weight
         hf = HFLayer(self.config, self.layer_idx).to(dtype=w.dtype, device=w.device)
