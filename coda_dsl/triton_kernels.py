@@ -2,8 +2,8 @@
 
 Each is a `torch.library.custom_op` with a fake (shape) implementation, so torch.compile keeps it as
 one opaque call and CUDA graphs capture its launch, and has a plain-torch twin that defines its values;
-its wrapper (what `coda_dsl.nn` calls) runs the op on CUDA and the twin elsewhere. Imported by
-`coda_dsl.nn` only, so `import coda_dsl` does not load Triton.
+its wrapper (what the library calls) runs the op on CUDA and the twin elsewhere. Imported by
+`coda_dsl.nn` and, on CUDA, by the cross-entropy's backward only, so `import coda_dsl` does not load Triton.
 """
 from __future__ import annotations
 
@@ -103,3 +103,48 @@ def rope_backward(dq, dk, dv, y, rstd, pos, freq):
     if triton is None or not y.is_cuda or y.shape[0] == 0:
         return rope_backward_reference(dq, dk, dv, y, rstd, pos, freq)
     return torch.ops.coda_dsl.rope_backward(dq, dk, dv, y, rstd, pos, freq)
+
+
+# scale_'s elements per program and step, and programs per SM (a grid-stride loop: when the factor is 1,
+# each program reads it and returns, so the launch costs a few microseconds, not a wave per block)
+_SCALE_BLOCK, _SCALE_PROGRAMS_PER_SM = 4096, 4
+
+if triton is not None:
+    @triton.jit
+    def _scale_kernel(t, n, by, BLOCK: tl.constexpr):
+        f = tl.load(by)
+        if f != 1.0:
+            step = tl.num_programs(0).to(tl.int64) * BLOCK
+            for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, step):
+                i = start + tl.arange(0, BLOCK)
+                m = i < n
+                x = tl.load(t + i, mask=m)
+                tl.store(t + i, (x.to(tl.float32) * f).to(t.dtype.element_ty), mask=m)
+
+    @torch.library.custom_op("coda_dsl::scale_", mutates_args=("t",))
+    def _scale_op(t: torch.Tensor, by: torch.Tensor) -> None:
+        n = t.numel()
+        if n == 0:
+            return
+        by = by.float().reshape(1)
+        if t.is_cuda:
+            programs = torch.cuda.get_device_properties(t.device).multi_processor_count * _SCALE_PROGRAMS_PER_SM
+        else:  # the interpreter
+            programs = 2
+        with torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext():
+            _scale_kernel[(min(triton.cdiv(n, _SCALE_BLOCK), programs),)](t, n, by, BLOCK=_SCALE_BLOCK)
+
+    @_scale_op.register_fake
+    def _scale_fake(t, by):
+        return None
+
+
+def scale_(t: torch.Tensor, by: torch.Tensor) -> None:
+    """t *= by in place, by a 0-dim tensor (no synchronization to read it). On CUDA one Triton kernel that
+    reads by first and leaves t alone where it is 1 (a loss's backward is most often called with the
+    gradient 1: the cross-entropy then skips a pass over grad_W, 1 GB at Llama-3's vocabulary). Elsewhere,
+    and for a t that is not contiguous, t.mul_(by)."""
+    if triton is None or not t.is_cuda or not t.is_contiguous():
+        t.mul_(by)
+    else:
+        torch.ops.coda_dsl.scale_(t, by)

@@ -321,17 +321,31 @@ def test_compiled_gradient_step_matches_eager():
     assert _rel(z.view(torch.bfloat16), eager.view(torch.bfloat16)) < 1e-6
 
 
-def test_compiled_scaling_in_place():
-    """The backward's scaling as torch.compile runs it on CUDA (here inductor's CPU backend): in place,
-    grad_W also by 1 / alpha (its GEMMs' factor), grad_x absent (a frozen input) too."""
+def test_scaling_in_place():
+    """The backward's scaling (on the CPU the plain multiply; on CUDA triton_kernels.scale_, checked in
+    tests/test_triton_kernels.py): in place, grad_W also by 1 / alpha (its GEMMs' factor), grad_x absent
+    (a frozen input) too."""
     from coda_dsl.library import cross_entropy as ce
-    scale_ = torch.compile(ce._scale_.eager)
     gx, gw = torch.randn(8, 16).bfloat16(), torch.randn(32, 16).bfloat16()
     want_x, want_w = gx * 0.5, gw * 2
-    scale_(gx, gw, torch.tensor(0.5), 0.25)
+    ce._scale_(gx, gw, torch.tensor(0.5), 0.25)
     assert torch.equal(gx, want_x) and torch.equal(gw, want_w)
-    scale_(None, gw, torch.tensor(2.0), 1.0)
+    ce._scale_(None, gw, torch.tensor(2.0), 1.0)
     assert torch.equal(gw, want_w * 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_factoring_leaves_the_incoming_gradient_alone_unless_fp16(dtype):
+    """bf16 and fp32 gradients take the rows' whole scale in g (the backward's factor is then the incoming
+    gradient, most often 1: no pass over grad_W); fp16's keep |g| <= 1 and grad_W's GEMM a power-of-2 alpha."""
+    from coda_dsl.library import cross_entropy as ce
+    scale = torch.full((4096,), 1 / 4000.0)
+    unit, alpha, peak = ce._factored(scale, 4096, dtype)
+    torch.testing.assert_close(unit * peak, scale)
+    if dtype == torch.float16:
+        assert unit.abs().max() == 1 and alpha == 2.0 ** -6
+    else:
+        assert alpha == 1.0 and peak.item() == 1.0
 
 
 def test_default_chunk_rows():

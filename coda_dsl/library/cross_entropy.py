@@ -133,16 +133,15 @@ def _logit_grad_(z: torch.Tensor, lse, scale, target, z_target, uniform: float, 
     z.view(dtype).copy_(_logit_grad(z, lse, scale, target, z_target, uniform, hot, cap))
 
 
-@cd.on_cuda
 def _scale_(gx: torch.Tensor | None, gw: torch.Tensor | None, by: torch.Tensor, alpha: float) -> None:
-    """In place: gx times by, gw times by / alpha (the factors _factored left out; no second grad_W).
-    Compiled on CUDA: eagerly, a multiply by a 0-dim CUDA tensor takes the unvectorized broadcast path,
-    and so does torch._foreach_mul_ with it (2.36 ms for grad_W at V = 128256 on the H200, a third of
-    the bandwidth)."""
-    if gx is not None:
-        gx.mul_(by)
-    if gw is not None:
-        gw.mul_(by * (1.0 / alpha))
+    """In place: gx times by, gw times by / alpha (the factors _factored left out; no second grad_W). On
+    CUDA a Triton kernel that leaves them alone where the factor is 1 (triton_kernels.scale_; eagerly, a
+    multiply by a 0-dim CUDA tensor takes the unvectorized broadcast path: 2.36 ms for grad_W at
+    V = 128256 on the H200, a third of the bandwidth)."""
+    from ..triton_kernels import scale_
+    for t, factor in ((gx, by), (gw, by * (1.0 / alpha))):
+        if t is not None:
+            scale_(t, factor)
 
 
 def _chunk_buffer(rows: int, v: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -200,13 +199,17 @@ def _out_of_range(target: torch.Tensor, v: int, ignore_index: int) -> torch.Tens
     return bad
 
 
-def _factored(scale: torch.Tensor, m: int) -> tuple[torch.Tensor, float, torch.Tensor]:
-    """The rows' gradient scale as unit * peak: |unit| <= 1 goes into the logits' gradient g (fp16's g kept
-    out of subnormals: with a scale like 1/M most of it was). The GEMMs then scale in fp32 before rounding:
-    grad_x by 1 (a row's own sum), grad_W by alpha = 2^-round(log2(M) / 2), its sum over M rows kept
-    within fp16's range both ways: a class many rows share reaches M |x| (past 65504 at M = 4096,
-    |x| = 30), a class one row has (1 - p) |x| / M (subnormal under a plain mean). peak (a 0-dim tensor:
-    no synchronization) and 1 / alpha (exact: a power of 2) multiply afterwards (_scale_)."""
+def _factored(scale: torch.Tensor, m: int, dtype: torch.dtype) -> tuple[torch.Tensor, float, torch.Tensor]:
+    """The rows' gradient scale as unit * peak, for gradients in `dtype`. fp16: |unit| <= 1 goes into the
+    logits' gradient g (fp16's g kept out of subnormals: with a scale like 1/M most of it was). The GEMMs
+    then scale in fp32 before rounding: grad_x by 1 (a row's own sum), grad_W by alpha =
+    2^-round(log2(M) / 2), its sum over M rows kept within fp16's range both ways: a class many rows share
+    reaches M |x| (past 65504 at M = 4096, |x| = 30), a class one row has (1 - p) |x| / M (subnormal under
+    a plain mean). peak (a 0-dim tensor: no synchronization) and 1 / alpha (exact: a power of 2) multiply
+    afterwards (_scale_). bf16 and fp32 have fp32's exponent range: the whole scale goes into g (peak 1,
+    alpha 1), so that the backward's factor is the incoming gradient alone, most often 1 (no pass at all)."""
+    if dtype != torch.float16:
+        return scale.contiguous(), 1.0, scale.new_ones(())
     peak = scale.nan_to_num().abs().amax().clamp_min(1e-30) if scale.numel() else scale.new_ones(())
     return (scale / peak).contiguous(), 2.0 ** -round(math.log2(max(m, 1)) / 2), peak
 
@@ -241,7 +244,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # gradients now, chunk by chunk: the backward then only scales them
         loss = torch.empty(m, device=x.device, dtype=torch.promote_types(x.dtype, torch.float32))
         scale, alpha, peak = _factored(
-            _poisoned(valid.to(loss.dtype) / (count.clamp_min(1) if reduction == "mean" else 1), bad), m)
+            _poisoned(valid.to(loss.dtype) / (count.clamp_min(1) if reduction == "mean" else 1), bad), m, x.dtype)
         gx = torch.empty_like(x) if need_x else None
         gw = torch.empty_like(w) if need_w else None  # in w's dtype: each chunk's GEMM sums in fp32
         vk = _split(v)
@@ -307,7 +310,7 @@ def recomputed_grads(x, w, lse, scale, target, uniform: float, hot: float, cap: 
     rows' scale factored as _factored says. scale: per row, 0 on ignored rows. linear_cross_entropy's
     reduction="none" backward, and each vocabulary shard's in coda_dsl.parallel."""
     m, v = x.shape[0], w.shape[0]
-    scale, alpha, peak = _factored(scale, m)
+    scale, alpha, peak = _factored(scale, m, x.dtype)
     grad_x = torch.empty_like(x) if need_x else None
     grad_w = torch.zeros_like(w) if need_w else None  # in w's dtype: each chunk's GEMM sums in fp32
     vk = _split(v)
