@@ -663,6 +663,20 @@ def test_linear_cross_entropy_confident_rows(kernels, dtype, reduction, cap):
     assert _rel(x.grad, x64.grad) < 1e-2 and _rel(w.grad, w64.grad) < 1e-2
 
 
+@pytest.mark.parametrize("reduction,grad", [("mean", 1.0), ("sum", 0.5)])
+def test_linear_cross_entropy_under_torch_compile(kernels, reduction, grad):
+    """torch.compile(fullgraph=True) of the loss, forward and backward (the backward's scaling a custom op
+    that mutates the gradients): the eager call's loss and gradients."""
+    x, w, t = _ce_problem(264, 256, 50257)
+    f = torch.compile(lambda x, w: cd.linear_cross_entropy(x, w, t, reduction=reduction, backend="cutlass"),
+                      fullgraph=True)
+    got = torch.autograd.grad(f(x, w) * 1.0, (x, w), torch.tensor(grad, device="cuda"))
+    want = torch.autograd.grad(cd.linear_cross_entropy(x, w, t, reduction=reduction, backend="cutlass"), (x, w),
+                               torch.tensor(grad, device="cuda"))
+    for a, b in zip(got, want):
+        assert _rel(a, b) <= 1e-3
+
+
 def test_linear_cross_entropy_all_ignored(kernels):
     for reduction in ("mean", "sum", "none"):
         x, w = _rand(64, 256).requires_grad_(), (_rand(1000, 256) * 0.06).to(torch.bfloat16).requires_grad_()
