@@ -509,7 +509,6 @@ class LlamaMLP(nn.Module):
         self.up_proj = _linear(d, f, dtype, device)
         self.down_proj = _linear(f, d, dtype, device)
         self.tied, self.keep_y = False, True
-        self.register_state_dict_post_hook(_contiguous_tied_weights)
 
     def tie_gate_up(self) -> LlamaMLP:
         """Store gate_proj.weight and up_proj.weight as the halves of one interleaved [F, 2, D] buffer, so
@@ -518,14 +517,24 @@ class LlamaMLP(nn.Module):
         [F, D] weights, updated in place; .to() ties them again. Each is then a strided (non-contiguous)
         tensor: for single-process and DDP training, not FSDP2 (which refuses strided parameters) nor
         optimizers with fused=True (torch's CPU fused kernels ignore strides and would write across the
-        two halves; its CUDA ones refuse them). state_dict() gives contiguous copies (safetensors and
-        save_pretrained refuse views of one buffer), unless keep_vars. Weights assigned anew later are
-        simply copied per forward again, as under torch.compile, where the tie cannot be seen."""
+        two halves; its CUDA ones refuse them). state_dict() holds the two views, as it holds every
+        parameter (torch.save keeps the one buffer); safetensors and save_pretrained refuse views of one
+        buffer: untie_gate_up() first. Weights assigned anew later are simply copied per forward again,
+        as under torch.compile, where the tie cannot be seen."""
         g, u = self.gate_proj.weight, self.up_proj.weight
         if not _tied(g, u):
             both = torch.stack((g.detach(), u.detach()), dim=1)
             g.data, u.data = both[:, 0], both[:, 1]
         self.tied = True
+        return self
+
+    def untie_gate_up(self) -> LlamaMLP:
+        """gate_proj.weight and up_proj.weight as two contiguous tensors again (same Parameter objects and
+        values), e.g. before saving with safetensors or save_pretrained."""
+        g, u = self.gate_proj.weight, self.up_proj.weight
+        if _tied(g, u):
+            g.data, u.data = g.detach().contiguous(), u.detach().contiguous()
+        self.tied = False
         return self
 
     def _apply(self, fn, recurse=True):
@@ -553,15 +562,6 @@ class LlamaMLP(nn.Module):
             o = _down_proj(y, w_down, h, eps, backend)
             return o["D"], o["rstd"]
         return _Mlp.apply(h, norm.weight, hg, rstd, w_gate, w_up, w_down, eps, backend, self.keep_y)
-
-
-def _contiguous_tied_weights(module: LlamaMLP, state_dict: dict, prefix: str, local_metadata) -> None:
-    """state_dict() of a tied MLP: each weight as a contiguous [F, D] tensor, not a strided view of the
-    shared buffer (Parameters stay as they are, with keep_vars=True)."""
-    for name in ("gate_proj.weight", "up_proj.weight"):
-        t = state_dict.get(prefix + name)
-        if t is not None and not isinstance(t, nn.Parameter) and not t.is_contiguous():
-            state_dict[prefix + name] = t.contiguous()
 
 
 def _tied(w_gate: torch.Tensor, w_up: torch.Tensor) -> bool:

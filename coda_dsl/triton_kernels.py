@@ -1,9 +1,10 @@
-"""Hand-written Triton kernels for the layer's steps between GEMMs that torch.compile fuses poorly.
+"""Hand-written Triton kernels for steps between GEMMs that torch.compile does poorly.
 
-Each is a `torch.library.custom_op` with a fake (shape) implementation, so torch.compile keeps it as
-one opaque call and CUDA graphs capture its launch, and has a plain-torch twin that defines its values;
-its wrapper (what the library calls) runs the op on CUDA and the twin elsewhere. Imported by
-`coda_dsl.nn` and, on CUDA, by the cross-entropy's backward only, so `import coda_dsl` does not load Triton.
+rope_backward is a `torch.library.custom_op` with a fake (shape) implementation, so torch.compile keeps it
+as one opaque call and CUDA graphs capture its launch, and has a plain-torch twin that defines its values;
+its wrapper runs the op on CUDA and the twin elsewhere. scale_ is a plain launch (inside torch.compile it
+is a plain multiply). Imported by `coda_dsl.nn` and, on CUDA, by the cross-entropy's backward only, so
+`import coda_dsl` does not load Triton.
 """
 from __future__ import annotations
 
@@ -121,30 +122,24 @@ if triton is not None:
                 x = tl.load(t + i, mask=m)
                 tl.store(t + i, (x.to(tl.float32) * f).to(t.dtype.element_ty), mask=m)
 
-    @torch.library.custom_op("coda_dsl::scale_", mutates_args=("t",))
-    def _scale_op(t: torch.Tensor, by: torch.Tensor) -> None:
-        n = t.numel()
-        if n == 0:
-            return
-        by = by.float().reshape(1)
-        if t.is_cuda:
-            programs = torch.cuda.get_device_properties(t.device).multi_processor_count * _SCALE_PROGRAMS_PER_SM
-        else:  # the interpreter
-            programs = 2
-        with torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext():
-            _scale_kernel[(min(triton.cdiv(n, _SCALE_BLOCK), programs),)](t, n, by, BLOCK=_SCALE_BLOCK)
 
-    @_scale_op.register_fake
-    def _scale_fake(t, by):
-        return None
+def _launch_scale(t: torch.Tensor, by: torch.Tensor, programs: int) -> None:
+    """The kernel over a contiguous bf16, fp16 or fp32 t (on CUDA, or on the CPU in Triton's interpreter)."""
+    if t.numel():
+        with torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext():
+            _scale_kernel[(min(triton.cdiv(t.numel(), _SCALE_BLOCK), programs),)](
+                t, t.numel(), by.float().reshape(1), BLOCK=_SCALE_BLOCK)
 
 
 def scale_(t: torch.Tensor, by: torch.Tensor) -> None:
-    """t *= by in place, by a 0-dim tensor (no synchronization to read it). On CUDA one Triton kernel that
-    reads by first and leaves t alone where it is 1 (a loss's backward is most often called with the
-    gradient 1: the cross-entropy then skips a pass over grad_W, 1 GB at Llama-3's vocabulary). Elsewhere,
-    and for a t that is not contiguous, t.mul_(by)."""
-    if triton is None or not t.is_cuda or not t.is_contiguous():
+    """t *= by in place, by a 0-dim tensor on t's device (no synchronization to read it). Eagerly on CUDA,
+    for a contiguous bf16, fp16 or fp32 t, one Triton kernel that reads by first and leaves t alone where
+    it is 1 (a loss's backward is most often called with the gradient 1: the cross-entropy then skips a
+    pass over grad_W, 1 GB at Llama-3's vocabulary). Otherwise t.mul_(by): on the CPU, for other layouts
+    and dtypes (fp64: the kernel's fp32 factor would round), and inside torch.compile, which fuses the
+    multiply in place (an op that mutates a tensor the graph saved would have it cloned first)."""
+    if (triton is None or not t.is_cuda or not t.is_contiguous() or torch.compiler.is_compiling()
+            or t.dtype not in (torch.bfloat16, torch.float16, torch.float32)):
         t.mul_(by)
     else:
-        torch.ops.coda_dsl.scale_(t, by)
+        _launch_scale(t, by, torch.cuda.get_device_properties(t.device).multi_processor_count * _SCALE_PROGRAMS_PER_SM)

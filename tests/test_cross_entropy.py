@@ -111,7 +111,7 @@ def test_gradients_in_the_forward_backward_launches_no_gemm(monkeypatch, reducti
     x, w, t = _problem(m=40)
     calls = _count_gemms(monkeypatch)
     loss = cd.linear_cross_entropy(x, w, t, reduction=reduction, backend="reference", chunk_rows=16)
-    assert calls == [("ce_forward_logits", True)] * 3  # 40 rows: chunks of 16, 16, 8
+    assert calls == [("ce_forward_logits_float16", True)] * 3  # 40 rows: chunks of 16, 16, 8 (bf16: z in fp16)
     loss.backward()
     assert len(calls) == 3 and x.grad is not None and w.grad is not None
 
@@ -513,8 +513,7 @@ def test_forward_with_logits_lowers_for_cutlass(make_plan):
     from coda_dsl.library.cross_entropy import _forward_epilogue
     from coda_dsl.passes.plan import LogSumExp, Take
 
-    plan = make_plan(_forward_epilogue(True, 30.0, True), operand_dtypes={"target": "i64"},
-                     output_dtypes={"D": "fp16"})
+    plan = make_plan(_forward_epilogue(True, 30.0, torch.float16), operand_dtypes={"target": "i64"})
     assert plan.d_dtype == "fp16" and plan.inputs == ["target"]
     assert [type(n) for n in plan.nodes if isinstance(n, (LogSumExp, Take))] == [LogSumExp, Take]
     assert [o[0] for o in plan.outputs] == ["lse", "z_target", "z_sum"]
@@ -563,6 +562,23 @@ def test_targets_in_the_last_columns(reduction, smoothing, cap):
     assert _rel(loss, ref) < 1e-3
     assert _rel(x.grad, xf.grad) < 1e-2 and _rel(w.grad, wf.grad) < 1e-2
     assert _rel(w.grad[296:], wf.grad[296:]) < 1e-2  # the tail's own weight rows
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_under_torch_compile(dtype):
+    """bf16 and fp16 inputs inside torch.compile(fullgraph=True): the logits chunk's D is declared fp16 in
+    the epilogue (for bf16 inputs it was taken from the buffer, which the traced op cannot see: refused),
+    loss and gradients as eager, with an incoming gradient of 1 and of 0.5."""
+    x, w, t = _problem(m=40, dtype=dtype)
+    f = lambda x, w: cd.linear_cross_entropy(x, w, t, backend="reference", chunk_rows=16)  # noqa: E731
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    for g in (1.0, 0.5):
+        got, want = compiled(x, w), f(x, w)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        grads = [torch.autograd.grad(loss, (x, w), torch.tensor(g)) for loss in (got, want)]
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dynamic", [None, True], ids=["default_dynamic", "dynamic"])

@@ -194,8 +194,8 @@ VARIANTS += [((ep, torch.bfloat16, "nk"), dict(config=c)) for c in SCHEDULER_CON
 # the cross-entropy library's kernels, with their A/B dtype: forward variants (smoothing, softcap),
 # statistics only or also storing the logits chunk (fp16 D), and the recompute backward ones
 CE_KERNELS = [(_forward_epilogue(s, c, logits), torch.bfloat16) for s in (False, True) for c in (None, 30.0)
-              for logits in (False, True)] + \
-    [(_forward_epilogue(False, None, True), torch.float16), (_forward_epilogue(False, None), torch.float16),
+              for logits in (False, torch.float16)] + \
+    [(_forward_epilogue(False, None, torch.float16), torch.float16), (_forward_epilogue(False, None), torch.float16),
      (ce_backward, torch.bfloat16), (_backward_softcap_epilogue(30.0), torch.bfloat16)]
 
 

@@ -302,24 +302,25 @@ def test_gate_up_weights_are_halves_of_one_buffer():
     torch.testing.assert_close(ours(x), untied(x), rtol=1e-5, atol=1e-5)
 
 
-def test_tied_weights_save_as_plain_tensors(tmp_path):
-    """A tied MLP's state_dict() holds contiguous [F, D] copies (safetensors refuses strided views of one
-    buffer, which made save_pretrained fail), with keep_vars the Parameters themselves; the file loads
-    into an untied layer with the same values."""
+def test_untied_weights_save_with_safetensors(tmp_path):
+    """state_dict() of a tied MLP holds the two views (aliases, as for every parameter); untie_gate_up()
+    makes them contiguous tensors again (same Parameters, same values), which safetensors saves; the file
+    loads into another layer with the same values, and into a tied one in place."""
     from safetensors.torch import load_file, save_file
     hf = random_hf_layer(llama_config())
     ours = cdnn.LlamaDecoderLayer.from_hf(hf, backend="reference")
     ours.mlp.tie_gate_up()
-    sd = ours.state_dict()
-    assert all(t.is_contiguous() for t in sd.values())
-    assert ours.state_dict(keep_vars=True)["mlp.up_proj.weight"] is ours.mlp.up_proj.weight
-    save_file(sd, tmp_path / "layer.safetensors")
+    g = ours.mlp.gate_proj.weight
+    assert ours.state_dict()["mlp.gate_proj.weight"].data_ptr() == g.data_ptr()  # an alias, not a copy
+    assert ours.mlp.untie_gate_up() is ours.mlp and ours.mlp.gate_proj.weight is g and not ours.mlp.tied
+    assert g.is_contiguous() and not cdnn._tied(g, ours.mlp.up_proj.weight)
+    save_file(ours.state_dict(), tmp_path / "layer.safetensors")
     fresh = cdnn.LlamaDecoderLayer.from_hf(random_hf_layer(llama_config()), backend="reference")
-    fresh.load_state_dict(load_file(tmp_path / "layer.safetensors"))
+    fresh.mlp.tie_gate_up()
+    fresh.load_state_dict(load_file(tmp_path / "layer.safetensors"))  # into the tied buffer, in place
+    assert cdnn._tied(fresh.mlp.gate_proj.weight, fresh.mlp.up_proj.weight)
     for name, t in hf.state_dict().items():
         assert torch.equal(fresh.state_dict()[name], t), name
-    ours.load_state_dict(fresh.state_dict())  # into the tied buffer, in place: still tied
-    assert cdnn._tied(ours.mlp.gate_proj.weight, ours.mlp.up_proj.weight)
 
 
 def test_bad_backend_is_refused_when_the_layer_is_made():

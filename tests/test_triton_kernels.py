@@ -91,29 +91,26 @@ def test_rope_backward_kernel_in_the_interpreter():
 
 
 def test_scale_kernel_in_the_interpreter():
-    """triton_kernels.scale_'s kernel in Triton's CPU interpreter, through its custom op, eagerly and under
-    torch.compile(fullgraph=True): t *= by for sizes that leave a partial block and take the grid-stride
-    loop more than once, in bf16, fp16 and fp32; by == 1 leaves t's bytes as they were (NaN included). On
-    the GPU: tests/test_gpu.py's cross-entropy tests (their backward runs it)."""
+    """triton_kernels.scale_'s kernel in Triton's CPU interpreter: t *= by for sizes that leave a partial
+    block and take the grid-stride loop more than once, in bf16, fp16 and fp32; by == 1 leaves t's bytes
+    as they were (NaN included). On the GPU: tests/test_gpu.py's cross-entropy tests (their backward runs
+    it with the gradient 1 and 0.5)."""
     pytest.importorskip("triton")
     script = textwrap.dedent("""
         import torch
         from coda_dsl import triton_kernels as tk
-        op = torch.ops.coda_dsl.scale_
-        compiled = torch.compile(lambda t, by: op(t, by), fullgraph=True, backend="aot_eager")
         for n in (1, 4095, 3 * tk._SCALE_BLOCK + 5):
             for dtype in (torch.bfloat16, torch.float16, torch.float32):
-                for fn in (op, compiled):
-                    t = torch.randn(n).to(dtype)
-                    want = t * torch.tensor(0.375)
-                    fn(t, torch.tensor(0.375))
-                    # the interpreter casts fp32 to bf16 by truncation (the GPU rounds): one ulp apart
-                    tol = dict(rtol=2 ** -7, atol=0) if dtype == torch.bfloat16 else dict(rtol=0, atol=0)
-                    torch.testing.assert_close(t, want, **tol)
-                    t[0] = float("nan")
-                    before = t.clone()
-                    fn(t, torch.tensor(1.0))
-                    assert torch.equal(t.view(torch.uint8), before.view(torch.uint8)), (n, dtype)
+                t = torch.randn(n).to(dtype)
+                want = t * torch.tensor(0.375)
+                tk._launch_scale(t, torch.tensor(0.375), programs=2)
+                # the interpreter casts fp32 to bf16 by truncation (the GPU rounds): one ulp apart
+                tol = dict(rtol=2 ** -7, atol=0) if dtype == torch.bfloat16 else dict(rtol=0, atol=0)
+                torch.testing.assert_close(t, want, **tol)
+                t[0] = float("nan")
+                before = t.clone()
+                tk._launch_scale(t, torch.tensor(1.0), programs=2)
+                assert torch.equal(t.view(torch.uint8), before.view(torch.uint8)), (n, dtype)
         print("ok")
     """)
     env = dict(os.environ, TRITON_INTERPRET="1",

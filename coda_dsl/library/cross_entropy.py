@@ -52,16 +52,19 @@ def _softcapped(acc, cap):
 
 
 @cd.epilogue_factory
-def _forward_epilogue(smoothing: bool, cap: float | None, logits: bool = False) -> cd.Epilogue:
-    """Per row: lse, the target logit (and the sum of logits); with `logits`, D = z too."""
+def _forward_epilogue(smoothing: bool, cap: float | None, logits: bool | torch.dtype = False) -> cd.Epilogue:
+    """Per row: lse, the target logit (and the sum of logits); with `logits`, D = z too: True in the inputs'
+    dtype, a dtype in that one (the chunk buffer's, logits_buffer_dtype: fp16 for bf16 inputs; declared
+    here, not taken from the buffer, so that the op torch.compile traces makes the same D)."""
     def ce_forward(acc, target: cd.VecM):
         z = _softcapped(acc, cap)
-        out = {"D": z} if logits else {}
+        out = {"D": z if logits is True else cd.cast(z, logits)} if logits is not False else {}
         out.update(lse=cd.logsumexp(z, axis="n"), z_target=cd.take(z, target, axis="n"))
         if smoothing:
             out["z_sum"] = cd.sum(z, axis="n")
         return out
-    name = f"ce_forward{'_logits' if logits else ''}{'_smooth' if smoothing else ''}{'_cap' if cap else ''}"
+    stored = "" if logits is False else "_logits" if logits is True else f"_logits_{str(logits).removeprefix('torch.')}"
+    name = f"ce_forward{stored}{'_smooth' if smoothing else ''}{'_cap' if cap else ''}"
     return cd.epilogue(ce_forward, name=name)
 
 
@@ -138,10 +141,14 @@ def _scale_(gx: torch.Tensor | None, gw: torch.Tensor | None, by: torch.Tensor, 
     CUDA a Triton kernel that leaves them alone where the factor is 1 (triton_kernels.scale_; eagerly, a
     multiply by a 0-dim CUDA tensor takes the unvectorized broadcast path: 2.36 ms for grad_W at
     V = 128256 on the H200, a third of the bandwidth)."""
-    from ..triton_kernels import scale_
     for t, factor in ((gx, by), (gw, by * (1.0 / alpha))):
-        if t is not None:
+        if t is None:
+            continue
+        if t.is_cuda:
+            from ..triton_kernels import scale_
             scale_(t, factor)
+        else:
+            t.mul_(factor)
 
 
 def _chunk_buffer(rows: int, v: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -156,8 +163,9 @@ def _chunk_buffer(rows: int, v: int, like: torch.Tensor, dtype: torch.dtype) -> 
 def _stats(x, w, safe, smoothing, cap, backend, config, logits=None) -> dict:
     """One GEMM: lse, z_target (0 where safe is out of range), z_sum with smoothing; D into `logits`."""
     out = {"D": logits} if logits is not None else None
-    return cd.gemm(x, w, _forward_epilogue(smoothing > 0, cap, logits is not None), target=safe, out=out,
-                   backend=backend, config=config)
+    stored = False if logits is None else True if logits.dtype == x.dtype else logits.dtype
+    return cd.gemm(x, w, _forward_epilogue(smoothing > 0, cap, stored), target=safe, out=out, backend=backend,
+                   config=config)
 
 
 def _split(v: int) -> int:
@@ -207,7 +215,8 @@ def _factored(scale: torch.Tensor, m: int, dtype: torch.dtype) -> tuple[torch.Te
     reaches M |x| (past 65504 at M = 4096, |x| = 30), a class one row has (1 - p) |x| / M (subnormal under
     a plain mean). peak (a 0-dim tensor: no synchronization) and 1 / alpha (exact: a power of 2) multiply
     afterwards (_scale_). bf16 and fp32 have fp32's exponent range: the whole scale goes into g (peak 1,
-    alpha 1), so that the backward's factor is the incoming gradient alone, most often 1 (no pass at all)."""
+    alpha 1), so that the backward's factor is the incoming gradient alone, most often 1 (no pass at all);
+    only per-row gradients near fp32's subnormals (reduction="none", below ~1e-35) lose precision there."""
     if dtype != torch.float16:
         return scale.contiguous(), 1.0, scale.new_ones(())
     peak = scale.nan_to_num().abs().amax().clamp_min(1e-30) if scale.numel() else scale.new_ones(())
@@ -336,7 +345,8 @@ def recomputed_grads(x, w, lse, scale, target, uniform: float, hot: float, cap: 
                 grad_x[s:e].addmm_(gt, wt)
             if need_w:
                 grad_w[vk:].addmm_(gt.t(), xs, alpha=alpha)
-    _scale_(grad_x, grad_w, peak, alpha)
+    if x.dtype == torch.float16:  # else the rows' whole scale is in g (_factored)
+        _scale_(grad_x, grad_w, peak, alpha)
     return grad_x, grad_w
 
 
