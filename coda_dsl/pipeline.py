@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from . import build, codegen
 from .ir import graph as ir
-from .passes import accumulate_into_d, lower, specialize
+from .passes import accumulate_into_d, lower, rounding_in_stores, specialize
 from .passes.plan import Plan, Signature
 
 
@@ -31,7 +31,7 @@ class Rendered:
 
 def plan(program: ir.Program, sig: Signature) -> tuple[ir.Program, Plan]:
     """The specialized program (with the signature's cd.Const values) and its EVT plan."""
-    program = specialize(program, dict(sig.consts))
+    program = rounding_in_stores(specialize(program, dict(sig.consts)))
     if sig.accumulate:
         program = accumulate_into_d(program)
     return program, lower(program, sig)

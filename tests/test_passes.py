@@ -64,6 +64,21 @@ def test_folded_const_is_a_single_multiply_in_the_plan(make_plan):
     assert "3.0" not in plan.canonical and "6.0f" in plan.canonical
 
 
+def test_an_output_cast_to_its_own_dtype_is_rounded_by_its_store(make_plan):
+    """cd.cast(x, fp16) as an output: the kernel stores x as fp16 (the store rounds to nearest, as the cast
+    does), no rounding step of its own; a cast inside the expression stays. The reference keeps the cast."""
+    @cd.epilogue
+    def stored_half(acc):
+        return {"D": cd.cast(acc * 2.0, cd.float16), "y": cd.cast(cd.cast(acc, cd.bfloat16) + 1.0, cd.float32)}
+
+    plan = make_plan(stored_half)
+    assert plan.d_dtype == "fp16"
+    assert [s.op for _, comp in computes(plan) for s in comp.functor.steps].count("cast") == 1  # y's inner cast
+    a, b = torch.randn(8, 16), torch.randn(16, 16)
+    out = cd.gemm(a.bfloat16(), b.bfloat16(), stored_half, backend="reference")
+    assert out["D"].dtype == torch.float16 and out["y"].dtype == torch.float32
+
+
 def test_fold_uses_fp32_and_cast_semantics():
     @cd.epilogue
     def folds(acc, c: cd.Const):

@@ -49,6 +49,17 @@ def specialize(program: ir.Program, consts: dict[str, float]) -> ir.Program:
     return ir.Program(program.name, program.params, outputs, program.defined_at, locations)
 
 
+def rounding_in_stores(program: ir.Program) -> ir.Program:
+    """An output that is a cast to its own dtype stores the cast's input instead: the store rounds to that
+    dtype the same way (to nearest), so the kernel has no rounding step of its own for it. (Kernels only:
+    the reference backend's fp64 mode keeps outputs unrounded but for their casts.)"""
+    outputs = tuple(ir.Output(o.name, o.node.inputs[0], o.dtype) if o.node.op == "cast" and o.node.attr == o.dtype
+                    else o for o in program.outputs)
+    if outputs == program.outputs:
+        return program
+    return ir.Program(program.name, program.params, outputs, program.defined_at, program.locations)
+
+
 def accumulate_into_d(program: ir.Program) -> ir.Program:
     """D += value: the stored D becomes its prior contents plus what the epilogue computes."""
     d = program.output("D")
