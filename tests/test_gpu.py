@@ -192,10 +192,11 @@ SCHEDULER_CONFIGS = [runtime.tuning.PINGPONG.text, runtime.tuning.PINGPONG_192.t
                      runtime.tuning.PINGPONG.text + "_rm_s4"]
 VARIANTS += [((ep, torch.bfloat16, "nk"), dict(config=c)) for c in SCHEDULER_CONFIGS for ep in (row_stats, swiglu)]
 # the cross-entropy library's kernels, with their A/B dtype: forward variants (smoothing, softcap),
-# statistics only or also storing the logits chunk (fp16 D), and the recompute backward ones
+# statistics only or also storing the logits chunk (fp16 D: declared for bf16 inputs, the inputs' own for
+# fp16, as cross_entropy._stats asks), and the recompute backward ones
 CE_KERNELS = [(_forward_epilogue(s, c, logits), torch.bfloat16) for s in (False, True) for c in (None, 30.0)
               for logits in (False, torch.float16)] + \
-    [(_forward_epilogue(False, None, torch.float16), torch.float16), (_forward_epilogue(False, None), torch.float16),
+    [(_forward_epilogue(False, None, True), torch.float16), (_forward_epilogue(False, None), torch.float16),
      (ce_backward, torch.bfloat16), (_backward_softcap_epilogue(30.0), torch.bfloat16)]
 
 
