@@ -151,19 +151,25 @@ def _scale_(gx: torch.Tensor | None, gw: torch.Tensor | None, by: torch.Tensor, 
             t.mul_(factor)
 
 
-def _chunk_buffer(rows: int, v: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _chunk_buffer(rows: int, v: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """[rows, V], its rows padded to 16 bytes (V = 50257 too): TMA stores need aligned row strides.
-    The padding is zeroed: CPU BLAS reads it when g is a GEMM operand (garbage NaN gave NaN grad_x)."""
+    The padding is zeroed: CPU BLAS reads it when g is a GEMM operand (garbage NaN gave NaN grad_x).
+    None inside torch.compile: there each chunk's GEMM makes its own D (the op cannot write into a given
+    tensor: it would make D and copy it in, a pass of its own)."""
+    if torch.compiler.is_compiling():
+        return None
     per16 = 16 // torch.empty((), dtype=dtype).element_size()
     buf = torch.empty(rows, -(-v // per16) * per16, device=like.device, dtype=dtype)
     buf[:, v:].zero_()
     return buf[:, :v]
 
 
-def _stats(x, w, safe, smoothing, cap, backend, config, logits=None) -> dict:
-    """One GEMM: lse, z_target (0 where safe is out of range), z_sum with smoothing; D into `logits`."""
-    out = {"D": logits} if logits is not None else None
-    stored = False if logits is None else True if logits.dtype == x.dtype else logits.dtype
+def _stats(x, w, safe, smoothing, cap, backend, config, logits: torch.Tensor | torch.dtype | None = None) -> dict:
+    """One GEMM: lse, z_target (0 where safe is out of range), z_sum with smoothing; with `logits`, D too:
+    into that tensor, or a new one of that dtype."""
+    out = {"D": logits} if isinstance(logits, torch.Tensor) else None
+    dtype = logits.dtype if isinstance(logits, torch.Tensor) else logits
+    stored = False if dtype is None else True if dtype == x.dtype else dtype
     return cd.gemm(x, w, _forward_epilogue(smoothing > 0, cap, stored), target=safe, out=out, backend=backend,
                    config=config)
 
@@ -261,8 +267,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         buf = _chunk_buffer(min(chunk, m), vk, x, logits_buffer_dtype(x.dtype))
         for s in range(0, m, chunk):
             e = min(m, s + chunk)
-            xs, ts, z = x[s:e], safe[s:e], buf[: e - s]
-            st = _stats(xs, wk, torch.where(ts < vk, ts, -1), smoothing, cap, backend, config, logits=z)
+            xs, ts = x[s:e], safe[s:e]
+            st = _stats(xs, wk, torch.where(ts < vk, ts, -1), smoothing, cap, backend, config,
+                        logits=buf[: e - s] if buf is not None else logits_buffer_dtype(x.dtype))
+            z = st["D"]
             if vk < v:
                 zt = _tail(xs, wt, cap)
                 st = _merge_tail(st, zt, ts - vk)
@@ -330,7 +338,8 @@ def recomputed_grads(x, w, lse, scale, target, uniform: float, hot: float, cap: 
         xs, ts, sc, lse_s = x[s:e], target[s:e], scale[s:e], lse[s:e].contiguous()
         tk = torch.where(ts < vk, ts, -1)
         out = cd.gemm(xs, wk, _backward_softcap_epilogue(cap) if cap else ce_backward, lse=lse_s, scale=sc,
-                      target=tk, uniform=uniform, backend=backend, out={"D": buf[: e - s]}, config=config)
+                      target=tk, uniform=uniform, backend=backend, out=None if buf is None else {"D": buf[: e - s]},
+                      config=config)
         p = out["D"]  # [chunk, V - V % 8]: the logits' gradient, but for the one-hot term
         put_target_column(p, out["g_target"], tk, hot * sc * (out["dz_target"] if cap else 1))
         if need_x:
