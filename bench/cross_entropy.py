@@ -85,9 +85,8 @@ def kernels(configs=(None,)) -> list:
     for config in configs:
         config = config or ce.CONFIG
         make = {"forward": lambda: cd.compile(ce._forward_epilogue(False, None), x, x, target=target, config=config),
-                # bf16 inputs: the fp16 logits declared in the epilogue, as cross_entropy._stats asks for them
-                "forward with logits": lambda: cd.compile(ce._forward_epilogue(False, None, logits.dtype), x, x,
-                                                          target=target, out={"D": logits}, config=config)}
+                "forward with logits": lambda: cd.compile(ce._forward_epilogue(False, None, ce.stored_logits(x.dtype)),
+                                                          x, x, target=target, out={"D": logits}, config=config)}
         for name, compile_op in make.items():
             try:
                 ops.append(compile_op())

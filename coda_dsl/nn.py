@@ -224,11 +224,10 @@ class _Mlp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, gamma, hg, rstd, w_gate, w_up, w_down, eps, backend, keep_y):
-        r = cd.gemm(hg, gate_up_weight(w_gate, w_up), rms_swiglu_fwd, rstd=rstd, backend=backend)
-        o = _down_proj(r["D"], w_down, h, eps, backend)
+        r, o, inv_n = _mlp_gemms(h, hg, rstd, w_gate, w_up, w_down, eps, backend, rms_swiglu_fwd)
         ctx.save_for_backward(h, gamma, rstd, w_gate, w_up, w_down, r["D"] if keep_y else None, r["acc"],
                               o["D"], o["rstd"])
-        ctx.inv_n, ctx.backend = 1.0 / w_down.shape[0], backend
+        ctx.inv_n, ctx.backend = inv_n, backend
         ctx.set_materialize_grads(False)  # rstd's gradient is None unless a next layer's norm took it
         return o["D"], o["rstd"]
 
@@ -270,9 +269,13 @@ class _Mlp(torch.autograd.Function):
         return dh, dgamma, None, None, dw_gate, dw_up, dw_down, None, None, None
 
 
-def _down_proj(y: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, eps: float, backend: str) -> dict:
-    """out = y @ W_down^T + h and the next norm's rstd of it."""
-    return cd.gemm(y, w_down, residual_rms, residual=h, inv_n=1.0 / w_down.shape[0], eps=eps, backend=backend)
+def _mlp_gemms(h, hg, rstd, w_gate, w_up, w_down, eps: float, backend: str, gate_up: cd.Epilogue):
+    """The MLP's two GEMMs: `gate_up` (rms_swiglu, y alone, or rms_swiglu_fwd, also its accumulator) on
+    hg, then out = y @ W_down^T + h and the next norm's rstd of it. -> (gate/up outputs, down outputs,
+    the 1 / D of that rstd)."""
+    r = cd.gemm(hg, gate_up_weight(w_gate, w_up), gate_up, rstd=rstd, backend=backend)
+    inv_n = 1.0 / w_down.shape[0]
+    return r, cd.gemm(r["D"], w_down, residual_rms, residual=h, inv_n=inv_n, eps=eps, backend=backend), inv_n
 
 
 @on_cuda
@@ -558,8 +561,7 @@ class LlamaMLP(nn.Module):
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
             # nothing to differentiate: y alone, without the [M, 2F] accumulator (the GEMM's largest store)
             # that only the backward reads
-            y = cd.gemm(hg, gate_up_weight(w_gate, w_up), rms_swiglu, rstd=rstd, backend=backend)["D"]
-            o = _down_proj(y, w_down, h, eps, backend)
+            o = _mlp_gemms(h, hg, rstd, w_gate, w_up, w_down, eps, backend, rms_swiglu)[1]
             return o["D"], o["rstd"]
         return _Mlp.apply(h, norm.weight, hg, rstd, w_gate, w_up, w_down, eps, backend, self.keep_y)
 

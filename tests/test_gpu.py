@@ -20,7 +20,7 @@ from coda_dsl.library import (interleave_gate_up, linear_swiglu, rms_consumer, r
 from coda_dsl.library.cross_entropy import CONFIG as CE_CONFIG
 from coda_dsl.library.cross_entropy import (BUFFER_BYTES, _backward_softcap_epilogue, _forward_epilogue, ce_backward,
                                            combine_vocab_shards, default_chunk_rows, logits_buffer_dtype,
-                                           vocab_shard_stats)
+                                           stored_logits, vocab_shard_stats)
 from coda_dsl.runtime import op as runtime
 from epilogues import (bias_gelu, double_width, pairs_with_full_width_operands, residual_rms, statistics_of_a_half,
                        wide_only)
@@ -192,11 +192,12 @@ SCHEDULER_CONFIGS = [runtime.tuning.PINGPONG.text, runtime.tuning.PINGPONG_192.t
                      runtime.tuning.PINGPONG.text + "_rm_s4"]
 VARIANTS += [((ep, torch.bfloat16, "nk"), dict(config=c)) for c in SCHEDULER_CONFIGS for ep in (row_stats, swiglu)]
 # the cross-entropy library's kernels, with their A/B dtype: forward variants (smoothing, softcap),
-# statistics only or also storing the logits chunk (fp16 D: declared for bf16 inputs, the inputs' own for
-# fp16, as cross_entropy._stats asks), and the recompute backward ones
+# statistics only or also storing the logits chunk (fp16 D, as cross_entropy._stats asks: stored_logits),
+# and the recompute backward ones
 CE_KERNELS = [(_forward_epilogue(s, c, logits), torch.bfloat16) for s in (False, True) for c in (None, 30.0)
-              for logits in (False, torch.float16)] + \
-    [(_forward_epilogue(False, None, True), torch.float16), (_forward_epilogue(False, None), torch.float16),
+              for logits in (False, stored_logits(torch.bfloat16))] + \
+    [(_forward_epilogue(False, None, stored_logits(torch.float16)), torch.float16),
+     (_forward_epilogue(False, None), torch.float16),
      (ce_backward, torch.bfloat16), (_backward_softcap_epilogue(30.0), torch.bfloat16)]
 
 

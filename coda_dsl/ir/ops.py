@@ -30,6 +30,7 @@ class OpDef:
     # the reference semantics on fp32 tensors (structural ops: on operands expanded to their widths)
     torch_fn: Callable[..., torch.Tensor] | None = None
     takes_attr: bool = False  # torch_fn also receives the node's attr (cast: the dtype)
+    rounds: bool = False  # the value is its input rounded to the attr's dtype: what a store in it does too
     # width of the value relative to its inputs': "same" (elementwise), "half" (pair), "double"
     # (interleave); None: not a per-column value of the tile's math (leaves, reductions)
     width_rule: str | None = None
@@ -202,7 +203,7 @@ def _interleave_constants(_attr, values: list[float]) -> float:
 NODE_OPS: dict[str, OpDef] = {
     **OPS,
     "cast": OpDef("cast", 1, "elementwise", lambda x, dtype: x.to(DTYPES[dtype][0]), takes_attr=True,
-                  width_rule="same", grad=lambda d, _dtype, x, y, g: (g,)),  # rounding: straight through
+                  rounds=True, width_rule="same", grad=lambda d, _dtype, x, y, g: (g,)),  # rounding: straight through
     # a constant has every column equal: either half of it is the constant itself
     "pair": OpDef("pair", 1, "structural", lambda x, which: x[..., which::2], takes_attr=True, width_rule="half",
                   folder=lambda _attr, values: values[0], parts=lambda which: ((0, which), (0, which)),

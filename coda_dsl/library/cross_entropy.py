@@ -91,6 +91,11 @@ def logits_buffer_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float16 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
+def stored_logits(dtype: torch.dtype) -> bool | torch.dtype:
+    """_forward_epilogue's `logits` for inputs of `dtype`: the buffer's dtype where it is another."""
+    return True if logits_buffer_dtype(dtype) == dtype else logits_buffer_dtype(dtype)
+
+
 def default_chunk_rows(m: int, v: int, device: torch.device | str = "cpu") -> int:
     """Rows per chunk: the [rows, V] buffer within BUFFER_BYTES (and a quarter of the free memory on
     CUDA), balanced over the chunks M needs, rounded up to a multiple of 128."""
@@ -164,14 +169,12 @@ def _chunk_buffer(rows: int, v: int, like: torch.Tensor, dtype: torch.dtype) -> 
     return buf[:, :v]
 
 
-def _stats(x, w, safe, smoothing, cap, backend, config, logits: torch.Tensor | torch.dtype | None = None) -> dict:
-    """One GEMM: lse, z_target (0 where safe is out of range), z_sum with smoothing; with `logits`, D too:
-    into that tensor, or a new one of that dtype."""
+def _stats(x, w, safe, smoothing, cap, backend, config, logits: torch.Tensor | bool = False) -> dict:
+    """One GEMM: lse, z_target (0 where safe is out of range), z_sum with smoothing; with `logits`, D too
+    (in logits_buffer_dtype): into that tensor, or (True) a new one."""
     out = {"D": logits} if isinstance(logits, torch.Tensor) else None
-    dtype = logits.dtype if isinstance(logits, torch.Tensor) else logits
-    stored = False if dtype is None else True if dtype == x.dtype else dtype
-    return cd.gemm(x, w, _forward_epilogue(smoothing > 0, cap, stored), target=safe, out=out, backend=backend,
-                   config=config)
+    ep = _forward_epilogue(smoothing > 0, cap, logits is not False and stored_logits(x.dtype))
+    return cd.gemm(x, w, ep, target=safe, out=out, backend=backend, config=config)
 
 
 def _split(v: int) -> int:
@@ -269,7 +272,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             e = min(m, s + chunk)
             xs, ts = x[s:e], safe[s:e]
             st = _stats(xs, wk, torch.where(ts < vk, ts, -1), smoothing, cap, backend, config,
-                        logits=buf[: e - s] if buf is not None else logits_buffer_dtype(x.dtype))
+                        logits=buf[: e - s] if buf is not None else True)
             z = st["D"]
             if vk < v:
                 zt = _tail(xs, wt, cap)

@@ -49,12 +49,17 @@ def specialize(program: ir.Program, consts: dict[str, float]) -> ir.Program:
     return ir.Program(program.name, program.params, outputs, program.defined_at, locations)
 
 
+def _unrounded(o: ir.Output) -> ir.Node:
+    """What o's store is to round: a rounding to o's own dtype (a cast) is the store's own."""
+    d = o.node.definition
+    return o.node.inputs[0] if d is not None and d.rounds and o.node.attr == o.dtype else o.node
+
+
 def rounding_in_stores(program: ir.Program) -> ir.Program:
-    """An output that is a cast to its own dtype stores the cast's input instead: the store rounds to that
-    dtype the same way (to nearest), so the kernel has no rounding step of its own for it. (Kernels only:
-    the reference backend's fp64 mode keeps outputs unrounded but for their casts.)"""
-    outputs = tuple(ir.Output(o.name, o.node.inputs[0], o.dtype) if o.node.op == "cast" and o.node.attr == o.dtype
-                    else o for o in program.outputs)
+    """Each output as the value its store rounds (_unrounded): the kernel has no rounding step of its own
+    for a cast to the output's dtype. (Kernels only: the reference backend's fp64 mode keeps outputs
+    unrounded but for their casts.)"""
+    outputs = tuple(ir.Output(o.name, _unrounded(o), o.dtype) for o in program.outputs)
     if outputs == program.outputs:
         return program
     return ir.Program(program.name, program.params, outputs, program.defined_at, program.locations)
@@ -74,7 +79,7 @@ def accumulate_into_d(program: ir.Program) -> ir.Program:
         raise UnsupportedError(f"epilogue '{program.name}' ({program.defined_at}): accumulate=True needs an N-wide D; "
                                f"this D is {width_text(width)} wide (a cd.pairs / cd.interleave result)\n  fix: "
                                "add it yourself (out['D'] += cd.gemm(...)['D'])")
-    value = d.node.inputs[0] if d.node.op == "cast" else d.node  # the sum is rounded once, when stored
+    value = _unrounded(d)  # the sum is rounded once, when stored
     outputs = tuple(ir.Output("D", ir.compute("add", ir.prior_d(), value), o.dtype) if o.name == "D" else o
                     for o in program.outputs)
     return ir.Program(program.name, program.params, outputs, program.defined_at, program.locations)
