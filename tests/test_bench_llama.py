@@ -299,3 +299,30 @@ def test_bf16_gradients_are_as_close_to_fp32_as_hfs():
     err = lambda g, n: ((g[n] - fp32[n]).norm() / fp32[n].norm()).item()  # noqa: E731
     worse = {n: (err(coda, n), err(hf, n)) for n in fp32 if err(coda, n) > 1.1 * err(hf, n)}
     assert not worse, worse
+
+
+# ---------------------------------------------------------------- default_rule
+
+def test_default_rule_runs_a_module_under_another_gpus_rule():
+    """The rule a process runs under is the named GPU model's, whatever this machine has (here through
+    `coda-dsl explain --shape`, which prints the configuration default() gives)."""
+    from bench import default_rule as dr
+    for rule, config, why in (("H100", "128x256x64_c2x1_cooperative", "NVIDIA H100: cooperative"),
+                              ("H200", "128x192x64_c2x1_pingpong", "NVIDIA H200: the H200's rule")):
+        done = dr.under_rule(rule, "coda_dsl", ["explain", "coda_dsl.examples:bias_gelu", "--shape", "8192x6144x4096"],
+                             capture_output=True, text=True)
+        assert done.returncode == 0 and f"config {config}\n" in done.stdout and why in done.stdout, done.stderr
+
+
+def test_default_rule_table_takes_medians_per_rule():
+    from bench import default_rule as dr
+    rows = [dr.RuleRow(rule, i, 8192, variant, f, 1.0 + f / 10)
+            for i, f in enumerate((1.0, 1.2, 1.1)) for rule in ("H100", "H200") for variant in (dr.CODA, dr.COMPILED)]
+    table = dr.report(rows, ["H100", "H200"], [8192])
+    assert "| 8192 | H100 | 1.100 | 1.110 | 1.100 | 1.110 |" in table and table.count("\n") == 3
+
+
+def test_default_rule_without_a_gpu_exits_with_one(monkeypatch):
+    from bench import default_rule as dr
+    monkeypatch.setattr(dr, "no_gpu", lambda: True)
+    assert dr.main(["--rounds", "1"]) == 1

@@ -430,9 +430,14 @@ def test_python_dash_m():
     assert res.returncode == 2 and res.stderr.strip() == "coda-dsl explain: error: no such file: nope.py"
 
 
-def test_explain_shape_shows_the_default_config_and_why(capsys):
-    rc, out, _ = run(capsys, "explain", "coda_dsl.examples:bias_gelu", "--shape", "8192x6144x4096")
-    assert rc == 0 and "config 128x256x64_c2x1_cooperative\n" in out and "measured fastest under sustained load" in out
+def test_explain_shape_shows_the_default_config_and_why(capsys, monkeypatch):
+    """The rule of this machine's GPU (none: the H200's), named with the reason."""
+    from coda_dsl.runtime import tune
+    for gpu, config, why in (("", "128x192x64_c2x1_pingpong", "no GPU here: the H200's rule"),
+                             ("NVIDIA H100 80GB HBM3", "128x256x64_c2x1_cooperative", "measured fastest on H100s")):
+        monkeypatch.setattr(tune, "gpu_name", lambda device=None, gpu=gpu: gpu)
+        rc, out, _ = run(capsys, "explain", "coda_dsl.examples:bias_gelu", "--shape", "8192x6144x4096")
+        assert rc == 0 and f"config {config}\n" in out and why in out
     rc, out, _ = run(capsys, "explain", "coda_dsl.examples:bias_gelu", "--shape", "8192x4096x4096",
                      "--config", "128x128x64_c1x1_cooperative")
     assert "config 128x128x64_c1x1_cooperative\n" in out and "(--config)" in out
@@ -461,7 +466,7 @@ def test_cd_take_indices_are_int64_in_the_cli_as_in_cd_gemm():
 def test_emit_and_build_take_the_shapes_config(capsys, monkeypatch):
     """--shape gives emit and build the kernel cd.gemm would load for that shape (not the shape-free default)."""
     from coda_dsl.runtime import tune
-    monkeypatch.setattr(tune, "default", lambda m, n, k, l=1: (tune.PINGPONG_192, "a rule by shape"))
+    monkeypatch.setattr(tune, "default", lambda m, n, k, l=1, gpu=None: (tune.PINGPONG_192, "a rule by shape"))
     rc, out, _ = run(capsys, "emit", "coda_dsl.examples:bias_gelu", "--shape", "8192x6144x4096")
     assert rc == 0 and "KernelTmaWarpSpecializedPingpong" in out and "Shape<_128, _192, _64>" in out
     built = []

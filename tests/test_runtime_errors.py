@@ -696,7 +696,7 @@ def test_tuning_later_replaces_the_warm_choice(fake_kernels, monkeypatch):
     for tune in (False, True, False):
         cd.gemm(a, b, backend="cutlass", tune=tune)
     chosen = [op.plan.signature.config for op, _ in fake_kernels]
-    assert tunings == [1] and chosen == [runtime.tuning.default(M, N, K)[0], tuned, tuned]
+    assert tunings == [1] and chosen == [runtime.tuning.default(M, N, K, gpu="")[0], tuned, tuned]
 
 
 # ---- issue 10, item 7: call-path defects ------------------------------------------------------------

@@ -68,16 +68,37 @@ def test_record_key_separates_batch_counts():
     assert tuning.record_key("k", tuning.DEFAULT, 64, 64, 64, 1) != tuning.record_key("k", tuning.DEFAULT, 64, 64, 64, 4)
 
 
+H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+
+
 @pytest.mark.parametrize("mnk", [(8192, 4096, 4096), (8192, 14336, 4096), (8192, 6144, 4096), (8192, 4096, 14336),
                                  (8192, 28672, 8192), (777, 4104, 1000)])
-def test_default_config_by_shape(mnk):
-    config, why = tuning.default(*mnk)
-    assert config == tuning.DEFAULT and why and config.swizzle == 8
+def test_default_config_on_an_h100_is_the_cooperative_tile(mnk):
+    config, why = tuning.default(*mnk, gpu=H100)
+    assert config == tuning.DEFAULT and H100 in why and config.swizzle == 8
+
+
+@pytest.mark.parametrize("gpu", [H200, "", "NVIDIA GH200 480GB"])
+@pytest.mark.parametrize("mnk, expected", [
+    ((8192, 4096, 4096), tuning.PINGPONG), ((8192, 14336, 4096), tuning.PINGPONG),
+    ((8192, 6144, 4096), tuning.PINGPONG_192), ((8192, 12288, 4096), tuning.PINGPONG_192),
+    ((8192, 4096, 14336), tuning.DEFAULT), ((8192, 28672, 8192), tuning.DEFAULT),
+    ((777, 4104, 1000), tuning.DEFAULT), ((2048, 2048, 2048), tuning.DEFAULT)])
+def test_default_config_elsewhere_is_the_h200_shape_rule(gpu, mnk, expected):
+    """Pingpong at K < 8192 (128x192 where 192 divides N), the cooperative tile at K >= 8192 and below
+    4096 x 4096 outputs; the reason names the rule and whether the GPU was measured."""
+    config, why = tuning.default(*mnk, gpu=gpu)
+    assert config == expected and config.swizzle == 8 and "the H200's rule" in why
+    assert ("not measured" in why) == (gpu not in (H200, "")) and ("no GPU here" in why) == (gpu == "")
+
+
+def test_gpu_name_off_cuda_is_empty():
+    assert tuning.gpu_name(torch.device("cpu")) == ""
 
 
 def test_gemm_uses_the_shape_default_and_tells_buckets_apart(fake_kernels, monkeypatch):
     """Two shapes of one bucket (N 6144 and 8192) get the configurations the rule gives each."""
-    rule = lambda m, n, k, l=1: (tuning.PINGPONG_192 if n % 192 == 0 else tuning.PINGPONG, "test rule")  # noqa: E731
+    rule = lambda m, n, k, l=1, gpu=None: (tuning.PINGPONG_192 if n % 192 == 0 else tuning.PINGPONG, "test rule")  # noqa: E731
     monkeypatch.setattr(tuning, "default", rule)
     for n in (6144, 8192):
         cd.gemm(torch.randn(4096, 64).bfloat16(), torch.randn(n, 64).bfloat16(), backend="cutlass")

@@ -791,7 +791,7 @@ def set_tuning(enabled: bool) -> None:
 def _choose_config(spec, call: Call, tune: bool, key: tuple) -> Config:
     """The recorded choice for this device and shape bucket, else (tuning now if asked) the default.
     Decided once per process and bucket: the warm path reads no file and builds no Signature."""
-    default = tuning.default(*call.mnkl)[0]  # shapes of one bucket may differ in it
+    default = tuning.default(*call.mnkl, gpu=tuning.gpu_name(call.a.device))[0]  # shapes of one bucket may differ
     key = (key, tuning.bucket(*call.mnkl), default)
     choice = _configs.get(key)
     if choice is None or (tune and not choice[1]):

@@ -1,4 +1,4 @@
-"""Kernel configuration: a shape-free default, and measured choices persisted per device.
+"""Kernel configuration: a default per GPU model and shape, and measured choices persisted per device.
 
 tune=True builds every candidate configuration of a specialization in parallel (one ninja run),
 times each on the call's shapes with random data, and records the winner in
@@ -24,7 +24,7 @@ from .. import build
 from ..errors import SharedMemoryError
 from ..passes.plan import Config
 
-DEFAULT = Config()  # cd.compile without config= and cd.gemm untuned: cooperative 128x256, cluster 2x1, swizzle 8
+DEFAULT = Config()  # cd.compile without config=: cooperative 128x256, cluster 2x1, swizzle 8
 PINGPONG = Config((128, 128, 64), (2, 1), "pingpong")
 PINGPONG_192 = Config((128, 192, 64), (2, 1), "pingpong")
 CANDIDATES = [
@@ -39,21 +39,46 @@ CANDIDATES = [
 ]
 
 
-def default(m: int, n: int, k: int, l: int = 1) -> tuple[Config, str]:
-    """The configuration a call gets without tuning, and why: the cooperative 128x256 tile, cluster 2x1,
-    swizzle 8 (one wave's A and B slices stay in L2) at every shape. The shape is an argument so that a
-    rule by shape has its one home here (cd.gemm, `coda-dsl explain --shape` and tuning's buckets ask it).
-    Pingpong 128x128 / 128x192 at K < 8192 was the rule until 2026-12-05: in short round-robin bursts
-    (bench.sweep on the H200, bench/results/sweep_h200.md) it hid the epilogue, 0.94-1.02x cuBLAS against
-    1.00-1.09x. Timed as training runs, one mix of kernels for long at the 700 W cap, it lost (H100s, each
-    ratio in one process; bench/results/history.md): `bench.mlp --steps gate_up --sustained 300`,
-    rms_swiglu_fwd at 8192 x 14336 x 4096 1.272x cuBLAS against 1.061x for this tile, at 16384 tokens
-    1.424x against 1.137x; the Llama-3-8B layer's forward + backward (bench.llama_layer, 8192 / 16384
-    tokens) 1.056x / 1.072x its floor under the old rule against 1.034x / 1.012x under this one. Why is not
-    established: the SM clocks NVML read do not explain it alone (at 16384 tokens pingpong ran at the
-    higher clock). Not yet measured on the H200, nor per shape under sustained load (`bench.sweep
-    --sustained`)."""
-    return DEFAULT, "cooperative 128x256, measured fastest under sustained load (runtime/tune.py:default)"
+def default(m: int, n: int, k: int, l: int = 1, gpu: str | None = None) -> tuple[Config, str]:
+    """The configuration a call gets without tuning, and why. The rule is measured per GPU model: `gpu` is
+    the GPU's name (None: the current CUDA device's; "" for no GPU). The Llama-3-8B layer's forward +
+    backward per rule, × its floor at 8192 / 16384 tokens (`python -m bench.default_rule`'s method: each
+    rule in a process of its own running bench.llama_layer, alternating; bench/results/history.md):
+    - H100 (measured on the SXM, 700 W): the cooperative 128x256 tile at every shape: 1.034 / 1.012 against 1.056 / 1.072
+      for the H200's rule. Under sustained load pingpong clocks lower there (bench.mlp --sustained:
+      rms_swiglu_fwd 1.272x cuBLAS against 1.061x at 8192 x 14336 x 4096).
+    - H200, and GPUs not measured: pingpong at K < 8192, whose two warp groups overlap one tile's epilogue
+      with the other's mainloop (128x192 where 192 divides N, else 128x128; bench.sweep: 0.94-1.02x cuBLAS
+      against 1.00-1.09x), the cooperative 128x256 tile at K >= 8192 (its mainloop is the faster one once
+      the epilogue is a small share of the tile's time) and below 4096 x 4096 outputs: 1.041-1.044 /
+      1.021-1.038 against 1.055-1.084 / 1.011-1.040 for the H100's rule (forward 1.017-1.019 against 1.05-1.08).
+    Swizzle 8 everywhere: one wave's A and B slices stay in L2."""
+    gpu = gpu_name() if gpu is None else gpu
+    model = gpu.split()  # "NVIDIA H100 80GB HBM3": the model is a word of its own (GH200 is not an H200)
+    if "H100" in model:
+        return DEFAULT, f"{gpu}: cooperative 128x256 at every shape, measured fastest on H100s (runtime/tune.py:default)"
+    rule = f"{'no GPU here' if not gpu else gpu if 'H200' in model else gpu + ' (not measured)'}: the H200's rule"
+    if m * l * n < 4096 * 4096:
+        return DEFAULT, f"{rule}, M x N = {m * l} x {n} < 4096 x 4096: cooperative 128x256"
+    if k >= 8192:
+        return DEFAULT, f"{rule}, K = {k} >= 8192: the mainloop dominates, cooperative 128x256"
+    if n % 192 == 0:
+        return PINGPONG_192, f"{rule}, K = {k} < 8192: pingpong hides the epilogue; 192 divides N = {n}"
+    return PINGPONG, f"{rule}, K = {k} < 8192: pingpong hides the epilogue; 192 does not divide N = {n}"
+
+
+def gpu_name(device: torch.device | None = None) -> str:
+    """The name default() reads its rule by: the CUDA device's (None: the current one), "" for none."""
+    if device is None:
+        if not torch.cuda.is_available():
+            return ""
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _cuda_name(device.index or 0) if device.type == "cuda" else ""
+
+
+@functools.cache
+def _cuda_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
 
 
 def bucket(m: int, n: int, k: int, l: int) -> str:
