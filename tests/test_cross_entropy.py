@@ -122,9 +122,9 @@ def test_per_row_loss_recomputes_in_the_backward(monkeypatch):
     x, w, t = _problem(m=40)
     calls = _count_gemms(monkeypatch)
     loss = cd.linear_cross_entropy(x, w, t, reduction="none", backend="reference", chunk_rows=16)
-    assert calls == [("ce_forward", False)]
+    assert calls == [("ce_forward", False)] * 3
     loss.sum().backward()
-    assert calls[1:] == [("ce_backward", True)] * 3
+    assert calls[3:] == [("ce_backward", True)] * 3
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -148,16 +148,22 @@ def test_config_reaches_every_kernel(monkeypatch, reduction):
         cd.linear_cross_entropy(x, w, t, backend="reference", config="128x128_bogus")
 
 
-def test_no_gradient_wanted_stores_no_logits(monkeypatch):
-    """Under no_grad, or when neither x nor W requires grad: one statistics-only GEMM, no D."""
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_no_gradient_wanted_stores_no_logits(monkeypatch, smoothing):
+    """Under no_grad, or when neither x nor W requires grad: a statistics-only GEMM per chunk of rows
+    (40 rows in chunks of 16: three), no D; the same loss as one GEMM over all rows."""
     x, w, t = _problem(m=40)
     calls = _count_gemms(monkeypatch)
     with torch.no_grad():
-        a = cd.linear_cross_entropy(x, w, t, backend="reference", chunk_rows=16)
-    b = cd.linear_cross_entropy(x.detach(), w.detach(), t, backend="reference", chunk_rows=16)
-    assert calls == [("ce_forward", False)] * 2 and not a.requires_grad and not b.requires_grad
-    assert torch.equal(a, b)
-    ref, _, _ = _torch_loss(x, w, t)
+        a = cd.linear_cross_entropy(x, w, t, backend="reference", chunk_rows=16, label_smoothing=smoothing)
+    b = cd.linear_cross_entropy(x.detach(), w.detach(), t, backend="reference", chunk_rows=16, label_smoothing=smoothing)
+    name = "ce_forward_smooth" if smoothing else "ce_forward"
+    assert calls == [(name, False)] * 6 and not a.requires_grad and not b.requires_grad
+    whole = cd.linear_cross_entropy(x.detach(), w.detach(), t, backend="reference", chunk_rows=40,
+                                    label_smoothing=smoothing, reduction="none")
+    assert calls[6:] == [(name, False)] and torch.equal(a, b)
+    torch.testing.assert_close(a, whole[t != -100].mean(), rtol=1e-6, atol=1e-6)
+    ref, _, _ = _torch_loss(x, w, t, smoothing)
     assert _rel(a, ref) < 1e-4
 
 
