@@ -609,3 +609,20 @@ def test_under_torch_compile_fullgraph(seed, smoothing, cap, reduction, dynamic)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         for a, b in zip(torch.autograd.grad(got, (x, w), g), torch.autograd.grad(want, (x, w), g)):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_no_rows_gives_zero_gradients(monkeypatch, reduction):
+    """M = 0 (an empty micro-batch): as with every target ignored, a mean of 0 (F.cross_entropy: NaN), a sum of
+    0, an empty vector, and zero gradients; grad_W is written by no GEMM, so it must be zeroed, never left
+    uninitialized (fresh memory full of NaN here)."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: (lambda t: t.fill_(float("nan")) if t.is_floating_point()
+                                                          else t)(empty(*a, **kw)))
+    x = torch.randn(0, 32, requires_grad=True)
+    w = torch.randn(301, 32, requires_grad=True)
+    loss = cd.linear_cross_entropy(x, w, torch.zeros(0, dtype=torch.int64), reduction=reduction, backend="reference")
+    ref = F.cross_entropy(torch.zeros(0, 301), torch.zeros(0, dtype=torch.int64), reduction=reduction)
+    torch.testing.assert_close(loss, ref.nan_to_num())
+    loss.sum().backward()
+    assert x.grad.shape == (0, 32) and torch.equal(w.grad, torch.zeros_like(w))

@@ -189,6 +189,20 @@ def _chunked_stats(x, w, safe, smoothing, cap, backend, config, chunk: int) -> d
     return {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
 
 
+def _accumulate(gx, gw, g, gt, w, xs, s: int, alpha: float) -> None:
+    """One chunk's share of the gradients, from the logits' gradient g over the kernels' columns and gt over
+    the last V % 8 (None if V % 8 == 0): gx[s:s+rows] = g @ W, gw += alpha g^T @ xs (gw = at the first
+    chunk: the uninitialized outputs are not read). gx or gw None: not wanted."""
+    vk = g.shape[1]
+    for part, cols in ((g, slice(None, vk)), (gt, slice(vk, None))):
+        if part is None:
+            continue
+        if gx is not None:
+            gx[s:s + part.shape[0]].addmm_(part, w[cols], beta=0 if cols.start is None else 1)
+        if gw is not None:
+            gw[cols].addmm_(part.t(), xs, beta=1 if s else 0, alpha=alpha)
+
+
 def _split(v: int) -> int:
     """Columns the kernels compute: a multiple of 8, since they store [rows, V] logits with TMA (16-byte
     rows). The last V % 8 (at most 7: V = 50257) are computed in fp32 by _tail, per chunk."""
@@ -291,18 +305,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 st = _merge_tail(st, zt, ts - vk)
             loss[s:e] = _row_loss(st, v, smoothing)
             _logit_grad_(z, st["lse"], scale[s:e], ts, st["z_target"], smoothing / v, 1.0 - smoothing, cap, x.dtype)
-            g = z.view(x.dtype)
-            if need_x:  # (beta 0: the uninitialized output is not read)
-                gx[s:e].addmm_(g, wk, beta=0)
-            if need_w:
-                gw[:vk].addmm_(g.t(), xs, beta=1 if s else 0, alpha=alpha)
-            if vk < v:  # the last V % 8 columns, in fp32 (_tail)
-                gt = _logit_grad(zt, st["lse"], scale[s:e], ts - vk, st["z_target"], smoothing / v, 1.0 - smoothing,
-                                 cap).to(x.dtype)
-                if need_x:
-                    gx[s:e].addmm_(gt, wt)
-                if need_w:
-                    gw[vk:].addmm_(gt.t(), xs, beta=1 if s else 0, alpha=alpha)
+            gt = None if vk == v else _logit_grad(zt, st["lse"], scale[s:e], ts - vk, st["z_target"], smoothing / v,
+                                                  1.0 - smoothing, cap).to(x.dtype)
+            _accumulate(gx, gw, z.view(x.dtype), gt, w, xs, s, alpha)
         if need_w and m == 0:
             gw.zero_()
         ctx.grads = (gx, gw, peak, alpha)
@@ -344,7 +349,7 @@ def recomputed_grads(x, w, lse, scale, target, uniform: float, hot: float, cap: 
     m, v = x.shape[0], w.shape[0]
     scale, alpha, peak = _factored(scale, m, x.dtype)
     grad_x = torch.empty_like(x) if need_x else None
-    grad_w = torch.zeros_like(w) if need_w else None  # in w's dtype: each chunk's GEMM sums in fp32
+    grad_w = torch.empty_like(w) if need_w else None  # in w's dtype: each chunk's GEMM sums in fp32
     vk = _split(v)
     wk, wt = w[:vk], w[vk:]
     buf = _chunk_buffer(min(chunk, m), vk, x, x.dtype)
@@ -357,18 +362,14 @@ def recomputed_grads(x, w, lse, scale, target, uniform: float, hot: float, cap: 
                       config=config)
         p = out["D"]  # [chunk, V - V % 8]: the logits' gradient, but for the one-hot term
         put_target_column(p, out["g_target"], tk, hot * sc * (out["dz_target"] if cap else 1))
-        if need_x:
-            grad_x[s:e].addmm_(p, wk, beta=0)
-        if need_w:
-            grad_w[:vk].addmm_(p.t(), xs, alpha=alpha)
+        gt = None
         if vk < v:  # the last V % 8 columns, in fp32 (_tail)
             zt = _tail(xs, wt, cap)
             z_target = zt.gather(1, (ts - vk).clamp(0, v - vk - 1)[:, None])[:, 0]  # read where ts is a tail column
             gt = _logit_grad(zt, lse_s, sc, ts - vk, z_target, uniform, hot, cap).to(x.dtype)
-            if need_x:
-                grad_x[s:e].addmm_(gt, wt)
-            if need_w:
-                grad_w[vk:].addmm_(gt.t(), xs, alpha=alpha)
+        _accumulate(grad_x, grad_w, p, gt, w, xs, s, alpha)
+    if need_w and m == 0:
+        grad_w.zero_()
     if x.dtype == torch.float16:  # else the rows' whole scale is in g (_factored)
         _scale_(grad_x, grad_w, peak, alpha)
     return grad_x, grad_w
