@@ -326,3 +326,10 @@ def test_default_rule_without_a_gpu_exits_with_one(monkeypatch):
     from bench import default_rule as dr
     monkeypatch.setattr(dr, "no_gpu", lambda: True)
     assert dr.main(["--rounds", "1"]) == 1
+
+
+def test_default_rule_takes_only_the_models_with_a_rule(capsys):
+    from bench import default_rule as dr
+    with pytest.raises(SystemExit):
+        dr.main(["--rules", "A100"])
+    assert "choose from H100, H200" in capsys.readouterr().err

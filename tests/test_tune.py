@@ -96,6 +96,12 @@ def test_gpu_name_off_cuda_is_empty():
     assert tuning.gpu_name(torch.device("cpu")) == ""
 
 
+@pytest.mark.parametrize("gpu, h100", [(H100, True), ("NVIDIA H100 PCIe", True), ("H100-SXM5-80GB", True),
+                                       ("NVIDIA H1000", False), ("NVIDIA GH100X", False), (H200, False)])
+def test_the_h100_rule_goes_to_h100_names_only(gpu, h100):
+    assert (tuning.default(8192, 4096, 4096, gpu=gpu)[0] == tuning.DEFAULT) == h100
+
+
 def test_gemm_uses_the_shape_default_and_tells_buckets_apart(fake_kernels, monkeypatch):
     """Two shapes of one bucket (N 6144 and 8192) get the configurations the rule gives each."""
     rule = lambda m, n, k, l=1, gpu=None: (tuning.PINGPONG_192 if n % 192 == 0 else tuning.PINGPONG, "test rule")  # noqa: E731

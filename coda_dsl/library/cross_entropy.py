@@ -178,10 +178,12 @@ def _stats(x, w, safe, smoothing, cap, backend, config, logits: torch.Tensor | b
 
 
 def _chunked_stats(x, w, safe, smoothing, cap, backend, config, chunk: int) -> dict:
-    """_stats (no D) one chunk of rows at a time, as the gradient path's GEMMs run: a chunk's x tiles stay
-    in L2 while W streams past them. One GEMM over all rows read them from DRAM again and again: at
-    M = 8192, d = 4096, V = 128256 the forward took 16.86 ms on an H100 against 13.3 for the gradient
-    path's two 4096-row GEMMs, which also store the logits (13.1 against 12.5-12.7 on the H200)."""
+    """_stats (no D) one chunk of rows at a time, as the gradient path's GEMMs run. Why, a hypothesis not
+    yet timed chunked: a chunk's x tiles stay in L2 while W streams past them, where one GEMM over all rows
+    reads them from memory again and again. At M = 8192, d = 4096, V = 128256 on an H100 the forward (one
+    GEMM) took 16.86 ms, while the gradient path's two 4096-row GEMMs, which also store the logits, took
+    13.3 ms of GPU time under the profiler (README, Results: cross-entropy). The chunk is the gradient
+    path's (sized by its logits buffer, not by L2): at V = 32000 a single one up to 16768 rows."""
     if x.shape[0] <= chunk:
         return _stats(x, w, safe, smoothing, cap, backend, config)
     parts = [_stats(x[s:s + chunk], w, safe[s:s + chunk], smoothing, cap, backend, config)
@@ -189,18 +191,26 @@ def _chunked_stats(x, w, safe, smoothing, cap, backend, config, chunk: int) -> d
     return {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
 
 
+def _grad_buffers(x, w, need_x: bool, need_w: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """grad_x and grad_W to be written by _accumulate, in the inputs' dtypes (each GEMM sums in fp32); without
+    rows no GEMM writes grad_W: zeros then."""
+    gw = (torch.zeros_like(w) if x.shape[0] == 0 else torch.empty_like(w)) if need_w else None
+    return (torch.empty_like(x) if need_x else None), gw
+
+
 def _accumulate(gx, gw, g, gt, w, xs, s: int, alpha: float) -> None:
-    """One chunk's share of the gradients, from the logits' gradient g over the kernels' columns and gt over
-    the last V % 8 (None if V % 8 == 0): gx[s:s+rows] = g @ W, gw += alpha g^T @ xs (gw = at the first
-    chunk: the uninitialized outputs are not read). gx or gw None: not wanted."""
-    vk = g.shape[1]
-    for part, cols in ((g, slice(None, vk)), (gt, slice(vk, None))):
-        if part is None:
-            continue
-        if gx is not None:
-            gx[s:s + part.shape[0]].addmm_(part, w[cols], beta=0 if cols.start is None else 1)
-        if gw is not None:
-            gw[cols].addmm_(part.t(), xs, beta=1 if s else 0, alpha=alpha)
+    """One chunk's share of the gradients (gx or gw None: not wanted), from the logits' gradient g over
+    the kernels' columns and gt over the last V % 8 (None if V % 8 == 0): gx[s:s+rows] = g @ W, and
+    gw += alpha g^T @ xs, gw = at the first chunk (s = 0: the uninitialized output is not read)."""
+    vk, rows, beta = g.shape[1], slice(s, s + g.shape[0]), 1 if s else 0
+    if gx is not None:
+        gx[rows].addmm_(g, w[:vk], beta=0)
+        if gt is not None:
+            gx[rows].addmm_(gt, w[vk:])
+    if gw is not None:
+        gw[:vk].addmm_(g.t(), xs, beta=beta, alpha=alpha)
+        if gt is not None:
+            gw[vk:].addmm_(gt.t(), xs, beta=beta, alpha=alpha)
 
 
 def _split(v: int) -> int:
@@ -289,8 +299,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         loss = torch.empty(m, device=x.device, dtype=torch.promote_types(x.dtype, torch.float32))
         scale, alpha, peak = _factored(
             _poisoned(valid.to(loss.dtype) / (count.clamp_min(1) if reduction == "mean" else 1), bad), m, x.dtype)
-        gx = torch.empty_like(x) if need_x else None
-        gw = torch.empty_like(w) if need_w else None  # in w's dtype: each chunk's GEMM sums in fp32
+        gx, gw = _grad_buffers(x, w, need_x, need_w)
         vk = _split(v)
         wk, wt = w[:vk], w[vk:]
         buf = _chunk_buffer(min(chunk, m), vk, x, logits_buffer_dtype(x.dtype))
@@ -308,8 +317,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
             gt = None if vk == v else _logit_grad(zt, st["lse"], scale[s:e], ts - vk, st["z_target"], smoothing / v,
                                                   1.0 - smoothing, cap).to(x.dtype)
             _accumulate(gx, gw, z.view(x.dtype), gt, w, xs, s, alpha)
-        if need_w and m == 0:
-            gw.zero_()
         ctx.grads = (gx, gw, peak, alpha)
         return _reduce(loss, valid, count, reduction, bad)
 
@@ -348,8 +355,7 @@ def recomputed_grads(x, w, lse, scale, target, uniform: float, hot: float, cap: 
     reduction="none" backward, and each vocabulary shard's in coda_dsl.parallel."""
     m, v = x.shape[0], w.shape[0]
     scale, alpha, peak = _factored(scale, m, x.dtype)
-    grad_x = torch.empty_like(x) if need_x else None
-    grad_w = torch.empty_like(w) if need_w else None  # in w's dtype: each chunk's GEMM sums in fp32
+    grad_x, grad_w = _grad_buffers(x, w, need_x, need_w)
     vk = _split(v)
     wk, wt = w[:vk], w[vk:]
     buf = _chunk_buffer(min(chunk, m), vk, x, x.dtype)
@@ -368,8 +374,6 @@ def recomputed_grads(x, w, lse, scale, target, uniform: float, hot: float, cap: 
             z_target = zt.gather(1, (ts - vk).clamp(0, v - vk - 1)[:, None])[:, 0]  # read where ts is a tail column
             gt = _logit_grad(zt, lse_s, sc, ts - vk, z_target, uniform, hot, cap).to(x.dtype)
         _accumulate(grad_x, grad_w, p, gt, w, xs, s, alpha)
-    if need_w and m == 0:
-        grad_w.zero_()
     if x.dtype == torch.float16:  # else the rows' whole scale is in g (_factored)
         _scale_(grad_x, grad_w, peak, alpha)
     return grad_x, grad_w

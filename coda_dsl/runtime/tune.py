@@ -12,6 +12,7 @@ import fcntl
 import functools
 import hashlib
 import json
+import re
 import statistics
 import sys
 import time
@@ -44,20 +45,21 @@ def default(m: int, n: int, k: int, l: int = 1, gpu: str | None = None) -> tuple
     the GPU's name (None: the current CUDA device's; "" for no GPU). The Llama-3-8B layer's forward +
     backward per rule, × its floor at 8192 / 16384 tokens (`python -m bench.default_rule`'s method: each
     rule in a process of its own running bench.llama_layer, alternating; bench/results/history.md):
-    - H100 (measured on the SXM, 700 W): the cooperative 128x256 tile at every shape: 1.034 / 1.012 against 1.056 / 1.072
-      for the H200's rule. Under sustained load pingpong clocks lower there (bench.mlp --sustained:
-      rms_swiglu_fwd 1.272x cuBLAS against 1.061x at 8192 x 14336 x 4096).
+    - H100: the cooperative 128x256 tile at every shape: 1.034 / 1.012 against 1.056 / 1.072 for the H200's
+      rule (one SXM card, one process per rule, one run each; another H100 gave the cooperative rule 1.063 /
+      1.036). Under sustained load pingpong clocks lower there (bench.mlp --sustained: rms_swiglu_fwd 1.272x
+      cuBLAS against 1.061x at 8192 x 14336 x 4096). The PCIe and NVL cards take it unmeasured.
     - H200, and GPUs not measured: pingpong at K < 8192, whose two warp groups overlap one tile's epilogue
       with the other's mainloop (128x192 where 192 divides N, else 128x128; bench.sweep: 0.94-1.02x cuBLAS
       against 1.00-1.09x), the cooperative 128x256 tile at K >= 8192 (its mainloop is the faster one once
       the epilogue is a small share of the tile's time) and below 4096 x 4096 outputs: 1.041-1.044 /
-      1.021-1.038 against 1.055-1.084 / 1.011-1.040 for the H100's rule (forward 1.017-1.019 against 1.05-1.08).
+      1.021-1.038 (2 runs) against 1.055-1.084 / 1.011-1.040 (5 runs) for the H100's rule (forward
+      1.017-1.019 against 1.05-1.08): a gain at 8192 tokens, none to tell at 16384.
     Swizzle 8 everywhere: one wave's A and B slices stay in L2."""
     gpu = gpu_name() if gpu is None else gpu
-    model = gpu.split()  # "NVIDIA H100 80GB HBM3": the model is a word of its own (GH200 is not an H200)
-    if "H100" in model:
+    if _model(gpu, "H100"):
         return DEFAULT, f"{gpu}: cooperative 128x256 at every shape, measured fastest on H100s (runtime/tune.py:default)"
-    rule = f"{'no GPU here' if not gpu else gpu if 'H200' in model else gpu + ' (not measured)'}: the H200's rule"
+    rule = f"{'no GPU here' if not gpu else gpu if _model(gpu, 'H200') else gpu + ' (not measured)'}: the H200's rule"
     if m * l * n < 4096 * 4096:
         return DEFAULT, f"{rule}, M x N = {m * l} x {n} < 4096 x 4096: cooperative 128x256"
     if k >= 8192:
@@ -67,13 +69,20 @@ def default(m: int, n: int, k: int, l: int = 1, gpu: str | None = None) -> tuple
     return PINGPONG, f"{rule}, K = {k} < 8192: pingpong hides the epilogue; 192 does not divide N = {n}"
 
 
+def _model(gpu: str, model: str) -> bool:
+    """Whether a GPU's name names that model ("NVIDIA H100 80GB HBM3", "H100-SXM5": yes; "GH200": not an H200)."""
+    return re.search(rf"(?<![A-Za-z0-9]){model}(?![0-9])", gpu) is not None
+
+
 def gpu_name(device: torch.device | None = None) -> str:
-    """The name default() reads its rule by: the CUDA device's (None: the current one), "" for none."""
-    if device is None:
+    """The name default() reads its rule by: the CUDA device's (None, or no index: the current one), "" for none."""
+    if device is not None and device.type != "cuda":
+        return ""
+    if device is None or device.index is None:
         if not torch.cuda.is_available():
             return ""
-        device = torch.device("cuda", torch.cuda.current_device())
-    return _cuda_name(device.index or 0) if device.type == "cuda" else ""
+        return _cuda_name(torch.cuda.current_device())
+    return _cuda_name(device.index)
 
 
 @functools.cache
