@@ -187,9 +187,11 @@ def _spec_from_args(args, epilogue: tuple[Epilogue, dict, dict] | None = None) -
     ep, consts, dtypes = epilogue or _epilogue_from_args(args)
     dtypes = {**dtypes, **_pairs(args.operand_dtype, "--operand-dtype")}
     config = args.config
+    if args.gpu is not None and not args.shape:
+        raise CliError("--gpu names the GPU whose rule picks the configuration for --shape: give --shape too")
     if args.shape and not config:  # the configuration cd.gemm would pick, untuned, for this shape
         from .runtime.tune import default
-        config = default(*args.shape)[0].text
+        config = default(*args.shape, gpu=args.gpu)[0].text
     return ep, specialization_from_options(ep, args.dtype, args.b_layout, dtypes, consts, config, args.a_layout)
 
 
@@ -270,7 +272,7 @@ def cmd_explain(args) -> int:
     if args.shape:
         from .runtime.tune import default
         print(f"  config for M x N x K = {' x '.join(map(str, args.shape))}: " +
-              (f"{args.config} (--config)" if args.config else default(*args.shape)[1]))
+              (f"{args.config} (--config)" if args.config else default(*args.shape, gpu=args.gpu)[1]))
         try:  # what cd.gemm checks of a shape before launching: TMA's 16-byte groups
             spec.check_widths(_meta_call(args.shape, sig))
         except UnsupportedError as e:
@@ -520,6 +522,8 @@ def _target_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="TILE_CLUSTER_SCHEDULE", help=f"kernel config (default {DEFAULT_CONFIG})")
     p.add_argument("--shape", type=_shape, metavar="MxNxK",
                    help="the configuration cd.gemm picks for this problem size untuned (unless --config)")
+    p.add_argument("--gpu", metavar="NAME", help="with --shape: the GPU whose rule picks it, e.g. H100 or H200 "
+                   "(default: this machine's GPU; none: the H200's rule)")
 
 
 def _shape(text: str) -> tuple[int, int, int]:
