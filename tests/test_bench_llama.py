@@ -333,3 +333,24 @@ def test_default_rule_takes_only_the_models_with_a_rule(capsys):
     with pytest.raises(SystemExit):
         dr.main(["--rules", "A100"])
     assert "choose from H100, H200" in capsys.readouterr().err
+
+
+def test_default_rule_reads_the_layer_bench_json(monkeypatch):
+    """run_rule's ratios come from bench.llama_layer's JSON; a run that timed coda_dsl is kept even when
+    another variant failed (exit 1), one that did not is an error."""
+    from bench import default_rule as dr
+
+    def fake(rows, rc):
+        def under_rule(rule, module, args, **kw):
+            Path(args[args.index("--json") + 1]).write_text(json.dumps({"rows": rows}))
+            return type("Done", (), {"returncode": rc})()
+        monkeypatch.setattr(dr, "under_rule", under_rule)
+    floor = {"tokens": 8192, "variant": dr.FLOOR, "fwd_ms": 2.0, "fwd_bwd_ms": 8.0}
+    coda = {"tokens": 8192, "variant": dr.CODA, "fwd_ms": 2.2, "fwd_bwd_ms": 8.4}
+    fake([floor, coda], 1)  # torch.compile's variant failed: its row is missing
+    (row,) = dr.run_rule("H200", 0, [8192], 1)
+    assert (row.rule, row.variant) == ("H200", dr.CODA) and row.fwd_x_floor == pytest.approx(1.1)
+    assert row.fwd_bwd_x_floor == pytest.approx(1.05)
+    fake([floor], 1)
+    with pytest.raises(SystemExit, match="did not time coda_dsl"):
+        dr.run_rule("H100", 0, [8192], 1)
