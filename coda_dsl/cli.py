@@ -189,6 +189,8 @@ def _spec_from_args(args, epilogue: tuple[Epilogue, dict, dict] | None = None) -
     config = args.config
     if args.gpu is not None and not args.shape:
         raise CliError("--gpu names the GPU whose rule picks the configuration for --shape: give --shape too")
+    if args.gpu is not None and not args.gpu.strip():
+        raise CliError("--gpu needs a GPU's name, e.g. H100 or H200")
     if args.shape and not config:  # the configuration cd.gemm would pick, untuned, for this shape
         from .runtime.tune import default
         config = default(*args.shape, gpu=args.gpu)[0].text
@@ -522,8 +524,8 @@ def _target_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="TILE_CLUSTER_SCHEDULE", help=f"kernel config (default {DEFAULT_CONFIG})")
     p.add_argument("--shape", type=_shape, metavar="MxNxK",
                    help="the configuration cd.gemm picks for this problem size untuned (unless --config)")
-    p.add_argument("--gpu", metavar="NAME", help="with --shape: the GPU whose rule picks it, e.g. H100 or H200 "
-                   "(default: this machine's GPU; none: the H200's rule)")
+    p.add_argument("--gpu", metavar="NAME", help="with --shape: the GPU model whose rule picks it, e.g. H100 or H200 "
+                   "(default: this machine's GPU; on a machine without one, the H200's rule)")
 
 
 def _shape(text: str) -> tuple[int, int, int]:

@@ -333,6 +333,10 @@ def test_default_rule_takes_only_the_models_with_a_rule(capsys):
     with pytest.raises(SystemExit):
         dr.main(["--rules", "A100"])
     assert "choose from H100, H200" in capsys.readouterr().err
+    for bad in (["--rounds", "0"], ["--iters", "-1"]):
+        with pytest.raises(SystemExit):
+            dr.main(bad)
+        assert "expected a positive integer" in capsys.readouterr().err
 
 
 def test_default_rule_reads_the_layer_bench_json(monkeypatch):

@@ -443,6 +443,10 @@ def test_explain_shape_shows_the_default_config_and_why(capsys, monkeypatch):
         assert rc == 0 and f"config {config}\n" in out and f"{gpu}: " in out  # whatever this machine has
     rc, _, err = run(capsys, "explain", "coda_dsl.examples:bias_gelu", "--gpu", "H100")
     assert rc != 0 and "give --shape too" in err
+    rc, _, err = run(capsys, "explain", "coda_dsl.examples:bias_gelu", "--shape", "8192x6144x4096", "--gpu", " ")
+    assert rc != 0 and "--gpu needs a GPU's name" in err
+    rc, out, _ = run(capsys, "explain", "coda_dsl.examples:bias_gelu", "--shape", "8192x6144x4096", "--gpu", "h200")
+    assert "config 128x192x64_c2x1_pingpong\n" in out and "h200: the H200's rule" in out  # any case, measured
     rc, out, _ = run(capsys, "explain", "coda_dsl.examples:bias_gelu", "--shape", "8192x4096x4096",
                      "--config", "128x128x64_c1x1_cooperative")
     assert "config 128x128x64_c1x1_cooperative\n" in out and "(--config)" in out

@@ -454,9 +454,11 @@ def test_bad_arguments():
     for bad in (w[0], w[:, :-1]):  # a vector, or rows of another width than x's
         with pytest.raises(ValueError, match=r"w must be the head's weight \[V, %d\]" % x.shape[1]):
             cd.linear_cross_entropy(x, bad, t, backend="reference")
-    for rows in (-8, 2.5):
+    for rows in (-8, 2.5, True):
         with pytest.raises(ValueError, match="chunk_rows must be a positive int"):
             cd.linear_cross_entropy(x, w, t, chunk_rows=rows, backend="reference")
+    with pytest.raises(ValueError, match="backend must be 'auto', 'cutlass' or 'reference', not 'cuda'"):
+        cd.linear_cross_entropy(x, w, t, backend="cuda")
     with pytest.raises(ValueError, match="w has no rows"):
         cd.linear_cross_entropy(x, w[:0], t, backend="reference")
     with pytest.raises(ValueError, match="target is on meta, x on cpu"):

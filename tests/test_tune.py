@@ -96,7 +96,7 @@ def test_gpu_name_off_cuda_is_empty():
     assert tuning.gpu_name(torch.device("cpu")) == ""
 
 
-@pytest.mark.parametrize("gpu, h100", [(H100, True), ("NVIDIA H100 PCIe", True), ("H100-SXM5-80GB", True),
+@pytest.mark.parametrize("gpu, h100", [(H100, True), ("NVIDIA H100 PCIe", True), ("H100-SXM5-80GB", True), ("h100", True),
                                        ("NVIDIA H1000", False), ("NVIDIA GH100X", False), (H200, False)])
 def test_the_h100_rule_goes_to_h100_names_only(gpu, h100):
     assert (tuning.default(8192, 4096, 4096, gpu=gpu)[0] == tuning.DEFAULT) == h100

@@ -70,8 +70,9 @@ def default(m: int, n: int, k: int, l: int = 1, gpu: str | None = None) -> tuple
 
 
 def _model(gpu: str, model: str) -> bool:
-    """Whether a GPU's name names that model ("NVIDIA H100 80GB HBM3", "H100-SXM5": yes; "GH200": not an H200)."""
-    return re.search(rf"(?<![A-Za-z0-9]){model}(?![0-9])", gpu) is not None
+    """Whether a GPU's name names that model, in any case ("NVIDIA H100 80GB HBM3", "H100-SXM5", "h100": yes;
+    "GH200": not an H200)."""
+    return re.search(rf"(?<![A-Za-z0-9]){model}(?![0-9])", gpu, re.IGNORECASE) is not None
 
 
 def gpu_name(device: torch.device | None = None) -> str:
