@@ -22,12 +22,11 @@ import torch
 import torch.nn.functional as F
 
 import coda_dsl as cd
-from coda_dsl.build.cache import build_key, valid_output
 from coda_dsl.library import geglu, rope_frequencies, rope_positions, swiglu
 from coda_dsl.runtime import op as runtime
 from coda_dsl.runtime import tune as tuning
 
-from .harness import (FLOOR, Row, background, compile_label, compile_mode, config_text, fmt, markdown, no_gpu,
+from .harness import (FLOOR, Row, add_sustained, background, compile_label, compile_mode, config_text, fmt, markdown, no_gpu,
                       out_dir, parser, progress, rel_err, results_only_on_stdout, rotation, save, shapes, subset,
                       table, timed)
 from .harness import command as command_line
@@ -195,7 +194,7 @@ def run(cases: list[Case], shapes=None, autotune=False, iters=50, tune=False, dy
     except Exception as e:  # noqa: BLE001  measure what built; a failed kernel would be rebuilt (and fail) per call
         failed.append(f"kernel builds: {type(e).__name__}: {e}")
         for (name, s), op in ops.items():
-            if valid_output(build_key(op.unit.key)) is None:
+            if not op.built:
                 failed.append(f"{name} {fmt(s)}: not measured, its kernel did not build")
                 todo = [t for t in todo if (t[0].name, t[1]) != (name, s)]
     rows = []
@@ -291,8 +290,7 @@ def add_args(p: argparse.ArgumentParser, only=tuple(CASES)) -> None:
     chosen.add_argument("--config", type=config_text, metavar="CFG",
                    help="coda_dsl in this configuration (e.g. 128x128x64_c2x1_pingpong) at every shape, instead "
                         "of each shape's default: a mainloop's cost apart from its epilogue's")
-    p.add_argument("--sustained", type=float, default=0, metavar="MS",
-                   help="time each variant alone after MS ms of its own calls, as training runs (default: round-robin)")
+    add_sustained(p)
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
 
 

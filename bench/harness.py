@@ -137,6 +137,13 @@ def sustained(variants: dict[str, Callable], sets: list[tuple], iters: int, warm
                 "watts": _median([w for _, w in late[n]])} for n in names}
 
 
+def add_sustained(p: argparse.ArgumentParser, what: str = "each variant") -> None:
+    """The --sustained MS option of every benchmark that times with timed()."""
+    p.add_argument("--sustained", type=float, default=0, metavar="MS",
+                   help=f"time {what} alone after MS ms of its own calls, as training runs, with the SM clock and "
+                        "board power (default: round-robin)")
+
+
 def timed(variants: dict[str, Callable], sets: list[tuple], iters: int, sustain_ms: float = 0,
           warmup: int = 2) -> tuple[dict[str, float], dict[str, dict]]:
     """µs per variant, round-robin, or with sustain_ms each alone after that many ms of its own calls

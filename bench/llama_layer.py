@@ -48,7 +48,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .harness import (markdown, no_gpu, parser, peak_mib, profile_kernels, progress, rel_err, results_only_on_stdout,
+from .harness import (add_sustained, markdown, no_gpu, parser, peak_mib, profile_kernels, progress, rel_err, results_only_on_stdout,
                       save, timed)
 from .harness import command as command_line
 
@@ -379,9 +379,7 @@ def parse(argv=None):
                    help="print each variant's N costliest GPU kernels of one fwd+bwd (stderr)")
     p.add_argument("--without-y", action="store_true",
                    help=f"also the variant '{CODA_WITHOUT_Y}': the layer's MLP keeps no y for the backward")
-    p.add_argument("--sustained", type=float, default=0, metavar="MS",
-                   help="time each variant and floor part alone after MS ms of its own calls, with the SM clock "
-                        "and board power on stderr (default: round-robin)")
+    add_sustained(p, "each variant and floor part")
     p.add_argument("--timeline", action="store_true",
                    help="with --profile: also every kernel of one fwd+bwd right behind another, in order (stderr)")
     args = p.parse_args(argv)

@@ -47,7 +47,7 @@ from coda_dsl.nn import rms_swiglu_fwd, rms_swiglu_grad, rms_swiglu_grad_and_y
 from coda_dsl.passes.plan import Config
 from coda_dsl.runtime.tune import DEFAULT, PINGPONG, PINGPONG_192, default
 
-from .harness import (Row, fmt, markdown, no_gpu, parser, progress, results_only_on_stdout, rotation, save, shapes,
+from .harness import (Row, add_sustained, fmt, markdown, no_gpu, parser, progress, results_only_on_stdout, rotation, save, shapes,
                       timed)
 from .harness import command as command_line
 
@@ -257,9 +257,7 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default="default",
                    help=f"comma-separated: {list(CONFIGS)} or config texts like 128x128x64_c1x2_pingpong")
     p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--sustained", type=float, default=0, metavar="MS",
-                   help="time each variant alone after MS ms of its own calls, with the SM clock and board power "
-                        "(default: round-robin)")
+    add_sustained(p)
     args = p.parse_args(argv)
     steps, configs = args.steps.split(","), args.configs.split(",")
     if unknown := set(steps) - set(STEPS):

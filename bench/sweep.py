@@ -19,12 +19,11 @@ import sys
 import torch
 
 import coda_dsl as cd
-from coda_dsl.build.cache import build_key, valid_output
 from coda_dsl.passes.plan import Config
 from coda_dsl.runtime import op as runtime
 
 from .epilogues import CASES, _inputs
-from .harness import (Row, fmt, markdown, no_gpu, parser, progress, rel_err, results_only_on_stdout, rotation,
+from .harness import (Row, add_sustained, fmt, markdown, no_gpu, parser, progress, rel_err, results_only_on_stdout, rotation,
                       save, shapes, subset, timed)
 from .harness import command as command_line
 
@@ -58,7 +57,7 @@ def built_kernels(cases, configs: list[Config]) -> tuple[dict, list[str]]:
         runtime.prebuild(list(ops.values()))
     except Exception as e:  # noqa: BLE001  measure what built
         progress(f"builds: {type(e).__name__}: {str(e)[:2000]}")
-    built = {key: op for key, op in ops.items() if valid_output(build_key(op.unit.key)) is not None}
+    built = {key: op for key, op in ops.items() if op.built}
     return built, [f"{name} {config}: did not build" for name, config in ops if (name, config) not in built]
 
 
@@ -68,8 +67,7 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default=",".join(CONFIGS), help="configuration keys, comma-separated")
     p.add_argument("--shapes", type=shapes, help="MxNxK,... (default: Llama-3 8B/70B projections at 8192 tokens)")
     p.add_argument("--iters", type=int, default=30, help="timed calls per variant, over all rounds")
-    p.add_argument("--sustained", type=float, default=0, metavar="MS",
-                   help="time each variant alone after MS ms of its own calls (default: round-robin)")
+    add_sustained(p)
     args = p.parse_args(argv)
     configs = [Config.parse(c) for c in args.configs.split(",")]
     if no_gpu():

@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import coda_dsl as cd
+
 from .harness import markdown, no_gpu, out_dir, parser, progress, results_only_on_stdout, save
 from .harness import command as command_line
 
@@ -100,7 +102,6 @@ def prebuilt(model: CodaLM, batch: torch.Tensor) -> CodaLM:
     """The model with every kernel of its training step built in one parallel ninja run (cd.prebuild of
     one step on the first batch, its GEMMs on the reference backend meanwhile), not one after another
     in the first step; no gradient left behind."""
-    import coda_dsl as cd
     cd.prebuild(lambda: model(batch[:, :-1], batch[:, 1:]).backward())
     model.zero_grad(set_to_none=True)
     return model
@@ -216,7 +217,7 @@ def parse(argv=None):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0, help="initial weights and data")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--backend", choices=("auto", "cutlass", "reference"), default="auto",
+    p.add_argument("--backend", choices=cd.BACKENDS, default="auto",
                    help="cd.gemm's backend for the coda_dsl layers and loss")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants (always off on the CPU)")
     args = p.parse_args(argv)

@@ -53,8 +53,8 @@ _LAZY = {
                 "logsumexp", "max", "maximum", "min", "minimum", "pairs", "relu", "round", "rsqrt", "sigmoid", "silu",
                 "sin", "sqrt", "sum", "take", "tanh", "where"),
     "passes.plan": ("Config",),
-    "runtime": ("CompiledOp", "backward_epilogue", "compile", "first_order", "gemm", "linear", "prebuild",
-                "set_tuning"),
+    "runtime": ("BACKENDS", "CompiledOp", "backward_epilogue", "compile", "first_order", "gemm", "linear",
+                "prebuild", "set_tuning"),
     "runtime.torch_compile": ("epilogue_factory", "on_cuda"),
     "library": ("linear_cross_entropy",),
 }

@@ -417,8 +417,9 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
     if w.shape[0] == 0:
         raise ValueError("w has no rows: the vocabulary is empty (a shard of a vocabulary-parallel head may be; "
                          "see vocab_shard_stats)")
-    if backend not in ("auto", "cutlass", "reference"):  # runtime.op.BACKENDS (the library uses the public API)
-        raise ValueError(f"backend must be 'auto', 'cutlass' or 'reference', not {backend!r}")
+    if backend not in cd.BACKENDS:
+        raise ValueError(f"backend must be {', '.join(map(repr, cd.BACKENDS[:-1]))} or {cd.BACKENDS[-1]!r}, "
+                         f"not {backend!r}")
     if chunk_rows is not None and (isinstance(chunk_rows, bool) or not (isinstance(chunk_rows, numbers.Integral)
                                                                        and chunk_rows > 0)):
         raise ValueError(f"chunk_rows must be a positive int (rounded up to a multiple of 8), got {chunk_rows!r}")

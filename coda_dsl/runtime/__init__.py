@@ -1,6 +1,6 @@
 """The callable op: checks, output allocation, launch, torch.compile registration, reference backend."""
 from .autograd import backward_epilogue, first_order, linear
-from .op import CompiledOp, clear, compile, gemm, prebuild, set_tuning
+from .op import BACKENDS, CompiledOp, clear, compile, gemm, prebuild, set_tuning
 
-__all__ = ["CompiledOp", "backward_epilogue", "clear", "compile", "first_order", "gemm", "linear", "prebuild",
+__all__ = ["BACKENDS", "CompiledOp", "backward_epilogue", "clear", "compile", "first_order", "gemm", "linear", "prebuild",
            "set_tuning"]

@@ -293,6 +293,11 @@ class CompiledOp:
     def loaded(self) -> bool:
         return self._op is not None
 
+    @property
+    def built(self) -> bool:
+        """Whether its kernel library is loaded or whole in the cache (built, or imported): load() builds nothing."""
+        return self.loaded or build.valid_output(build.build_key(self.key)) is not None
+
     def load(self) -> "CompiledOp":
         """Build (or find in the cache) and load the kernel library."""
         if self._op is None:
