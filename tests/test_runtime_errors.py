@@ -861,3 +861,19 @@ def test_empty_outputs_alias_nothing(fake_kernels):
     for backend in ("cutlass", "reference"):
         res = cd.gemm(a, b, two_outputs, backend=backend, out=out, residual=r)
         assert res["D"] is out["D"] and res["aux"] is out["aux"]
+
+
+def test_compiled_op_built_asks_the_cache_without_building(fake_kernels, monkeypatch):
+    """CompiledOp.built: whether load() would find the kernel (what the benchmarks check after a prebuild)."""
+    from pathlib import Path
+
+    from coda_dsl import build
+    op = cd.compile(cd.identity, torch.randn(64, 32).bfloat16(), torch.randn(48, 32).bfloat16())
+    asked = []
+    monkeypatch.setattr(build, "valid_output", lambda key: asked.append(key))
+    assert not op.built and asked == [build.build_key(op.key)]
+    monkeypatch.setattr(build, "valid_output", lambda key: Path("kernel.so"))
+    assert op.built and not op.loaded
+    op.load()
+    monkeypatch.setattr(build, "valid_output", lambda key: None)
+    assert op.built  # a loaded library is built, whatever the cache now holds
