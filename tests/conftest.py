@@ -78,6 +78,7 @@ def fake(fake_toolchain, cache_root, monkeypatch):
         for t in targets:
             d = staging / t.split("/")[0]
             (d / "kernel.o").write_bytes(b"\0" * 64)
+            (d / "kernel.fatbin").write_bytes(b"\0" * 32)
             if t.endswith(".so"):
                 (d / "kernel.so").write_bytes(b"\0" * 128)
             (d / "build.log").write_text("ok\n")

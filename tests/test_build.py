@@ -129,7 +129,9 @@ def test_clear_keeps_staging_of_live_builds(fake):
 def test_ninja_writes_outputs_through_a_temporary(fake):
     """A killed compiler must not leave a partial object that ninja counts as built."""
     text = builder._ninja_file(FAKE_TC, ["k"], False)
-    assert text.count("-o $out.tmp") == 2 and text.count("mv -f $out.tmp $out") == 2
+    commands = [ln for ln in text.splitlines() if ln.strip().startswith("command =")]
+    assert len(commands) == 4  # host pass, device pass, fatbinary embedding, link
+    assert all("-o $out.tmp" in c and c.endswith("&& mv -f $out.tmp $out") for c in commands)
 
 
 def test_cache_dir_env(tmp_path, monkeypatch):
@@ -210,7 +212,7 @@ def test_compile_only_never_makes_entry_valid(fake):
     b.build_units([u], log=quiet)  # the .so still gets built ...
     assert cache.valid_output(bk(u)) is not None
     b.build_units([u], compile_only=True, log=quiet)  # ... and its .o serves later compile checks
-    assert fake.calls() == [f"{bk(u)}/kernel.o", f"{bk(u)}/kernel.so"]
+    assert fake.calls() == [f"{bk(u)}/kernel.o {bk(u)}/kernel.fatbin", f"{bk(u)}/kernel.so"]
 
 
 def test_many_units_one_ninja_call_and_dedupe(fake):

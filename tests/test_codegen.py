@@ -252,7 +252,7 @@ def test_scheduler_options(make_plan):
     assert "args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::AlongM;" in src
     assert "args.scheduler.max_swizzle_size = coda::swizzle_for<TileShape, ClusterShape>(M, N, 2);" in src
     assert "CollectiveEpilogue,\n" in src and "cutlass::gemm::StreamKScheduler>;" in src
-    assert "coda::launch<GemmKernel, true>(args, gemm_ws, gemm_ws_size, call, op_name);" in src  # stream-K: flags zeroed per launch
+    assert "coda::launch<GemmKernel, true>(args, gemm_entry, gemm_ws, gemm_ws_size, call, op_name);" in src  # stream-K: flags zeroed per launch
     _, along_n = emit(make_plan, bias_gelu, config=Config(raster="n", swizzle=1))
     assert "RasterOrderOptions::AlongN;" in along_n and "swizzle_for<TileShape, ClusterShape>(M, N, 1);" in along_n
     assert "StreamKScheduler" not in along_n and "coda::launch<GemmKernel>(" in along_n

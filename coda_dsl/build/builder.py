@@ -46,42 +46,81 @@ class BuildError(CodaError):
         return type(self), (self.cu_path, self.log_path, self.first_error, self.action)
 
 
+DEVICE_PASS = "-fatbin -DCODA_DEVICE_PASS"  # nvcc options of the device pass (templates/kernel.cu.j2)
+DEVICE_LOG = "device.log"
+
+
 def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _default_jobs(n_units: int) -> int:
-    # One CUTLASS Hopper nvcc peaks at ~3.7 GB: more parallel jobs than RAM/4 GB would swap or OOM.
+    # Two nvcc passes per kernel; a device pass peaks at ~3.7 GB: more parallel jobs than RAM/4 GB
+    # would swap or OOM.
     ram_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**30
-    return max(1, min(n_units, _cpus(), max(1, ram_gb // 4)))
+    return max(1, min(2 * n_units, _cpus(), max(1, ram_gb // 4)))
 
 
 def _ninja_file(tc: Toolchain, keys: list[str], compile_only: bool) -> str:
+    """Per kernel, two nvcc passes over its kernel.cu that run in parallel (bench/results/build_phases.md):
+    the device pass compiles the GEMM kernel alone into kernel.fatbin (no host compile), the host pass
+    the launcher into kernel.o (the GEMM kernel not instantiated); the link embeds the fatbinary."""
     def cmd(args: list[str]) -> str:  # shell-quoted, with ninja's `$` escaped
         return " ".join(shlex.quote(a) for a in args).replace("$", "$$")
 
     cc = cmd(compile_command(tc))
     ld, ld_flags = link_command(tc)
-    # Each command echoes itself into the log (so it can be rerun by hand) and writes $out.tmp then
-    # renames it, so an output that exists is a complete one.
-    compile_line = f"{cc} -c $in -o $out"
+    # Each command echoes itself into its log (so it can be rerun by hand) and writes $out.tmp then
+    # renames it, so an output that exists is a complete one. The passes log apart (run in parallel);
+    # _merge_logs joins the device log to build.log.
+    host_line = f"{cc} -c $in -o $out"
+    device_line = f"{cc} {DEVICE_PASS} $in -o $out"
     link_line = f"{cmd(ld)} -shared $in -o $out {cmd(ld_flags)}"
     lines = [
         "ninja_required_version = 1.3",
         "rule cc",
-        f"  command = echo {shlex.quote('$$ ' + compile_line)} > $log && "
+        f"  command = echo {shlex.quote('$$ ' + host_line)} > $log && "
         f"{cc} -c $in -o $out.tmp >> $log 2>&1 && mv -f $out.tmp $out",
-        "  description = nvcc $in",
+        "  description = nvcc (host pass) $in",
+        "rule dev",
+        f"  command = echo {shlex.quote('$$ ' + device_line)} > $log && "
+        f"{cc} {DEVICE_PASS} $in -o $out.tmp >> $log 2>&1 && mv -f $out.tmp $out",
+        "  description = nvcc (device pass) $in",
+        "rule embed",
+        f"  command = {cmd(ld)} -c $in -o $out.tmp >> $log 2>&1 && mv -f $out.tmp $out",
+        "  description = embed $in",
         "rule ld",
         f"  command = echo {shlex.quote('$$ ' + link_line)} >> $log && "
         f"{cmd(ld)} -shared $in -o $out.tmp {cmd(ld_flags)} >> $log 2>&1 && mv -f $out.tmp $out",
         "  description = link $out",
     ]
     for k in keys:
-        lines += [f"build {k}/kernel.o: cc {k}/kernel.cu", f"  log = {k}/build.log"]
+        lines += [f"build {k}/kernel.o: cc {k}/kernel.cu", f"  log = {k}/build.log",
+                  f"build {k}/kernel.fatbin: dev {k}/kernel.cu", f"  log = {k}/{DEVICE_LOG}"]
         if not compile_only:
-            lines += [f"build {k}/kernel.so: ld {k}/kernel.o", f"  log = {k}/build.log"]
+            lines += [f"build {k}/fatbin.o: embed {k}/fatbin.S | {k}/kernel.fatbin", f"  log = {k}/{DEVICE_LOG}",
+                      f"build {k}/kernel.so: ld {k}/kernel.o {k}/fatbin.o", f"  log = {k}/build.log"]
     return "\n".join(lines) + "\n"
+
+
+def _fatbin_asm(k: str) -> str:
+    """fatbin.S of kernel k: its fatbinary as the hidden symbol coda_fatbin (csrc/coda_dsl/evt.h); the
+    path is relative to ninja's folder, where the assembler runs."""
+    return (".section .rodata\n.balign 16\n.globl coda_fatbin\n.hidden coda_fatbin\ncoda_fatbin:\n"
+            f'.incbin "{k}/kernel.fatbin"\n.section .note.GNU-stack,"",@progbits\n')
+
+
+def _targets(k: str, compile_only: bool) -> list[str]:
+    """What ninja builds for kernel k: its library, or both passes' objects (a compile check)."""
+    return [f"{k}/kernel.o", f"{k}/kernel.fatbin"] if compile_only else [f"{k}/kernel.so"]
+
+
+def _merge_logs(udir: Path) -> None:
+    """The device pass's log appended to build.log (the one log a unit keeps)."""
+    with contextlib.suppress(OSError):
+        text = (udir / DEVICE_LOG).read_text(errors="replace")
+        with open(udir / "build.log", "a") as f:
+            f.write(text)
 
 
 # Runs ninja in a session of its own, under this watchdog: when the building process dies (even by
@@ -169,7 +208,7 @@ def _fail(bkey: str, udir: Path, ninja_out: str, compile_only: bool) -> BuildErr
     if not text.strip():  # the tool never ran (ninja itself failed): its output is the log
         text = ninja_out
     (dest / "build.log").write_text(text)
-    linked = (udir / "kernel.o").exists() and not compile_only
+    linked = (udir / "kernel.o").exists() and (udir / "kernel.fatbin").exists() and not compile_only
     return BuildError(src, dest / "build.log", _first_error(text, ninja_out),
                       action="c++ failed to link" if linked else "nvcc failed to compile")
 
@@ -185,6 +224,7 @@ def _build(units: list[BuildUnit], bkeys: dict[str, str], tc: Toolchain, compile
             for u, k in zip(units, keys):
                 (staging / k).mkdir()
                 (staging / k / "kernel.cu").write_text(u.cu_text)
+                (staging / k / "fatbin.S").write_text(_fatbin_asm(k))
             (staging / "build.ninja").write_text(_ninja_file(tc, keys, compile_only))
         jobs = jobs or _default_jobs(len(units))
         n = len(units)
@@ -193,9 +233,10 @@ def _build(units: list[BuildUnit], bkeys: dict[str, str], tc: Toolchain, compile
         log(f"coda_dsl: {'compile-checking' if compile_only else 'building'} {what} with nvcc "
             f"(≈{est} s each on {_cpus()} cores, -j {jobs}) ...")
         t0 = time.monotonic()
-        out_name = "kernel.o" if compile_only else "kernel.so"
-        targets = [f"{k}/{out_name}" for k in keys]
+        targets = [t for k in keys for t in _targets(k, compile_only)]
         _, ninja_out = _run_ninja(staging, targets, jobs, verbose, log)
+        for k in keys:
+            _merge_logs(staging / k)
         if verbose:  # compiler output goes to the per-unit logs, which start with the exact commands
             for k in keys:
                 with contextlib.suppress(OSError):
@@ -204,7 +245,7 @@ def _build(units: list[BuildUnit], bkeys: dict[str, str], tc: Toolchain, compile
         with cache_io():
             for u, k in zip(units, keys):
                 udir = staging / k
-                if not (udir / out_name).exists():
+                if not all((staging / t).exists() for t in _targets(k, compile_only)):
                     failed.append(_fail(k, udir, ninja_out, compile_only))
                     continue
                 names = ["kernel.cu", "build.log", "kernel.o"] + ([] if compile_only else ["kernel.so"])

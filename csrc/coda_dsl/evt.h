@@ -5,11 +5,12 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <mutex>
 #include <type_traits>
 
 #include "cutlass/cutlass.h"
 #include "cute/tensor.hpp"
-#include "cutlass/device_kernel.h"
+#include "cutlass/device_kernel.h"  // CUTLASS_GRID_CONSTANT
 #include "cutlass/epilogue/collective/collective_builder.hpp"
 #include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
 // Hopper's mainloop, its builder and kernels alone: CUTLASS's umbrella headers (gemm/collective/
@@ -136,6 +137,34 @@ Stride make_stride(int64_t s0, int64_t s1, int64_t s2) {
   return s;
 }
 
+}  // namespace coda
+
+// The fatbinary of the library's GEMM kernel (`coda_gemm`, compiled by the build's device pass): the
+// build assembles it into the library as a hidden symbol, so each library sees its own.
+extern "C" __attribute__((visibility("hidden"))) unsigned char const coda_fatbin[];
+
+namespace coda {
+
+// The library's GEMM kernel, loaded from coda_fatbin on first use (a CUDA library is loaded once for
+// every device; its kernel reaches a device at its first launch there). Kept by the generated file.
+class GemmEntry {
+ public:
+  cudaKernel_t get(char const* op_name) {
+    std::call_once(once_, [this] {
+      error_ = cudaLibraryLoadData(&library_, coda_fatbin, nullptr, nullptr, 0, nullptr, nullptr, 0);
+      if (error_ == cudaSuccess) error_ = cudaLibraryGetKernel(&kernel_, library_, "coda_gemm");
+    });
+    check_cuda(error_, op_name, "loading the GEMM kernel");
+    return kernel_;
+  }
+
+ private:
+  std::once_flag once_;
+  cudaError_t error_ = cudaSuccess;
+  cudaLibrary_t library_ = nullptr;
+  cudaKernel_t kernel_ = nullptr;
+};
+
 // Before a GEMM's launch, in a size query too: shared-memory attribute and SM count set once per
 // device, the problem checked (CUTLASS's can_implement, with a clear message), the workspace size.
 // sm_count: the library's own record of the devices it has set up, 64 ints, kept by the generated
@@ -143,15 +172,16 @@ Stride make_stride(int64_t s0, int64_t s1, int64_t s2) {
 // (GNU unique), shared by every library whose GEMM has the same type (configs that differ only in
 // raster order or swizzle), whose kernels would then never get their shared-memory attribute.
 template <class Kernel>
-size_t prepare(typename Kernel::Arguments& args, Call const& call, char const* op_name, int* sm_count) {
+size_t prepare(typename Kernel::Arguments& args, Call const& call, char const* op_name, int* sm_count,
+               GemmEntry& entry) {
   int device = call.device;
   if (device < 0 || device >= 64) fail(op_name, ": unsupported device index ", std::to_string(device));
   if (sm_count[device] == 0) {
     sm_count[device] = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device);
     int smem = Kernel::SharedStorageSize;
-    if (smem >= (48 << 10)) {  // on the current device: the caller's DeviceGuard made it `device`
-      check_cuda(cudaFuncSetAttribute(cutlass::device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      smem), op_name, "cudaFuncSetAttribute");
+    if (smem >= (48 << 10)) {
+      check_cuda(cudaKernelSetAttributeForDevice(entry.get(op_name), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 smem, device), op_name, "cudaKernelSetAttributeForDevice");
     }
   }
   args.hw_info = cutlass::KernelHardwareInfo{device, sm_count[device]};
@@ -163,7 +193,8 @@ size_t prepare(typename Kernel::Arguments& args, Call const& call, char const* o
 
 // The launch of a prepared GEMM on the caller's stream, with its workspace (`ws_size` bytes at `ws`).
 template <class Kernel, bool ZeroWorkspace = false>
-void launch(typename Kernel::Arguments& args, void* ws, size_t ws_size, Call const& call, char const* op_name) {
+void launch(typename Kernel::Arguments& args, GemmEntry& entry, void* ws, size_t ws_size, Call const& call,
+            char const* op_name) {
   if constexpr (ZeroWorkspace) {
     // Stream-K's tile flags must start at zero. Zeroing the whole workspace (flags and partials) with the
     // runtime API, rather than Kernel::initialize_workspace, keeps the epilogue's own workspace set-up
@@ -187,7 +218,7 @@ void launch(typename Kernel::Arguments& args, void* ws, size_t ws_size, Call con
   config.attrs = cluster;
   config.numAttrs = cute::size(Cluster{}) > 1 ? 1 : 0;  // a 1x1x1 cluster launches as a plain grid, as in CUTLASS
   void* kernel_params[] = {&params};
-  cudaError_t launched = cudaLaunchKernelExC(&config, reinterpret_cast<void const*>(cutlass::device_kernel<Kernel>),
+  cudaError_t launched = cudaLaunchKernelExC(&config, reinterpret_cast<void const*>(entry.get(op_name)),
                                              kernel_params);
   if (launched != cudaSuccess) (void)cudaGetLastError();  // reported here, not again by the next check
   check_cuda(launched, op_name, "kernel launch");

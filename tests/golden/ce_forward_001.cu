@@ -65,6 +65,20 @@ using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder
 
 using GemmKernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop, CollectiveEpilogue>;
 
+#ifdef CODA_DEVICE_PASS
+// The build's device pass (nvcc -fatbin, in parallel with the host pass) compiles this kernel alone; the
+// library embeds its fatbinary and launches it by this unmangled name (coda::GemmEntry).
+extern "C" __global__ void __launch_bounds__(GemmKernel::MaxThreadsPerBlock, GemmKernel::MinBlocksPerMultiprocessor)
+coda_gemm(CUTLASS_GRID_CONSTANT GemmKernel::Params const params) {
+  extern __shared__ char smem[];
+  GemmKernel op;
+  op(params, smem);
+}
+
+}  // namespace k3afc149ebfd6ea4c5bca_ns
+#else
+
+static coda::GemmEntry gemm_entry;  // the kernel above, loaded on first use
 static int sm_count[64] = {};  // per device: set up once (coda::prepare), by this library for its kernel
 
 // One call, or its size query (call.query: the workspace bytes it needs; nothing is launched).
@@ -108,11 +122,11 @@ int64_t run(coda::Call const& call) {
       {evt_args, nullptr, dD, ptr_D, dD}};
   args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::Heuristic;
   args.scheduler.max_swizzle_size = coda::swizzle_for<TileShape, ClusterShape>(M, N, 8);
-  size_t gemm_ws_size = coda::prepare<GemmKernel>(args, call, op_name, sm_count);
+  size_t gemm_ws_size = coda::prepare<GemmKernel>(args, call, op_name, sm_count, gemm_entry);
   void* gemm_ws = ws.take(int64_t(gemm_ws_size));
   if (call.query) return ws.used();
   coda::fill(outputs[1], 0.f, call, op_name);  // Take_z_target
-  coda::launch<GemmKernel>(args, gemm_ws, gemm_ws_size, call, op_name);
+  coda::launch<GemmKernel>(args, gemm_entry, gemm_ws, gemm_ws_size, call, op_name);
   coda::finish_logsumexp<coda::Identity<float>>(partial_0, outputs[0].data_ptr<float>(), partial_0_shape, L, scalars, call, op_name);  // Reduce_lse
   return ws.used();
 }
@@ -127,3 +141,4 @@ extern "C" int coda_workspace_size(coda::CallArgs const* args, int64_t* size, ch
 extern "C" int coda_launch(coda::CallArgs const* args, char* message, int64_t message_size) {
   return coda::guarded(message, message_size, [&] { k3afc149ebfd6ea4c5bca_ns::run(coda::Call(args, false)); });
 }
+#endif  // CODA_DEVICE_PASS
