@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             for u, (ep, _, _) in zip(reps, triples):
                 fresh_cache(f"serial-{u.key}")
                 progress(f"cold build of {ep} alone ...")
-                rows.append([f"cold build, alone: {ep.split(':')[1]}", f"{_timed_build([u], 1):.1f}"])
+                rows.append([f"cold build, alone: {ep.split(':')[1]}", f"{_timed_build([u], args.jobs):.1f}"])
         fresh_cache("parallel")
         progress("cold build of the 3 in one ninja run ...")
         rows.append([f"cold build, 3 in one ninja run (-j {args.jobs or 'auto'})",
