@@ -19,7 +19,7 @@ setup(
     package_dir={"coda_dsl._data.templates": "templates", "coda_dsl._data.csrc": "csrc"},
     package_data={"coda_dsl._data.templates": ["*.j2"], "coda_dsl._data.csrc": ["coda_dsl/*.h"], "coda_dsl.runtime": ["*.cpp"]},
     install_requires=[
-        "torch>=2.5",  # 2.11 on the H200 machines; any CUDA 12.4+/13 build (2.5: SDPA with enable_gqa, coda_dsl.nn)
+        "torch>=2.7",  # 2.11 on the H200 machines; a CUDA 12.8+ build (the runtime's library API; 2.7: the first cu128)
         "nvidia-cutlass>=4.0",  # its wheel carries the CUTLASS C++ headers
         "jinja2>=3.0",
         "ninja",

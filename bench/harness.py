@@ -7,7 +7,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -291,9 +290,6 @@ def profile_kernels(fn: Callable, top: int, timeline: bool = False) -> str:
     return "\n".join(lines)
 
 
-_NAMESPACE = re.compile(r"k[0-9a-f]{20}(?=_ns)")  # a specialization's C++ namespace (codegen.op_name)
-
-
 def specialization_labels() -> dict[str, str]:
     """op_name -> "epilogue [config]" of every kernel in the disk cache (its kernel.cu's header)."""
     from coda_dsl import build
@@ -302,15 +298,14 @@ def specialization_labels() -> dict[str, str]:
 
 
 def kernel_name(name: str, labels: dict[str, str]) -> str:
-    """A profiled kernel's name for a table, at most 150 characters. coda_dsl's carry their
-    specialization's namespace (k<key>_ns) deep inside CUTLASS's mangled template name, which
-    torch.profiler leaves undemangled: "coda_dsl <epilogue> [<config>]: GEMM" (or the finishing kernel's
-    name instead of GEMM). An epilogue built of CUTLASS's own nodes alone (e.g. cross-entropy's forward
-    logits) has no type in its namespace to show it: its name stays as it is."""
-    m = _NAMESPACE.search(name)
+    """A profiled kernel's name for a table, at most 150 characters. coda_dsl's carry their op name: the
+    GEMM's is k<key>_gemm, a finishing kernel's has the specialization's namespace (k<key>_ns) in its
+    template arguments: "coda_dsl <epilogue> [<config>]: GEMM" (or the finishing kernel's name)."""
+    from coda_dsl.codegen import SYMBOL_OP_NAME, gemm_kernel
+    m = SYMBOL_OP_NAME.search(name)
     if m is None:
         return name[:150]
-    what = "GEMM" if name.startswith("_ZN7cutlass13device_kernel") else name.split("<")[0].removeprefix("void ")
+    what = "GEMM" if name == gemm_kernel(m[0]) else name.split("<")[0].removeprefix("void ")
     return f"coda_dsl {labels.get(m[0], m[0])}: {what}"[:150]
 
 

@@ -375,13 +375,16 @@ def _probe_row(row, what: str, fn, fix: str, describe) -> object:
 
 
 def torch_cuda_problem() -> str | None:
-    """Why kernels cannot run with the installed torch (a CPU-only build), else None. The one
-    check behind doctor's torch line; the real-nvcc compile tests skip with its message."""
+    """Why kernels cannot run with the installed torch (a CPU-only build, or one of a CUDA older than
+    tools.MIN_CUDA), else None. The one check behind doctor's torch line; the real-nvcc compile tests skip
+    with its message."""
     import torch
-    if torch.version.cuda:
-        return None
-    return (f"torch {torch.__version__} is a CPU-only build: it cannot make the CUDA tensors, streams and "
-            "workspaces that kernels run on")
+
+    from .runtime.checks import old_runtime
+    if not torch.version.cuda:
+        return (f"torch {torch.__version__} is a CPU-only build: it cannot make the CUDA tensors, streams and "
+                "workspaces that kernels run on")
+    return old_runtime()
 
 
 def cmd_doctor(args) -> int:
@@ -395,11 +398,12 @@ def cmd_doctor(args) -> int:
     import torch
     problem = torch_cuda_problem()
     if problem:
-        row("FAIL", "torch", problem, "install a CUDA build of torch (https://pytorch.org/get-started/locally/)")
+        row("FAIL", "torch", problem, f"install a torch built with CUDA {tools.MIN_CUDA_TEXT}+ "
+                                      "(https://pytorch.org/get-started/locally/)")
     else:
         row("ok", "torch", f"{torch.__version__}, CUDA {torch.version.cuda} build")
     _probe_row(row, "nvcc", lambda: (nv := tools.find_nvcc()) + (tools.nvcc_version(nv[0]),),
-               "a CUDA toolkit 12.4+: install one, or point CUDA_HOME at one",
+               f"a CUDA toolkit {tools.MIN_CUDA_TEXT}+: install one, or point CUDA_HOME at one",
                lambda n: f"{n[0]} ({n[2]}; CUDA_HOME {n[1]})")
     _probe_row(row, "CUTLASS", tools.find_cutlass, "pip install nvidia-cutlass",
                lambda c: f"{c[1]} headers in {c[0][0]}")

@@ -408,6 +408,20 @@ def test_broken_nvcc_shows_its_own_error(tmp_path):
         tcmod.nvcc_version(str(nvcc))
 
 
+def test_nvcc_older_than_the_library_api_is_refused(tmp_path):
+    """Kernel libraries load their GEMM with CUDA 12.8's runtime library API: an older nvcc cannot build them."""
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 12.6, V12.6.85'\n")
+    nvcc.chmod(0o755)
+    with pytest.raises(b.ToolchainError, match=r"is CUDA 12\.6\.85; coda_dsl needs 12\.8 or later .*\n  fix: install "
+                                               r"the CUDA toolkit 12\.8\+"):
+        tcmod.nvcc_version(str(nvcc))
+    nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 12.8, V12.8.93'\n")
+    assert tcmod.nvcc_version(str(nvcc)) == "12.8.93"
+    assert [tcmod.older_than_min_cuda(v) for v in ("11.8", "12.6", "12.8", "12.10", "13.0")] == \
+        [True, True, False, False, False]
+
+
 def test_a_lock_in_a_directory_nobody_may_write_says_permission_denied(cache_root, monkeypatch):
     """No lock file, and none can be made (a cache directory the user cannot write): the message says
     permission denied with the fix, not the read-only fallback's 'No such file or directory'."""

@@ -221,6 +221,29 @@ def test_cpu_only_torch_fails_doctor_and_skips_real_compiles_with_one_reason(cap
     assert cli.torch_cuda_problem() is None and real_toolchain_or_skip() is FAKE_TC
 
 
+def test_torch_of_a_cuda_without_the_library_api_fails_doctor_and_the_cutlass_backend(capsys, monkeypatch):
+    """A torch built with CUDA 12.6 loads a runtime without cudaLibraryLoadData: doctor says so, an explicit
+    cutlass call is refused with the fix, and auto runs the reference backend with a warning naming why."""
+    from coda_dsl.runtime import checks, op
+    monkeypatch.setattr(build, "toolchain", lambda: FAKE_TC)
+    monkeypatch.setattr(torch.version, "cuda", "12.6")
+    reason = cli.torch_cuda_problem()
+    assert reason == f"torch {torch.__version__} runs CUDA 12.6; kernel libraries need the CUDA 12.8+ runtime"
+    rc, out, _ = run(capsys, "doctor")
+    assert rc == 1 and "FAIL  torch" in out and reason in out and "install a torch built with CUDA 12.8+" in out
+    monkeypatch.setattr(checks, "_capability", lambda index: (9, 0))  # an H100, as far as the checks know
+    gpu = torch.device("cuda", 0)
+    assert not checks.is_hopper(gpu)
+    with pytest.raises(cd.UnsupportedError, match=re.escape(f"gemm: {reason}\n  fix: install a torch built with "
+                                                            "CUDA 12.8+, or pass backend='reference'")):
+        checks.require_hopper("gemm", gpu)
+    monkeypatch.setattr(op, "_warned_fallback", False)
+    with pytest.warns(UserWarning, match=re.escape(f"coda_dsl: {reason}; running epilogues on the (slow) reference")):
+        assert not op._cutlass_available(gpu)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert checks.is_hopper(gpu) and cli.torch_cuda_problem() is None
+
+
 def test_cache_list_clear(capsys, tmp_path):
     key = "0123456789abcdef01234567"
     staged = tmp_path / "kernel.so"

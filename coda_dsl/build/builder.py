@@ -70,30 +70,21 @@ def _ninja_file(tc: Toolchain, keys: list[str], compile_only: bool) -> str:
 
     cc = cmd(compile_command(tc))
     ld, ld_flags = link_command(tc)
+
     # Each command echoes itself into its log (so it can be rerun by hand) and writes $out.tmp then
-    # renames it, so an output that exists is a complete one. The passes log apart (run in parallel);
-    # _merge_logs joins the device log to build.log.
-    host_line = f"{cc} -c $in -o $out"
-    device_line = f"{cc} {DEVICE_PASS} $in -o $out"
-    link_line = f"{cmd(ld)} -shared $in -o $out {cmd(ld_flags)}"
-    lines = [
-        "ninja_required_version = 1.3",
-        "rule cc",
-        f"  command = echo {shlex.quote('$$ ' + host_line)} > $log && "
-        f"{cc} -c $in -o $out.tmp >> $log 2>&1 && mv -f $out.tmp $out",
-        "  description = nvcc (host pass) $in",
-        "rule dev",
-        f"  command = echo {shlex.quote('$$ ' + device_line)} > $log && "
-        f"{cc} {DEVICE_PASS} $in -o $out.tmp >> $log 2>&1 && mv -f $out.tmp $out",
-        "  description = nvcc (device pass) $in",
-        "rule embed",
-        f"  command = {cmd(ld)} -c $in -o $out.tmp >> $log 2>&1 && mv -f $out.tmp $out",
-        "  description = embed $in",
-        "rule ld",
-        f"  command = echo {shlex.quote('$$ ' + link_line)} >> $log && "
-        f"{cmd(ld)} -shared $in -o $out.tmp {cmd(ld_flags)} >> $log 2>&1 && mv -f $out.tmp $out",
-        "  description = link $out",
-    ]
+    # renames it, so an output that exists is a complete one. The passes log apart (they run at once);
+    # _merge_logs appends the device log to build.log. A unit's first command starts its log.
+    def rule(name: str, line: str, description: str, starts_log: bool = False) -> list[str]:
+        run = line.replace("-o $out", "-o $out.tmp", 1)
+        echo = f"echo {shlex.quote('$$ ' + line)} {'>' if starts_log else '>>'} $log"
+        return [f"rule {name}", f"  command = {echo} && {run} >> $log 2>&1 && mv -f $out.tmp $out",
+                f"  description = {description}"]
+
+    lines = ["ninja_required_version = 1.3",
+             *rule("cc", f"{cc} -c $in -o $out", "nvcc (host pass) $in", starts_log=True),
+             *rule("dev", f"{cc} {DEVICE_PASS} $in -o $out", "nvcc (device pass) $in", starts_log=True),
+             *rule("embed", f"{cmd(ld)} -c $in -o $out", "embed $in"),
+             *rule("ld", f"{cmd(ld)} -shared $in -o $out {cmd(ld_flags)}", "link $out")]
     for k in keys:
         lines += [f"build {k}/kernel.o: cc {k}/kernel.cu", f"  log = {k}/build.log",
                   f"build {k}/kernel.fatbin: dev {k}/kernel.cu", f"  log = {k}/{DEVICE_LOG}"]
@@ -105,9 +96,10 @@ def _ninja_file(tc: Toolchain, keys: list[str], compile_only: bool) -> str:
 
 def _fatbin_asm(k: str) -> str:
     """fatbin.S of kernel k: its fatbinary as the hidden symbol coda_fatbin (csrc/coda_dsl/evt.h); the
-    path is relative to ninja's folder, where the assembler runs."""
+    path is relative to ninja's folder, where the assembler runs. `%progbits`, not `@progbits`: on
+    aarch64 (Grace Hopper) `@` starts a comment."""
     return (".section .rodata\n.balign 16\n.globl coda_fatbin\n.hidden coda_fatbin\ncoda_fatbin:\n"
-            f'.incbin "{k}/kernel.fatbin"\n.section .note.GNU-stack,"",@progbits\n')
+            f'.incbin "{k}/kernel.fatbin"\n.section .note.GNU-stack,"",%progbits\n')
 
 
 def _targets(k: str, compile_only: bool) -> list[str]:

@@ -16,6 +16,15 @@ from ..errors import CodaError
 from .paths import csrc_dir
 
 ARCH = "sm_90a"  # never plain sm_90: Sm90 kernels built for it compute nothing
+# The oldest CUDA whose runtime has the library API (cudaLibraryLoadData, cudaLibraryGetKernel) that a
+# kernel library loads its GEMM with (csrc/coda_dsl/evt.h): nvcc and torch's CUDA runtime alike.
+MIN_CUDA = (12, 8)
+MIN_CUDA_TEXT = ".".join(map(str, MIN_CUDA))
+
+
+def older_than_min_cuda(version: str) -> bool:
+    """Whether a CUDA version ("12.6", "12.8.93") is older than MIN_CUDA."""
+    return tuple(int(p) for p in re.findall(r"\d+", version)[:2]) < MIN_CUDA
 
 
 class ToolchainError(CodaError, RuntimeError):
@@ -43,7 +52,7 @@ def find_nvcc() -> tuple[str, str]:
         if os.access(nvcc, os.X_OK):
             return str(nvcc), str(Path(home))
         raise ToolchainError(f"{var}={home}, but {nvcc} is not an executable: point {var} at a CUDA toolkit "
-                             f"12.4+ (the directory holding bin/nvcc), or unset it")
+                             f"{MIN_CUDA_TEXT}+ (the directory holding bin/nvcc), or unset it")
     for home in ["/usr/local/cuda"]:
         nvcc = Path(home) / "bin" / "nvcc"
         looked.append(str(nvcc))
@@ -52,7 +61,7 @@ def find_nvcc() -> tuple[str, str]:
     found = shutil.which("nvcc")
     looked.append("nvcc on PATH")
     if not found:
-        raise ToolchainError("nvcc not found: install the CUDA toolkit 12.4+ and set CUDA_HOME "
+        raise ToolchainError(f"nvcc not found: install the CUDA toolkit {MIN_CUDA_TEXT}+ and set CUDA_HOME "
                              f"(looked in: {', '.join(looked)})")
     home = Path(found).resolve().parent.parent
     if not (home / "include" / "cuda_runtime.h").exists():
@@ -75,14 +84,18 @@ def nvcc_version(nvcc: str) -> str:
     try:
         run = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError) as e:
-        raise ToolchainError(f"nvcc at {nvcc} does not run ({e}): reinstall the CUDA toolkit 12.4+") from e
+        raise ToolchainError(f"nvcc at {nvcc} does not run ({e}): reinstall the CUDA toolkit {MIN_CUDA_TEXT}+") from e
     out = run.stdout
     m = re.search(r"V(\d+\.\d+\.\d+)", out) or re.search(r"release (\d+\.\d+)", out)
     if run.returncode or not m:  # nvcc's own words say why (a missing library, a broken install)
         said = (run.stdout + run.stderr).strip() or "(no output)"
         how = f"failed (exit code {run.returncode})" if run.returncode else "printed no version"
         raise ToolchainError(f"`{nvcc} --version` {how}: {said}\n"
-                             "  fix: repair or reinstall the CUDA toolkit 12.4+, or point CUDA_HOME at another")
+                             f"  fix: repair or reinstall the CUDA toolkit {MIN_CUDA_TEXT}+, or point CUDA_HOME at another")
+    if older_than_min_cuda(m.group(1)):
+        raise ToolchainError(f"nvcc at {nvcc} is CUDA {m.group(1)}; coda_dsl needs {MIN_CUDA_TEXT} or later (its kernel "
+                             "libraries load their GEMM with the CUDA runtime's library API)\n"
+                             f"  fix: install the CUDA toolkit {MIN_CUDA_TEXT}+ and point CUDA_HOME at it")
     return m.group(1)
 
 

@@ -4,6 +4,7 @@ All C++ text comes from here: cpp.py spells functors and ops, evt.py the visitor
 from __future__ import annotations
 
 import functools
+import re
 
 import jinja2
 
@@ -27,6 +28,15 @@ def _environment() -> jinja2.Environment:
 def op_name(key: str) -> str:
     """A specialization's name: its C++ namespace and, as coda_dsl::<op_name>, its messages."""
     return f"k{key[:20]}"
+
+
+def gemm_kernel(op: str) -> str:
+    """The name of op's GEMM kernel (a plain extern "C" symbol: what profilers show)."""
+    return f"{op}_gemm"
+
+
+# an op_name inside a compiled symbol: its GEMM kernel's, or its namespace (k<key>_ns) in a mangled one
+SYMBOL_OP_NAME = re.compile(r"k[0-9a-f]{20}(?=_ns|_gemm)")
 
 
 def header_fields(cu_text: str) -> tuple[str, str]:
@@ -58,6 +68,7 @@ def render(plan: Plan, key: str, defined_at: str = "") -> str:
         functors=[cpp.functor(f) for f in plan.functors],
         key=key,
         op_name=op_name(key),
+        gemm_kernel=gemm_kernel(op_name(key)),
         defined_at=defined_at,
         cfg=sig.config,
         ab_dtype=sig.ab_dtype,

@@ -5,6 +5,7 @@ import functools
 
 import torch
 
+from ..build.tools import MIN_CUDA_TEXT, older_than_min_cuda
 from ..errors import OperandError, UnsupportedError
 from ..ir.ops import INDEX_DTYPE, TORCH_TO_DTYPE
 
@@ -109,8 +110,19 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def old_runtime() -> str | None:
+    """Why torch's CUDA runtime cannot run kernel libraries (older than the library API they load their
+    GEMM with), else None."""
+    if torch.version.cuda and older_than_min_cuda(torch.version.cuda):
+        return (f"torch {torch.__version__} runs CUDA {torch.version.cuda}; kernel libraries need the CUDA "
+                f"{MIN_CUDA_TEXT}+ runtime")
+    return None
+
+
 def is_hopper(device: torch.device) -> bool:
-    return device.type == "cuda" and _capability(device.index if device.index is not None else 0) == (9, 0)
+    """Whether the cutlass backend runs on `device`: an sm_90 GPU, and a runtime new enough."""
+    return (device.type == "cuda" and _capability(device.index if device.index is not None else 0) == (9, 0)
+            and old_runtime() is None)
 
 
 def require_hopper(where: str, device: torch.device) -> None:
@@ -122,3 +134,6 @@ def require_hopper(where: str, device: torch.device) -> None:
         raise UnsupportedError(
             f"{where}: the cutlass backend needs an sm_90 (Hopper) GPU; {torch.cuda.get_device_name(device)} "
             f"is sm_{cap[0]}{cap[1]}\n  fix: run on an H100/H200, or pass backend='reference' (slow)")
+    if old_runtime():
+        raise UnsupportedError(f"{where}: {old_runtime()}\n  fix: install a torch built with CUDA "
+                               f"{MIN_CUDA_TEXT}+, or pass backend='reference' (slow)")

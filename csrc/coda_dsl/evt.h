@@ -139,8 +139,8 @@ Stride make_stride(int64_t s0, int64_t s1, int64_t s2) {
 
 }  // namespace coda
 
-// The fatbinary of the library's GEMM kernel (`coda_gemm`, compiled by the build's device pass): the
-// build assembles it into the library as a hidden symbol, so each library sees its own.
+// The fatbinary of the library's GEMM kernel (compiled by the build's device pass): the build
+// assembles it into the library as a hidden symbol, so each library sees its own.
 extern "C" __attribute__((visibility("hidden"))) unsigned char const coda_fatbin[];
 
 namespace coda {
@@ -149,16 +149,19 @@ namespace coda {
 // every device; its kernel reaches a device at its first launch there). Kept by the generated file.
 class GemmEntry {
  public:
+  explicit GemmEntry(char const* name) : name_(name) {}
+
   cudaKernel_t get(char const* op_name) {
     std::call_once(once_, [this] {
       error_ = cudaLibraryLoadData(&library_, coda_fatbin, nullptr, nullptr, 0, nullptr, nullptr, 0);
-      if (error_ == cudaSuccess) error_ = cudaLibraryGetKernel(&kernel_, library_, "coda_gemm");
+      if (error_ == cudaSuccess) error_ = cudaLibraryGetKernel(&kernel_, library_, name_);
     });
     check_cuda(error_, op_name, "loading the GEMM kernel");
     return kernel_;
   }
 
  private:
+  char const* name_;
   std::once_flag once_;
   cudaError_t error_ = cudaSuccess;
   cudaLibrary_t library_ = nullptr;

@@ -188,9 +188,9 @@ using GemmKernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int
 
 #ifdef CODA_DEVICE_PASS
 // The build's device pass (nvcc -fatbin, in parallel with the host pass) compiles this kernel alone; the
-// library embeds its fatbinary and launches it by this unmangled name (coda::GemmEntry).
+// library embeds its fatbinary and launches it by this plain name (coda::GemmEntry), unique to the op.
 extern "C" __global__ void __launch_bounds__(GemmKernel::MaxThreadsPerBlock, GemmKernel::MinBlocksPerMultiprocessor)
-coda_gemm(CUTLASS_GRID_CONSTANT GemmKernel::Params const params) {
+k034eaee0fcf884140554_gemm(CUTLASS_GRID_CONSTANT GemmKernel::Params const params) {
   extern __shared__ char smem[];
   GemmKernel op;
   op(params, smem);
@@ -199,7 +199,7 @@ coda_gemm(CUTLASS_GRID_CONSTANT GemmKernel::Params const params) {
 }  // namespace k034eaee0fcf884140554_ns
 #else
 
-static coda::GemmEntry gemm_entry;  // the kernel above, loaded on first use
+static coda::GemmEntry gemm_entry("k034eaee0fcf884140554_gemm");  // the kernel above, loaded on first use
 static int sm_count[64] = {};  // per device: set up once (coda::prepare), by this library for its kernel
 
 // One call, or its size query (call.query: the workspace bytes it needs; nothing is launched).
