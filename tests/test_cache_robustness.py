@@ -399,25 +399,29 @@ def test_cuda_home_that_has_no_nvcc_is_an_error(monkeypatch):
         tcmod.find_nvcc()
 
 
-def test_broken_nvcc_shows_its_own_error(tmp_path):
+def _fake_nvcc(tmp_path, script: str) -> str:
+    """An executable nvcc that runs `script` (sh)."""
     nvcc = tmp_path / "nvcc"
-    nvcc.write_text("#!/bin/sh\necho 'nvcc: error while loading shared libraries: libnvvm.so.4' >&2\nexit 127\n")
+    nvcc.write_text("#!/bin/sh\n" + script)
     nvcc.chmod(0o755)
+    return str(nvcc)
+
+
+def test_broken_nvcc_shows_its_own_error(tmp_path):
+    nvcc = _fake_nvcc(tmp_path, "echo 'nvcc: error while loading shared libraries: libnvvm.so.4' >&2\nexit 127\n")
     with pytest.raises(b.ToolchainError, match=r"failed \(exit code 127\): nvcc: error while loading shared "
                                                r"libraries: libnvvm.so.4"):
-        tcmod.nvcc_version(str(nvcc))
+        tcmod.nvcc_version(nvcc)
 
 
 def test_nvcc_older_than_the_library_api_is_refused(tmp_path):
     """Kernel libraries load their GEMM with CUDA 12.8's runtime library API: an older nvcc cannot build them."""
-    nvcc = tmp_path / "nvcc"
-    nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 12.6, V12.6.85'\n")
-    nvcc.chmod(0o755)
+    nvcc = _fake_nvcc(tmp_path, "echo 'Cuda compilation tools, release 12.6, V12.6.85'\n")
     with pytest.raises(b.ToolchainError, match=r"is CUDA 12\.6\.85; coda_dsl needs 12\.8 or later .*\n  fix: install "
                                                r"the CUDA toolkit 12\.8\+"):
-        tcmod.nvcc_version(str(nvcc))
-    nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 12.8, V12.8.93'\n")
-    assert tcmod.nvcc_version(str(nvcc)) == "12.8.93"
+        tcmod.nvcc_version(nvcc)
+    nvcc = _fake_nvcc(tmp_path, "echo 'Cuda compilation tools, release 12.8, V12.8.93'\n")
+    assert tcmod.nvcc_version(nvcc) == "12.8.93"
     assert [tcmod.older_than_min_cuda(v) for v in ("11.8", "12.6", "12.8", "12.10", "13.0")] == \
         [True, True, False, False, False]
 
