@@ -580,10 +580,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backward", action="store_true", help=BACKWARD_HELP)
 
     p = command("build", cmd_build, "build an epilogue's kernel into the cache",
-                "Build one specialization of an epilogue's kernel (nvcc, then link) into the cache, so that "
+                "Build one specialization of an epilogue's kernel (two nvcc passes, then link) into the cache, so that "
                 "the first cd.gemm call with those dtypes and that config loads it instead of building it.")
     _target_options(p)
-    p.add_argument("--compile-only", action="store_true", help="stop at the object file (no link)")
+    p.add_argument("--compile-only", action="store_true", help="compile both nvcc passes, no link")
 
     p = command("cache", cmd_cache, "list, clear, export or import built kernels ($CODA_DSL_CACHE)",
                 "List the kernels in the build cache (epilogue, config, size, age), remove them all, or "

@@ -14,8 +14,9 @@ FAKE_TC = Toolchain(nvcc="/fake/bin/nvcc", cuda_home="/fake", nvcc_version="13.0
 
 
 def real_toolchain_or_skip() -> Toolchain:
-    """The real toolchain for the real-nvcc tests, or a skip with doctor's reason: a missing piece, or
-    a CPU-only torch (the kernels build without torch, but could never run)."""
+    """The real toolchain for the real-nvcc tests, or a skip with doctor's reason: a missing piece, a
+    CPU-only torch, or one whose CUDA runtime is too old (the kernels build without torch, but could
+    never run, and the tests load what they build)."""
     try:
         tc = b.toolchain()
     except ToolchainError as e:

@@ -81,7 +81,7 @@ def fake(fake_toolchain, cache_root, monkeypatch):
             (d / "kernel.fatbin").write_bytes(b"\0" * 32)
             if t.endswith(".so"):
                 (d / "kernel.so").write_bytes(b"\0" * 128)
-            (d / "build.log").write_text("ok\n")
+            (d / "host.log").write_text("ok\n")
         return 0, ""
 
     monkeypatch.setattr(builder, "_run_ninja", run)

@@ -239,8 +239,8 @@ def test_partial_failure_keeps_good_units(fake, monkeypatch):
 
     def run(staging, targets, jobs, verbose, log):
         ok_run(staging, [t for t in targets if not t.startswith(bk(bad))], jobs, verbose, log)
-        (staging / bk(bad) / "build.log").write_text(f"$ nvcc -c {bk(bad)}/kernel.cu\n"
-                                                     f"{bk(bad)}/kernel.cu(1): error: boom\n")
+        (staging / bk(bad) / "device.log").write_text(f"$ nvcc -fatbin {bk(bad)}/kernel.cu\n"
+                                                      f"{bk(bad)}/kernel.cu(1): error: boom\n")
         return 1, "FAILED"
 
     monkeypatch.setattr(builder, "_run_ninja", run)
@@ -387,6 +387,8 @@ def test_real_compile_only_build(cache_root):
     assert o.exists() and o.stat().st_size > 0
     log = (o.parent / "build.log").read_text()
     assert "-gencode=arch=compute_90a,code=sm_90a" in log and "-std=c++20" in log
+    host, device = (i for i, ln in enumerate(log.splitlines()) if ln.startswith("$ "))  # both passes, in order
+    assert " -c " in log.splitlines()[host] and "-fatbin -DCODA_DEVICE_PASS" in log.splitlines()[device]
 
 
 # (tile M, tile N, cluster M, cluster N, M, N, the config's swizzle) -> the swizzle a launch takes

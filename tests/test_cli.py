@@ -240,6 +240,11 @@ def test_torch_of_a_cuda_without_the_library_api_fails_doctor_and_the_cutlass_ba
     monkeypatch.setattr(op, "_warned_fallback", False)
     with pytest.warns(UserWarning, match=re.escape(f"coda_dsl: {reason}; running epilogues on the (slow) reference")):
         assert not op._cutlass_available(gpu)
+    monkeypatch.setattr(checks, "_capability", lambda index: (8, 0))  # not Hopper: that is what the warning says
+    monkeypatch.setattr(op, "_warned_fallback", False)
+    with pytest.warns(UserWarning, match=re.escape("coda_dsl: no sm_90 GPU for tensors on cuda:0;")):
+        assert not op._cutlass_available(gpu)
+    monkeypatch.setattr(checks, "_capability", lambda index: (9, 0))
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     assert checks.is_hopper(gpu) and cli.torch_cuda_problem() is None
 

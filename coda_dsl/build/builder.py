@@ -47,7 +47,7 @@ class BuildError(CodaError):
 
 
 DEVICE_PASS = "-fatbin -DCODA_DEVICE_PASS"  # nvcc options of the device pass (templates/kernel.cu.j2)
-DEVICE_LOG = "device.log"
+STEP_LOGS = ("host.log", "device.log", "embed.log", "link.log")  # a unit's steps, in build order
 
 
 def _cpus() -> int:
@@ -55,8 +55,8 @@ def _cpus() -> int:
 
 
 def _default_jobs(n_units: int) -> int:
-    # Two nvcc passes per kernel; a device pass peaks at ~3.7 GB: more parallel jobs than RAM/4 GB
-    # would swap or OOM.
+    # Two nvcc passes per kernel; one nvcc of a CUTLASS Hopper kernel peaked at ~3.7 GB (cicc, measured
+    # before the split): more parallel jobs than RAM/4 GB would swap or OOM.
     ram_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**30
     return max(1, min(2 * n_units, _cpus(), max(1, ram_gb // 4)))
 
@@ -72,25 +72,24 @@ def _ninja_file(tc: Toolchain, keys: list[str], compile_only: bool) -> str:
     ld, ld_flags = link_command(tc)
 
     # Each command echoes itself into its log (so it can be rerun by hand) and writes $out.tmp then
-    # renames it, so an output that exists is a complete one. The passes log apart (they run at once);
-    # _merge_logs appends the device log to build.log. A unit's first command starts its log.
-    def rule(name: str, line: str, description: str, starts_log: bool = False) -> list[str]:
-        run = line.replace("-o $out", "-o $out.tmp", 1)
-        echo = f"echo {shlex.quote('$$ ' + line)} {'>' if starts_log else '>>'} $log"
-        return [f"rule {name}", f"  command = {echo} && {run} >> $log 2>&1 && mv -f $out.tmp $out",
+    # renames it, so an output that exists is a complete one. The steps log apart (the passes run at
+    # once); _merge_logs joins the logs into build.log in the order the steps run.
+    def rule(name: str, command: str, description: str) -> list[str]:
+        echo = f"echo {shlex.quote(f'$$ {command} -o $out')} > $log"
+        return [f"rule {name}", f"  command = {echo} && {command} -o $out.tmp >> $log 2>&1 && mv -f $out.tmp $out",
                 f"  description = {description}"]
 
     lines = ["ninja_required_version = 1.3",
-             *rule("cc", f"{cc} -c $in -o $out", "nvcc (host pass) $in", starts_log=True),
-             *rule("dev", f"{cc} {DEVICE_PASS} $in -o $out", "nvcc (device pass) $in", starts_log=True),
-             *rule("embed", f"{cmd(ld)} -c $in -o $out", "embed $in"),
-             *rule("ld", f"{cmd(ld)} -shared $in -o $out {cmd(ld_flags)}", "link $out")]
+             *rule("cc", f"{cc} -c $in", "nvcc (host pass) $in"),
+             *rule("dev", f"{cc} {DEVICE_PASS} $in", "nvcc (device pass) $in"),
+             *rule("embed", f"{cmd(ld)} -c $in", "embed $in"),
+             *rule("ld", f"{cmd(ld)} -shared $in {cmd(ld_flags)}", "link $out")]
     for k in keys:
-        lines += [f"build {k}/kernel.o: cc {k}/kernel.cu", f"  log = {k}/build.log",
-                  f"build {k}/kernel.fatbin: dev {k}/kernel.cu", f"  log = {k}/{DEVICE_LOG}"]
+        lines += [f"build {k}/kernel.o: cc {k}/kernel.cu", f"  log = {k}/{STEP_LOGS[0]}",
+                  f"build {k}/kernel.fatbin: dev {k}/kernel.cu", f"  log = {k}/{STEP_LOGS[1]}"]
         if not compile_only:
-            lines += [f"build {k}/fatbin.o: embed {k}/fatbin.S | {k}/kernel.fatbin", f"  log = {k}/{DEVICE_LOG}",
-                      f"build {k}/kernel.so: ld {k}/kernel.o {k}/fatbin.o", f"  log = {k}/build.log"]
+            lines += [f"build {k}/fatbin.o: embed {k}/fatbin.S | {k}/kernel.fatbin", f"  log = {k}/{STEP_LOGS[2]}",
+                      f"build {k}/kernel.so: ld {k}/kernel.o {k}/fatbin.o", f"  log = {k}/{STEP_LOGS[3]}"]
     return "\n".join(lines) + "\n"
 
 
@@ -108,11 +107,12 @@ def _targets(k: str, compile_only: bool) -> list[str]:
 
 
 def _merge_logs(udir: Path) -> None:
-    """The device pass's log appended to build.log (the one log a unit keeps)."""
-    with contextlib.suppress(OSError):
-        text = (udir / DEVICE_LOG).read_text(errors="replace")
-        with open(udir / "build.log", "a") as f:
-            f.write(text)
+    """The steps' logs joined into build.log (the one log a unit keeps), in the order the steps run."""
+    texts = []
+    for name in STEP_LOGS:
+        with contextlib.suppress(OSError):
+            texts.append((udir / name).read_text(errors="replace"))
+    (udir / "build.log").write_text("".join(texts))
 
 
 # Runs ninja in a session of its own, under this watchdog: when the building process dies (even by
@@ -216,14 +216,15 @@ def _build(units: list[BuildUnit], bkeys: dict[str, str], tc: Toolchain, compile
             for u, k in zip(units, keys):
                 (staging / k).mkdir()
                 (staging / k / "kernel.cu").write_text(u.cu_text)
-                (staging / k / "fatbin.S").write_text(_fatbin_asm(k))
+                if not compile_only:
+                    (staging / k / "fatbin.S").write_text(_fatbin_asm(k))
             (staging / "build.ninja").write_text(_ninja_file(tc, keys, compile_only))
         jobs = jobs or _default_jobs(len(units))
         n = len(units)
         what = f"{n} kernel specialization{'s' if n > 1 else ''}"
-        est = 30 if _cpus() >= 8 else 45  # kernels without torch headers (bench/results/build_phases.md)
+        # ≈30 s: a kernel's two passes at once took 28-33 s on 16 cores, 27.5 s on 2 (bench/results/build_phases.md)
         log(f"coda_dsl: {'compile-checking' if compile_only else 'building'} {what} with nvcc "
-            f"(≈{est} s each on {_cpus()} cores, -j {jobs}) ...")
+            f"(≈30 s each on {_cpus()} cores, -j {jobs}) ...")
         t0 = time.monotonic()
         targets = [t for k in keys for t in _targets(k, compile_only)]
         _, ninja_out = _run_ninja(staging, targets, jobs, verbose, log)

@@ -31,7 +31,8 @@ def op_name(key: str) -> str:
 
 
 def gemm_kernel(op: str) -> str:
-    """The name of op's GEMM kernel (a plain extern "C" symbol: what profilers show)."""
+    """The name of op's GEMM kernel: an extern "C" kernel in the library's embedded fatbinary (the name
+    profilers list)."""
     return f"{op}_gemm"
 
 

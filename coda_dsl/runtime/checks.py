@@ -119,10 +119,13 @@ def old_runtime() -> str | None:
     return None
 
 
+def is_sm90(device: torch.device) -> bool:
+    return device.type == "cuda" and _capability(device.index if device.index is not None else 0) == (9, 0)
+
+
 def is_hopper(device: torch.device) -> bool:
     """Whether the cutlass backend runs on `device`: an sm_90 GPU, and a runtime new enough."""
-    return (device.type == "cuda" and _capability(device.index if device.index is not None else 0) == (9, 0)
-            and old_runtime() is None)
+    return is_sm90(device) and old_runtime() is None
 
 
 def require_hopper(where: str, device: torch.device) -> None:
@@ -134,6 +137,6 @@ def require_hopper(where: str, device: torch.device) -> None:
         raise UnsupportedError(
             f"{where}: the cutlass backend needs an sm_90 (Hopper) GPU; {torch.cuda.get_device_name(device)} "
             f"is sm_{cap[0]}{cap[1]}\n  fix: run on an H100/H200, or pass backend='reference' (slow)")
-    if old_runtime():
-        raise UnsupportedError(f"{where}: {old_runtime()}\n  fix: install a torch built with CUDA "
-                               f"{MIN_CUDA_TEXT}+, or pass backend='reference' (slow)")
+    if why := old_runtime():
+        raise UnsupportedError(f"{where}: {why}\n  fix: install a torch built with CUDA {MIN_CUDA_TEXT}+, or pass "
+                               "backend='reference' (slow)")

@@ -858,7 +858,7 @@ def _cutlass_available(device: torch.device) -> bool:
         return True
     if not _warned_fallback:
         _warned_fallback = True
-        why = (device.type == "cuda" and checks.old_runtime()) or f"no sm_90 GPU for tensors on {device}"
+        why = checks.old_runtime() if checks.is_sm90(device) else f"no sm_90 GPU for tensors on {device}"
         warnings.warn(f"coda_dsl: {why}; running epilogues on the (slow) reference backend. "
                       "Pass backend='reference' to silence this.", stacklevel=4)
     return False

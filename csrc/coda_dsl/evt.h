@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <type_traits>
@@ -145,50 +146,62 @@ extern "C" __attribute__((visibility("hidden"))) unsigned char const coda_fatbin
 
 namespace coda {
 
-// The library's GEMM kernel, loaded from coda_fatbin on first use (a CUDA library is loaded once for
-// every device; its kernel reaches a device at its first launch there). Kept by the generated file.
+// A library's GEMM kernel and what is set up for it once: the kernel loaded from the library's fatbinary
+// (a CUDA library serves every device; CUDA's lazy loading brings the kernel to a device at its first
+// launch there), and per device the SM count, with the kernel's shared-memory attribute set first. The
+// generated file keeps one: not statics here, since a static in a function template is one object in the
+// whole process (GNU unique), shared by every library whose GEMM has the same type (configs that differ
+// only in raster order or swizzle).
 class GemmEntry {
  public:
-  explicit GemmEntry(char const* name) : name_(name) {}
+  GemmEntry(void const* fatbin, char const* name) : fatbin_(fatbin), name_(name) {}
 
-  cudaKernel_t get(char const* op_name) {
-    std::call_once(once_, [this] {
-      error_ = cudaLibraryLoadData(&library_, coda_fatbin, nullptr, nullptr, 0, nullptr, nullptr, 0);
-      if (error_ == cudaSuccess) error_ = cudaLibraryGetKernel(&kernel_, library_, name_);
-    });
-    check_cuda(error_, op_name, "loading the GEMM kernel");
-    return kernel_;
+  // The kernel's handle; a load that failed is tried again at the next call.
+  cudaKernel_t kernel(char const* op_name) {
+    cudaKernel_t k = kernel_.load(std::memory_order_acquire);
+    if (k) return k;
+    std::lock_guard<std::mutex> lock(mutex_);
+    k = kernel_.load(std::memory_order_relaxed);
+    if (!k) {
+      if (!library_)
+        check_cuda(cudaLibraryLoadData(&library_, fatbin_, nullptr, nullptr, 0, nullptr, nullptr, 0), op_name,
+                   "loading the GEMM kernel's library");
+      check_cuda(cudaLibraryGetKernel(&k, library_, name_), op_name, "finding the GEMM kernel");
+      kernel_.store(k, std::memory_order_release);
+    }
+    return k;
+  }
+
+  // The SM count of `device`, where the kernel may use `smem` bytes of dynamic shared memory.
+  int sm_count(int device, int smem, char const* op_name) {
+    if (device < 0 || device >= kDevices) fail(op_name, ": unsupported device index ", std::to_string(device));
+    if (sm_count_[device] == 0) {  // recorded last: a set-up that failed runs again at the next call
+      int n = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device);
+      if (smem >= (48 << 10)) {
+        check_cuda(cudaKernelSetAttributeForDevice(kernel(op_name), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   smem, device), op_name, "cudaKernelSetAttributeForDevice");
+      }
+      sm_count_[device] = n;
+    }
+    return sm_count_[device];
   }
 
  private:
+  static constexpr int kDevices = 64;
+  void const* fatbin_;
   char const* name_;
-  std::once_flag once_;
-  cudaError_t error_ = cudaSuccess;
+  std::mutex mutex_;
   cudaLibrary_t library_ = nullptr;
-  cudaKernel_t kernel_ = nullptr;
+  std::atomic<cudaKernel_t> kernel_{nullptr};
+  int sm_count_[kDevices] = {};
 };
 
-// Before a GEMM's launch, in a size query too: shared-memory attribute and SM count set once per
-// device, the problem checked (CUTLASS's can_implement, with a clear message), the workspace size.
-// sm_count: the library's own record of the devices it has set up, 64 ints, kept by the generated
-// file; not a static here: a static in a function template is one object in the whole process
-// (GNU unique), shared by every library whose GEMM has the same type (configs that differ only in
-// raster order or swizzle), whose kernels would then never get their shared-memory attribute.
+// Before a GEMM's launch, in a size query too: the device set up (GemmEntry::sm_count), the problem
+// checked (CUTLASS's can_implement, with a clear message), the workspace size.
 template <class Kernel>
-size_t prepare(typename Kernel::Arguments& args, Call const& call, char const* op_name, int* sm_count,
-               GemmEntry& entry) {
-  int device = call.device;
-  if (device < 0 || device >= 64) fail(op_name, ": unsupported device index ", std::to_string(device));
-  if (sm_count[device] == 0) {
-    sm_count[device] = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device);
-    int smem = Kernel::SharedStorageSize;
-    if (smem >= (48 << 10)) {
-      check_cuda(cudaKernelSetAttributeForDevice(entry.get(op_name), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 smem, device), op_name, "cudaKernelSetAttributeForDevice");
-    }
-  }
-  args.hw_info = cutlass::KernelHardwareInfo{device, sm_count[device]};
-
+size_t prepare(typename Kernel::Arguments& args, Call const& call, char const* op_name, GemmEntry& entry) {
+  args.hw_info = cutlass::KernelHardwareInfo{call.device, entry.sm_count(call.device, Kernel::SharedStorageSize,
+                                                                         op_name)};
   if (!Kernel::can_implement(args))  // what GemmUniversalAdapter::can_implement asks (a yes or no)
     fail(op_name, ": CUTLASS cannot run this problem; check operand alignment (16 bytes) and shapes");
   return Kernel::get_workspace_size(args);  // the adapter's, less its split-K-parallel mode (not used)
@@ -221,7 +234,7 @@ void launch(typename Kernel::Arguments& args, GemmEntry& entry, void* ws, size_t
   config.attrs = cluster;
   config.numAttrs = cute::size(Cluster{}) > 1 ? 1 : 0;  // a 1x1x1 cluster launches as a plain grid, as in CUTLASS
   void* kernel_params[] = {&params};
-  cudaError_t launched = cudaLaunchKernelExC(&config, reinterpret_cast<void const*>(entry.get(op_name)),
+  cudaError_t launched = cudaLaunchKernelExC(&config, reinterpret_cast<void const*>(entry.kernel(op_name)),
                                              kernel_params);
   if (launched != cudaSuccess) (void)cudaGetLastError();  // reported here, not again by the next check
   check_cuda(launched, op_name, "kernel launch");

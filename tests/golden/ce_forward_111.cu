@@ -93,19 +93,15 @@ using GemmKernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int
 
 #ifdef CODA_DEVICE_PASS
 // The build's device pass (nvcc -fatbin, in parallel with the host pass) compiles this kernel alone; the
-// library embeds its fatbinary and launches it by this plain name (coda::GemmEntry), unique to the op.
+// library embeds its fatbinary and launches it by this name (coda::GemmEntry), unique to the op.
 extern "C" __global__ void __launch_bounds__(GemmKernel::MaxThreadsPerBlock, GemmKernel::MinBlocksPerMultiprocessor)
 k2b9b288625c4b5d08a4d_gemm(CUTLASS_GRID_CONSTANT GemmKernel::Params const params) {
   extern __shared__ char smem[];
   GemmKernel op;
   op(params, smem);
 }
-
-}  // namespace k2b9b288625c4b5d08a4d_ns
 #else
-
-static coda::GemmEntry gemm_entry("k2b9b288625c4b5d08a4d_gemm");  // the kernel above, loaded on first use
-static int sm_count[64] = {};  // per device: set up once (coda::prepare), by this library for its kernel
+static coda::GemmEntry gemm_entry(coda_fatbin, "k2b9b288625c4b5d08a4d_gemm");  // the kernel of the device pass
 
 // One call, or its size query (call.query: the workspace bytes it needs; nothing is launched).
 // a: [M, K] or [L, M, K]; b: [N, K] or [L, N, K] (any strides the layout allows); d: like the output.
@@ -150,7 +146,7 @@ int64_t run(coda::Call const& call) {
       {evt_args, nullptr, dD, ptr_D, dD}};
   args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::Heuristic;
   args.scheduler.max_swizzle_size = coda::swizzle_for<TileShape, ClusterShape>(M, N, 8);
-  size_t gemm_ws_size = coda::prepare<GemmKernel>(args, call, op_name, sm_count, gemm_entry);
+  size_t gemm_ws_size = coda::prepare<GemmKernel>(args, call, op_name, gemm_entry);
   void* gemm_ws = ws.take(int64_t(gemm_ws_size));
   if (call.query) return ws.used();
   coda::fill(outputs[1], 0.f, call, op_name);  // Take_z_target
@@ -159,9 +155,11 @@ int64_t run(coda::Call const& call) {
   coda::finish_logsumexp<coda::Identity<float>>(partial_0, outputs[0].data_ptr<float>(), partial_0_shape, L, scalars, call, op_name);  // Reduce_lse
   return ws.used();
 }
+#endif  // CODA_DEVICE_PASS
 
 }  // namespace k2b9b288625c4b5d08a4d_ns
 
+#ifndef CODA_DEVICE_PASS
 // The library's two entry points (csrc/coda_dsl/abi.h describes them).
 extern "C" int coda_workspace_size(coda::CallArgs const* args, int64_t* size, char* message, int64_t message_size) {
   return coda::guarded(message, message_size, [&] { *size = k2b9b288625c4b5d08a4d_ns::run(coda::Call(args, true)); });

@@ -188,19 +188,15 @@ using GemmKernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int
 
 #ifdef CODA_DEVICE_PASS
 // The build's device pass (nvcc -fatbin, in parallel with the host pass) compiles this kernel alone; the
-// library embeds its fatbinary and launches it by this plain name (coda::GemmEntry), unique to the op.
+// library embeds its fatbinary and launches it by this name (coda::GemmEntry), unique to the op.
 extern "C" __global__ void __launch_bounds__(GemmKernel::MaxThreadsPerBlock, GemmKernel::MinBlocksPerMultiprocessor)
 k322aa8ae927ecc7ec930_gemm(CUTLASS_GRID_CONSTANT GemmKernel::Params const params) {
   extern __shared__ char smem[];
   GemmKernel op;
   op(params, smem);
 }
-
-}  // namespace k322aa8ae927ecc7ec930_ns
 #else
-
-static coda::GemmEntry gemm_entry("k322aa8ae927ecc7ec930_gemm");  // the kernel above, loaded on first use
-static int sm_count[64] = {};  // per device: set up once (coda::prepare), by this library for its kernel
+static coda::GemmEntry gemm_entry(coda_fatbin, "k322aa8ae927ecc7ec930_gemm");  // the kernel of the device pass
 
 // One call, or its size query (call.query: the workspace bytes it needs; nothing is launched).
 // a: [M, K] or [L, M, K]; b: [N, K] or [L, N, K] (any strides the layout allows); d: like the output.
@@ -249,16 +245,18 @@ int64_t run(coda::Call const& call) {
       {evt_args, nullptr, dD, ptr_D, dD}};
   args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::Heuristic;
   args.scheduler.max_swizzle_size = coda::swizzle_for<TileShape, ClusterShape>(M, N, 8);
-  size_t gemm_ws_size = coda::prepare<GemmKernel>(args, call, op_name, sm_count, gemm_entry);
+  size_t gemm_ws_size = coda::prepare<GemmKernel>(args, call, op_name, gemm_entry);
   void* gemm_ws = ws.take(int64_t(gemm_ws_size));
   if (call.query) return ws.used();
   coda::launch<GemmKernel>(args, gemm_entry, gemm_ws, gemm_ws_size, call, op_name);
   coda::finish<coda::Plus, Fn2<float>>(partial_1, outputs[1].data_ptr<float>(), partial_1_shape.rows, partial_1_shape.rows_padded, partial_1_shape.tiles, L, false, 0.f, scalars, call, op_name);  // Reduce_rstd
   return ws.used();
 }
+#endif  // CODA_DEVICE_PASS
 
 }  // namespace k322aa8ae927ecc7ec930_ns
 
+#ifndef CODA_DEVICE_PASS
 // The library's two entry points (csrc/coda_dsl/abi.h describes them).
 extern "C" int coda_workspace_size(coda::CallArgs const* args, int64_t* size, char* message, int64_t message_size) {
   return coda::guarded(message, message_size, [&] { *size = k322aa8ae927ecc7ec930_ns::run(coda::Call(args, true)); });
