@@ -3,12 +3,13 @@
     python -m bench.build_time [--kernels 10] [--jobs N] [--no-serial]
 
 1. Cold builds of 3 representative epilogues (identity; bias + GELU; a residual with a per-row sum of
-   squares, an atomic reduction): each alone (serial), then all three in one parallel ninja run, each
-   in an empty kernel cache.
+   squares, an atomic reduction): each alone (one after the other, each with its two nvcc passes at
+   once, as a user's build), then all three in one parallel ninja run, each in an empty kernel cache.
 2. Warm load: a fresh process imports coda_dsl, then torch (timed apart: it is not coda_dsl's, and
    import coda_dsl does not import it), and loads `--kernels` cached specializations (the 3
    above and variants of them, built first if missing: not timed), as a user's second run would:
-   trace, lower, render, key, find in the cache, open the library.
+   trace, lower, render, key, find in the cache, open the library (its GEMM's CUDA library loads at
+   the first call, not timed here).
 Prints a table; the cache is a temporary directory, removed at the end.
 """
 from __future__ import annotations
