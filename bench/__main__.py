@@ -3,10 +3,11 @@ cross-entropy. Tables on stdout, progress on stderr; JSON and a PNG chart under 
 (or $OUT). The same as `coda-dsl bench ARGS`.
 
     python -m bench [--only identity,...,cross_entropy] [--shapes MxNxK,...] [--ce-shape MxDxV,...]
-                    [--iters 50] [--autotune] [--compile-dynamic] [--tune] [--sustained MS] [--dry-run]
+                    [--iters 50] [--autotune] [--compile-dynamic] [--tune] [--sustained MS | --graph] [--dry-run]
 
-Each part also runs alone: python -m bench.epilogues, python -m bench.cross_entropy. --sustained acts
-on the epilogue part (the cross-entropy's steps run long enough to load the GPU as training does).
+Each part also runs alone: python -m bench.epilogues, python -m bench.cross_entropy. --sustained and
+--graph act on the epilogue part (the cross-entropy's steps run long enough to load the GPU as training
+does, and for the host to stay ahead).
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def main(argv=None) -> int:
             ce_kernels = cross_entropy.kernels() if with_ce else []  # one parallel build for all
             rows, ep_failed = epilogues.run(cases, args.shapes, args.autotune, args.iters, args.tune,
                                             args.compile_dynamic, ce_kernels, epilogues.checkpoint(command),
-                                            args.config, args.sustained)
+                                            args.config, args.sustained, args.graph)
         epilogues.report(rows, ep_failed, command)
         failed += ep_failed
     if with_ce:

@@ -1,14 +1,15 @@
 """Fused GEMM + epilogue vs the bare cuBLAS GEMM (the floor), eager PyTorch, torch.compile and,
 where one exists, cuBLASLt's fused epilogue. Same shapes, same run, random data.
 
-    python -m bench.epilogues [--only bias_gelu,...] [--shapes 4096x4096x4096,...] [--autotune] [--sustained MS]
-                              [--dry-run]
+    python -m bench.epilogues [--only bias_gelu,...] [--shapes 4096x4096x4096,...] [--autotune]
+                              [--sustained MS | --graph] [--dry-run]
 
 Each case has its own shapes (--shapes replaces them all): the generic epilogues run the cubes
 2048-8192 and Llama-3-8B's and -70B's projections at M = 8192 tokens; swiglu, geglu and rope the
 projections they belong to. Shapes are MxNxK: A [M, K], W [N, K]. Timing: round-robin over the
 variants, or with --sustained MS each alone after MS ms of its own calls, as training runs them (the
-SM clock and board power then go into the JSON).
+SM clock and board power then go into the JSON), or with --graph from CUDA graph replays of each
+variant's calls (the GPU's time without the host's: at 2048³ round-robin measures the host too).
 """
 from __future__ import annotations
 
@@ -177,12 +178,13 @@ def _compile_all(todo, autotune: bool, dynamic: bool, failed: list[str]) -> dict
 
 def run(cases: list[Case], shapes=None, autotune=False, iters=50, tune=False, dynamic=False, also_build=(),
         checkpoint: Callable | None = None, config: str | None = None,
-        sustain_ms: float = 0) -> tuple[list[Row], list[str]]:
+        sustain_ms: float = 0, graph: bool = False) -> tuple[list[Row], list[str]]:
     """Measure every (case, shape); returns the rows and one line per failure. also_build: more
     kernels (another benchmark's) for the same parallel build. checkpoint(rows, failed) after each
     shape, so that a run stopped by a time limit still leaves its numbers. config: one configuration
     for every kernel instead of each shape's default. sustain_ms: time each variant alone after that
-    many ms of its own calls (harness.sustained) instead of round-robin."""
+    many ms of its own calls (harness.sustained) instead of round-robin; graph: time CUDA graph replays
+    (harness.graph_replays)."""
     todo = plan(cases, shapes)
     ops = kernels(todo, config)
     # nvcc (one core per kernel, in subprocesses) builds while torch.compile works in this thread
@@ -201,7 +203,7 @@ def run(cases: list[Case], shapes=None, autotune=False, iters=50, tune=False, dy
     for c, s in todo:
         try:
             new = _measure(c, s, ops[c.name, s], *compiled.get((c.name, s), (None, None)),
-                           compile_label(autotune, dynamic), iters, tune, sustain_ms)
+                           compile_label(autotune, dynamic), iters, tune, sustain_ms, graph)
         except Exception as e:  # noqa: BLE001
             failed.append(f"{c.name} {fmt(s)}: {type(e).__name__}: {e}")
             continue
@@ -213,7 +215,7 @@ def run(cases: list[Case], shapes=None, autotune=False, iters=50, tune=False, dy
 
 
 def _measure(c: Case, shape, op, compiled, compile_s: float | None, label: str, iters: int, tune: bool,
-             sustain_ms: float = 0) -> list[Row]:
+             sustain_ms: float = 0, graph: bool = False) -> list[Row]:
     m, n, k = shape
     sets = rotation(lambda: _inputs(c, m, n, k), 2 * (m * k + n * k + m * n))
     a, w, o = sets[0]
@@ -229,7 +231,7 @@ def _measure(c: Case, shape, op, compiled, compile_s: float | None, label: str, 
             if name not in (FLOOR, "eager")}
     if wrong := {name: e for name, e in errs.items() if not e <= MAX_REL_ERR}:
         raise ValueError(f"outputs differ from eager's beyond {MAX_REL_ERR} (relative): {wrong}; nothing timed")
-    times, clocks = timed(variants, sets, iters, sustain_ms)
+    times, clocks = timed(variants, sets, iters, sustain_ms, graph=graph)
     extra = {name: {**({"rel_err_vs_eager": errs[name]} if name in errs else {}), **clocks.get(name, {})}
              for name in times}
     extra.setdefault(label, {})["compile_s"] = round(compile_s or 0, 2)
@@ -290,7 +292,11 @@ def add_args(p: argparse.ArgumentParser, only=tuple(CASES)) -> None:
     chosen.add_argument("--config", type=config_text, metavar="CFG",
                    help="coda_dsl in this configuration (e.g. 128x128x64_c2x1_pingpong) at every shape, instead "
                         "of each shape's default: a mainloop's cost apart from its epilogue's")
-    add_sustained(p)
+    timing = p.add_mutually_exclusive_group()
+    add_sustained(timing)
+    timing.add_argument("--graph", action="store_true",
+                        help="time CUDA graph replays of each variant's calls: the GPU's time alone, without the "
+                             "host's (small shapes, where round-robin measures the host too)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
 
 
@@ -308,7 +314,8 @@ def main(argv=None) -> int:
     command = command_line("python -m bench.epilogues", argv)
     with results_only_on_stdout():
         rows, failed = run(cases, args.shapes, args.autotune, args.iters, args.tune, args.compile_dynamic,
-                           checkpoint=checkpoint(command), config=args.config, sustain_ms=args.sustained)
+                           checkpoint=checkpoint(command), config=args.config, sustain_ms=args.sustained,
+                           graph=args.graph)
     report(rows, failed, command)
     return 1 if failed else 0
 

@@ -136,17 +136,41 @@ def sustained(variants: dict[str, Callable], sets: list[tuple], iters: int, warm
                 "watts": _median([w for _, w in late[n]])} for n in names}
 
 
-def add_sustained(p: argparse.ArgumentParser, what: str = "each variant") -> None:
-    """The --sustained MS option of every benchmark that times with timed()."""
+def add_sustained(p, what: str = "each variant") -> None:
+    """The --sustained MS option of every benchmark that times with timed(), on a parser or an argument group."""
     p.add_argument("--sustained", type=float, default=0, metavar="MS",
                    help=f"time {what} alone after MS ms of its own calls, as training runs, with the SM clock and "
                         "board power (default: round-robin)")
 
 
+def graph_replays(variants: dict[str, Callable], sets: list[tuple], iters: int, calls: int = 20) -> dict[str, float]:
+    """Median µs per call of each variant, each captured in a CUDA graph of `calls` calls (the rotation's
+    sets in turn) and the graphs replayed in turn as round_robin does: the GPU's time alone, without the
+    host's. At small shapes round-robin measures the host too (torch.matmul spends ~25 µs of host time
+    per call, as long as a 2048³ GEMM runs). A variant that cannot be captured raises."""
+    graphs = {}
+    for name, fn in variants.items():
+        side = torch.cuda.Stream()  # warmed up on a side stream, then captured, as torch.cuda.graph asks
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for i in range(2):
+                fn(*sets[i % len(sets)])
+        torch.cuda.current_stream().wait_stream(side)
+        graphs[name] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[name]):
+            for i in range(calls):
+                fn(*sets[i % len(sets)])
+    per_replay = tuner_round_robin({name: g.replay for name, g in graphs.items()}, iters, warmup=1)
+    return {name: us / calls for name, us in per_replay.items()}
+
+
 def timed(variants: dict[str, Callable], sets: list[tuple], iters: int, sustain_ms: float = 0,
-          warmup: int = 2) -> tuple[dict[str, float], dict[str, dict]]:
-    """µs per variant, round-robin, or with sustain_ms each alone after that many ms of its own calls
-    (sustained); and, for the latter, each variant's SM clock and board power ({"mhz", "watts"})."""
+          warmup: int = 2, graph: bool = False) -> tuple[dict[str, float], dict[str, dict]]:
+    """µs per variant, round-robin; with sustain_ms each alone after that many ms of its own calls
+    (sustained), with each variant's SM clock and board power ({"mhz", "watts"}); with graph, from CUDA
+    graph replays (graph_replays)."""
+    if graph:
+        return graph_replays(variants, sets, iters), {}
     if not sustain_ms:
         return round_robin(variants, sets, iters, warmup), {}
     steady = sustained(variants, sets, iters, sustain_ms)

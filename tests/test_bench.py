@@ -2,6 +2,7 @@
 JSON writer and the chart. The measurements themselves need an sm_90 GPU (tests/gpu_check.sh)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -276,6 +277,48 @@ def test_epilogue_bench_sustained_keeps_the_clocks(fake_gpu, capsys, monkeypatch
     rows = json.loads((fake_gpu / "epilogues.json").read_text())["rows"]
     assert len(rows) == 5 and all(r["extra"]["mhz"] == 1400.0 and r["extra"]["watts"] == 690.0 for r in rows)
     assert {r["variant"]: r["vs_gemm"] for r in rows}[FLOOR] == 1.0
+
+
+def test_graph_replays_time_each_variant_per_call(fake_events, monkeypatch):
+    """harness.graph_replays: each variant warmed up twice, then `calls` calls (the sets in turn) captured in
+    its own graph; the graphs replayed round-robin; µs per call (a replay's time / calls)."""
+    calls, variant = fake_events
+    fns, inputs = {"a": variant("a", 1.0), "b": variant("b", 3.0)}, []
+
+    class Graph:
+        def replay(self):
+            for name in self.names:
+                fns[name](0)
+
+    @contextlib.contextmanager
+    def graph(g):
+        start = len(calls)
+        yield
+        g.names = calls[start:]
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+    for name, value in (("CUDAGraph", Graph), ("graph", graph), ("Stream", Stream), ("current_stream", Stream),
+                        ("stream", lambda s: contextlib.nullcontext())):
+        monkeypatch.setattr(torch.cuda, name, value)
+    recorded = {n: (lambda x, fn=fn: (inputs.append(x), fn(x))) for n, fn in fns.items()}
+    us = harness.graph_replays(recorded, [(0,), (1,), (2,)], iters=3, calls=4)
+    assert calls[:12] == ["a"] * 6 + ["b"] * 6 and inputs[:6] == [0, 1, 0, 1, 2, 0]  # 2 warm-up, 4 captured
+    assert us == {"a": 1000.0, "b": 3000.0}
+
+
+def test_epilogue_bench_graph_times_replays(fake_gpu, monkeypatch):
+    """--graph: harness.graph_replays instead of the round-robin; not with --sustained."""
+    monkeypatch.setattr(epilogues, "no_gpu", lambda: False)
+    monkeypatch.setattr(harness, "graph_replays", lambda fns, sets, iters: {name: 10.0 * (i + 1)
+                                                                            for i, name in enumerate(fns)})
+    assert epilogues.main(["--only", "bias_gelu", "--shapes", "64x128x32", "--iters", "2", "--graph"]) == 0
+    rows = json.loads((fake_gpu / "epilogues.json").read_text())["rows"]
+    assert sorted(r["us"] for r in rows) == [10.0, 20.0, 30.0, 40.0, 50.0]
+    with pytest.raises(SystemExit) as e:
+        epilogues.main(["--graph", "--sustained", "5", "--dry-run"])
+    assert e.value.code == 2
 
 
 def test_a_variant_that_computes_something_else_times_nothing(fake_gpu, monkeypatch):
