@@ -628,7 +628,7 @@ class LlamaDecoderLayer(nn.Module):
         and backward on random data, whose GEMMs run on the reference backend meanwhile); else the first
         calls build them one after another. Returns the number of kernels."""
         p = self.self_attn.q_proj.weight
-        if self.backend == "reference" or (self.backend == "auto" and not checks.is_hopper(p.device)):
+        if self.backend == "reference" or (self.backend == "auto" and not checks.cutlass_runs_on(p.device)):
             return 0  # every GEMM runs on the reference backend: no kernel to build
         x = torch.randn(1, tokens, self.hidden_size, device=p.device, dtype=p.dtype, requires_grad=True)
         wrt = [x, *(q for q in self.parameters() if q.requires_grad)]

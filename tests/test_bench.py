@@ -474,7 +474,7 @@ def test_failures_are_reported_and_the_rest_measured(fake_gpu, capsys, monkeypat
 def test_host_overhead_python_only_runs_without_a_gpu(monkeypatch, capsys):
     from coda_dsl.runtime import kernel, warm
     from coda_dsl.runtime import op as runtime
-    for owner, name in ((runtime.CompiledOp, "load"), (runtime.checks, "require_hopper"), (runtime, "_choose_config"),
+    for owner, name in ((runtime.CompiledOp, "load"), (runtime.checks, "require_cutlass"), (runtime, "_choose_config"),
                         (kernel, "current_stream")):
         monkeypatch.setattr(owner, name, getattr(owner, name))  # restored after the script stubs them
     calls = []

@@ -123,7 +123,7 @@ def test_options_change_key(capsys, eps):
 
 def test_key_matches_cd_compile(capsys, monkeypatch):
     """The CLI builds exactly what cd.gemm would for the same dtypes and layout."""
-    monkeypatch.setattr(runtime.checks, "require_hopper", lambda where, device: None)  # CPU tensors: no build here
+    monkeypatch.setattr(runtime.checks, "require_cutlass", lambda where, device: None)  # CPU tensors: no build here
     m, n, k = 64, 128, 32
     a, w = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(n, k, dtype=torch.bfloat16)
     r, g = torch.randn(m, n, dtype=torch.bfloat16), torch.randn(n, dtype=torch.float32)
@@ -233,10 +233,10 @@ def test_torch_of_a_cuda_without_the_library_api_fails_doctor_and_the_cutlass_ba
     assert rc == 1 and "FAIL  torch" in out and reason in out and "install a torch built with CUDA 12.8+" in out
     monkeypatch.setattr(checks, "_capability", lambda index: (9, 0))  # an H100, as far as the checks know
     gpu = torch.device("cuda", 0)
-    assert not checks.is_hopper(gpu)
+    assert not checks.cutlass_runs_on(gpu)
     with pytest.raises(cd.UnsupportedError, match=re.escape(f"gemm: {reason}\n  fix: install a torch built with "
                                                             "CUDA 12.8+, or pass backend='reference'")):
-        checks.require_hopper("gemm", gpu)
+        checks.require_cutlass("gemm", gpu)
     monkeypatch.setattr(op, "_warned_fallback", False)
     with pytest.warns(UserWarning, match=re.escape(f"coda_dsl: {reason}; running epilogues on the (slow) reference")):
         assert not op._cutlass_available(gpu)
@@ -246,7 +246,7 @@ def test_torch_of_a_cuda_without_the_library_api_fails_doctor_and_the_cutlass_ba
         assert not op._cutlass_available(gpu)
     monkeypatch.setattr(checks, "_capability", lambda index: (9, 0))
     monkeypatch.setattr(torch.version, "cuda", "12.8")
-    assert checks.is_hopper(gpu) and cli.torch_cuda_problem() is None
+    assert checks.cutlass_runs_on(gpu) and cli.torch_cuda_problem() is None
 
 
 def test_cache_list_clear(capsys, tmp_path):

@@ -701,7 +701,7 @@ def test_tuning_later_replaces_the_warm_choice(fake_kernels, monkeypatch):
 
 # ---- issue 10, item 7: call-path defects ------------------------------------------------------------
 
-REQUIRE_HOPPER = runtime.checks.require_hopper  # the real one (fake_kernels replaces it)
+REQUIRE_CUTLASS = runtime.checks.require_cutlass  # the real one (fake_kernels replaces it)
 
 
 @cd.epilogue
@@ -837,7 +837,7 @@ def test_bad_arguments_are_operand_errors(fake_kernels, backend):
 def test_compile_refuses_cpu_tensors_at_once(fake_kernels, monkeypatch):
     """cd.compile on CPU tensors gives cd.gemm(backend="cutlass")'s error, not an op whose first call
     runs a long build and then fails; an op called with CPU tensors is refused before any build."""
-    monkeypatch.setattr(runtime.checks, "require_hopper", REQUIRE_HOPPER)
+    monkeypatch.setattr(runtime.checks, "require_cutlass", REQUIRE_CUTLASS)
     a, b = ab()
     r = torch.randn(M, N).bfloat16()
     with pytest.raises(UnsupportedError) as compiled:
@@ -845,9 +845,9 @@ def test_compile_refuses_cpu_tensors_at_once(fake_kernels, monkeypatch):
     with pytest.raises(UnsupportedError) as called:
         cd.gemm(a, b, two_outputs, backend="cutlass", residual=r)
     assert str(compiled.value) == str(called.value) and "needs CUDA tensors" in str(called.value)
-    monkeypatch.setattr(runtime.checks, "require_hopper", lambda where, device: None)
+    monkeypatch.setattr(runtime.checks, "require_cutlass", lambda where, device: None)
     op = cd.compile(two_outputs, a, b, residual=r)
-    monkeypatch.setattr(runtime.checks, "require_hopper", REQUIRE_HOPPER)
+    monkeypatch.setattr(runtime.checks, "require_cutlass", REQUIRE_CUTLASS)
     with pytest.raises(UnsupportedError, match="needs CUDA tensors"):
         op(a, b, residual=r)
     assert not fake_kernels and op._op is None

@@ -101,9 +101,15 @@ def _fatbin_asm(k: str) -> str:
             f'.incbin "{k}/kernel.fatbin"\n.section .note.GNU-stack,"",%progbits\n')
 
 
+def _output(compile_only: bool) -> str:
+    """The file a build of a kernel hands back, and its cache entry is complete with: the library, or the
+    host pass's object (a compile check)."""
+    return "kernel.o" if compile_only else "kernel.so"
+
+
 def _targets(k: str, compile_only: bool) -> list[str]:
-    """What ninja builds for kernel k: its library, or both passes' objects (a compile check)."""
-    return [f"{k}/kernel.o", f"{k}/kernel.fatbin"] if compile_only else [f"{k}/kernel.so"]
+    """What ninja builds for kernel k: its library, or both passes' outputs (a compile check)."""
+    return [f"{k}/{_output(compile_only)}", *([f"{k}/kernel.fatbin"] if compile_only else [])]
 
 
 def _merge_logs(udir: Path) -> None:
@@ -241,7 +247,7 @@ def _build(units: list[BuildUnit], bkeys: dict[str, str], tc: Toolchain, compile
                 if not all((staging / t).exists() for t in _targets(k, compile_only)):
                     failed.append(_fail(k, udir, ninja_out, compile_only))
                     continue
-                names = ["kernel.cu", "build.log", "kernel.o"] + ([] if compile_only else ["kernel.so"])
+                names = dict.fromkeys(["kernel.cu", "build.log", "kernel.o", _output(compile_only)])
                 commit_entry(k, {f: udir / f for f in names if (udir / f).exists()},
                              {"op_name": u.op_name, "specialization_key": u.key, "pid": os.getpid(),
                               "created": time.time(), "build_seconds": round(time.monotonic() - t0, 1),
@@ -261,7 +267,7 @@ def build_units(units: list[BuildUnit], *, compile_only: bool = False, jobs: int
     """Build every unit whose cache entry is missing or damaged, in one parallel ninja run; return each
     unit's .so (or .o with compile_only). Per-key file locks make concurrent callers wait, not rebuild."""
     tc = toolchain()
-    out_name = "kernel.o" if compile_only else "kernel.so"
+    out_name = _output(compile_only)
     bkeys = {u.key: build_key(u.key) for u in units}
     unique = list({u.key: u for u in units}.values())
     paths = [entry_dir(bkeys[u.key]) / out_name for u in units]

@@ -110,6 +110,11 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def _capability_of(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability (no index: device 0)."""
+    return _capability(device.index if device.index is not None else 0)
+
+
 def old_runtime() -> str | None:
     """Why torch's CUDA runtime cannot run kernel libraries (older than the library API they load their
     GEMM with), else None."""
@@ -120,19 +125,20 @@ def old_runtime() -> str | None:
 
 
 def is_sm90(device: torch.device) -> bool:
-    return device.type == "cuda" and _capability(device.index if device.index is not None else 0) == (9, 0)
+    return device.type == "cuda" and _capability_of(device) == (9, 0)
 
 
-def is_hopper(device: torch.device) -> bool:
+def cutlass_runs_on(device: torch.device) -> bool:
     """Whether the cutlass backend runs on `device`: an sm_90 GPU, and a runtime new enough."""
     return is_sm90(device) and old_runtime() is None
 
 
-def require_hopper(where: str, device: torch.device) -> None:
+def require_cutlass(where: str, device: torch.device) -> None:
+    """An UnsupportedError with the fix where the cutlass backend cannot run on `device` (cutlass_runs_on)."""
     if device.type != "cuda":
         raise UnsupportedError(f"{where}: the cutlass backend needs CUDA tensors (A is on {device})\n"
                                "  fix: move the tensors to an sm_90 GPU, or pass backend='reference'")
-    cap = _capability(device.index if device.index is not None else 0)
+    cap = _capability_of(device)
     if cap != (9, 0):
         raise UnsupportedError(
             f"{where}: the cutlass backend needs an sm_90 (Hopper) GPU; {torch.cuda.get_device_name(device)} "

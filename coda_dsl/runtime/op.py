@@ -217,7 +217,7 @@ def _check_call(ep: Epilogue, call: Call, out: dict | None, cutlass: bool, accum
     if accumulate and not (out and isinstance(out.get("D"), torch.Tensor)):
         raise checks.fail(_where(ep), "accumulate=True adds into an existing D", "pass it as out={'D': tensor}")
     if cutlass:
-        checks.require_hopper(_where(ep), call.a.device)
+        checks.require_cutlass(_where(ep), call.a.device)
     return _check_tensors(ep, call, cutlass)
 
 
@@ -854,7 +854,7 @@ _warned_fallback = False
 
 def _cutlass_available(device: torch.device) -> bool:
     global _warned_fallback
-    if checks.is_hopper(device):
+    if checks.cutlass_runs_on(device):
         return True
     if not _warned_fallback:
         _warned_fallback = True
