@@ -7,6 +7,8 @@ before the first test (see `kernels`).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -518,6 +520,60 @@ def test_cuda_graph_capture_with_a_workspace(kernels, config):
         ref = cd.gemm(a, b, row_stats, residual=residual, backend="reference")
         for name in ref:
             assert _rel(out[name], ref[name]) <= _tol(ref[name]), name
+
+
+# A chain of calls, each reading what the call before it wrote (A, the residual, the rstd vector: VecM, read
+# in the epilogue; its fill and finishing kernels around each GEMM), queued with no host wait, eagerly and
+# replayed from a CUDA graph; every step is then checked against the reference on the inputs it had. Run
+# in a fresh process: CODA_DSL_PDL is read once per kernel library.
+_PDL_CHAIN = """
+import torch, coda_dsl as cd
+from coda_dsl.library import rms_consumer, rms_producer
+torch.manual_seed(0)
+m, d = 777, 1024
+ws = [(torch.randn(d, d, device="cuda") * d ** -0.5).bfloat16() for _ in range(3)]
+gamma = (torch.rand(d, device="cuda") + 0.5).bfloat16()
+
+def chain(x, r, n, first=0, backend="cutlass"):
+    steps = []
+    for i in range(first, first + n):
+        p = cd.gemm(x, ws[i % 3], rms_producer, residual=r, gamma=gamma, inv_n=1.0 / d, eps=1e-6, backend=backend)
+        y = cd.gemm(p["h_gamma"], ws[(i + 1) % 3], rms_consumer(None), rstd=p["rstd"], backend=backend)["D"]
+        steps.append(((x, r), p, y))
+        x, r = y, p["D"]
+    return steps
+
+def worst(steps):
+    err = 0.0
+    for i, ((x, r), p, y) in enumerate(steps):
+        (_, q, z), = chain(x, r, 1, i, backend="reference")
+        for got, ref in [(p["D"], q["D"]), (p["rstd"], q["rstd"]), (y, z)]:
+            err = max(err, ((got.double() - ref.double()).norm() / ref.double().norm()).item())
+    return err
+
+x0, r0 = torch.randn(m, d, device="cuda").bfloat16(), torch.randn(m, d, device="cuda").bfloat16()
+eager = chain(x0, r0, 24)
+torch.cuda.synchronize()
+g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+s.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(s), torch.cuda.graph(g):
+    captured = chain(x0, r0, 8)
+torch.cuda.current_stream().wait_stream(s)
+x0.copy_(torch.randn_like(x0)); r0.copy_(torch.randn_like(r0))
+g.replay()
+torch.cuda.synchronize()
+print(worst(eager), worst(captured))
+"""
+
+
+def test_programmatic_dependent_launch_chain(kernels):
+    """With CODA_DSL_PDL=1 each GEMM may start before the kernel before it ends (csrc/coda_dsl/evt.h): what it
+    reads must still be what that kernel wrote."""
+    res = subprocess.run([sys.executable, "-c", _PDL_CHAIN], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "CODA_DSL_PDL": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    eager, captured = map(float, res.stdout.split()[-2:])
+    assert eager <= 1e-2 and captured <= 1e-2, (eager, captured)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

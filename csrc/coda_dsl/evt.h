@@ -3,9 +3,16 @@
 // comes from the caller, who allocates it with torch's caching allocator).
 #pragma once
 
+// Before CUTLASS's headers: its sm90 kernels then wait for the previous grid (griddepcontrol.wait)
+// before they touch global memory, and signal the next one at their last tile, so that coda::launch may
+// launch them as programmatic dependents (PDL: the launch and set-up overlap the previous kernel's tail).
+#define CUTLASS_ENABLE_GDC_FOR_SM90
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <type_traits>
 
@@ -207,6 +214,16 @@ size_t prepare(typename Kernel::Arguments& args, Call const& call, char const* o
   return Kernel::get_workspace_size(args);  // the adapter's, less its split-K-parallel mode (not used)
 }
 
+// Whether GEMMs launch as programmatic dependents of the previous kernel on their stream (PDL):
+// CODA_DSL_PDL=1, read once per kernel library. Off by default until measured on a GPU.
+inline bool programmatic_launch() {
+  static bool const on = [] {
+    char const* v = std::getenv("CODA_DSL_PDL");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  return on;
+}
+
 // The launch of a prepared GEMM on the caller's stream, with its workspace (`ws_size` bytes at `ws`).
 template <class Kernel, bool ZeroWorkspace = false>
 void launch(typename Kernel::Arguments& args, GemmEntry& entry, void* ws, size_t ws_size, Call const& call,
@@ -221,18 +238,27 @@ void launch(typename Kernel::Arguments& args, GemmEntry& entry, void* ws, size_t
   // The launch GemmUniversalAdapter::run makes, less its per-launch cudaFuncSetAttribute (non-portable
   // cluster sizes: ours have at most 4 CTAs, portable): one cudaLaunchKernelExC.
   using Cluster = typename Kernel::DispatchPolicy::ClusterShape;
-  cudaLaunchAttribute cluster[1];
-  cluster[0].id = cudaLaunchAttributeClusterDimension;
-  cluster[0].val.clusterDim = {unsigned(cute::size<0>(Cluster{})), unsigned(cute::size<1>(Cluster{})),
-                               unsigned(cute::size<2>(Cluster{}))};
-  static_assert(cute::size(Cluster{}) <= 8, "a cluster of more than 8 CTAs needs cudaFuncAttributeNonPortableClusterSizeAllowed");
+  cudaLaunchAttribute attrs[2];
+  unsigned n_attrs = 0;
+  if constexpr (cute::size(Cluster{}) > 1) {  // a 1x1x1 cluster launches as a plain grid, as in CUTLASS
+    static_assert(cute::size(Cluster{}) <= 8, "a cluster of more than 8 CTAs needs cudaFuncAttributeNonPortableClusterSizeAllowed");
+    attrs[n_attrs].id = cudaLaunchAttributeClusterDimension;
+    attrs[n_attrs++].val.clusterDim = {unsigned(cute::size<0>(Cluster{})), unsigned(cute::size<1>(Cluster{})),
+                                       unsigned(cute::size<2>(Cluster{}))};
+  }
+  // Not after stream-K's memset (a dependency on a copy, not a grid), nor with K = 0: then no mainloop
+  // orders the epilogue's reads of vectors after the producer's wait for the previous grid.
+  if (programmatic_launch() && !ZeroWorkspace && cute::get<2>(args.problem_shape) > 0) {
+    attrs[n_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[n_attrs++].val.programmaticStreamSerializationAllowed = 1;
+  }
   cudaLaunchConfig_t config{};
   config.gridDim = Kernel::get_grid_shape(params);
   config.blockDim = Kernel::get_block_shape();
   config.dynamicSmemBytes = Kernel::SharedStorageSize;
   config.stream = call.stream;
-  config.attrs = cluster;
-  config.numAttrs = cute::size(Cluster{}) > 1 ? 1 : 0;  // a 1x1x1 cluster launches as a plain grid, as in CUTLASS
+  config.attrs = attrs;
+  config.numAttrs = n_attrs;
   void* kernel_params[] = {&params};
   cudaError_t launched = cudaLaunchKernelExC(&config, reinterpret_cast<void const*>(entry.kernel(op_name)),
                                              kernel_params);
