@@ -191,9 +191,14 @@ def test_row_and_scalar_operands_in_pairwise_math_pass_gradcheck():
     def shared_at_three_widths(acc, r: cd.VecM, s: cd.Scalar):
         t = cd.tanh(r) * s
         return {"D": t + acc, "h": cd.pairs(acc)[1] * t, "st": cd.sum(cd.interleave(acc, acc) * t, axis="n")}
+    @cd.epilogue
+    def statistics_of_interleaved_halves(acc):  # a row's dy is uniform: its pair halves are dy itself
+        g, u = cd.pairs(acc)
+        return {"st": cd.sum(cd.interleave(g * u, g * u), axis="n"), "tot": cd.sum(cd.interleave(g, u), axis=None)}
     r = torch.randn(M, dtype=torch.float64)
-    for ep in (row_stat_of_a_half, total_of_a_half, shared_at_three_widths):
+    for ep in (row_stat_of_a_half, total_of_a_half, shared_at_three_widths, statistics_of_interleaved_halves):
         values = {"r": r.clone()} if ep is not shared_at_three_widths else {"r": r.clone(), "s": torch.tensor(0.7)}
+        values = {} if ep is statistics_of_interleaved_halves else values
         _gradcheck_linear(ep.program, values={k: v.double() for k, v in values.items()})
 
     @cd.epilogue

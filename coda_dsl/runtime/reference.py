@@ -80,8 +80,10 @@ def _evaluate(nodes, values: dict, operands: dict, acc: torch.Tensor, widths: di
         elif node.op == "finish":  # the finishing expression, with `reduced` bound to the statistic
             done = _evaluate(ir.topo_order([node.attr]), {id(_REDUCED): args[0]}, operands, acc, widths)
             v = done[id(node.attr)]
+        elif node.op == "pair" and id(node) not in widths:  # of a uniform value (passes/widths.py):
+            v = args[0]  # the value itself, still broadcast to whatever width it meets
         elif node.kind == "structural":  # on operands expanded to their widths (constants and vectors)
-            here = widths.get(id(node), Fraction(1))  # a uniform value has none: any width will do
+            here = widths.get(id(node), Fraction(1))  # an interleave of uniform values: N wide
             ws = [widths[id(i)] if id(i) in widths else here / WIDTH_SCALE[node.definition.width_rule]
                   for i in node.inputs]
             v = node.definition.apply(node.attr, *(_full(x, acc, w) for x, w in zip(args, ws)))
