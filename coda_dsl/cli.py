@@ -179,6 +179,10 @@ def _epilogue_from_args(args) -> tuple[Epilogue, dict, dict]:
     from .passes.autodiff import GRAD, SAVED
     from .runtime.autograd import derived_backward
     back = derived_backward(ep, **_const_values(ep, consts))
+    if not back.program.outputs:
+        raise CliError(f"epilogue '{ep.name}' has no backward to show: no output passes a gradient to A, B or an "
+                       "operand (rounding and comparisons have a zero gradient; cd.max, cd.min and cd.amax "
+                       "statistics have no derivative yet)")
     statistics = {GRAD + o.name for o in ep.program.outputs if reduction_of(o.node) is not None}
     return back, {}, {p.name: "fp32" for p in back.params if p.name.startswith(SAVED) or p.name in statistics}
 

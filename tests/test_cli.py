@@ -527,6 +527,13 @@ def test_backward_is_the_one_cd_linear_derives(capsys, tmp_path):
     for consts, message in (((), "pass --const c=VALUE"), (("c=2", "zz=1"), "no cd.Const parameter 'zz'")):
         rc, _, err = run(capsys, "explain", f"{f}:scaled", "--backward", *(a for c in consts for a in ("--const", c)))
         assert rc != 0 and message in err
+    g = tmp_path / "flat.py"  # a backward with no output: said so, not a traceback
+    g.write_text("import coda_dsl as cd\n\n@cd.epilogue\ndef only_max(acc):\n    return {'m': cd.amax(acc, axis=None)}\n\n"
+                 "@cd.epilogue\ndef steps(acc):\n    return cd.where(acc > 0, 1.0, 0.0) + cd.round(acc)\n")
+    for command in ("explain", "emit"):
+        for fn in ("only_max", "steps"):
+            rc, _, err = run(capsys, command, f"{g}:{fn}", "--backward")
+            assert rc == 2 and f"epilogue '{fn}' has no backward to show" in err and "Traceback" not in err
 
 
 def test_explain_and_emit_backward(capsys):

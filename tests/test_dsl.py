@@ -399,7 +399,7 @@ BODY_ERRORS = [
     (e_and, ["no truth value", "cd.where"]),
     (e_not, ["no truth value", "cd.where"]),
     (e_float, ["float()", "keep it as a traced value"]),
-    (e_int, ["float()", "keep it as a traced value"]),
+    (e_int, ["int() of a traced value", "keep it as a traced value"]),
     (e_attr, ["attribute or method 'foo'", "fix: use the cd. functions and operators"]),  # no cd.foo to name
     (e_method, ["attribute or method 'exp'", "cd.exp(x)"]),
     (e_captured_right, ["captured from outside", "cd.Tensor"]),

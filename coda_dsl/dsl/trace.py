@@ -204,13 +204,20 @@ class Value:
             "use cd.where(cond, a, b) for per-element choices (and cd.maximum/cd.minimum for clamps)",
         )
 
-    def __float__(self):
+    def _number(self, what: str):
         called = _called_function()  # math.exp(x) lands here: math converts its argument to a float
         if called:
             raise foreign_function(called)
-        raise fail("float() of a traced value: its value exists only on the GPU", "keep it as a traced value")
+        raise fail(f"{what}: its value exists only on the GPU", "keep it as a traced value")
 
-    __int__ = __index__ = __float__
+    def __float__(self):
+        self._number("float() of a traced value")
+
+    def __int__(self):
+        self._number("int() of a traced value")
+
+    def __index__(self):  # range(x), a list indexed by x, ...
+        self._number("a traced value used as an integer (an index or a size)")
 
     def __iter__(self):
         raise fail("a traced value is not iterable",
