@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import coda_dsl as cd
+from coda_dsl.library.cross_entropy import vocab_shard_stats
 from epilogues import rel_err as _rel
 
 
@@ -463,6 +464,11 @@ def test_bad_arguments():
         cd.linear_cross_entropy(x, w[:0], t, backend="reference")
     with pytest.raises(ValueError, match="target is on meta, x on cpu"):
         cd.linear_cross_entropy(x, w, t.to("meta"), backend="reference")
+    for cap in (0.0, -10.0, float("inf"), float("nan"), True, "30"):  # 0 is no "off": None is
+        with pytest.raises(ValueError, match="softcap must be a positive finite number"):
+            cd.linear_cross_entropy(x, w, t, softcap=cap, backend="reference")
+        with pytest.raises(ValueError, match="softcap must be a positive finite number"):
+            vocab_shard_stats(x, w, t, 0, softcap=cap, backend="reference")
 
 
 def test_logsumexp_and_take_semantics():

@@ -386,6 +386,16 @@ def _check_options(reduction, label_smoothing):
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
 
 
+def _cap(softcap) -> float | None:
+    """softcap as the kernels take it: None (no cap) or a positive finite float."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not 0 < softcap < math.inf:
+        raise ValueError(f"softcap must be a positive finite number (logits become softcap * tanh(z / softcap)), "
+                         f"or None for no cap; got {softcap!r}")
+    return float(softcap)
+
+
 def check_args(x, w, target, reduction, label_smoothing):
     _check_options(reduction, label_smoothing)
     if x.dim() != 2:
@@ -425,7 +435,7 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
         raise ValueError(f"chunk_rows must be a positive int (rounded up to a multiple of 8), got {chunk_rows!r}")
     grad = torch.is_grad_enabled()  # Function.forward runs without grad mode: decide here
     return _LinearCrossEntropy.apply(x, w, target, ignore_index, reduction, float(label_smoothing),
-                                     float(softcap) if softcap else None, backend, config or CONFIG,
+                                     _cap(softcap), backend, config or CONFIG,
                                      int(chunk_rows) if chunk_rows else None,
                                      grad and x.requires_grad, grad and w.requires_grad)
 
@@ -443,8 +453,7 @@ def vocab_shard_stats(x: torch.Tensor, w_shard: torch.Tensor, target: torch.Tens
     local = target - vocab_start
     inside = (target != ignore_index) & (local >= 0) & (local < w_shard.shape[0])
     with torch.no_grad():
-        return _stats(x, w_shard, torch.where(inside, local, -1), label_smoothing, float(softcap) if softcap else None,
-                      backend, CONFIG)
+        return _stats(x, w_shard, torch.where(inside, local, -1), label_smoothing, _cap(softcap), backend, CONFIG)
 
 
 def combine_vocab_shards(stats: Sequence[dict[str, torch.Tensor]], target: torch.Tensor, vocab_size: int,
