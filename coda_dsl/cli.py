@@ -321,14 +321,8 @@ def _age(seconds: float) -> str:
 
 def cmd_cache(args) -> int:
     root = build.cache_dir()
-    n = len(args.files)
-    if not (n == 1 if args.action == "export" else n > 0 if args.action == "import" else n == 0):
-        wanted = {"export": "one file to write", "import": "the files to read"}.get(args.action, "no file")
-        raise CodaError(f"{args.action} takes {wanted}, not {n}")
-    if args.part_mb is not None and (args.action != "export" or not args.part_mb > 0):
-        raise CodaError("--part-mb takes a positive size, with export")
     if args.action == "export":
-        parts = build.export_cache(Path(args.files[0]), int(args.part_mb * 2**20) if args.part_mb else None)
+        parts = build.export_cache(Path(args.file), int(args.part_mb * 2**20) if args.part_mb else None)
         for p in parts:
             print(f"wrote {p} ({_size(p.stat().st_size)})")
         return 0
@@ -547,6 +541,17 @@ def _shape(text: str) -> tuple[int, int, int]:
     return m, n, k
 
 
+def _positive_float(text: str) -> float:
+    """A positive finite number, for argparse."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return v
+
+
 def _positive(text: str) -> int:
     """A positive int, for argparse."""
     try:
@@ -595,12 +600,19 @@ def parser() -> argparse.ArgumentParser:
                 "such files' kernels to this cache (each checked against its recorded SHA-256), e.g. for "
                 "GPU nodes without a compiler or a fresh machine. The cache is $CODA_DSL_CACHE, else "
                 "$XDG_CACHE_HOME/coda_dsl or ~/.cache/coda_dsl.")
-    p.add_argument("action", choices=("list", "clear", "export", "import"),
-                   help="list: one line per built kernel; clear: remove every cache entry; export FILE; "
-                        "import FILE...")
-    p.add_argument("files", nargs="*", metavar="FILE", help="export: the .tar.gz to write; import: those to read")
-    p.add_argument("--part-mb", type=float, metavar="MB",
-                   help="export: split into FILE.part1.tar.gz, ... of at most about MB each")
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION",
+                               help="list, clear, export FILE or import FILE... (`coda-dsl cache ACTION --help`)")
+    actions.add_parser("list", help="one line per built kernel", description="One line per built kernel.")
+    actions.add_parser("clear", help="remove every cache entry", description="Remove every cache entry.")
+    q = actions.add_parser("export", help="pack every built kernel into a .tar.gz",
+                           description="Pack every built (linked) kernel into FILE, a .tar.gz.")
+    q.add_argument("file", metavar="FILE", help="the .tar.gz to write")
+    q.add_argument("--part-mb", type=_positive_float, metavar="MB",
+                   help="split into FILE.part1.tar.gz, ... of at most about MB each")
+    q = actions.add_parser("import", help="add the kernels of exported files to this cache",
+                           description="Add the kernels of exported .tar.gz files to this cache, each checked "
+                                       "against its recorded SHA-256.")
+    q.add_argument("files", nargs="+", metavar="FILE", help="the .tar.gz files (or parts) to read")
 
     command("doctor", cmd_doctor, "check the toolchain and GPU",
             "Check what building and running kernels needs: a CUDA build of torch, nvcc, the CUTLASS "

@@ -365,8 +365,11 @@ def test_cache_import_rejects_what_is_not_a_checked_entry(capsys, tmp_path, monk
     assert rc == 2 and "is not a whole gzip'd tar file" in err
     rc, _, err = run(capsys, "cache", "import", str(tmp_path / "missing.tar.gz"))
     assert rc == 2 and "cannot read" in err and "missing.tar.gz" in err
-    rc, _, err = run(capsys, "cache", "export")
-    assert rc == 2 and "export takes one file to write, not 0" in err
+    for argv in (["export"], ["export", "a.tar.gz", "b.tar.gz"], ["import"], ["list", "x"], ["export", "--part-mb", "0",
+                                                                                          "k.tar.gz"], []):
+        with pytest.raises(SystemExit):  # argparse's usage error
+            run(capsys, "cache", *argv)
+        assert "usage: coda-dsl" in capsys.readouterr().err
     rc, _, err = run(capsys, "cache", "export", str(tmp_path / "no" / "dir" / "k.tar.gz"))
     assert rc == 2 and "cannot write" in err and not list((tmp_path / "no").parent.glob(".k.tar.gz.tmp"))
 

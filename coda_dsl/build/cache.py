@@ -415,6 +415,9 @@ def export_cache(path: Path, part_bytes: int | None = None) -> list[Path]:
     a machine whose disk does not persist: `path`, or with part_bytes, path.part1.tar.gz, ... of at
     most about part_bytes each (an entry is never split). Entries being built are skipped."""
     keys = [k for k in _entry_keys() if check_output(k)[0] is not None]
+    if not keys:
+        raise CacheError(f"no built kernel to export in {cache_dir()} (a compile-only build has none: it links "
+                         "no kernel.so)")
     # each entry's files as recorded: a kernel.cu edited by hand in the cache stays behind (with it the
     # importer would reject the whole entry)
     packed = {k: [n for n in PORTABLE if n == META or check_output(k, n)[0] is not None] for k in keys}
