@@ -27,7 +27,7 @@ which give 1.0 or 0.0):
                   cd.relu cd.silu cd.gelu(x, approximate="none"|"tanh") cd.round cd.floor cd.ceil
                   cd.maximum(a, b) cd.minimum(a, b) cd.clamp(x, min, max) cd.where(cond, a, b)
                   cd.cast(x, dtype)   (cd.bfloat16, cd.float16, cd.float32)
-    reductions    cd.sum cd.max cd.min cd.amax cd.logsumexp (x, axis="n"|"m"|None), cd.take(x, index)
+    reductions    cd.sum cd.max cd.min cd.amax (x, axis="n"|"m"|None); cd.logsumexp(x), cd.take(x, index): per row
                   (returned as outputs; .then(fn) finishes the statistic)
     column pairs  cd.pairs(x) -> (even, odd), cd.interleave(a, b)
 math.*, numpy and torch functions cannot take traced values: use the cd. functions above.

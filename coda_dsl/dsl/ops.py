@@ -20,7 +20,11 @@ def pairs(x) -> tuple[Value, Value]:
 
 def interleave(a, b) -> Value:
     """The inverse of cd.pairs: columns a0 b0 a1 b1 ..., twice as wide as a and b."""
-    return Value(ir.interleave(lift(a), lift(b)))
+    a, b = lift(a), lift(b)
+    if a.op == b.op == "const" and repr(a.attr) != repr(b.attr):  # refused here, where the file and line are known
+        raise fail(f"cd.interleave({a.attr!r}, {b.attr!r}) interleaves two different numbers, which have no width "
+                   "of their own", "interleave traced values (e.g. of cd.pairs(acc)), or make one of them traced")
+    return Value(ir.interleave(a, b))
 
 
 def where(cond, a, b) -> Value:
