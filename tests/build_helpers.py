@@ -1,6 +1,9 @@
 """Plain helpers of the build and cache tests: the fixed fake toolchain, the real one (or a skip), a
 tiny build unit and its cache entry name. Imported by name (also by child processes the tests start);
 the fixtures that use them (cache_root, fake_toolchain, fake) live in tests/conftest.py."""
+import os
+import shutil
+
 import pytest
 
 import coda_dsl.build as b
@@ -25,6 +28,20 @@ def real_toolchain_or_skip() -> Toolchain:
     if problem:
         pytest.skip(problem)
     return tc
+
+
+def warm_path_or_skip():
+    """The C++ warm path's extension (coda_dsl/runtime/warm.py), built; a skip only where it cannot be here (no
+    C++ compiler, CODA_DSL_WARM=0). Any other failure to build it fails the test with its error."""
+    from coda_dsl.runtime import warm
+    if not warm.ENABLED:
+        pytest.skip("the C++ warm path is turned off (CODA_DSL_WARM=0)")
+    if shutil.which((os.environ.get("CXX") or "c++").split()[0]) is None:
+        pytest.skip("no C++ compiler to build the C++ warm path with ($CXX, else c++)")
+    if warm.module() is None:
+        warm._load()  # raises what stopped it (module() only warned, once)
+        pytest.fail("the C++ warm path did not load, yet builds now")
+    return warm.module()
 
 
 def unit(tag="a"):

@@ -24,6 +24,7 @@ from coda_dsl.library.cross_entropy import (BUFFER_BYTES, _backward_softcap_epil
                                            combine_vocab_shards, default_chunk_rows, logits_buffer_dtype,
                                            stored_logits, vocab_shard_stats)
 from coda_dsl.runtime import op as runtime
+from build_helpers import warm_path_or_skip
 from epilogues import (bias_gelu, double_width, pairs_with_full_width_operands, residual_rms, statistics_of_a_half,
                        wide_only)
 
@@ -461,9 +462,7 @@ def test_current_stream(kernels):
 def test_warm_path_launches_as_the_python_path(kernels):
     """A kept op's and cd.gemm's later calls of a layout launch from C++ (runtime/warm.py): same results as
     the first call, which took the Python path, for fresh inputs and scalars each call."""
-    from coda_dsl.runtime import warm
-    if warm.module() is None:
-        pytest.skip("the C++ warm path could not be built here")
+    warm_path_or_skip()
     m, n, k = RAGGED
     a, b = _ab(m, n, k, torch.bfloat16, "nk")
     op = cd.compile(all_kinds, a, b, **_operands(all_kinds, m, n, torch.bfloat16))

@@ -13,6 +13,7 @@ import coda_dsl as cd
 from coda_dsl import build
 from coda_dsl.runtime import kernel as kmod
 from coda_dsl.runtime import op as runtime
+from build_helpers import warm_path_or_skip
 
 STUB = r"""
 #include <stdint.h>
@@ -216,9 +217,7 @@ def test_kernel_sources_include_no_torch_or_python_header():
 def warm_path(stub, fake_kernels, monkeypatch):
     """The stub library behind every CompiledOp, the C++ warm path built, and a count of the launches the
     Python path made (the others came from C++)."""
-    from coda_dsl.runtime import warm
-    if warm.module() is None:
-        pytest.skip("the C++ warm path could not be built here (no C++ compiler?)")
+    warm_path_or_skip()
     k, seen = stub
     monkeypatch.setattr(runtime.CompiledOp, "load", lambda self: setattr(self, "_op", k) or self)
     python, call = [], kmod.Kernel.__call__

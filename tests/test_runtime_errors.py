@@ -358,6 +358,11 @@ def test_contiguous_dimension_fills_16_byte_groups():
             op.check_widths(call)
         msg = str(info.value)
         assert f"read along {along}" in msg and f"{along} = {extent} must be a multiple of 8" in msg and "fix:" in msg
+    b = torch.randn(1001, K).bfloat16()  # read along K, fine; but D's rows are stored in 16-byte groups too
+    call = runtime._normalize(cd.identity, ab()[0], b, {})
+    op = runtime.specialization(cd.identity, call, runtime._check_tensors(cd.identity, call, cutlass=True), None, None)
+    with pytest.raises(UnsupportedError, match=r"output 'D' is \[M, 1001\] torch.bfloat16(.|\n)*must be a multiple of 8"):
+        op.check_widths(call)
 
 
 def test_layout_a_contiguous_along_neither_dim():
@@ -648,6 +653,23 @@ def test_call_key_tells_b_layouts_and_out_dtypes_apart():
     assert key(b, {"D": torch.empty(M, N)}) != key(b, {"D": torch.empty(M, N).bfloat16()})
 
 
+def test_deterministic_and_accumulate_select_their_own_kernels(fake_kernels):
+    """After an atomic call of a layout, deterministic=True launches the deterministic kernel (and back); after a
+    plain call with out=, accumulate=True the accumulating one: both are part of the specialization's key."""
+    @cd.epilogue
+    def summed(acc):
+        return {"D": acc, "s": cd.sum(acc, axis="n")}
+
+    a, b = ab()
+    for deterministic in (False, True, False):
+        cd.gemm(a, b, summed, backend="cutlass", deterministic=deterministic)
+    d = torch.zeros(M, N)
+    for accumulate in (False, True, False):
+        cd.gemm(a, b, backend="cutlass", out={"D": d}, accumulate=accumulate)
+    chosen = [(op.plan.signature.deterministic, op.plan.signature.accumulate) for op, _ in fake_kernels]
+    assert chosen == [(False, False), (True, False), (False, False), (False, False), (False, True), (False, False)]
+
+
 def test_layout_checks_every_stride_and_index_dtype():
     """A misaligned batch stride (not only the row stride) and int32 cd.take indices are refused."""
     a = torch.empty(3 * (M * K + 1)).bfloat16().as_strided((3, M, K), (M * K + 1, K, 1))
@@ -677,6 +699,12 @@ def test_folded_batch_writes_the_callers_out_tensors(fake_kernels):
     out = cd.gemm(a, b, pairs_with_full_width_operands, backend="cutlass", bias=torch.randn(N).bfloat16(),
                   rs=torch.randn(3, M).bfloat16(), s=1.0)
     assert out["D"].shape == (3, M, N) and out["h"].shape == (3, M, N // 2)
+
+    @cd.epilogue
+    def column_statistics(acc):
+        return {"D": acc, "cols": cd.sum(acc, axis="m"), "all": cd.amax(acc, axis=None)}
+    with pytest.raises(UnsupportedError, match=r"reductions over m \['cols', 'all'\] cannot be computed per batch"):
+        cd.gemm(a, b, column_statistics, backend="cutlass")
 
 
 def test_overlapping_views_alias(fake_kernels):
@@ -760,6 +788,19 @@ def test_max_over_an_empty_axis_is_an_error(fake_kernels, m, n, empty):
             call(a, b, statistics, index=torch.zeros(m, dtype=torch.long))
 
 
+@pytest.mark.parametrize("m, n", [(0, N), (M, 0)])
+def test_a_whole_amax_of_no_values_is_an_error(fake_kernels, m, n):
+    """cd.amax(x, axis=None) of an empty output (no rows, or no columns) is undefined too."""
+    @cd.epilogue
+    def whole(acc):
+        return {"D": acc, "am": cd.amax(acc, axis=None)}
+
+    a, b = torch.randn(m, K).bfloat16(), torch.randn(n, K).bfloat16()
+    for call in cutlass_and_reference(fake_kernels).values():
+        with pytest.raises(OperandError, match="'am' is a cd.amax over axis None, which is empty here"):
+            call(a, b, whole)
+
+
 def test_empty_axes_that_have_a_value():
     """cd.sum over an empty axis is 0 and cd.take of an empty row gives 0 (every index is outside);
     a max over n of no rows is simply empty."""
@@ -827,6 +868,9 @@ def test_bad_arguments_are_operand_errors(fake_kernels, backend):
     for kw, words in cases:
         with pytest.raises(OperandError, match=words):
             call(a, b, two_outputs, residual=r, **kw)
+    with pytest.raises(OperandError, match="stride 0"):  # a broadcast batch of two: as bad as one of 77
+        call(torch.randn(2, M, K).bfloat16(), torch.randn(2, N, K).bfloat16(), cd.identity,
+             out={"D": torch.empty(M, N, dtype=torch.bfloat16).expand(2, M, N)})
     with pytest.raises(OperandError, match="sparse"):
         call(torch.randn(2, M, K).bfloat16().to_sparse(), torch.randn(2, N, K).bfloat16(), two_outputs,
              residual=torch.randn(2, M, N).bfloat16())
