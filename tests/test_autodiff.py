@@ -724,7 +724,7 @@ def test_fused_backward_step_equals_the_eager_one():
         fused = torch.compile(derived.backward.eager)(acc, operands, dtypes)
         assert eager.keys() == fused.keys() and eager["acc"].dtype == torch.bfloat16
         for k in eager:
-            assert rel_err(fused[k], eager[k]) < 1e-2, k
+            assert rel_err(fused[k], eager[k]) < 2e-3, k  # the same math, fused: bf16 rounding apart
 
 
 def test_backward_epilogue_fuses_into_the_producer_gemm():

@@ -428,7 +428,7 @@ def test_targets_out_of_range_inside_torch_compile_poison_the_gradients(reductio
                       fullgraph=True, backend="aot_eager")
     loss = f(x, w, t)
     loss.sum().backward()
-    assert loss.isnan().any() and x.grad[3].isnan().all() and w.grad.isnan().any()
+    assert loss.isnan().any() and x.grad[3].isnan().all() and w.grad.isnan().all()
     assert x.grad[torch.arange(8) != 3].isfinite().all()
 
 

@@ -265,18 +265,22 @@ WHOLE_SUMS = {("col_and_total_stats", "total"): 1e-4, ("statistics_of_a_half", "
 
 
 def _check(ep, a, b, operands, batch=None, **opts):
+    """The fused call against the reference: into out= tensors poisoned with NaN (an element left unwritten
+    stays NaN), and into the outputs the call allocates itself (their dtypes, shapes and padded rows)."""
     ref = cd.gemm(a, b, ep, backend="reference", **operands)
-    out = {k: torch.full_like(v, float("nan")) for k, v in ref.items()}  # poison: unwritten -> NaN
-    got = cd.gemm(a, b, ep, backend="cutlass", out=out, **opts, **operands)
-    for name, r in ref.items():
-        g = got[name]
-        assert g.data_ptr() == out[name].data_ptr(), "out= tensor not used"
-        assert g.dtype == r.dtype and g.shape == r.shape
-        assert not torch.isnan(g).any(), f"{ep.name}.{name}: NaN left (unwritten elements?)"
-        err = _rel(g, r)
-        if (ep.name, name) in MAGNITUDE:
-            err *= r.double().norm().item() / max(MAGNITUDE[ep.name, name](ref).double().norm().item(), 1e-30)
-        assert err <= WHOLE_SUMS.get((ep.name, name), _tol(r)), f"{ep.name}.{name}: rel err {err:.2e}"
+    out = {k: torch.full_like(v, float("nan")) for k, v in ref.items()}
+    into = cd.gemm(a, b, ep, backend="cutlass", out=out, **opts, **operands)
+    assert all(into[name].data_ptr() == out[name].data_ptr() for name in ref), "out= tensor not used"
+    for got in (into, cd.gemm(a, b, ep, backend="cutlass", **opts, **operands)):
+        assert got.keys() == ref.keys()
+        for name, r in ref.items():
+            g = got[name]
+            assert g.dtype == r.dtype and g.shape == r.shape, f"{ep.name}.{name}: {g.dtype} {list(g.shape)}"
+            assert not torch.isnan(g).any(), f"{ep.name}.{name}: NaN left (unwritten elements?)"
+            err = _rel(g, r)
+            if (ep.name, name) in MAGNITUDE:
+                err *= r.double().norm().item() / max(MAGNITUDE[ep.name, name](ref).double().norm().item(), 1e-30)
+            assert err <= WHOLE_SUMS.get((ep.name, name), _tol(r)), f"{ep.name}.{name}: rel err {err:.2e}"
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
