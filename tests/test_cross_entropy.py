@@ -464,7 +464,7 @@ def test_bad_arguments():
         cd.linear_cross_entropy(x, w[:0], t, backend="reference")
     with pytest.raises(ValueError, match="target is on meta, x on cpu"):
         cd.linear_cross_entropy(x, w, t.to("meta"), backend="reference")
-    for cap in (0.0, -10.0, float("inf"), float("nan"), True, "30"):  # 0 is no "off": None is
+    for cap in (0.0, -10.0, float("inf"), float("nan"), True, "30", torch.tensor(-1.0)):  # 0 is no "off": None is
         with pytest.raises(ValueError, match="softcap must be a positive finite number"):
             cd.linear_cross_entropy(x, w, t, softcap=cap, backend="reference")
         with pytest.raises(ValueError, match="softcap must be a positive finite number"):

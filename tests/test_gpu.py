@@ -525,10 +525,10 @@ def test_cuda_graph_capture_with_a_workspace(kernels, config):
             assert _rel(out[name], ref[name]) <= _tol(ref[name]), name
 
 
-# A chain of calls, each reading what the call before it wrote (A, the residual, the rstd vector: VecM, read
-# in the epilogue; its fill and finishing kernels around each GEMM), queued with no host wait, eagerly and
-# replayed from a CUDA graph; every step is then checked against the reference on the inputs it had. Run
-# in a fresh process: CODA_DSL_PDL is read once per kernel library.
+# Chains of calls, each reading what the call before it wrote, queued with no host wait; every step is then
+# checked against the reference on the inputs it had. The layer's pattern (A, the residual, the rstd vector:
+# a VecM read in the epilogue; fill and finishing kernels between the GEMMs), eagerly and replayed from a
+# CUDA graph; and GEMMs right after GEMMs, both schedules. In a fresh process: CODA_DSL_PDL is read once.
 _PDL_CHAIN = """
 import torch, coda_dsl as cd
 from coda_dsl.library import rms_consumer, rms_producer
@@ -565,7 +565,20 @@ torch.cuda.current_stream().wait_stream(s)
 x0.copy_(torch.randn_like(x0)); r0.copy_(torch.randn_like(r0))
 g.replay()
 torch.cuda.synchronize()
-print(worst(eager), worst(captured))
+
+# GEMM after GEMM, each A the D before it, several waves of tiles each: the next GEMM launches at the last
+# tiles of the one before (its trigger) and must not read their rows early; both schedules
+big = 4096
+w = (torch.randn(big, big, device="cuda") * big ** -0.5).bfloat16()
+gemms = []
+for config in ("128x256x64_c2x1_cooperative", "128x128x64_c2x1_pingpong"):
+    xs = [torch.randn(big, big, device="cuda").bfloat16()]
+    for _ in range(12):
+        xs.append(cd.gemm(xs[-1], w, backend="cutlass", config=config)["D"])
+    torch.cuda.synchronize()
+    gemms.append(max(((cd.gemm(x, w, backend="reference")["D"].double() - y.double()).norm()
+                      / y.double().norm()).item() for x, y in zip(xs, xs[1:])))
+print(worst(eager), worst(captured), max(gemms))
 """
 
 
@@ -575,8 +588,8 @@ def test_programmatic_dependent_launch_chain(kernels):
     res = subprocess.run([sys.executable, "-c", _PDL_CHAIN], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "CODA_DSL_PDL": "1"})
     assert res.returncode == 0, res.stderr[-3000:]
-    eager, captured = map(float, res.stdout.split()[-2:])
-    assert eager <= 1e-2 and captured <= 1e-2, (eager, captured)
+    eager, captured, gemms = map(float, res.stdout.split()[-3:])
+    assert eager <= 1e-2 and captured <= 1e-2 and gemms <= 1e-2, (eager, captured, gemms)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

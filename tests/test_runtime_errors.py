@@ -365,6 +365,18 @@ def test_contiguous_dimension_fills_16_byte_groups():
         op.check_widths(call)
 
 
+def test_an_empty_reduction_dimension(fake_kernels):
+    """K = 0: the accumulator is 0. The reference applies the epilogue to it; the cutlass backend refuses
+    (its mainloop waits for a first k-tile) with the fix, before any launch, so "auto" falls back."""
+    ops = operands()
+    with pytest.raises(UnsupportedError, match=r"K = 0 \(A and B have no columns\)(.|\n)*backend='reference'"):
+        cd.gemm(torch.randn(M, 0).bfloat16(), torch.randn(N, 0).bfloat16(), ep_all, backend="cutlass", **ops)
+    assert fake_kernels == []
+    got = cd.gemm(torch.randn(M, 0).bfloat16(), torch.randn(N, 0).bfloat16(), ep_all, backend="reference", **ops)
+    want = cd.gemm(torch.zeros(M, 8).bfloat16(), torch.zeros(N, 8).bfloat16(), ep_all, backend="reference", **ops)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_layout_a_contiguous_along_neither_dim():
     a, b = ab()
     msg = layout_error(torch.randn(M, 2 * K).bfloat16()[:, ::2], b)

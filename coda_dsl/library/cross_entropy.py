@@ -390,8 +390,10 @@ def _cap(softcap) -> float | None:
     """softcap as the kernels take it: None (no cap) or a positive finite float."""
     if softcap is None:
         return None
+    if isinstance(softcap, torch.Tensor) and softcap.dim() == 0:  # e.g. a config value kept as a tensor
+        softcap = softcap.item()
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not 0 < softcap < math.inf:
-        raise ValueError(f"softcap must be a positive finite number (logits become softcap * tanh(z / softcap)), "
+        raise ValueError(f"softcap must be a positive finite number (logits become softcap * tanh(logits / softcap)), "
                          f"or None for no cap; got {softcap!r}")
     return float(softcap)
 

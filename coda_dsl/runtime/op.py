@@ -202,7 +202,7 @@ def _check_tensors(ep: Epilogue, call: Call, cutlass: bool) -> dict[str, str]:
         elif t.stride(-1) != 1:
             raise checks.fail(where, f"operand '{name}' must be contiguous in its last dimension",
                               f"pass {name}.contiguous()")
-    if cutlass:  # the kernel reads either layout of each (see layouts())
+    if cutlass and k:  # the kernel reads either layout of each (see layouts()); K = 0: check_widths refuses it
         for name, t, rows, other in (("A", call.a, "M", "X"), ("B", call.b, "N", "W")):
             if t.stride(-1) != 1 and t.stride(-2) != 1:
                 raise checks.fail(where, f"{name} must be contiguous along K ([{rows}, K]) or along {rows} "
@@ -306,8 +306,13 @@ class CompiledOp:
 
     def check_widths(self, call: Call) -> None:
         """TMA moves whole 16-byte groups along a tensor's contiguous dimension: A's and B's (K, or M / N
-        where passed transposed) and N for the [M, N] outputs must fill them."""
+        where passed transposed) and N for the [M, N] outputs must fill them. K = 0 has no k-tile, which the
+        kernels' mainloop waits for."""
         m, n, k, _ = call.mnkl
+        if k == 0:
+            raise UnsupportedError(f"{self._where}: K = 0 (A and B have no columns): the kernel's mainloop needs at "
+                                   "least one k-tile\n  fix: backend='reference' (what 'auto' falls back to) applies "
+                                   "the epilogue to the zero accumulator")
         for name, t, along, extent in (("A", call.a, "M", m), ("B", call.b, "N", n)):
             along, extent = ("K", k) if t.stride(-1) == 1 else (along, extent)
             per16 = 16 // t.element_size()

@@ -215,7 +215,7 @@ size_t prepare(typename Kernel::Arguments& args, Call const& call, char const* o
 }
 
 // Whether GEMMs launch as programmatic dependents of the previous kernel on their stream (PDL):
-// CODA_DSL_PDL=1, read once per kernel library. Off by default until measured on a GPU.
+// CODA_DSL_PDL=1, read once per process (the first library to ask). Off by default until measured on a GPU.
 inline bool programmatic_launch() {
   static bool const on = [] {
     char const* v = std::getenv("CODA_DSL_PDL");
@@ -246,9 +246,9 @@ void launch(typename Kernel::Arguments& args, GemmEntry& entry, void* ws, size_t
     attrs[n_attrs++].val.clusterDim = {unsigned(cute::size<0>(Cluster{})), unsigned(cute::size<1>(Cluster{})),
                                        unsigned(cute::size<2>(Cluster{}))};
   }
-  // Not after stream-K's memset (a dependency on a copy, not a grid), nor with K = 0: then no mainloop
-  // orders the epilogue's reads of vectors after the producer's wait for the previous grid.
-  if (programmatic_launch() && !ZeroWorkspace && cute::get<2>(args.problem_shape) > 0) {
+  // Not stream-K: a separate reduction unit runs the epilogue without a mainloop, so nothing orders its
+  // reads (a VecN, say) after the producer's wait. (Nor K = 0, for the same reason: the runtime refuses it.)
+  if (programmatic_launch() && !ZeroWorkspace) {
     attrs[n_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attrs[n_attrs++].val.programmaticStreamSerializationAllowed = 1;
   }
