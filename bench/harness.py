@@ -44,9 +44,14 @@ def no_gpu() -> bool:
     return False
 
 
+SETTINGS = ("CODA_DSL_PDL", "CODA_DSL_TUNE", "CODA_DSL_WARM")  # process-wide switches that change timings
+
+
 def command(prog: str, argv=None) -> str:
-    """The command line recorded with the results: `prog` and its arguments (sys.argv's when argv is None)."""
-    return " ".join([prog, *(sys.argv[1:] if argv is None else argv)])
+    """The command line recorded with the results: those of coda_dsl's SETTINGS the environment sets, `prog`
+    and its arguments (sys.argv's when argv is None)."""
+    settings = [f"{name}={os.environ[name]}" for name in SETTINGS if name in os.environ]
+    return " ".join([*settings, prog, *(sys.argv[1:] if argv is None else argv)])
 
 
 def rel_err(got, ref) -> float:
