@@ -516,7 +516,7 @@ def test_forward_epilogue_lowers_to_row_nodes():
     assert [o[2] for o in plan.outputs] == ["m", "m", "m"]  # lse, z_target, z_sum: one value per row
     src = render(plan, "0" * 24)
     for text in ("coda::RowLogSumExp<TileShape>", "coda::RowTake", "coda::finish_logsumexp<",
-                 "coda::take_args<Take_z_target>(inputs[0], outputs[1])", "coda::fill(outputs[1], 0.f, call, op_name);"):
+                 "coda::take_args<Take_z_target>(inputs[0], outputs[1])", "coda::Fill{outputs[1], 0.f}"):
         assert text in src, text
 
 

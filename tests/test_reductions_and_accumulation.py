@@ -53,7 +53,7 @@ def test_deterministic_lowering_uses_partials_and_a_finishing_kernel(make_plan):
         assert len(reds) == 2 and all(r.finish is not None for r in reds)
         for r in reds:
             assert ("atomic" in cpp(r).type) == expect_atomic
-            assert ("coda::fill(" in cpp(r).fill) == expect_atomic  # atomics need the identity, partials don't
+            assert ("coda::Fill{" in cpp(r).fill) == expect_atomic  # atomics need the identity, partials don't
             assert ("ws.floats(" in cpp(r).init) != expect_atomic  # partials live in the workspace
             assert "coda::finish<" in cpp(r).finish
 
@@ -152,10 +152,13 @@ def test_reduction_identities_atomics_and_strides(make_plan):
     """Atomic mode: each output is filled with its kind's identity, combined with its kind's atomic, and
     addressed per row ([M], axis n) or per column ([N], axis m)."""
     red = {n.kind: n for n in make_plan(extremes).nodes if isinstance(n, Reduce)}
-    assert ", -INFINITY, call, op_name);" in cpp(red["max"]).fill and ", INFINITY, call, op_name);" in cpp(red["min"]).fill
+    assert cpp(red["max"]).fill.endswith(", -INFINITY}") and cpp(red["min"]).fill.endswith(", INFINITY}")
     assert "coda::atomic_maximum" in cpp(red["max"]).type and "coda::atomic_minimum" in cpp(red["min"]).type
     assert "{cute::_1{}, cute::_0{}, int64_t(M)}" in cpp(red["sum"]).args
     assert "{cute::_0{}, cute::_1{}, int64_t(N)}" in cpp(red["min"]).args
+    src = render(make_plan(extremes), "0" * 24)  # the three outputs filled by one launch, before the GEMM's
+    assert src.count("coda::fill(") == 1 and src.count("coda::Fill{outputs[") == 3
+    assert src.index("coda::fill(") < src.index("coda::launch<GemmKernel>")
 
 
 def test_deterministic_partials_and_combines(make_plan):

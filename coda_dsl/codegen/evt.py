@@ -25,7 +25,7 @@ class CppNode:
     type: str  # the C++ type of the node
     args: str  # its Arguments initializer
     init: str  # host code before the launch, a size query too: workspace buffers ("" for none)
-    fill: str  # device work before the GEMM: outputs set to a start value ("" for none)
+    fill: str  # an output set to a start value before the GEMM, as a coda::Fill ("" for none): one launch for all
     finish: str  # host code after the launch ("" for none)
 
 
@@ -99,7 +99,7 @@ def _reduction_init(r: p.Reduce) -> tuple[str, str]:
 
 
 def _fill(output_index: int, value: str) -> str:
-    return f"coda::fill(outputs[{output_index}], {value}, call, op_name);"
+    return f"coda::Fill{{outputs[{output_index}], {value}}}"
 
 
 def _reduction_finish(r: p.Reduce) -> str:

@@ -2,7 +2,9 @@
 // order (deterministic mode) and apply the finishing expression (`.then(...)`), in one pass.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 
 #include "cutlass/cutlass.h"
 #include "cute/tensor.hpp"
@@ -93,23 +95,48 @@ void finish(float const* partial, float* out, int rows, int64_t rows_padded, int
   check_cuda(cudaGetLastError(), op_name, "finishing kernel");
 }
 
-// Every element of an fp32 output of up to two dimensions (strides of the caller's tensor) set to
-// `value`, before the GEMM: the identity atomic reductions start from, the 0 of cd.take's rows.
-__global__ void fill_rows(float* out, int64_t rows, int64_t cols, int64_t row_stride, int64_t col_stride,
-                          float value) {
+// An fp32 output of up to two dimensions (strides of the caller's tensor) to be set to `value` before the
+// GEMM: the identity atomic reductions start from, the 0 of cd.take's rows.
+struct Fill {
+  Fill() = default;
+  Fill(TensorRef const& out, float value)
+      : out(out.data_ptr<float>()), rows(out.dim() == 2 ? out.size(0) : 1), cols(out.dim() >= 1 ? out.size(-1) : 1),
+        row_stride(out.dim() == 2 ? out.stride(0) : 0), col_stride(out.dim() >= 1 ? out.stride(-1) : 0), value(value) {}
+  float* out = nullptr;
+  int64_t rows = 0, cols = 0, row_stride = 0, col_stride = 0;
+  float value = 0.f;
+};
+
+constexpr int kFills = 16;  // outputs per launch (a kernel argument of 16 Fills: 768 bytes)
+struct Fills {
+  Fill at[kFills];
+};
+
+// blockIdx.y picks the output, blockIdx.x a span of its elements.
+__global__ void fill_outputs(Fills fills) {
   let_dependents_launch();
+  Fill const& f = fills.at[blockIdx.y];
   int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < rows * cols) out[(i / cols) * row_stride + (i % cols) * col_stride] = value;
+  if (i < f.rows * f.cols) f.out[(i / f.cols) * f.row_stride + (i % f.cols) * f.col_stride] = f.value;
 }
 
-inline void fill(TensorRef const& out, float value, Call const& call, char const* op_name) {
-  int64_t rows = out.dim() == 2 ? out.size(0) : 1, cols = out.dim() >= 1 ? out.size(-1) : 1;
-  int64_t n = rows * cols;
-  if (n == 0) return;
-  fill_rows<<<int((n + 255) / 256), 256, 0, call.stream>>>(out.data_ptr<float>(), rows, cols,
-                                                           out.dim() == 2 ? out.stride(0) : 0,
-                                                           out.dim() >= 1 ? out.stride(-1) : 0, value);
-  check_cuda(cudaGetLastError(), op_name, "fill kernel");
+// Every output of `targets` filled, in one launch (one per kFills of them).
+inline void fill(std::initializer_list<Fill> targets, Call const& call, char const* op_name) {
+  Fill const* next = targets.begin();
+  for (size_t left = targets.size(); left > 0;) {
+    int count = int(std::min<size_t>(left, kFills));
+    Fills fills;
+    int64_t most = 0;
+    for (int j = 0; j < count; ++j) {
+      fills.at[j] = next[j];
+      most = std::max(most, next[j].rows * next[j].cols);
+    }
+    next += count;
+    left -= size_t(count);
+    if (most == 0) continue;
+    fill_outputs<<<dim3(unsigned((most + 255) / 256), unsigned(count)), 256, 0, call.stream>>>(fills);
+    check_cuda(cudaGetLastError(), op_name, "fill kernel");
+  }
 }
 
 // Layout of per-tile partials (CUTLASS's FinalReduction=false, and RowLogSumExp's): [L, tiles,

@@ -229,8 +229,10 @@ int64_t run(coda::Call const& call) {
   size_t gemm_ws_size = coda::prepare<GemmKernel>(args, call, op_name, gemm_entry);
   void* gemm_ws = ws.take(int64_t(gemm_ws_size));
   if (call.query) return ws.used();
-  coda::fill(outputs[0], 0.f, call, op_name);  // Take_g_target
-  coda::fill(outputs[1], 0.f, call, op_name);  // Take_dz_target
+  coda::fill({  // outputs set to their start values, in one launch
+      coda::Fill{outputs[0], 0.f},  // Take_g_target
+      coda::Fill{outputs[1], 0.f},  // Take_dz_target
+  }, call, op_name);
   coda::launch<GemmKernel>(args, gemm_entry, gemm_ws, gemm_ws_size, call, op_name);
   return ws.used();
 }

@@ -150,7 +150,9 @@ int64_t run(coda::Call const& call) {
   size_t gemm_ws_size = coda::prepare<GemmKernel>(args, call, op_name, gemm_entry);
   void* gemm_ws = ws.take(int64_t(gemm_ws_size));
   if (call.query) return ws.used();
-  coda::fill(outputs[1], 0.f, call, op_name);  // Take_z_target
+  coda::fill({  // outputs set to their start values, in one launch
+      coda::Fill{outputs[1], 0.f},  // Take_z_target
+  }, call, op_name);
   coda::launch<GemmKernel>(args, gemm_entry, gemm_ws, gemm_ws_size, call, op_name);
   coda::finish_logsumexp<coda::Identity<float>>(partial_0, outputs[0].data_ptr<float>(), partial_0_shape, L, scalars, call, op_name);  // Reduce_lse
   return ws.used();

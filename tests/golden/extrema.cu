@@ -146,9 +146,11 @@ int64_t run(coda::Call const& call) {
   size_t gemm_ws_size = coda::prepare<GemmKernel>(args, call, op_name, gemm_entry);
   void* gemm_ws = ws.take(int64_t(gemm_ws_size));
   if (call.query) return ws.used();
-  coda::fill(outputs[0], 0.f, call, op_name);  // Reduce_amax
-  coda::fill(outputs[1], -INFINITY, call, op_name);  // Reduce_row_max
-  coda::fill(outputs[2], INFINITY, call, op_name);  // Reduce_col_min
+  coda::fill({  // outputs set to their start values, in one launch
+      coda::Fill{outputs[0], 0.f},  // Reduce_amax
+      coda::Fill{outputs[1], -INFINITY},  // Reduce_row_max
+      coda::Fill{outputs[2], INFINITY},  // Reduce_col_min
+  }, call, op_name);
   coda::launch<GemmKernel>(args, gemm_entry, gemm_ws, gemm_ws_size, call, op_name);
   return ws.used();
 }

@@ -246,7 +246,9 @@ int64_t run(coda::Call const& call) {
   size_t gemm_ws_size = coda::prepare<GemmKernel>(args, call, op_name, gemm_entry);
   void* gemm_ws = ws.take(int64_t(gemm_ws_size));
   if (call.query) return ws.used();
-  coda::fill(outputs[1], 0.f, call, op_name);  // Reduce_rstd
+  coda::fill({  // outputs set to their start values, in one launch
+      coda::Fill{outputs[1], 0.f},  // Reduce_rstd
+  }, call, op_name);
   coda::launch<GemmKernel>(args, gemm_entry, gemm_ws, gemm_ws_size, call, op_name);
   coda::finish<coda::Plus, Fn2<float>>(outputs[1].data_ptr<float>(), outputs[1].data_ptr<float>(), M, M, 1, L, false, 0.f, scalars, call, op_name);  // Reduce_rstd
   return ws.used();
