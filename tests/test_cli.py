@@ -367,9 +367,9 @@ def test_cache_import_rejects_what_is_not_a_checked_entry(capsys, tmp_path, monk
     assert rc == 2 and "cannot read" in err and "missing.tar.gz" in err
     for argv in (["export"], ["export", "a.tar.gz", "b.tar.gz"], ["import"], ["list", "x"], ["export", "--part-mb", "0",
                                                                                           "k.tar.gz"], []):
-        with pytest.raises(SystemExit):  # argparse's usage error
+        with pytest.raises(SystemExit) as exited:  # argparse's usage error
             run(capsys, "cache", *argv)
-        assert "usage: coda-dsl" in capsys.readouterr().err
+        assert exited.value.code == 2 and "usage: coda-dsl" in capsys.readouterr().err
     rc, _, err = run(capsys, "cache", "export", str(tmp_path / "no" / "dir" / "k.tar.gz"))
     assert rc == 2 and "cannot write" in err and not list((tmp_path / "no").parent.glob(".k.tar.gz.tmp"))
 
