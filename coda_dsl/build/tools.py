@@ -22,6 +22,7 @@ MIN_CUDA = (12, 8)
 MIN_CUDA_TEXT = ".".join(map(str, MIN_CUDA))
 
 
+@functools.cache  # asked on every Python-path call that may run a kernel (runtime/checks.py: old_runtime)
 def older_than_min_cuda(version: str) -> bool:
     """Whether a CUDA version ("12.6", "12.8.93") is older than MIN_CUDA."""
     return tuple(int(p) for p in re.findall(r"\d+", version)[:2]) < MIN_CUDA
