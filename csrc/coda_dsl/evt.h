@@ -182,15 +182,17 @@ class GemmEntry {
   // The SM count of `device`, where the kernel may use `smem` bytes of dynamic shared memory.
   int sm_count(int device, int smem, char const* op_name) {
     if (device < 0 || device >= kDevices) fail(op_name, ": unsupported device index ", std::to_string(device));
-    if (sm_count_[device] == 0) {  // recorded last: a set-up that failed runs again at the next call
-      int n = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device);
+    int n = sm_count_[device].load(std::memory_order_acquire);
+    if (n == 0) {  // recorded last: a set-up that failed runs again at the next call (threads racing here
+                   // set the same attribute and store the same count)
+      n = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device);
       if (smem >= (48 << 10)) {
         check_cuda(cudaKernelSetAttributeForDevice(kernel(op_name), cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                    smem, device), op_name, "cudaKernelSetAttributeForDevice");
       }
-      sm_count_[device] = n;
+      sm_count_[device].store(n, std::memory_order_release);
     }
-    return sm_count_[device];
+    return n;
   }
 
  private:
@@ -200,7 +202,7 @@ class GemmEntry {
   std::mutex mutex_;
   cudaLibrary_t library_ = nullptr;
   std::atomic<cudaKernel_t> kernel_{nullptr};
-  int sm_count_[kDevices] = {};
+  std::atomic<int> sm_count_[kDevices] = {};
 };
 
 // Before a GEMM's launch, in a size query too: the device set up (GemmEntry::sm_count), the problem
