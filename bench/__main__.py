@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 
 from . import cross_entropy, epilogues
-from .harness import compile_label, markdown, no_gpu, parser, results_only_on_stdout, shapes
+from .harness import Timing, compile_label, markdown, no_gpu, parser, results_only_on_stdout, shapes
 from .harness import command as command_line
 
 CE = "cross_entropy"
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
             ce_kernels = cross_entropy.kernels() if with_ce else []  # one parallel build for all
             rows, ep_failed = epilogues.run(cases, args.shapes, args.autotune, args.iters, args.tune,
                                             args.compile_dynamic, ce_kernels, epilogues.checkpoint(command),
-                                            args.config, args.sustained, args.graph)
+                                            args.config, Timing.of(args))
         epilogues.report(rows, ep_failed, command)
         failed += ep_failed
     if with_ce:

@@ -27,7 +27,7 @@ from coda_dsl.library import geglu, rope_frequencies, rope_positions, swiglu
 from coda_dsl.runtime import op as runtime
 from coda_dsl.runtime import tune as tuning
 
-from .harness import (FLOOR, Row, add_sustained, background, compile_label, compile_mode, config_text, fmt, markdown, no_gpu,
+from .harness import (FLOOR, Row, Timing, add_timing, background, compile_label, compile_mode, config_text, fmt, markdown, no_gpu,
                       out_dir, parser, progress, rel_err, results_only_on_stdout, rotation, save, shapes, subset,
                       table, timed)
 from .harness import command as command_line
@@ -178,13 +178,11 @@ def _compile_all(todo, autotune: bool, dynamic: bool, failed: list[str]) -> dict
 
 def run(cases: list[Case], shapes=None, autotune=False, iters=50, tune=False, dynamic=False, also_build=(),
         checkpoint: Callable | None = None, config: str | None = None,
-        sustain_ms: float = 0, graph: bool = False) -> tuple[list[Row], list[str]]:
+        timing: Timing = Timing()) -> tuple[list[Row], list[str]]:
     """Measure every (case, shape); returns the rows and one line per failure. also_build: more
     kernels (another benchmark's) for the same parallel build. checkpoint(rows, failed) after each
     shape, so that a run stopped by a time limit still leaves its numbers. config: one configuration
-    for every kernel instead of each shape's default. sustain_ms: time each variant alone after that
-    many ms of its own calls (harness.sustained) instead of round-robin; graph: time CUDA graph replays
-    (harness.graph_replays)."""
+    for every kernel instead of each shape's default. timing: harness.timed's way (round-robin by default)."""
     todo = plan(cases, shapes)
     ops = kernels(todo, config)
     # nvcc (one core per kernel, in subprocesses) builds while torch.compile works in this thread
@@ -203,7 +201,7 @@ def run(cases: list[Case], shapes=None, autotune=False, iters=50, tune=False, dy
     for c, s in todo:
         try:
             new = _measure(c, s, ops[c.name, s], *compiled.get((c.name, s), (None, None)),
-                           compile_label(autotune, dynamic), iters, tune, sustain_ms, graph)
+                           compile_label(autotune, dynamic), iters, tune, timing)
         except Exception as e:  # noqa: BLE001
             failed.append(f"{c.name} {fmt(s)}: {type(e).__name__}: {e}")
             continue
@@ -215,7 +213,7 @@ def run(cases: list[Case], shapes=None, autotune=False, iters=50, tune=False, dy
 
 
 def _measure(c: Case, shape, op, compiled, compile_s: float | None, label: str, iters: int, tune: bool,
-             sustain_ms: float = 0, graph: bool = False) -> list[Row]:
+             timing: Timing = Timing()) -> list[Row]:
     m, n, k = shape
     sets = rotation(lambda: _inputs(c, m, n, k), 2 * (m * k + n * k + m * n))
     a, w, o = sets[0]
@@ -231,7 +229,7 @@ def _measure(c: Case, shape, op, compiled, compile_s: float | None, label: str, 
             if name not in (FLOOR, "eager")}
     if wrong := {name: e for name, e in errs.items() if not e <= MAX_REL_ERR}:
         raise ValueError(f"outputs differ from eager's beyond {MAX_REL_ERR} (relative): {wrong}; nothing timed")
-    times, clocks = timed(variants, sets, iters, sustain_ms, graph=graph)
+    times, clocks = timed(variants, sets, iters, timing)
     extra = {name: {**({"rel_err_vs_eager": errs[name]} if name in errs else {}), **clocks.get(name, {})}
              for name in times}
     extra.setdefault(label, {})["compile_s"] = round(compile_s or 0, 2)
@@ -292,11 +290,7 @@ def add_args(p: argparse.ArgumentParser, only=tuple(CASES)) -> None:
     chosen.add_argument("--config", type=config_text, metavar="CFG",
                    help="coda_dsl in this configuration (e.g. 128x128x64_c2x1_pingpong) at every shape, instead "
                         "of each shape's default: a mainloop's cost apart from its epilogue's")
-    timing = p.add_mutually_exclusive_group()
-    add_sustained(timing)
-    timing.add_argument("--graph", action="store_true",
-                        help="time CUDA graph replays of each variant's calls: the GPU's time alone, without the "
-                             "host's (small shapes, where round-robin measures the host too)")
+    add_timing(p, graph=True)
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
 
 
@@ -314,8 +308,7 @@ def main(argv=None) -> int:
     command = command_line("python -m bench.epilogues", argv)
     with results_only_on_stdout():
         rows, failed = run(cases, args.shapes, args.autotune, args.iters, args.tune, args.compile_dynamic,
-                           checkpoint=checkpoint(command), config=args.config, sustain_ms=args.sustained,
-                           graph=args.graph)
+                           checkpoint=checkpoint(command), config=args.config, timing=Timing.of(args))
     report(rows, failed, command)
     return 1 if failed else 0
 

@@ -141,11 +141,30 @@ def sustained(variants: dict[str, Callable], sets: list[tuple], iters: int, warm
                 "watts": _median([w for _, w in late[n]])} for n in names}
 
 
-def add_sustained(p, what: str = "each variant") -> None:
-    """The --sustained MS option of every benchmark that times with timed(), on a parser or an argument group."""
-    p.add_argument("--sustained", type=float, default=0, metavar="MS",
-                   help=f"time {what} alone after MS ms of its own calls, as training runs, with the SM clock and "
-                        "board power (default: round-robin)")
+@dataclass(frozen=True)
+class Timing:
+    """How timed() measures: round-robin (the default); with sustain_ms each variant alone after that many
+    ms of its own calls (sustained); with graph from CUDA graph replays (graph_replays)."""
+    sustain_ms: float = 0
+    graph: bool = False
+
+    @classmethod
+    def of(cls, args) -> Timing:
+        """From the options add_timing added."""
+        return cls(args.sustained, getattr(args, "graph", False))
+
+
+def add_timing(p, what: str = "each variant", graph: bool = False) -> None:
+    """The timing options of every benchmark that times with timed(): --sustained MS, and where the variants
+    can be captured in CUDA graphs (graph=True), --graph instead."""
+    group = p.add_mutually_exclusive_group() if graph else p
+    group.add_argument("--sustained", type=float, default=0, metavar="MS",
+                       help=f"time {what} alone after MS ms of its own calls, as training runs, with the SM clock "
+                            "and board power (default: round-robin)")
+    if graph:
+        group.add_argument("--graph", action="store_true",
+                           help="time CUDA graph replays of each variant's calls: the GPU's time alone, without the "
+                                "host's (small shapes, where round-robin measures the host too)")
 
 
 def graph_replays(variants: dict[str, Callable], sets: list[tuple], iters: int, calls: int = 20) -> dict[str, float]:
@@ -169,16 +188,15 @@ def graph_replays(variants: dict[str, Callable], sets: list[tuple], iters: int, 
     return {name: us / calls for name, us in per_replay.items()}
 
 
-def timed(variants: dict[str, Callable], sets: list[tuple], iters: int, sustain_ms: float = 0,
-          warmup: int = 2, graph: bool = False) -> tuple[dict[str, float], dict[str, dict]]:
-    """µs per variant, round-robin; with sustain_ms each alone after that many ms of its own calls
-    (sustained), with each variant's SM clock and board power ({"mhz", "watts"}); with graph, from CUDA
-    graph replays (graph_replays)."""
-    if graph:
+def timed(variants: dict[str, Callable], sets: list[tuple], iters: int, timing: Timing = Timing(),
+          warmup: int = 2) -> tuple[dict[str, float], dict[str, dict]]:
+    """µs per variant as `timing` says; sustained runs also give each variant's SM clock and board power
+    ({"mhz", "watts"})."""
+    if timing.graph:
         return graph_replays(variants, sets, iters), {}
-    if not sustain_ms:
+    if not timing.sustain_ms:
         return round_robin(variants, sets, iters, warmup), {}
-    steady = sustained(variants, sets, iters, sustain_ms)
+    steady = sustained(variants, sets, iters, timing.sustain_ms)
     return ({n: r["us"] for n, r in steady.items()},
             {n: {k: v for k, v in r.items() if k != "us"} for n, r in steady.items()})
 

@@ -48,7 +48,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .harness import (add_sustained, markdown, no_gpu, parser, peak_mib, profile_kernels, progress, rel_err, results_only_on_stdout,
+from .harness import (Timing, add_timing, markdown, no_gpu, parser, peak_mib, profile_kernels, progress, rel_err, results_only_on_stdout,
                       save, timed)
 from .harness import command as command_line
 
@@ -284,7 +284,7 @@ def run_tokens(config, tokens: int, seq: int, iters: int, device="cuda", backend
              + (f"each alone after {sustain_ms:g} ms of its own calls" if sustain_ms else f"{iters} rounds"))
     fns = {**{f"{n} {s}": fn for (n, s), fn in steps.items()}, **{f"floor {p}": fn for p, fn in parts.items()}}
     mallocs = cuda_mallocs(device)
-    us, clocks = timed(fns, [()], iters, sustain_ms, warmup=0)
+    us, clocks = timed(fns, [()], iters, Timing(sustain_ms), warmup=0)
     ms = {name: t / 1e3 for name, t in us.items()}
     for name, r in clocks.items():  # sustained: what each variant's own load did to the clock
         progress(f"  {name}: {ms[name]:.3f} ms at {r['mhz'] or '?'} MHz, {r['watts'] or '?'} W")
@@ -379,7 +379,7 @@ def parse(argv=None):
                    help="print each variant's N costliest GPU kernels of one fwd+bwd (stderr)")
     p.add_argument("--without-y", action="store_true",
                    help=f"also the variant '{CODA_WITHOUT_Y}': the layer's MLP keeps no y for the backward")
-    add_sustained(p, "each variant and floor part")
+    add_timing(p, "each variant and floor part")
     p.add_argument("--timeline", action="store_true",
                    help="with --profile: also every kernel of one fwd+bwd right behind another, in order (stderr)")
     args = p.parse_args(argv)

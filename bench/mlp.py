@@ -47,7 +47,7 @@ from coda_dsl.nn import rms_swiglu_fwd, rms_swiglu_grad, rms_swiglu_grad_and_y
 from coda_dsl.passes.plan import Config
 from coda_dsl.runtime.tune import DEFAULT, PINGPONG, PINGPONG_192, default
 
-from .harness import (Row, add_sustained, fmt, markdown, no_gpu, parser, progress, results_only_on_stdout, rotation, save, shapes,
+from .harness import (Row, Timing, add_timing, fmt, markdown, no_gpu, parser, progress, results_only_on_stdout, rotation, save, shapes,
                       timed)
 from .harness import command as command_line
 
@@ -219,7 +219,7 @@ def prebuild(steps: list[str], configs: list[str], todo: list[tuple]) -> None:
     runtime.prebuild(list(ops.values()))
 
 
-def measure(step: str, shape: tuple, configs: list[str], iters: int, sustain_ms: float = 0) -> list[Row]:
+def measure(step: str, shape: tuple, configs: list[str], iters: int, timing: Timing = Timing()) -> list[Row]:
     s, (m, f, d) = STEPS[step], shape
     one = s.inputs(m, f, d)
     made = iter([one])  # rotation's first set: this one, already made
@@ -238,7 +238,7 @@ def measure(step: str, shape: tuple, configs: list[str], iters: int, sustain_ms:
             if errs[label] > 3e-2:
                 progress(f"  {label}: {worst} differs from PyTorch's by {errs[label]:.1e}")
     fns, args = {label: fn for label, (fn, _) in calls.items()}, [(o,) for o in sets]
-    times, steady = timed(fns, args, iters, sustain_ms)
+    times, steady = timed(fns, args, iters, timing)
     floor, compiled = times[s.floor_name], times[s.compiled_name]
     return [Row(f"mlp {step}", fmt(shape), label, us, s.flops(m, f, d) / us / 1e6, us / floor,
                 {"vs_compile": us / compiled, **({"rel_err": errs[label]} if label in errs else {}),
@@ -257,7 +257,7 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default="default",
                    help=f"comma-separated: {list(CONFIGS)} or config texts like 128x128x64_c1x2_pingpong")
     p.add_argument("--iters", type=int, default=30)
-    add_sustained(p)
+    add_timing(p)
     args = p.parse_args(argv)
     steps, configs = args.steps.split(","), args.configs.split(",")
     if unknown := set(steps) - set(STEPS):
@@ -274,7 +274,7 @@ def main(argv=None) -> int:
         prebuild(steps, configs, args.shapes)
         for step in steps:
             for s in args.shapes:
-                rows += measure(step, s, configs, args.iters, args.sustained)
+                rows += measure(step, s, configs, args.iters, Timing.of(args))
     power = ["MHz", "W"] if args.sustained else []
     print(markdown(["step", "shape (M×F×D)", "variant", "time (µs)", "TFLOP/s", "× floor", "× torch.compile", *power],
                    [[r.bench.split()[1], r.shape, r.variant, f"{r.us:.0f}", f"{r.tflops:.0f}", f"{r.vs_gemm:.3f}",

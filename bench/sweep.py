@@ -2,13 +2,14 @@
 default configuration (runtime/tune.py:default).
 
     python -m bench.sweep [--only identity,...] [--configs KEY,...] [--shapes MxNxK,...] [--iters 30]
-                          [--sustained MS]
+                          [--sustained MS | --graph]
 
 Every (epilogue, configuration) kernel is built in one parallel ninja run; then, per shape, the
 cuBLAS GEMM and every configuration are timed round-robin (CUDA events, median of rounds, inputs
-rotated past L2), or with --sustained MS each alone after MS ms of its own calls (harness.sustained),
-as training runs them: under the 700 W cap a tile that draws more power per FLOP clocks lower, which
-short round-robin bursts do not show (runtime/tune.py:default). Also prints the name of the kernel
+rotated past L2), or with --graph from CUDA graph replays (the GPU's time without the host's), or
+with --sustained MS each alone after MS ms of its own calls (harness.sustained), as training runs
+them: under the 700 W cap a tile that draws more power per FLOP clocks lower, which short
+round-robin bursts do not show (runtime/tune.py:default). Also prints the name of the kernel
 cuBLAS runs at each shape (its tile, cluster and schedule are in the name). JSON under $OUT or
 bench/results/ (sweep.json).
 """
@@ -23,7 +24,7 @@ from coda_dsl.passes.plan import Config
 from coda_dsl.runtime import op as runtime
 
 from .epilogues import CASES, _inputs
-from .harness import (Row, add_sustained, fmt, markdown, no_gpu, parser, progress, rel_err, results_only_on_stdout, rotation,
+from .harness import (Row, Timing, add_timing, fmt, markdown, no_gpu, parser, progress, rel_err, results_only_on_stdout, rotation,
                       save, shapes, subset, timed)
 from .harness import command as command_line
 
@@ -67,7 +68,7 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default=",".join(CONFIGS), help="configuration keys, comma-separated")
     p.add_argument("--shapes", type=shapes, help="MxNxK,... (default: Llama-3 8B/70B projections at 8192 tokens)")
     p.add_argument("--iters", type=int, default=30, help="timed calls per variant, over all rounds")
-    add_sustained(p)
+    add_timing(p, graph=True)
     args = p.parse_args(argv)
     configs = [Config.parse(c) for c in args.configs.split(",")]
     if no_gpu():
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
                     failed.append(f"{c.name} {cfg.text} {fmt(shape)}: rel. error {err:.3g}")
                     continue
                 variants[cfg.text] = (lambda op: lambda a, w, o: op(a, w, **o))(op)
-            t, clocks = timed(variants, sets, args.iters, args.sustained)
+            t, clocks = timed(variants, sets, args.iters, Timing.of(args))
             rows += [Row(c.name, fmt(shape), v, t[v], 2 * m * n * k / t[v] / 1e6, t[v] / t["cuBLAS"],
                          clocks.get(v, {})) for v in t]
             header = header or [cfg.text for cfg in configs]

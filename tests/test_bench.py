@@ -366,11 +366,11 @@ def test_cross_entropy_other_chunk_rows_on_fake_gpu(fake_gpu, capsys, monkeypatc
     assert [r["extra"]["chunk_rows"] for r in rows if r["variant"] == "coda_dsl (chunk 16)"] == [16, 16]
 
 
-@pytest.mark.parametrize("sustained", [False, True])
-def test_sweep_on_fake_gpu(fake_gpu, capsys, monkeypatch, sustained):
+@pytest.mark.parametrize("timing", ["round-robin", "--sustained", "--graph"])
+def test_sweep_on_fake_gpu(fake_gpu, capsys, monkeypatch, timing):
     """bench.sweep's plumbing: a kernel that did not build is reported and left out of its table, the others
-    are checked against eager PyTorch and timed round-robin or (--sustained) alone, with NVML's readings
-    in the JSON."""
+    are checked against eager PyTorch and timed round-robin, (--sustained) alone, with NVML's readings in
+    the JSON, or (--graph) from graph replays."""
     configs = ["128x256x64_c2x1_cooperative", "128x128x64_c2x1_pingpong"]
 
     def built(cases, cfgs):
@@ -384,14 +384,20 @@ def test_sweep_on_fake_gpu(fake_gpu, capsys, monkeypatch, sustained):
     monkeypatch.setattr(harness, "round_robin", lambda fns, sets, iters, warmup=2: timed(fns, sets, iters))
     monkeypatch.setattr(harness, "sustained", lambda fns, sets, iters, ms: {
         n: {"us": us, "mhz": 1400.0, "watts": 690.0} for n, us in timed(fns, sets, iters).items()})
+    replayed = []
+    monkeypatch.setattr(harness, "graph_replays",
+                        lambda fns, sets, iters: replayed.append(list(fns)) or timed(fns, sets, iters))
     argv = ["--only", "identity,bias_gelu", "--shapes", "64x128x32", "--configs", ",".join(configs), "--iters", "2"]
-    assert sweep.main(argv + (["--sustained", "5"] if sustained else [])) == 1  # a failed build fails the run
+    extra = {"round-robin": [], "--sustained": ["--sustained", "5"], "--graph": ["--graph"]}[timing]
+    assert sweep.main(argv + extra) == 1  # a failed build fails the run
     out = capsys.readouterr().out
     assert "| 64×128×32 | 100 | 2.000 | 3.000 |" in out  # identity: both configs
     assert "| 64×128×32 | 100 | 2.000 | – |" in out  # bias_gelu: the pingpong kernel did not build
     assert f"- FAILED bias_gelu {configs[1]}: did not build" in out and out.count("- FAILED") == 1  # the rest agree
     rows = json.loads((fake_gpu / "sweep.json").read_text())["rows"]
+    sustained = timing == "--sustained"
     assert len(rows) == 5 and all((r["extra"] == {"mhz": 1400.0, "watts": 690.0}) == sustained for r in rows)
+    assert len(replayed) == (2 if timing == "--graph" else 0)  # one graph set per epilogue and shape
 
 
 def test_linear_backward_on_fake_gpu(fake_gpu, capsys):
