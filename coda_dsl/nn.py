@@ -46,6 +46,7 @@ Design decisions:
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -225,11 +226,14 @@ class _Mlp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, gamma, hg, rstd, w_gate, w_up, w_down, eps, backend, keep_y):
         r, o, inv_n = _mlp_gemms(h, hg, rstd, w_gate, w_up, w_down, eps, backend, rms_swiglu_fwd)
+        # the layer's outputs: not views (of a padded or shared buffer), which torch would not let the user
+        # change in place (a custom Function's view outputs), as dropout(inplace=True) does
+        out, rstd_out = (t if t._base is None else t.clone() for t in (o["D"], o["rstd"]))
         ctx.save_for_backward(h, gamma, rstd, w_gate, w_up, w_down, r["D"] if keep_y else None, r["acc"],
-                              o["D"], o["rstd"])
+                              out, rstd_out)
         ctx.inv_n, ctx.backend = inv_n, backend
         ctx.set_materialize_grads(False)  # rstd's gradient is None unless a next layer's norm took it
-        return o["D"], o["rstd"]
+        return out, rstd_out
 
     @staticmethod
     @first_order("coda_dsl.nn.LlamaMLP")
@@ -319,9 +323,50 @@ def _check_inputs(x, hidden_size: int, dtype: torch.dtype, position_ids, input_r
     if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[1] != s
                                      or position_ids.shape[0] not in (1, b)):
         raise OperandError(f"{where}: position_ids must be [{b}, {s}] or [1, {s}], got {list(position_ids.shape)}")
-    if input_rstd is not None and tuple(input_rstd.shape) != (b, s):
-        raise OperandError(f"{where}: input_rstd must be [{b}, {s}] (a previous layer's return_rstd=True), "
-                           f"got {list(input_rstd.shape)}")
+    if input_rstd is None:
+        return
+    want = torch.promote_types(dtype, torch.float32)  # what return_rstd=True gives
+    if not isinstance(input_rstd, torch.Tensor) or tuple(input_rstd.shape) != (b, s) or input_rstd.dtype != want:
+        got = (f"{list(input_rstd.shape)} {input_rstd.dtype}" if isinstance(input_rstd, torch.Tensor)
+               else type(input_rstd).__name__)
+        raise OperandError(f"{where}: input_rstd must be a [{b}, {s}] {want} tensor, as the previous layer returns it "
+                           f"with return_rstd=True, got {got}")
+
+
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj")
+
+
+def _check_weights(layer: nn.Module) -> None:
+    """Each projection a plain bias-free nn.Linear without hooks, every parameter in q_proj.weight's dtype: the
+    layer reads the weights directly, so a wrapper (a PEFT/LoRA adapter), a bias or a hook would be ignored,
+    silently, and a cast parameter meet a GEMM's dtype error that names no parameter."""
+    # per forward, so through the modules' dicts (nn.Module.__getattr__ costs ~0.5 us a name); the rest
+    # only names the culprit
+    blocks = layer._modules
+    a, m = blocks["self_attn"]._modules, blocks["mlp"]._modules
+    w = a["q_proj"]._parameters["weight"]
+    dtype = w.dtype
+    if all(type(p) is nn.Linear and p._parameters["bias"] is None and not p._forward_hooks
+           and not p._forward_pre_hooks and p._parameters["weight"].dtype == dtype
+           for p in (a["q_proj"], a["k_proj"], a["v_proj"], a["o_proj"], m["gate_proj"], m["up_proj"], m["down_proj"])
+           ) and all(blocks[n]._parameters["weight"].dtype == dtype
+                     for n in ("input_layernorm", "post_attention_layernorm")):
+        return
+    where = f"coda_dsl.nn.{type(layer).__name__}"
+    for name in PROJECTIONS:
+        p = layer.get_submodule(name)
+        if type(p) is not nn.Linear or p.bias is not None or p._forward_hooks or p._forward_pre_hooks:
+            what = (f"is a {type(p).__module__}.{type(p).__name__}" if type(p) is not nn.Linear else
+                    "has a bias" if p.bias is not None else "has forward hooks")
+            raise UnsupportedError(f"{where}: {name} {what}, but the layer reads the projections' weights directly "
+                                   "(fused GEMMs), so that would be ignored; only plain bias-free nn.Linear "
+                                   "projections are supported\n  fix: merge adapters into the weights first (PEFT: "
+                                   "model.merge_and_unload()), or train adapters on transformers' own layer")
+    for name, p in layer.named_parameters():
+        if p.dtype != dtype:
+            raise OperandError(f"{where}: {name} is {p.dtype}, but the layer computes in {dtype} (its "
+                               f"self_attn.q_proj.weight's)\n  fix: layer.to({dtype}) puts every parameter in one dtype")
 
 
 def _check_training_call(where: str, config, attention_mask, cache, use_cache, position_ids, position_embeddings,
@@ -344,10 +389,24 @@ def _check_training_call(where: str, config, attention_mask, cache, use_cache, p
                                "packed-sequence masks yet). In a transformers model, use attn_implementation='sdpa' "
                                "(its default), which passes None for a causal batch; 'eager' passes the causal mask "
                                "as a tensor")
+    if collected := _collected_outputs():
+        raise UnsupportedError(f"coda_dsl: {where}: the transformers model around it collects {' and '.join(collected)} "
+                               "(output_hidden_states / output_attentions) with hooks on its own layer classes, "
+                               "which this layer is not: they would come back without this layer's\n  fix: call "
+                               "the model without them, or collect them with forward hooks on these layers")
     if cache is not None or use_cache or kwargs.get("past_key_values") is not None:
         raise UnsupportedError(f"coda_dsl: {where}: no KV cache (a training layer). In a transformers model, call it "
                                "with use_cache=False (or set model.config.use_cache = False); called directly, pass "
                                "no cache")
+
+
+def _collected_outputs() -> list[str]:
+    """What a transformers (>= 5) model around the layer is collecting per layer, through hooks it installed on
+    its own layer and attention classes only (transformers.utils.output_capturing)."""
+    capturing = sys.modules.get("transformers.utils.output_capturing")  # never imported here
+    collector = getattr(capturing, "_active_collector", None)
+    wanted = collector.get() if collector is not None else None
+    return [k for k in ("hidden_states", "attentions") if wanted and k in wanted]
 
 
 def flat_inputs(x: torch.Tensor, position_ids, input_rstd, hidden_size: int, dtype: torch.dtype):
@@ -528,6 +587,7 @@ class LlamaMLP(nn.Module):
         if not _tied(g, u):
             both = torch.stack((g.detach(), u.detach()), dim=1)
             g.data, u.data = both[:, 0], both[:, 1]
+        _refuse_fused_steps_on(g, u)
         self.tied = True
         return self
 
@@ -566,6 +626,41 @@ class LlamaMLP(nn.Module):
         return _Mlp.apply(h, norm.weight, hg, rstd, w_gate, w_up, w_down, eps, backend, self.keep_y)
 
 
+def _copy_state(src: nn.Module, dst: nn.Module) -> None:
+    """What a layer carries beside its weights, from one of HF's and coda_dsl's layers to the other (same
+    parameter and norm names): train or eval mode, requires_grad, the norms' eps."""
+    dst.train(src.training)
+    wanted = dict(src.named_parameters())
+    for name, p in dst.named_parameters():
+        p.requires_grad_(wanted[name].requires_grad)
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        getattr(dst, norm).variance_epsilon = getattr(src, norm).variance_epsilon
+
+
+def _refuse_fused_steps_on(*params: nn.Parameter) -> None:
+    """From now on an optimizer step with fused=True over one of these parameters while it is tied (strided)
+    on the CPU raises: torch's CPU fused kernels ignore strides and would write across the two halves (its
+    CUDA ones refuse strided parameters themselves)."""
+    _guard_fused_steps()
+    for p in params:
+        p._coda_dsl_tied = True
+
+
+@functools.cache
+def _guard_fused_steps() -> None:
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    register_optimizer_step_pre_hook(_refuse_fused_step)
+
+
+def _refuse_fused_step(optimizer, args, kwargs) -> None:
+    for group in optimizer.param_groups:
+        if group.get("fused") and any(getattr(p, "_coda_dsl_tied", False) and p.device.type == "cpu"
+                                      and not p.is_contiguous() for p in group["params"]):
+            raise UnsupportedError(f"coda_dsl.nn: {type(optimizer).__name__}(fused=True) over tied gate/up weights "
+                                   "(LlamaMLP.tie_gate_up): torch's fused CPU kernels ignore their strides and would "
+                                   "corrupt them\n  fix: fused=False (foreach is exact), or mlp.untie_gate_up() first")
+
+
 def _tied(w_gate: torch.Tensor, w_up: torch.Tensor) -> bool:
     """Are the two [F, D] weights the halves of one interleaved [F, 2, D] buffer (LlamaMLP.tie_gate_up)?
     Never under torch.compile, where storages cannot be compared."""
@@ -601,16 +696,33 @@ class LlamaDecoderLayer(nn.Module):
 
     @classmethod
     def from_hf(cls, hf_layer, backend: str = "auto") -> "LlamaDecoderLayer":
-        """A copy of a transformers LlamaDecoderLayer (its config, dtype, device and weights)."""
+        """A copy of a transformers LlamaDecoderLayer: its config, dtype, device, weights, norms' eps, train or
+        eval mode and which parameters require grad."""
         w = hf_layer.self_attn.q_proj.weight
         layer = cls(hf_layer.self_attn.config, getattr(hf_layer.self_attn, "layer_idx", 0), backend,
                     dtype=w.dtype, device=w.device)
         layer.load_hf_state_dict(hf_layer.state_dict())
+        _copy_state(hf_layer, layer)
         return layer
 
     def load_hf_state_dict(self, state_dict, strict: bool = True):
-        """Load a transformers LlamaDecoderLayer's state dict (the names are the same)."""
-        return self.load_state_dict(state_dict, strict=strict)
+        """Load a transformers LlamaDecoderLayer's state dict (the names are the same; older transformers'
+        rotary_emb.inv_freq buffer is skipped: the layer makes its own). Checked whole before anything is
+        copied: a missing or unexpected key (with strict) or a wrong shape leaves the layer as it was."""
+        sd = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
+        own = self.state_dict()
+        missing, unexpected = sorted(own.keys() - sd.keys()), sorted(sd.keys() - own.keys())
+        where = f"coda_dsl.nn.{type(self).__name__}.load_hf_state_dict"
+        if strict and (missing or unexpected):
+            prefixes = {k[: -len(o)] for k in unexpected for o in own if k.endswith("." + o)}
+            hint = (f"\n  fix: the keys carry a model's prefix: {{k.removeprefix({prefixes.pop()!r}): v ...}} for this "
+                    "layer's own" if len(prefixes) == 1 and not sd.keys() & own.keys() else "")
+            raise OperandError(f"{where}: missing keys {missing}, unexpected keys {unexpected}; nothing loaded{hint}")
+        wrong = [f"{k}: {list(sd[k].shape)} for {list(own[k].shape)}" for k in sorted(sd.keys() & own.keys())
+                 if sd[k].shape != own[k].shape]
+        if wrong:
+            raise OperandError(f"{where}: shapes differ from this layer's config ({'; '.join(wrong)}); nothing loaded")
+        return self.load_state_dict(sd, strict=strict)
 
     def to_hf(self):
         """A transformers LlamaDecoderLayer with these weights, made from this layer's config (the same
@@ -620,6 +732,7 @@ class LlamaDecoderLayer(nn.Module):
         w = self.self_attn.q_proj.weight
         hf = HFLayer(self.config, self.layer_idx).to(dtype=w.dtype, device=w.device)
         hf.load_state_dict({k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in self.state_dict().items()})
+        _copy_state(self, hf)
         return hf
 
     def prebuild(self, tokens: int) -> int:
@@ -662,6 +775,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def _step(self, x: torch.Tensor, input_rstd: torch.Tensor | None, position_ids, return_rstd: bool):
         """The layer on checked arguments (forward's)."""
+        _check_weights(self)
         xf, pos, rstd = flat_inputs(x, position_ids, input_rstd, self.hidden_size, self.self_attn.q_proj.weight.dtype)
         b, s, d = x.shape
         # float() here: under torch.compile(dynamic=True) Dynamo makes the float a graph input, which must enter

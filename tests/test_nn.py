@@ -268,6 +268,59 @@ def test_state_dict_round_trip():
         assert torch.equal(back.state_dict()[name], t), name
 
 
+def test_load_hf_state_dict_checks_everything_before_copying():
+    """A wrong shape, a missing or an unexpected key: an error that loads nothing (torch's load_state_dict
+    had copied the keys before the bad one); a model's prefix is named; an old checkpoint's RoPE buffer is
+    skipped."""
+    config = llama_config()
+    hf = random_hf_layer(config)
+    ours = cdnn.LlamaDecoderLayer(config, backend="reference")
+    before = {k: v.clone() for k, v in ours.state_dict().items()}
+    sd = hf.state_dict()
+    for bad, what in (({**sd, "mlp.down_proj.weight": torch.zeros(64, 95)}, r"mlp.down_proj.weight: \[64, 95\]"),
+                      ({k: v for k, v in sd.items() if k != "mlp.up_proj.weight"}, "missing keys.*mlp.up_proj"),
+                      ({f"model.layers.0.{k}": v for k, v in sd.items()}, "prefix.*'model.layers.0.'")):
+        with pytest.raises(cd.OperandError, match=what):
+            ours.load_hf_state_dict(bad)
+        assert all(torch.equal(v, before[k]) for k, v in ours.state_dict().items())
+    ours.load_hf_state_dict({**sd, "self_attn.rotary_emb.inv_freq": torch.ones(8)})
+    assert all(torch.equal(v, sd[k]) for k, v in ours.state_dict().items())
+
+
+def test_from_hf_and_to_hf_keep_mode_frozen_parameters_and_eps():
+    config = llama_config()
+    hf = random_hf_layer(config).eval()
+    hf.input_layernorm.weight.requires_grad_(False)
+    hf.post_attention_layernorm.variance_epsilon = 1e-2
+    ours = cdnn.LlamaDecoderLayer.from_hf(hf, backend="reference")
+    assert not ours.training and not ours.input_layernorm.weight.requires_grad and ours.mlp.down_proj.weight.requires_grad
+    assert ours.post_attention_layernorm.variance_epsilon == 1e-2
+    back = ours.to_hf()
+    assert not back.training and not back.input_layernorm.weight.requires_grad
+    assert back.post_attention_layernorm.variance_epsilon == 1e-2
+
+
+def test_the_output_can_be_changed_in_place():
+    """As HF's layer's: the output is no view of a custom Function's (torch forbids changing those in place)."""
+    layer = cdnn.LlamaDecoderLayer(llama_config(), backend="reference")
+    y = layer(torch.randn(1, 4, 64, requires_grad=True))
+    y.add_(1)
+    F.dropout(layer(torch.randn(1, 4, 64)), 0.1, inplace=True)
+
+
+def test_fused_optimizer_steps_over_tied_cpu_weights_are_refused():
+    """torch's fused CPU optimizers ignore strides: over tied gate/up weights they would corrupt both halves
+    (measured: 3 AdamW steps away from HF's by 0.3 in loss); foreach is exact, untied fused too."""
+    layer = cdnn.LlamaDecoderLayer.from_hf(random_hf_layer(llama_config()), backend="reference")
+    layer.mlp.tie_gate_up()
+    layer(torch.randn(1, 4, 64)).sum().backward()
+    with pytest.raises(cd.UnsupportedError, match=r"fused=True\) over tied gate/up weights"):
+        torch.optim.AdamW(layer.parameters(), lr=1e-3, fused=True).step()
+    torch.optim.AdamW(layer.parameters(), lr=1e-3, foreach=True).step()
+    layer.mlp.untie_gate_up()
+    torch.optim.AdamW(layer.parameters(), lr=1e-3, fused=True).step()
+
+
 def test_gate_up_weights_are_halves_of_one_buffer():
     """After tie_gate_up, gate_proj.weight and up_proj.weight share one interleaved buffer (the gate/up
     GEMM's weight, no copy per forward) and stay so through casts and optimizer steps (the same Parameter
@@ -398,11 +451,79 @@ def test_refusals():
     for bad, what in (((4, d), r"hidden_states must be \[batch, seq, %d\], got \[4, %d\]" % (d, d)),
                       ((1, 4, d + 1), "hidden_states must be"),
                       ((1, 4, d), r"position_ids must be \[1, 4\] or \[1, 4\], got \[1, 5\]"),
-                      ((1, 4, d), r"input_rstd must be \[1, 4\]")):
+                      ((1, 4, d), r"input_rstd must be a \[1, 4\] torch.float32 tensor.*got \[4\]")):
         kw = {"position_ids": torch.arange(5)[None]} if "position_ids" in what else \
             {"input_rstd": torch.ones(4)} if "input_rstd" in what else {}
         with pytest.raises(cd.OperandError, match=what):
             ours(torch.randn(*bad), **kw)
+
+
+def test_input_rstd_of_another_dtype_or_kind_is_refused():
+    """input_rstd in the dtype return_rstd gives (fp32; fp64 for an fp64 layer): a bf16 one would round the
+    norm silently, a list fail deep inside."""
+    layer = cdnn.LlamaDecoderLayer(llama_config(), backend="reference")
+    x = torch.randn(1, 4, 64)
+    _, rstd = layer(x, return_rstd=True)
+    assert rstd.dtype == torch.float32 and layer.double()(x.double(), return_rstd=True)[1].dtype == torch.float64
+    layer.float()
+    layer(x, input_rstd=rstd)
+    for bad, got in ((rstd.bfloat16(), r"got \[1, 4\] torch.bfloat16"), (rstd.tolist(), "got list")):
+        with pytest.raises(cd.OperandError, match=r"input_rstd must be a \[1, 4\] torch.float32 tensor.*" + got):
+            layer(x, input_rstd=bad)
+
+
+def test_what_the_layer_would_ignore_is_refused():
+    """The layer reads the projections' weights directly: an adapter wrapping a projection (PEFT's LoRA), a
+    bias, a forward hook, or a parameter of another dtype is refused with the fix, not silently ignored."""
+    class Adapter(torch.nn.Module):  # a LoRA-style wrapper: the base layer plus a low-rank update
+        def __init__(self, base):
+            super().__init__()
+            self.base, self.a = base, torch.nn.Linear(base.in_features, 2, bias=False)
+            self.weight = base.weight
+
+        def forward(self, x):
+            return self.base(x) + self.a(x).sum(-1, keepdim=True)
+
+    config = llama_config()
+    x = torch.randn(1, 4, 64)
+
+    def layer():
+        return cdnn.LlamaDecoderLayer.from_hf(random_hf_layer(config), backend="reference")
+    wrapped = layer()
+    wrapped.self_attn.q_proj = Adapter(wrapped.self_attn.q_proj)
+    biased = layer()
+    biased.mlp.down_proj = torch.nn.Linear(96, 64)
+    hooked = layer()
+    hooked.self_attn.o_proj.register_forward_hook(lambda m, i, o: o * 2)
+    for ours, what in ((wrapped, "(?s)self_attn.q_proj is a .*Adapter.*merge_and_unload"), (biased, "mlp.down_proj has a bias"),
+                       (hooked, "self_attn.o_proj has forward hooks")):
+        with pytest.raises(cd.UnsupportedError, match=what):
+            ours(x)
+    mixed = layer()
+    mixed.mlp.down_proj.double()
+    with pytest.raises(cd.OperandError, match=r"mlp.down_proj.weight is torch.float64, but the layer computes in torch.float32"):
+        mixed(x)
+
+
+def test_hidden_states_a_transformers_model_collects_are_refused():
+    """transformers >= 5 collects output_hidden_states with hooks on its own layer class: a model of coda_dsl
+    layers would return none of them, so the call is refused (older transformers collect them in the model's
+    loop: they come back whole)."""
+    from transformers import LlamaModel
+    config = llama_config(attn_implementation="sdpa", num_hidden_layers=2, vocab_size=50)
+    torch.manual_seed(0)
+    model = LlamaModel(config)
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = cdnn.LlamaDecoderLayer.from_hf(layer, backend="reference")
+    ids = torch.randint(0, 50, (2, 7))
+    try:
+        import transformers.utils.output_capturing  # noqa: F401
+    except ImportError:
+        assert len(model(ids, use_cache=False, output_hidden_states=True).hidden_states) == 3
+        return
+    with pytest.raises(cd.UnsupportedError, match="collects hidden_states"):
+        model(ids, use_cache=False, output_hidden_states=True)
+    assert model(ids, use_cache=False).last_hidden_state.shape == (2, 7, 64)  # nothing left behind
 
 
 def test_calls_that_would_be_silently_wrong_are_refused():
