@@ -333,8 +333,8 @@ def _check_inputs(x, hidden_size: int, dtype: torch.dtype, position_ids, input_r
                            f"with return_rstd=True, got {got}")
 
 
-PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-               "mlp.up_proj", "mlp.down_proj")
+PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
+               ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))  # (block, projection)
 
 
 def _check_weights(layer: nn.Module) -> None:
@@ -344,22 +344,18 @@ def _check_weights(layer: nn.Module) -> None:
     # per forward, so through the modules' dicts (nn.Module.__getattr__ costs ~0.5 us a name); the rest
     # only names the culprit
     blocks = layer._modules
-    a, m = blocks["self_attn"]._modules, blocks["mlp"]._modules
-    w = a["q_proj"]._parameters["weight"]
-    dtype = w.dtype
+    projections = [blocks[b]._modules[n] for b, n in PROJECTIONS]
+    dtype = projections[0]._parameters["weight"].dtype
     if all(type(p) is nn.Linear and p._parameters["bias"] is None and not p._forward_hooks
-           and not p._forward_pre_hooks and p._parameters["weight"].dtype == dtype
-           for p in (a["q_proj"], a["k_proj"], a["v_proj"], a["o_proj"], m["gate_proj"], m["up_proj"], m["down_proj"])
-           ) and all(blocks[n]._parameters["weight"].dtype == dtype
-                     for n in ("input_layernorm", "post_attention_layernorm")):
+           and not p._forward_pre_hooks and p._parameters["weight"].dtype == dtype for p in projections) and all(
+            blocks[n]._parameters["weight"].dtype == dtype for n in ("input_layernorm", "post_attention_layernorm")):
         return
     where = f"coda_dsl.nn.{type(layer).__name__}"
-    for name in PROJECTIONS:
-        p = layer.get_submodule(name)
+    for (block, name), p in zip(PROJECTIONS, projections):
         if type(p) is not nn.Linear or p.bias is not None or p._forward_hooks or p._forward_pre_hooks:
             what = (f"is a {type(p).__module__}.{type(p).__name__}" if type(p) is not nn.Linear else
                     "has a bias" if p.bias is not None else "has forward hooks")
-            raise UnsupportedError(f"{where}: {name} {what}, but the layer reads the projections' weights directly "
+            raise UnsupportedError(f"{where}: {block}.{name} {what}, but the layer reads the projections' weights directly "
                                    "(fused GEMMs), so that would be ignored; only plain bias-free nn.Linear "
                                    "projections are supported\n  fix: merge adapters into the weights first (PEFT: "
                                    "model.merge_and_unload()), or train adapters on transformers' own layer")
@@ -715,8 +711,8 @@ class LlamaDecoderLayer(nn.Module):
         where = f"coda_dsl.nn.{type(self).__name__}.load_hf_state_dict"
         if strict and (missing or unexpected):
             prefixes = {k[: -len(o)] for k in unexpected for o in own if k.endswith("." + o)}
-            hint = (f"\n  fix: the keys carry a model's prefix: {{k.removeprefix({prefixes.pop()!r}): v ...}} for this "
-                    "layer's own" if len(prefixes) == 1 and not sd.keys() & own.keys() else "")
+            p = prefixes.pop() if len(prefixes) == 1 and not sd.keys() & own.keys() else None
+            hint = f"\n  fix: strip the model's prefix {p!r}: {{k.removeprefix({p!r}): v for k, v in sd.items()}}" if p else ""
             raise OperandError(f"{where}: missing keys {missing}, unexpected keys {unexpected}; nothing loaded{hint}")
         wrong = [f"{k}: {list(sd[k].shape)} for {list(own[k].shape)}" for k in sorted(sd.keys() & own.keys())
                  if sd[k].shape != own[k].shape]
