@@ -450,6 +450,26 @@ def test_torch_compile_with_a_reduction(seed, rel):
     a, w = torch.randn(M, K), torch.randn(N, K)
     s = torch.compile(block, fullgraph=True)(a, w)
     assert s.shape == (M,) and rel(s, acc64(a, w).sum(-1) * 2) <= FP32_TOL
+    # fp64 A and B: every output in fp64, the statistic too (the op's fake kernel said fp32: a compile error)
+    a, w = a.double(), w.double()
+    s = torch.compile(block, fullgraph=True)(a, w)
+    assert s.dtype == torch.float64 and rel(s, acc64(a, w).sum(-1) * 2) <= 1e-12
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_outputs_are_tensors_of_their_own(dtype):
+    """As the kernel's: one value stored as two outputs is two tensors, and no output is a view (cd.linear's
+    outputs, views of a custom Function, could not be changed in place)."""
+    ep = cd.epilogue(lambda acc: (lambda h: {"D": h, "E": h})(cd.tanh(acc)))
+    a, w = torch.randn(4, 3, dtype=dtype), torch.randn(6, 3, dtype=dtype)
+    o = cd.gemm(a, w, ep, backend="reference")
+    o["D"].add_(1.0)
+    assert torch.equal(o["E"] + 1, o["D"]) and not any(t._is_view() for t in o.values())
+    x, w = a.requires_grad_(), w.requires_grad_()
+    y = cd.linear(x, w, backend="reference")["D"]
+    y.add_(1.0)
+    y.sum().backward()
+    assert torch.allclose(x.grad, w.sum(0).expand_as(x))
 
 
 def test_epilogue_factory_is_cached_and_runs_under_torch_compile(seed, rel):

@@ -43,7 +43,7 @@ def minimum(a, b) -> Value:
 def clamp(x, min=None, max=None) -> Value:  # noqa: A002  (torch.clamp's names)
     """x limited to [min, max] like torch.clamp (bounds: numbers or traced values; either may be None; a NaN
     x or bound gives NaN). The gradient passes to x where min < x < max, none at a number bound, as torch's;
-    at a traced bound it goes to the bound (torch gives x's)."""
+    where x equals a traced bound it goes to the bound (torch's clamp splits it, half to each)."""
     if min is None and max is None:
         raise fail("cd.clamp(x) needs min, max or both", "e.g. cd.clamp(x, -448.0, 448.0)")
     y = Value(lift(x))

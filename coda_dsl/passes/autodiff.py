@@ -210,9 +210,11 @@ def into_producer(back: Backward, output: str = "D", split: bool = False, recomp
     need not keep them for the backward (e.g. SwiGLU's y, an operand of W_down's gradient)."""
     program = back.program
     where = f"epilogue '{program.name}' ({program.defined_at})"
-    if output not in back.grads or program.output(ACC) is None:
-        raise UnsupportedError(f"{where}: nothing to fuse: the forward has no output '{output}' with a "
-                               "gradient, or no accumulator gradient")
+    if output not in back.grads:
+        raise UnsupportedError(f"{where}: the forward has no output '{output}' with a gradient; those with one: "
+                               f"{sorted(back.grads)}")
+    if program.output(ACC) is None:
+        raise UnsupportedError(f"{where}: nothing to fuse: the forward's outputs do not depend on the accumulator")
     if ir.reduction_of(back.forward.output(output).node) is not None:
         raise UnsupportedError(f"{where}: output '{output}' is a reduction, whose gradient is a vector, not the "
                                "[M, N] accumulator of a producing GEMM: nothing to fuse into")

@@ -41,7 +41,8 @@ def specialize(program: ir.Program, consts: dict[str, float]) -> ir.Program:
     missing = [p.name for p in program.params if p.kind == "const" and p.name not in consts]
     if missing:
         raise EpilogueError(f"epilogue '{program.name}': compile-time constant(s) {missing} need a value: "
-                            f"pass {missing[0]}=<number> to cd.gemm")
+                            f"pass {missing[0]}=<number> to the call (cd.gemm, cd.compile, cd.linear, "
+                            "cd.backward_epilogue)")
     memo: dict[int, ir.Node] = {}
     outputs = tuple(ir.Output(o.name, _fold(o.node, memo, consts, program), o.dtype) for o in program.outputs)
     locations = {id(memo[k]): v for k, v in program.locations.items() if k in memo}

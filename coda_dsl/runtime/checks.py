@@ -38,7 +38,8 @@ def dtype_of(t: torch.Tensor, where: str, name: str, index: bool = False, fp64: 
                    "cast it to torch.float32, or pass A and B in fp64 with backend='reference'")
     d = TORCH_TO_DTYPE.get(t.dtype)
     if d is None:
-        raise fail(where, f"{name} has dtype {t.dtype}", "use torch.bfloat16, torch.float16 or torch.float32")
+        raise fail(where, f"{name} has dtype {t.dtype}", "use torch.bfloat16, torch.float16 or torch.float32 "
+                   "(torch.float64 with A and B in fp64 on the reference backend)")
     return d
 
 

@@ -880,10 +880,14 @@ def run_reference(ep: Epilogue, call: Call, out: dict | None, accumulate: bool =
         program = accumulate_into_d(program)
         operands[reference.PRIOR_D_OPERAND] = out["D"]
     res = reference.evaluate(program, call.a, call.b, operands, out_dtypes)
-    inputs = {t.untyped_storage().data_ptr() for t in (call.a, call.b, *call.tensors.values())}
-    for name, r in res.items():  # an operand returned as is: a new tensor, as the kernel's output is
-        if r.untyped_storage().data_ptr() in inputs:
-            res[name] = r.clone()
+    # each output a tensor of its own, as the kernel's are: not an operand returned as is, not the storage of
+    # another output (one value stored twice), not a view (of a broadcast, say: torch forbids changing a
+    # custom Function's view outputs in place, cd.linear's)
+    taken = {t.untyped_storage().data_ptr() for t in (call.a, call.b, *call.tensors.values())}
+    for name, r in res.items():
+        if r._is_view() or r.untyped_storage().data_ptr() in taken:
+            res[name] = r = r.clone()
+        taken.add(r.untyped_storage().data_ptr())
     if out:
         for name, t in out.items():  # all of them before the first write: a refused call writes nothing
             if name not in res:

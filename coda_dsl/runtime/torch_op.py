@@ -59,7 +59,9 @@ def _(uid, a, b, tensors, numbers, backend, config, deterministic):
         w = Fraction(widths.get(id(o.node if r is None else r.inputs[0]), 1))  # a statistic: its value's width
         cols = n * w.numerator // w.denominator  # integer math: n may be a SymInt
         shape = (*lead, m, cols) if r is None else OUTPUT_SHAPES[KIND_OF_AXIS[r.attr[1]]][1](lead, m, cols)
-        outs.append(a.new_empty(shape, dtype=DTYPES[o.dtype][0] if o.dtype else a.dtype))
+        # fp64 A and B (the reference backend's gradcheck mode): every output in fp64, as run_reference makes it
+        dtype = a.dtype if a.dtype == torch.float64 or not o.dtype else DTYPES[o.dtype][0]
+        outs.append(a.new_empty(shape, dtype=dtype))
     return outs
 
 
