@@ -323,6 +323,9 @@ def _check_inputs(x, hidden_size: int, dtype: torch.dtype, position_ids, input_r
     if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[1] != s
                                      or position_ids.shape[0] not in (1, b)):
         raise OperandError(f"{where}: position_ids must be [{b}, {s}] or [1, {s}], got {list(position_ids.shape)}")
+    if position_ids is not None and (position_ids.dtype == torch.bool or position_ids.is_complex()):
+        raise OperandError(f"{where}: position_ids are token positions (integers, as HF passes them), not "
+                           f"{position_ids.dtype}")
     if input_rstd is None:
         return
     want = torch.promote_types(dtype, torch.float32)  # what return_rstd=True gives

@@ -429,6 +429,8 @@ def test_empty_batch_and_position_ids_not_a_tensor():
     assert y.shape == x.grad.shape == (0, 7, 64)
     with pytest.raises(cd.OperandError, match="position_ids must be a tensor"):
         layer(torch.randn(1, 3, 64), position_ids=[[0, 1, 2]])
+    with pytest.raises(cd.OperandError, match="position_ids are token positions .* not torch.bool"):
+        layer(torch.randn(1, 3, 64), position_ids=torch.ones(1, 3, dtype=torch.bool))
 
 
 def test_refusals():
