@@ -226,14 +226,11 @@ class _Mlp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, gamma, hg, rstd, w_gate, w_up, w_down, eps, backend, keep_y):
         r, o, inv_n = _mlp_gemms(h, hg, rstd, w_gate, w_up, w_down, eps, backend, rms_swiglu_fwd)
-        # the layer's outputs: not views (of a padded or shared buffer), which torch would not let the user
-        # change in place (a custom Function's view outputs), as dropout(inplace=True) does
-        out, rstd_out = (t if t._base is None else t.clone() for t in (o["D"], o["rstd"]))
         ctx.save_for_backward(h, gamma, rstd, w_gate, w_up, w_down, r["D"] if keep_y else None, r["acc"],
-                              out, rstd_out)
+                              o["D"], o["rstd"])
         ctx.inv_n, ctx.backend = inv_n, backend
         ctx.set_materialize_grads(False)  # rstd's gradient is None unless a next layer's norm took it
-        return out, rstd_out
+        return o["D"], o["rstd"]
 
     @staticmethod
     @first_order("coda_dsl.nn.LlamaMLP")
