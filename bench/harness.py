@@ -44,7 +44,7 @@ def no_gpu() -> bool:
     return False
 
 
-SETTINGS = ("CODA_DSL_PDL", "CODA_DSL_TUNE", "CODA_DSL_WARM")  # process-wide switches that change timings
+SETTINGS = ("CODA_DSL_TUNE", "CODA_DSL_WARM")  # process-wide switches that change timings
 
 
 def command(prog: str, argv=None) -> str:

@@ -398,7 +398,10 @@ def _check_training_call(where: str, config, attention_mask, cache, use_cache, p
 
 def _collected_outputs() -> list[str]:
     """What a transformers (>= 5) model around the layer is collecting per layer, through hooks it installed on
-    its own layer and attention classes only (transformers.utils.output_capturing)."""
+    its own layer and attention classes only (transformers.utils.output_capturing). Not asked inside
+    torch.compile, which cannot trace the ContextVar it lives in (fullgraph=True failed on it)."""
+    if torch.compiler.is_compiling():
+        return []
     capturing = sys.modules.get("transformers.utils.output_capturing")  # never imported here
     collector = getattr(capturing, "_active_collector", None)
     wanted = collector.get() if collector is not None else None

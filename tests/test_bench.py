@@ -176,12 +176,12 @@ def test_tables_and_json(tmp_path, monkeypatch):
 
 
 def test_recorded_command_names_the_settings_that_change_timings(monkeypatch):
-    """A run under CODA_DSL_PDL=1 (one process each way) says so in its command line; unset ones are left out."""
+    """A run under CODA_DSL_TUNE=1 says so in its command line; unset ones are left out."""
     for name in harness.SETTINGS:
         monkeypatch.delenv(name, raising=False)
     assert harness.command("python -m bench.epilogues", ["--graph"]) == "python -m bench.epilogues --graph"
-    monkeypatch.setenv("CODA_DSL_PDL", "1")
-    assert harness.command("python -m bench.epilogues", ["--graph"]) == "CODA_DSL_PDL=1 python -m bench.epilogues --graph"
+    monkeypatch.setenv("CODA_DSL_TUNE", "1")
+    assert harness.command("python -m bench.epilogues", ["--graph"]) == "CODA_DSL_TUNE=1 python -m bench.epilogues --graph"
 
 
 def test_cross_entropy_rows_and_report(tmp_path, monkeypatch, capsys):

@@ -120,18 +120,3 @@ def test_beyond_fp32_literal_compiles(toolchain, tmp_path):
     big_mask = cd.epilogue(lambda acc: cd.where(acc > 0, acc, -1e40))
     compile_functors(toolchain, tmp_path, big_mask)
     assert torch.tensor(-1e40, dtype=torch.float32).isinf()  # the reference semantics: fp32 -inf
-
-
-def test_kernels_wait_for_the_previous_grid(toolchain, tmp_path):
-    """Kernels may be launched as programmatic dependents (CODA_DSL_PDL=1): only safe while CUTLASS's grid
-    dependency control is compiled in (csrc/coda_dsl/evt.h defines it before CUTLASS's headers; it also
-    needs sm_90a), so that its kernels wait for the previous grid before touching memory."""
-    from coda_dsl.build.tools import compile_command
-    tu = tmp_path / "gdc.cu"
-    tu.write_text('#include "coda_dsl/evt.h"\n'
-                  "#if defined(__CUDA_ARCH__) && !defined(CUTLASS_GDC_ENABLED)\n#error grid dependency control is off\n"
-                  "#endif\n__global__ void probe(int* p) {\n  cutlass::arch::wait_on_dependent_grids();\n  *p = 1;\n}\n")
-    r = subprocess.run(compile_command(toolchain) + ["-ptx", str(tu), "-o", str(tmp_path / "gdc.ptx")],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "griddepcontrol.wait;" in (tmp_path / "gdc.ptx").read_text()

@@ -3,16 +3,9 @@
 // comes from the caller, who allocates it with torch's caching allocator).
 #pragma once
 
-// Before CUTLASS's headers: its sm90 kernels then wait for the previous grid (griddepcontrol.wait)
-// before they touch global memory, and signal the next one at their last tile, so that coda::launch may
-// launch them as programmatic dependents (PDL: the launch and set-up overlap the previous kernel's tail).
-#define CUTLASS_ENABLE_GDC_FOR_SM90
-
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <mutex>
 #include <type_traits>
 
@@ -216,16 +209,6 @@ size_t prepare(typename Kernel::Arguments& args, Call const& call, char const* o
   return Kernel::get_workspace_size(args);  // the adapter's, less its split-K-parallel mode (not used)
 }
 
-// Whether GEMMs launch as programmatic dependents of the previous kernel on their stream (PDL):
-// CODA_DSL_PDL=1, read once per process (the first library to ask). Off by default until measured on a GPU.
-inline bool programmatic_launch() {
-  static bool const on = [] {
-    char const* v = std::getenv("CODA_DSL_PDL");
-    return v != nullptr && std::strcmp(v, "1") == 0;
-  }();
-  return on;
-}
-
 // The launch of a prepared GEMM on the caller's stream, with its workspace (`ws_size` bytes at `ws`).
 template <class Kernel, bool ZeroWorkspace = false>
 void launch(typename Kernel::Arguments& args, GemmEntry& entry, void* ws, size_t ws_size, Call const& call,
@@ -247,12 +230,6 @@ void launch(typename Kernel::Arguments& args, GemmEntry& entry, void* ws, size_t
     attrs[n_attrs].id = cudaLaunchAttributeClusterDimension;
     attrs[n_attrs++].val.clusterDim = {unsigned(cute::size<0>(Cluster{})), unsigned(cute::size<1>(Cluster{})),
                                        unsigned(cute::size<2>(Cluster{}))};
-  }
-  // Not stream-K: a separate reduction unit runs the epilogue without a mainloop, so nothing orders its
-  // reads (a VecN, say) after the producer's wait. (Nor K = 0, for the same reason: the runtime refuses it.)
-  if (programmatic_launch() && !ZeroWorkspace) {
-    attrs[n_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attrs[n_attrs++].val.programmaticStreamSerializationAllowed = 1;
   }
   cudaLaunchConfig_t config{};
   config.gridDim = Kernel::get_grid_shape(params);

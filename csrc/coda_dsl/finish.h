@@ -24,15 +24,6 @@ struct Identity {
   CUTLASS_HOST_DEVICE T operator()(T const& x, Args const&) const { return x; }
 };
 
-// At the start of each kernel here: the next kernel on the stream, if a GEMM that coda::launch launched
-// as a programmatic dependent, may begin its launch and set-up now; it waits for this grid to complete
-// (griddepcontrol.wait) before it touches memory. Without such a dependent, nothing happens.
-CUTLASS_DEVICE void let_dependents_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;");
-#endif
-}
-
 // Row finishing kernels: a block covers kRows rows (threadIdx.x) and splits each row's tiles over
 // kSplit threads (threadIdx.y: tiles y, y + kSplit, ...), then combines their results in the fixed
 // order y = 0, 1, ...: deterministic run to run. One thread per row walking all of a row's tiles
@@ -46,7 +37,6 @@ template <class Combine, class Fn, class Args>
 __global__ void finish_rows(float const* partial, float* out, int rows, int64_t rows_padded, int tiles, int L,
                             float identity, Args args) {
   __shared__ float part[kSplit][kRows];
-  let_dependents_launch();
   int64_t i = int64_t(blockIdx.x) * kRows + threadIdx.x;
   bool live = i < int64_t(rows) * L;
   float acc = identity;
@@ -67,7 +57,6 @@ template <class Combine, class Fn, class Args>
 __global__ void finish_total(float const* partial, float* out, int rows, int64_t rows_padded, int tiles,
                              float identity, Args args) {
   __shared__ float part[256];
-  let_dependents_launch();
   float const* p = partial + int64_t(blockIdx.x) * tiles * rows_padded;
   float acc = identity;
   for (int64_t i = threadIdx.x; i < int64_t(rows) * tiles; i += blockDim.x)
@@ -114,7 +103,6 @@ struct Fills {
 
 // blockIdx.y picks the output, blockIdx.x a span of its elements.
 __global__ void fill_outputs(Fills fills) {
-  let_dependents_launch();
   Fill const& f = fills.at[blockIdx.y];
   int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < f.rows * f.cols) f.out[(i / f.cols) * f.row_stride + (i % f.cols) * f.col_stride] = f.value;
@@ -169,7 +157,6 @@ CUTLASS_DEVICE void merge_logsumexp(float& m, float& s, float mt, float st) {
 template <class Fn, class Args>
 __global__ void finish_logsumexp_rows(float const* partial, float* out, Partials p, int L, Args args) {
   __shared__ float maxima[kSplit][kRows], sums[kSplit][kRows];
-  let_dependents_launch();
   int64_t i = int64_t(blockIdx.x) * kRows + threadIdx.x;
   bool live = i < int64_t(p.rows) * L;
   float mm = -INFINITY, sum = 0.f;
