@@ -328,6 +328,17 @@ def _exp_path(x: torch.Tensor, smoothing: float) -> bool:
             and not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
+@cd.on_cuda
+def _exp_rows(lse, z_t, scale, cap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of a chunk, from its statistics (on CUDA one compiled kernel, not nine): the row factor
+    scale * exp(-lse) of exp(z); the buffer's value at the target's column, row factor times it =
+    scale (p_t - 1) dz_t, from fp32 values (1 - p_t may be below the buffer's rounding); whether every lse
+    is in EXP_RANGE."""
+    lo, hi = EXP_RANGE
+    dz = 1.0 - (z_t / cap) ** 2 if cap else 1.0
+    return scale * torch.exp(-lse), torch.expm1(z_t - lse) * torch.exp(lse) * dz, ((lse > lo) & (lse < hi)).all()
+
+
 def _grads_from_exp(x, w, safe, scale, cap, backend, config, chunk, gx, gw, loss) -> bool:
     """The rows' losses into `loss`, grad_x and grad_W into gx and gw (None: not wanted), from each chunk's
     exp(z) * dz; False (after one synchronization) if a row's lse is outside EXP_RANGE, where these are wrong."""
@@ -335,7 +346,6 @@ def _grads_from_exp(x, w, safe, scale, cap, backend, config, chunk, gx, gw, loss
     vk = _split(v)
     wk, wt = w[:vk], w[vk:]
     buf = _chunk_buffer(min(chunk, m), vk, x, x.dtype)
-    lo, hi = EXP_RANGE
     in_range = torch.ones((), dtype=torch.bool, device=x.device)
     for s in range(0, m, chunk):
         e = min(m, s + chunk)
@@ -349,12 +359,11 @@ def _grads_from_exp(x, w, safe, scale, cap, backend, config, chunk, gx, gw, loss
             st = _merge_tail(st, zt, ts - vk)
         lse, z_t = st["lse"], st["z_target"]
         loss[s:e] = _row_loss(st, v, 0.0)
-        in_range &= ((lse > lo) & (lse < hi)).all()
-        # the target's column: row * p = scale (p_t - 1) dz_t, from fp32 values (1 - p_t may be below p's rounding)
-        put_target_column(p, torch.expm1(z_t - lse) * torch.exp(lse) * (1.0 - (z_t / cap) ** 2 if cap else 1.0),
-                          tk, 0.0)
+        row, at_target, ok = _exp_rows(lse, z_t, sc, cap)
+        in_range &= ok
+        put_target_column(p, at_target, tk, 0.0)
         gt = None if zt is None else _logit_grad(zt, lse, sc, ts - vk, z_t, 0.0, 1.0, cap).to(x.dtype)
-        _accumulate(gx, gw, p, gt, w, xs, s, 1.0, row=sc * torch.exp(-lse))
+        _accumulate(gx, gw, p, gt, w, xs, s, 1.0, row=row)
     if bool(in_range):
         return True
     warnings.warn(f"linear_cross_entropy: a row's log-sum-exp is outside {EXP_RANGE}, where exp(logits) leaves "
