@@ -26,14 +26,15 @@ Three paths, chosen per call:
   the statistics-only forward, and a backward that recomputes the logits per chunk (a fourth GEMM)
   with P = (softmax - eps/V) * scale formed in its epilogue.
 
-From z, the buffer holds z in fp16 for bf16 and fp16 inputs: bf16 logits lose up to |z| * 2^-9, which gave
-2-4 % gradient error vs fp32 autograd on a confident model (logits up to 20-40, p(target) ~ 0.5);
-fp16 gave 0.3-0.5 %, fp32 0.01-0.03 % (CPU measurement, V = 32000). exp(z) in bf16 is within 2^-9 of
-its value whatever z's size: on a confident model (CPU, V = 32000, logits up to ~30) 0.26-0.29 %
-gradient error against 0.14-0.18 % from fp16 z (the row factor adds a rounding to x's rows and grad_x's). g is then written over z in the
+From z, the buffer holds z in fp16 for bf16 and fp16 inputs: bf16 logits lose up to |z| * 2^-9, which
+gave 2-4 % gradient error vs fp32 autograd on a confident model (logits up to 20-40, p(target) ~ 0.5);
+fp16 gave 0.3-0.5 %, fp32 0.01-0.03 % (CPU measurement, V = 32000). g is then written over z in the
 inputs' dtype (same bytes per element), so the buffer is all the chunk needs. (fp16 holds logits
-up to 65504 in magnitude; a softcap bounds them.) The target's column is formed from the statistics'
-fp32 target logit instead: on a confident row 1 - p is below the buffer's rounding of z.
+up to 65504 in magnitude; a softcap bounds them.) exp(z) in bf16 is within 2^-9 of its value whatever
+z's size: on a confident model (CPU, V = 32000, logits up to ~30) 0.26-0.29 % gradient error against
+0.14-0.18 % from fp16 z (the row factor adds a rounding to x's rows and to grad_x). Either way the
+target's column is formed from the statistics' fp32 target logit: on a confident row 1 - p is below
+the buffer's rounding.
 """
 from __future__ import annotations
 
