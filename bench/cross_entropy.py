@@ -7,8 +7,7 @@ the peak memory the call adds, relative to eager PyTorch.
                                   [--chunk-rows 2048,4096] [--configs CFG,...] [--profile N] [--dry-run]
 
 Variants: eager (bf16 logits cast to fp32, then F.cross_entropy), torch.compile of the same, and
-cd.linear_cross_entropy (by design no fp32 logits), with its default chunk rows, with its gradients from z
-instead of exp(z) ("coda_dsl (from z)", see coda_dsl/library/cross_entropy.py) and, per --chunk-rows,
+cd.linear_cross_entropy (by design no fp32 logits), with its default chunk rows and, per --chunk-rows,
 with others ("coda_dsl (chunk R)"), and per --configs with other tile configurations ("coda_dsl (CFG)",
 a cd.Config's text). --profile N: then one forward+backward of torch.compile and of each coda_dsl
 variant under torch.profiler, its N costliest GPU kernels (stderr). Warnings a variant raises (e.g. coda_dsl
@@ -59,23 +58,11 @@ class CERow:
     bench: str = "cross_entropy"
 
 
-def from_z(x, w, t):
-    """cd.linear_cross_entropy with its gradients from the stored logits z and a pass turning them into the
-    gradient (what fp16, label smoothing and torch.compile use), instead of from exp(z): the A/B."""
-    exp_path = ce._exp_path
-    ce._exp_path = lambda *args: False
-    try:
-        return cd.linear_cross_entropy(x, w, t)
-    finally:
-        ce._exp_path = exp_path
-
-
 def variants(autotune: bool, chunk_rows=(), configs=()) -> dict[str, Callable]:
     """label -> loss function (x, w, target) -> loss."""
     return {"eager": eager_loss,
             compile_label(autotune): torch.compile(eager_loss, mode=compile_mode(autotune), dynamic=False),
             "coda_dsl": cd.linear_cross_entropy,
-            "coda_dsl (from z)": from_z,
             **{f"coda_dsl (chunk {r})": functools.partial(cd.linear_cross_entropy, chunk_rows=r) for r in chunk_rows},
             **{f"coda_dsl ({c})": functools.partial(cd.linear_cross_entropy, config=c) for c in configs}}
 
@@ -88,8 +75,8 @@ def plan_rows(shapes=SHAPES, autotune=False, chunk_rows=(), configs=()) -> list[
 def kernels(configs=(None,)) -> list:
     """The kernels cd.linear_cross_entropy launches with its default options and each of `configs`
     (the same for every shape), rendered for the same parallel build as the other benchmarks' kernels:
-    the statistics-only forward (no grad) and the forwards that also store the chunk (with gradients):
-    exp(z), and z (the "from z" variant). Best effort: one left out here is built (or falls back to the reference backend, with
+    the statistics-only forward (no grad) and the forward that also stores the logits chunk (with
+    gradients). Best effort: one left out here is built (or falls back to the reference backend, with
     a warning) at its first call."""
     x = torch.empty(128, 128, device="cuda", dtype=torch.bfloat16)
     target = torch.zeros(128, device="cuda", dtype=torch.int64)
@@ -98,8 +85,6 @@ def kernels(configs=(None,)) -> list:
     for config in configs:
         config = config or ce.CONFIG
         make = {"forward": lambda: cd.compile(ce._forward_epilogue(False, None), x, x, target=target, config=config),
-                "forward with exp(z)": lambda: cd.compile(ce._exp_epilogue(None), x, x, target=target, config=config,
-                                                          deterministic=True),
                 "forward with logits": lambda: cd.compile(ce._forward_epilogue(False, None, ce.stored_logits(x.dtype)),
                                                           x, x, target=target, out={"D": logits}, config=config)}
         for name, compile_op in make.items():

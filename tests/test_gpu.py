@@ -18,9 +18,9 @@ from coda_dsl.library import (interleave_gate_up, linear_swiglu, rms_consumer, r
                               rope_frequencies, rope_positions, rope_tables, swiglu, swiglu_backward,
                               swiglu_keep_preactivation)
 from coda_dsl.library.cross_entropy import CONFIG as CE_CONFIG
-from coda_dsl.library.cross_entropy import (BUFFER_BYTES, _backward_softcap_epilogue, _exp_epilogue,
-                                           _forward_epilogue, ce_backward, combine_vocab_shards, default_chunk_rows,
-                                           logits_buffer_dtype, stored_logits, vocab_shard_stats)
+from coda_dsl.library.cross_entropy import (BUFFER_BYTES, _backward_softcap_epilogue, _forward_epilogue, ce_backward,
+                                           combine_vocab_shards, default_chunk_rows, logits_buffer_dtype,
+                                           stored_logits, vocab_shard_stats)
 from coda_dsl.runtime import op as runtime
 from build_helpers import warm_path_or_skip
 from epilogues import (bias_gelu, double_width, pairs_with_full_width_operands, residual_rms, statistics_of_a_half,
@@ -194,13 +194,12 @@ SCHEDULER_CONFIGS = [runtime.tuning.PINGPONG.text, runtime.tuning.PINGPONG_192.t
 VARIANTS += [((ep, torch.bfloat16, "nk"), dict(config=c)) for c in SCHEDULER_CONFIGS for ep in (row_stats, swiglu)]
 # the cross-entropy library's kernels, with their A/B dtype: forward variants (smoothing, softcap),
 # statistics only or also storing the logits chunk (fp16 D, as cross_entropy._stats asks: stored_logits),
-# the recompute backward ones, and the exp path's forward (D = exp(z), deterministic)
+# and the recompute backward ones
 CE_KERNELS = [(_forward_epilogue(s, c, logits), torch.bfloat16) for s in (False, True) for c in (None, 30.0)
               for logits in (False, stored_logits(torch.bfloat16))] + \
     [(_forward_epilogue(False, None, stored_logits(torch.float16)), torch.float16),
      (_forward_epilogue(False, None), torch.float16),
-     (ce_backward, torch.bfloat16), (_backward_softcap_epilogue(30.0), torch.bfloat16)] + \
-    [(_exp_epilogue(c), torch.bfloat16) for c in (None, 30.0)]
+     (ce_backward, torch.bfloat16), (_backward_softcap_epilogue(30.0), torch.bfloat16)]
 
 
 def _ab(m, n, k, dtype, layout, batch=None):
@@ -235,9 +234,8 @@ def kernels():
         x, names = _rand(64, 64, dtype=dtype), {p.name for p in ep.params}
         out = {"D": torch.empty(64, 64, device="cuda", dtype=logits_buffer_dtype(dtype))} if "_logits" in ep.name \
             else None
-        ops.append(cd.compile(ep, x, x, out=out, config=CE_CONFIG, deterministic=ep.name.startswith("ce_forward_exp"),
-                              **{k: v for k, v in dict(target=t, lse=vec, scale=vec, uniform=0.0).items()
-                                 if k in names}))  # the config and determinism its calls use
+        ops.append(cd.compile(ep, x, x, out=out, config=CE_CONFIG, **{k: v for k, v in dict(
+            target=t, lse=vec, scale=vec, uniform=0.0).items() if k in names}))  # the config its calls use
     try:
         runtime.prebuild(ops)
     except cd.CodaError as e:  # tests of the kernels that did build still run; the others fail on their own
@@ -675,8 +673,7 @@ def test_linear_cross_entropy_confident_rows(kernels, dtype, reduction, cap):
 @pytest.mark.parametrize("reduction,grad", [("mean", 1.0), ("sum", 0.5)])
 def test_linear_cross_entropy_under_torch_compile(kernels, reduction, grad):
     """torch.compile(fullgraph=True) of the loss, forward and backward (the backward's scaling a custom op
-    that mutates the gradients): the eager call's loss and gradients (compiled from z, eagerly from exp(z):
-    0.3 % apart on the H100; each within 1 % of F.cross_entropy in the tests above)."""
+    that mutates the gradients): the eager call's loss and gradients."""
     x, w, t = _ce_problem(264, 256, 50257)
     f = torch.compile(lambda x, w: cd.linear_cross_entropy(x, w, t, reduction=reduction, backend="cutlass"),
                       fullgraph=True)
@@ -684,7 +681,7 @@ def test_linear_cross_entropy_under_torch_compile(kernels, reduction, grad):
     want = torch.autograd.grad(cd.linear_cross_entropy(x, w, t, reduction=reduction, backend="cutlass"), (x, w),
                                torch.tensor(grad, device="cuda"))
     for a, b in zip(got, want):
-        assert _rel(a, b) <= 1e-2
+        assert _rel(a, b) <= 1e-3
 
 
 def test_linear_cross_entropy_all_ignored(kernels):
@@ -694,17 +691,6 @@ def test_linear_cross_entropy_all_ignored(kernels):
         loss = cd.linear_cross_entropy(x, w, t, reduction=reduction, backend="cutlass")
         loss.sum().backward()
         assert not loss.any() and not torch.isnan(loss).any() and not x.grad.any() and not w.grad.any()
-
-
-@pytest.mark.parametrize("shift,cap", [(120.0, None), (-120.0, 300.0)])
-def test_linear_cross_entropy_rows_outside_the_exp_range(kernels, shift, cap):
-    """A row whose logits are all moved by +-120 (its lse outside EXP_RANGE: exp(z) overflows, or underflows):
-    a warning, and loss and gradients as F.cross_entropy's (computed again from z); two chunks."""
-    x, w, t = _ce_problem(300, 256, 5000)
-    x.data[:, 0], w.data[:, 0] = 0.0, 1.0
-    x.data[200, 0] = shift
-    with pytest.warns(UserWarning, match="outside"):
-        _ce_check(x, w, t, cap=cap, chunk_rows=160)
 
 
 def _peak_extra(fn):

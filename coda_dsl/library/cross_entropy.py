@@ -9,38 +9,25 @@ Three paths, chosen per call:
   whose epilogue keeps per row only the online log-sum-exp, the target logit (and, with label
   smoothing, the sum of logits); no D. Extra memory O(M).
 - Gradients wanted, reduction "mean" or "sum": three GEMMs in all, all in the forward, per chunk of
-  rows: (a) the chunk's logits GEMM stores into a [chunk, V] buffer reused across chunks, with the
-  per-row statistics in the same epilogue; (c) grad_x[chunk] = g @ W and grad_W += g^T @ x[chunk] from
-  that buffer. The backward only scales the saved gradients by the incoming (scalar) gradient.
-  What (a) stores, two ways:
-  - exp(z) * dz/dacc (bf16 and fp32 inputs without label smoothing, eagerly): the softmax but for its
-    row factor exp(-lse), with sum exp(z) per row as the statistic (lse = its log). The row factor
-    (times the rows' scale) is applied to x's rows for grad_W and to grad_x's rows, and the target's
-    column is written from fp32 values: no pass over the buffer. Valid while every row's lse is in
-    EXP_RANGE (exp(z) neither overflows nor leaves the normal range); checked once per call (one
-    synchronization), else the call is done again the second way.
-  - z (in logits_buffer_dtype), then (b) one fused elementwise pass turns z into the logits' gradient
-    g in place (fp16 inputs, label smoothing, inside torch.compile or CUDA-graph capture, and the
-    fallback above).
+  rows: (a) the chunk's logits GEMM stores z into a [chunk, V] buffer reused across chunks, with the
+  per-row statistics in the same epilogue; (b) one fused elementwise pass turns z into the logits'
+  gradient g in place; (c) grad_x[chunk] = g @ W and grad_W += g^T @ x[chunk]. The backward only
+  scales the saved gradients by the incoming (scalar) gradient.
 - Gradients wanted, reduction "none" (the incoming gradient is per row, known only in the backward):
   the statistics-only forward, and a backward that recomputes the logits per chunk (a fourth GEMM)
   with P = (softmax - eps/V) * scale formed in its epilogue.
 
-From z, the buffer holds z in fp16 for bf16 and fp16 inputs: bf16 logits lose up to |z| * 2^-9, which
-gave 2-4 % gradient error vs fp32 autograd on a confident model (logits up to 20-40, p(target) ~ 0.5);
+The buffer holds z in fp16 for bf16 and fp16 inputs: bf16 logits lose up to |z| * 2^-9, which gave
+2-4 % gradient error vs fp32 autograd on a confident model (logits up to 20-40, p(target) ~ 0.5);
 fp16 gave 0.3-0.5 %, fp32 0.01-0.03 % (CPU measurement, V = 32000). g is then written over z in the
 inputs' dtype (same bytes per element), so the buffer is all the chunk needs. (fp16 holds logits
-up to 65504 in magnitude; a softcap bounds them.) exp(z) in bf16 is within 2^-9 of its value whatever
-z's size: on a confident model (CPU, V = 32000, logits up to ~30) 0.26-0.29 % gradient error against
-0.14-0.18 % from fp16 z (the row factor adds a rounding to x's rows and to grad_x). Either way the
-target's column is formed from the statistics' fp32 target logit: on a confident row 1 - p is below
-the buffer's rounding.
+up to 65504 in magnitude; a softcap bounds them.) The target's column is formed from the statistics'
+fp32 target logit instead: on a confident row 1 - p is below the buffer's rounding of z.
 """
 from __future__ import annotations
 
 import math
 import numbers
-import warnings
 from typing import Sequence
 
 import torch
@@ -58,10 +45,6 @@ _ROW_ALIGN = 128  # chunk rows: a multiple of the GEMM tile's M (and of 8: 16-by
 # one tile's exp-heavy epilogue with the other's mainloop: forward 13.68 ms against 14.57 for the
 # cooperative 128x256 tile and 15.28 for pingpong 128x192; the chunks' logits GEMMs 12.46 ms against 15.04.
 CONFIG = cd.Config((128, 128, 64), (2, 1), "pingpong")
-# The rows' lse for which the exp path's values stay in fp32's (and bf16's) normal range: exp(z) <= exp(lse) no
-# more than e^50 (its row sum e^62 at most), the row factor scale * exp(-lse) times x's rows, down to
-# |x| e^-64 for a mean over a million rows, above the normal range's e^-87 for |x| >= e^-20.
-EXP_RANGE = (-40.0, 50.0)
 
 
 def _softcapped(acc, cap):
@@ -83,19 +66,6 @@ def _forward_epilogue(smoothing: bool, cap: float | None, logits: bool | torch.d
     stored = "" if logits is False else "_logits" if logits is True else f"_logits_{str(logits).removeprefix('torch.')}"
     name = f"ce_forward{stored}{'_smooth' if smoothing else ''}{'_cap' if cap else ''}"
     return cd.epilogue(ce_forward, name=name)
-
-
-@cd.epilogue_factory
-def _exp_epilogue(cap: float | None) -> cd.Epilogue:
-    """D = exp(z) * dz/dacc (the logits' gradient but for the row factor scale * exp(-lse) and the one-hot
-    term), lse = log sum exp(z) per row, and the target logit."""
-    def ce_forward_exp(acc, target: cd.VecM):
-        z = _softcapped(acc, cap)
-        e = cd.exp(z)
-        t = z * (1.0 / cap) if cap else None
-        return {"D": e * (1.0 - t * t) if cap else e, "lse": cd.sum(e, axis="n").then(cd.log),
-                "z_target": cd.take(z, target, axis="n")}
-    return cd.epilogue(ce_forward_exp, name="ce_forward_exp_cap" if cap else "ce_forward_exp")
 
 
 @cd.epilogue
@@ -171,12 +141,6 @@ def _logit_grad_(z: torch.Tensor, lse, scale, target, z_target, uniform: float, 
     z.view(dtype).copy_(_logit_grad(z, lse, scale, target, z_target, uniform, hot, cap))
 
 
-@cd.on_cuda
-def _row_scaled(x: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-    """x's rows times row's (fp32) factors, rounded once to x's dtype; on CUDA one compiled pass."""
-    return (x * row[:, None]).to(x.dtype)
-
-
 def _scale_(gx: torch.Tensor | None, gw: torch.Tensor | None, by: torch.Tensor, alpha: float) -> None:
     """In place: gx times by, gw times by / alpha (the factors _factored left out; no second grad_W). On
     CUDA a Triton kernel that leaves them alone where the factor is 1 (triton_kernels.scale_; eagerly, a
@@ -234,20 +198,17 @@ def _grad_buffers(x, w, need_x: bool, need_w: bool) -> tuple[torch.Tensor | None
     return (torch.empty_like(x) if need_x else None), gw
 
 
-def _accumulate(gx, gw, g, gt, w, xs, s: int, alpha: float, row: torch.Tensor | None = None) -> None:
+def _accumulate(gx, gw, g, gt, w, xs, s: int, alpha: float) -> None:
     """One chunk's share of the gradients (gx or gw None: not wanted), from the logits' gradient g over
-    the kernels' columns (row[:, None] * g with a row factor) and gt over the last V % 8 (None if V % 8 == 0):
-    gx[s:s+rows] = g @ W, and gw += alpha g^T @ xs, gw = at the first chunk (s = 0: the uninitialized
-    output is not read). A row factor scales gx's rows after their GEMM and xs's before grad_W's."""
+    the kernels' columns and gt over the last V % 8 (None if V % 8 == 0): gx[s:s+rows] = g @ W, and
+    gw += alpha g^T @ xs, gw = at the first chunk (s = 0: the uninitialized output is not read)."""
     vk, rows, beta = g.shape[1], slice(s, s + g.shape[0]), 1 if s else 0
     if gx is not None:
         gx[rows].addmm_(g, w[:vk], beta=0)
-        if row is not None:
-            gx[rows].mul_(row[:, None])
         if gt is not None:
             gx[rows].addmm_(gt, w[vk:])
     if gw is not None:
-        gw[:vk].addmm_(g.t(), xs if row is None else _row_scaled(xs, row), beta=beta, alpha=alpha)
+        gw[:vk].addmm_(g.t(), xs, beta=beta, alpha=alpha)
         if gt is not None:
             gw[vk:].addmm_(gt.t(), xs, beta=beta, alpha=alpha)
 
@@ -321,79 +282,6 @@ def _reduce(loss, valid, count, reduction, bad):
     return total / count.clamp_min(1) if reduction == "mean" else total
 
 
-def _exp_path(x: torch.Tensor, smoothing: float) -> bool:
-    """Whether a call's gradients may come from exp(z) (the module docstring): without label smoothing, in
-    bf16, fp32 or fp64, eagerly (its range check synchronizes; neither torch.compile nor CUDA-graph capture
-    can)."""
-    return (smoothing == 0 and x.dtype != torch.float16 and not torch.compiler.is_compiling()
-            and not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
-
-
-@cd.on_cuda
-def _exp_rows(lse, z_t, scale, cap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row of a chunk, from its statistics (on CUDA one compiled kernel, not nine): the row factor
-    scale * exp(-lse) of exp(z); the buffer's value at the target's column, row factor times it =
-    scale (p_t - 1) dz_t, from fp32 values (1 - p_t may be below the buffer's rounding); whether every lse
-    is in EXP_RANGE."""
-    lo, hi = EXP_RANGE
-    dz = 1.0 - (z_t / cap) ** 2 if cap else 1.0
-    return scale * torch.exp(-lse), torch.expm1(z_t - lse) * torch.exp(lse) * dz, ((lse > lo) & (lse < hi)).all()
-
-
-def _grads_from_exp(x, w, safe, scale, cap, backend, config, chunk, gx, gw, loss) -> bool:
-    """The rows' losses into `loss`, grad_x and grad_W into gx and gw (None: not wanted), from each chunk's
-    exp(z) * dz; False (after one synchronization) if a row's lse is outside EXP_RANGE, where these are wrong."""
-    m, v = x.shape[0], w.shape[0]
-    vk = _split(v)
-    wk, wt = w[:vk], w[vk:]
-    buf = _chunk_buffer(min(chunk, m), vk, x, x.dtype)
-    in_range = torch.ones((), dtype=torch.bool, device=x.device)
-    for s in range(0, m, chunk):
-        e = min(m, s + chunk)
-        xs, ts, sc = x[s:e], safe[s:e], scale[s:e]
-        tk = torch.where(ts < vk, ts, -1)
-        st = cd.gemm(xs, wk, _exp_epilogue(cap), target=tk, out=None if buf is None else {"D": buf[: e - s]},
-                     backend=backend, config=config, deterministic=True)  # lse bit-identical run to run
-        p, zt = st["D"], None
-        if vk < v:
-            zt = _tail(xs, wt, cap)
-            st = _merge_tail(st, zt, ts - vk)
-        lse, z_t = st["lse"], st["z_target"]
-        loss[s:e] = _row_loss(st, v, 0.0)
-        row, at_target, ok = _exp_rows(lse, z_t, sc, cap)
-        in_range &= ok
-        put_target_column(p, at_target, tk, 0.0)
-        gt = None if zt is None else _logit_grad(zt, lse, sc, ts - vk, z_t, 0.0, 1.0, cap).to(x.dtype)
-        _accumulate(gx, gw, p, gt, w, xs, s, 1.0, row=row)
-    if bool(in_range):
-        return True
-    warnings.warn(f"linear_cross_entropy: a row's log-sum-exp is outside {EXP_RANGE}, where exp(logits) leaves "
-                  "the normal range: the gradients are computed again from the stored logits (slower)", stacklevel=5)
-    return False
-
-
-def _grads_from_logits(x, w, safe, scale, cap, backend, config, chunk, gx, gw, loss, smoothing, alpha) -> None:
-    """As _grads_from_exp, from each chunk's z, turned into g by one pass over the buffer."""
-    m, v = x.shape[0], w.shape[0]
-    vk = _split(v)
-    wk, wt = w[:vk], w[vk:]
-    buf = _chunk_buffer(min(chunk, m), vk, x, logits_buffer_dtype(x.dtype))
-    for s in range(0, m, chunk):
-        e = min(m, s + chunk)
-        xs, ts = x[s:e], safe[s:e]
-        st = _stats(xs, wk, torch.where(ts < vk, ts, -1), smoothing, cap, backend, config,
-                    logits=buf[: e - s] if buf is not None else True)
-        z = st["D"]
-        if vk < v:
-            zt = _tail(xs, wt, cap)
-            st = _merge_tail(st, zt, ts - vk)
-        loss[s:e] = _row_loss(st, v, smoothing)
-        _logit_grad_(z, st["lse"], scale[s:e], ts, st["z_target"], smoothing / v, 1.0 - smoothing, cap, x.dtype)
-        gt = None if vk == v else _logit_grad(zt, st["lse"], scale[s:e], ts - vk, st["z_target"], smoothing / v,
-                                              1.0 - smoothing, cap).to(x.dtype)
-        _accumulate(gx, gw, z.view(x.dtype), gt, w, xs, s, alpha)
-
-
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, target, ignore_index, reduction, smoothing, cap, backend, config, chunk, need_x, need_w):
@@ -412,9 +300,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
         scale, alpha, peak = _factored(
             _poisoned(valid.to(loss.dtype) / (count.clamp_min(1) if reduction == "mean" else 1), bad), m, x.dtype)
         gx, gw = _grad_buffers(x, w, need_x, need_w)
-        args = (x, w, safe, scale, cap, backend, config, chunk, gx, gw, loss)
-        if not (_exp_path(x, smoothing) and _grads_from_exp(*args)):
-            _grads_from_logits(*args, smoothing, alpha)
+        vk = _split(v)
+        wk, wt = w[:vk], w[vk:]
+        buf = _chunk_buffer(min(chunk, m), vk, x, logits_buffer_dtype(x.dtype))
+        for s in range(0, m, chunk):
+            e = min(m, s + chunk)
+            xs, ts = x[s:e], safe[s:e]
+            st = _stats(xs, wk, torch.where(ts < vk, ts, -1), smoothing, cap, backend, config,
+                        logits=buf[: e - s] if buf is not None else True)
+            z = st["D"]
+            if vk < v:
+                zt = _tail(xs, wt, cap)
+                st = _merge_tail(st, zt, ts - vk)
+            loss[s:e] = _row_loss(st, v, smoothing)
+            _logit_grad_(z, st["lse"], scale[s:e], ts, st["z_target"], smoothing / v, 1.0 - smoothing, cap, x.dtype)
+            gt = None if vk == v else _logit_grad(zt, st["lse"], scale[s:e], ts - vk, st["z_target"], smoothing / v,
+                                                  1.0 - smoothing, cap).to(x.dtype)
+            _accumulate(gx, gw, z.view(x.dtype), gt, w, xs, s, alpha)
         ctx.grads = (gx, gw, peak, alpha)
         return _reduce(loss, valid, count, reduction, bad)
 
