@@ -13,7 +13,7 @@ from coda_dsl.cli import torch_cuda_problem
 # A fixed toolchain for tests that fake the builds: specialization keys are then the same everywhere.
 FAKE_TC = Toolchain(nvcc="/fake/bin/nvcc", cuda_home="/fake", nvcc_version="13.0.88",
                     cutlass_include=["/fake/include", "/fake/tools/util/include"],
-                    cutlass_version="4.2.0.0", torch_version="2.14.1", csrc_include="/fake/csrc")
+                    cutlass_version="4.2.0.0", csrc_include="/fake/csrc")
 
 
 def real_toolchain_or_skip() -> Toolchain:

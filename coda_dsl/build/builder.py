@@ -251,8 +251,7 @@ def _build(units: list[BuildUnit], bkeys: dict[str, str], tc: Toolchain, compile
                 commit_entry(k, {f: udir / f for f in names if (udir / f).exists()},
                              {"op_name": u.op_name, "specialization_key": u.key, "pid": os.getpid(),
                               "created": time.time(), "build_seconds": round(time.monotonic() - t0, 1),
-                              "toolchain": {"nvcc": tc.nvcc_version, "cutlass": tc.cutlass_version,
-                                            "torch": tc.torch_version}})
+                              "toolchain": {"nvcc": tc.nvcc_version, "cutlass": tc.cutlass_version}})
         dt = time.monotonic() - t0
         log(f"coda_dsl: done in {dt:.1f} s: {n - len(failed)} built, {len(failed)} failed"
             if failed else f"coda_dsl: built {what} in {dt:.1f} s")

@@ -172,10 +172,11 @@ def specialization_key(canonical: str) -> str:
 
 
 def build_key(key: str) -> str:
-    """The cache entry of specialization `key` built by this toolchain: an upgrade of nvcc, CUTLASS or
-    torch builds anew, under the same op name."""
+    """The cache entry of specialization `key` built by this toolchain: an upgrade of nvcc or CUTLASS builds
+    anew, under the same op name; torch's does not (a kernel library includes and links nothing of torch,
+    so kernels built under one torch, or exported from another machine, load under another)."""
     tc = toolchain()
-    return _hash([key, f"nvcc={tc.nvcc_version}", f"cutlass={tc.cutlass_version}", f"torch={tc.torch_version}"])
+    return _hash([key, f"nvcc={tc.nvcc_version}", f"cutlass={tc.cutlass_version}"])
 
 
 def entry_dir(key: str) -> Path:

@@ -39,7 +39,6 @@ class Toolchain:
     nvcc_version: str
     cutlass_include: list[str]
     cutlass_version: str
-    torch_version: str
     csrc_include: str
 
 
@@ -136,10 +135,8 @@ def find_cutlass() -> tuple[list[str], str]:
 def toolchain() -> Toolchain:
     nvcc, cuda_home = find_nvcc()
     cutlass_include, cutlass_version = find_cutlass()
-    import torch
     return Toolchain(nvcc=nvcc, cuda_home=cuda_home, nvcc_version=nvcc_version(nvcc),
-                     cutlass_include=cutlass_include, cutlass_version=cutlass_version,
-                     torch_version=torch.__version__, csrc_include=str(csrc_dir()))
+                     cutlass_include=cutlass_include, cutlass_version=cutlass_version, csrc_include=str(csrc_dir()))
 
 
 def ninja_binary() -> str:
