@@ -37,7 +37,7 @@ from .errors import UnsupportedError
 from .library import interleave_gate_up
 from .library.cross_entropy import (check_args, combine_vocab_shards, default_chunk_rows, recomputed_grads,
                                     vocab_shard_stats)
-from .nn import (LlamaDecoderLayer, causal_attention, flat_inputs, input_norm, input_rms,
+from .nn import (PROJECTIONS, LlamaDecoderLayer, causal_attention, flat_inputs, input_norm, input_rms,
                  qkv_inv_freq, qkv_weight, rms_rope, rms_swiglu, rope_inv_freq, split_qkv)
 
 
@@ -190,10 +190,9 @@ def tensor_parallel(layer: LlamaDecoderLayer, mesh: DeviceMesh) -> TPLlamaDecode
                                    f"{world} ranks (each rank must hold whole heads and equal shares); use a "
                                    f"tensor-parallel size that divides it")
     layer.mlp.tied = False  # the tensor-parallel step interleaves its shards of gate and up itself
-    col, row = ColwiseParallel(), RowwiseParallel()
-    parallelize_module(layer, mesh, {"self_attn.q_proj": col, "self_attn.k_proj": col, "self_attn.v_proj": col,
-                                     "self_attn.o_proj": row, "mlp.gate_proj": col, "mlp.up_proj": col,
-                                     "mlp.down_proj": row})
+    col, row = ColwiseParallel(), RowwiseParallel()  # a block's output projection by rows, the others by columns
+    parallelize_module(layer, mesh, {f"{block}.{name}": row if name in ("o_proj", "down_proj") else col
+                                     for block, name in PROJECTIONS})
     for norm in (layer.input_layernorm, layer.post_attention_layernorm):
         norm.weight = torch.nn.Parameter(distribute_tensor(norm.weight.data, mesh, [Replicate()]))
     layer.__class__ = TPLlamaDecoderLayer
