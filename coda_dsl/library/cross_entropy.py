@@ -226,12 +226,17 @@ def _tail(xs, w_tail, cap) -> torch.Tensor:
     return cap * torch.tanh(z / cap) if cap else z
 
 
+def _tail_target(zt: torch.Tensor, t_tail: torch.Tensor) -> torch.Tensor:
+    """Per row, the tail's logit at the target's column (t_tail: the target less V - V % 8), 0 where that
+    column is not in the tail."""
+    picked = zt.gather(1, t_tail.clamp(0, zt.shape[1] - 1)[:, None])[:, 0]
+    return torch.where((t_tail >= 0) & (t_tail < zt.shape[1]), picked, torch.zeros_like(picked))
+
+
 def _merge_tail(st: dict, zt: torch.Tensor, t_tail: torch.Tensor) -> dict:
     """Statistics over all V columns from the kernel's (the first V - V % 8) and the tail's logits."""
-    inside = (t_tail >= 0) & (t_tail < zt.shape[1])
-    picked = zt.gather(1, t_tail.clamp(0, zt.shape[1] - 1)[:, None])[:, 0]
     out = {"lse": torch.logaddexp(st["lse"], torch.logsumexp(zt, 1)),
-           "z_target": st["z_target"] + torch.where(inside, picked, torch.zeros_like(picked))}
+           "z_target": st["z_target"] + _tail_target(zt, t_tail)}
     if "z_sum" in st:
         out["z_sum"] = st["z_sum"] + zt.sum(1)
     return out
@@ -371,8 +376,7 @@ def recomputed_grads(x, w, lse, scale, target, uniform: float, hot: float, cap: 
         gt = None
         if vk < v:  # the last V % 8 columns, in fp32 (_tail)
             zt = _tail(xs, wt, cap)
-            z_target = zt.gather(1, (ts - vk).clamp(0, v - vk - 1)[:, None])[:, 0]  # read where ts is a tail column
-            gt = _logit_grad(zt, lse_s, sc, ts - vk, z_target, uniform, hot, cap).to(x.dtype)
+            gt = _logit_grad(zt, lse_s, sc, ts - vk, _tail_target(zt, ts - vk), uniform, hot, cap).to(x.dtype)
         _accumulate(grad_x, grad_w, p, gt, w, xs, s, alpha)
     if x.dtype == torch.float16:  # else the rows' whole scale is in g (_factored)
         _scale_(grad_x, grad_w, peak, alpha)
