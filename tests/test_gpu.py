@@ -410,6 +410,56 @@ def test_rmsnorm_reparameterization_end_to_end(kernels, deterministic):
     assert _rel(h, h_ref) <= 1e-2 and _rel(y, y_ref) <= 1e-2
 
 
+def _rms_chain(x, r, ws, gamma, n, first=0, backend="cutlass"):
+    """n steps of the layer's pattern: a GEMM with the residual add and its rstd (fill and finishing kernels
+    around it), then a GEMM reading that rstd (a VecM) and its normalized output."""
+    steps, d = [], x.shape[1]
+    for i in range(first, first + n):
+        p = cd.gemm(x, ws[i % 3], rms_producer, residual=r, gamma=gamma, inv_n=1.0 / d, eps=1e-6, backend=backend)
+        y = cd.gemm(p["h_gamma"], ws[(i + 1) % 3], rms_consumer(None), rstd=p["rstd"], backend=backend)["D"]
+        steps.append(((x, r), p, y))
+        x, r = y, p["D"]
+    return steps
+
+
+def test_chained_calls_read_what_the_call_before_wrote(kernels):
+    """Calls queued with no host wait, each reading what the one before it wrote: the layer's pattern 24 steps
+    eagerly and 8 replayed from a CUDA graph on new inputs, and GEMM after GEMM over several waves of tiles in
+    both schedules; every step against the reference on the inputs it had. (This caught programmatic
+    dependent launch, since removed: its eager chain was wrong.)"""
+    m, d = 777, 1024
+    ws = [_rand(d, d) * d ** -0.5 for _ in range(3)]
+    gamma = (torch.rand(d, device="cuda") + 0.5).bfloat16()
+
+    def worst(steps):
+        err = 0.0
+        for i, ((x, r), p, y) in enumerate(steps):
+            (_, q, z), = _rms_chain(x, r, ws, gamma, 1, i, backend="reference")
+            err = max(err, *(_rel(got, ref) for got, ref in [(p["D"], q["D"]), (p["rstd"], q["rstd"]), (y, z)]))
+        return err
+
+    x0, r0 = _rand(m, d), _rand(m, d)
+    assert worst(_rms_chain(x0, r0, ws, gamma, 24)) <= 1e-2
+    g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(g):
+        captured = _rms_chain(x0, r0, ws, gamma, 8)
+    torch.cuda.current_stream().wait_stream(s)
+    x0.copy_(_rand(m, d))
+    r0.copy_(_rand(m, d))
+    g.replay()
+    torch.cuda.synchronize()
+    assert worst(captured) <= 1e-2
+    big = 4096
+    w = _rand(big, big) * big ** -0.5
+    for config in ("128x256x64_c2x1_cooperative", "128x128x64_c2x1_pingpong"):
+        xs = [_rand(big, big)]
+        for _ in range(12):
+            xs.append(cd.gemm(xs[-1], w, backend="cutlass", config=config)["D"])
+        for x, y in zip(xs, xs[1:]):
+            assert _rel(y, cd.gemm(x, w, backend="reference")["D"]) <= 1e-2, config
+
+
 def test_linear_swiglu_matches_separate_projections(kernels):
     m, d, f = 777, 1024, 2056
     x, wg, wu = _rand(m, d), _rand(f, d) * d ** -0.5, _rand(f, d) * d ** -0.5
