@@ -462,7 +462,7 @@ def import_cache(paths: list[Path]) -> Imported:
     kernel.cu or meta.json>, a regular file, and each kernel.so must match the size and SHA-256 its
     meta.json records; anything else is rejected and reported, never extracted. An entry the cache
     already has complete is left as it is. The cache still looks entries up by build key, so one
-    built with another nvcc, CUTLASS or torch is stored but never loaded."""
+    built with another nvcc or CUTLASS is stored but never loaded."""
     result = Imported()
     for path in paths:
         if not Path(path).is_file():

@@ -1,4 +1,4 @@
-"""Toolchain discovery (nvcc, CUTLASS headers, torch, ninja) and the flags that build one kernel."""
+"""Toolchain discovery (nvcc, CUTLASS headers, ninja) and the flags that build one kernel."""
 from __future__ import annotations
 
 import functools

@@ -223,7 +223,7 @@ void launch(typename Kernel::Arguments& args, GemmEntry& entry, void* ws, size_t
   // The launch GemmUniversalAdapter::run makes, less its per-launch cudaFuncSetAttribute (non-portable
   // cluster sizes: ours have at most 4 CTAs, portable): one cudaLaunchKernelExC.
   using Cluster = typename Kernel::DispatchPolicy::ClusterShape;
-  cudaLaunchAttribute attrs[2];
+  cudaLaunchAttribute attrs[1];
   unsigned n_attrs = 0;
   if constexpr (cute::size(Cluster{}) > 1) {  // a 1x1x1 cluster launches as a plain grid, as in CUTLASS
     static_assert(cute::size(Cluster{}) <= 8, "a cluster of more than 8 CTAs needs cudaFuncAttributeNonPortableClusterSizeAllowed");
