@@ -341,28 +341,34 @@ def _check_weights(layer: nn.Module) -> None:
     """Each projection a plain bias-free nn.Linear without hooks, every parameter in q_proj.weight's dtype: the
     layer reads the weights directly, so a wrapper (a PEFT/LoRA adapter), a bias or a hook would be ignored,
     silently, and a cast parameter meet a GEMM's dtype error that names no parameter."""
-    # per forward, so through the modules' dicts (nn.Module.__getattr__ costs ~0.5 us a name); the rest
-    # only names the culprit
+    # per forward, so through the modules' dicts (nn.Module.__getattr__ costs ~0.5 us a name); the dtype
+    # loop over named_parameters only names the culprit
     blocks = layer._modules
     projections = [blocks[b]._modules[n] for b, n in PROJECTIONS]
-    dtype = projections[0]._parameters["weight"].dtype
-    if all(type(p) is nn.Linear and p._parameters["bias"] is None and not p._forward_hooks
-           and not p._forward_pre_hooks and p._parameters["weight"].dtype == dtype for p in projections) and all(
-            blocks[n]._parameters["weight"].dtype == dtype for n in ("input_layernorm", "post_attention_layernorm")):
-        return
     where = f"coda_dsl.nn.{type(layer).__name__}"
     for (block, name), p in zip(PROJECTIONS, projections):
-        if type(p) is not nn.Linear or p.bias is not None or p._forward_hooks or p._forward_pre_hooks:
-            what = (f"is a {type(p).__module__}.{type(p).__name__}" if type(p) is not nn.Linear else
-                    "has a bias" if p.bias is not None else "has forward hooks")
+        if what := _not_plain_linear(p):
             raise UnsupportedError(f"{where}: {block}.{name} {what}, but the layer reads the projections' weights directly "
                                    "(fused GEMMs), so that would be ignored; only plain bias-free nn.Linear "
                                    "projections are supported\n  fix: merge adapters into the weights first (PEFT: "
                                    "model.merge_and_unload()), or train adapters on transformers' own layer")
+    dtype = projections[0]._parameters["weight"].dtype
+    if all(p._parameters["weight"].dtype == dtype for p in projections) and all(
+            blocks[n]._parameters["weight"].dtype == dtype for n in ("input_layernorm", "post_attention_layernorm")):
+        return
     for name, p in layer.named_parameters():
         if p.dtype != dtype:
             raise OperandError(f"{where}: {name} is {p.dtype}, but the layer computes in {dtype} (its "
                                f"self_attn.q_proj.weight's)\n  fix: layer.to({dtype}) puts every parameter in one dtype")
+
+
+def _not_plain_linear(p: nn.Module) -> str | None:
+    """What keeps a projection from being a plain bias-free nn.Linear without hooks, or None."""
+    if type(p) is not nn.Linear:
+        return f"is a {type(p).__module__}.{type(p).__name__}"
+    if p._parameters["bias"] is not None:
+        return "has a bias"
+    return "has forward hooks" if p._forward_hooks or p._forward_pre_hooks else None
 
 
 def _check_training_call(where: str, config, attention_mask, cache, use_cache, position_ids, position_embeddings,

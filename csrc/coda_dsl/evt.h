@@ -223,21 +223,18 @@ void launch(typename Kernel::Arguments& args, GemmEntry& entry, void* ws, size_t
   // The launch GemmUniversalAdapter::run makes, less its per-launch cudaFuncSetAttribute (non-portable
   // cluster sizes: ours have at most 4 CTAs, portable): one cudaLaunchKernelExC.
   using Cluster = typename Kernel::DispatchPolicy::ClusterShape;
-  cudaLaunchAttribute attrs[1];
-  unsigned n_attrs = 0;
-  if constexpr (cute::size(Cluster{}) > 1) {  // a 1x1x1 cluster launches as a plain grid, as in CUTLASS
-    static_assert(cute::size(Cluster{}) <= 8, "a cluster of more than 8 CTAs needs cudaFuncAttributeNonPortableClusterSizeAllowed");
-    attrs[n_attrs].id = cudaLaunchAttributeClusterDimension;
-    attrs[n_attrs++].val.clusterDim = {unsigned(cute::size<0>(Cluster{})), unsigned(cute::size<1>(Cluster{})),
-                                       unsigned(cute::size<2>(Cluster{}))};
-  }
+  static_assert(cute::size(Cluster{}) <= 8, "a cluster of more than 8 CTAs needs cudaFuncAttributeNonPortableClusterSizeAllowed");
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim = {unsigned(cute::size<0>(Cluster{})), unsigned(cute::size<1>(Cluster{})),
+                            unsigned(cute::size<2>(Cluster{}))};
   cudaLaunchConfig_t config{};
   config.gridDim = Kernel::get_grid_shape(params);
   config.blockDim = Kernel::get_block_shape();
   config.dynamicSmemBytes = Kernel::SharedStorageSize;
   config.stream = call.stream;
-  config.attrs = attrs;
-  config.numAttrs = n_attrs;
+  config.attrs = &cluster;
+  config.numAttrs = cute::size(Cluster{}) > 1 ? 1 : 0;  // a 1x1x1 cluster launches as a plain grid, as in CUTLASS
   void* kernel_params[] = {&params};
   cudaError_t launched = cudaLaunchKernelExC(&config, reinterpret_cast<void const*>(entry.kernel(op_name)),
                                              kernel_params);
