@@ -119,7 +119,7 @@ def _reduction_finish(r: p.Reduce) -> str:
 
 
 def _logsumexp(r: p.LogSumExp) -> tuple[str, str, str, str, str]:
-    """cd.logsumexp: always per-tile partials (max, sum of exp), combined by the finishing kernel."""
+    """cd.logsumexp: always per-tile partials (reference point, sum of exp), combined by the finishing kernel."""
     q = _partials(r)
     init = (f"auto {q}_shape = coda::partials<TileShape>(M, N, true);\n"
             f"  float* {q} = ws.floats(2 * {q}_shape.size(L));")

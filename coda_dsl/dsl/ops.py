@@ -99,7 +99,7 @@ def min(x, axis="n") -> Reduction:  # noqa: A001
 
 
 def logsumexp(x, axis="n") -> Reduction:
-    """log sum_n exp(x) per row, computed online (running max and sum of exponentials), fp32."""
+    """log sum_n exp(x) per row, computed online (a running reference point and sum of exponentials), fp32."""
     return reduce("logsumexp", x, axis)
 
 

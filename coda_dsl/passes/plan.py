@@ -345,8 +345,8 @@ class Reduce(EvtNode):
 
 @dataclass
 class LogSumExp(Reduce):
-    """cd.logsumexp over n: per row and N tile an online (max, sum of exp) pair, combined exactly by
-    the finishing kernel. Always per-tile partials, never atomics: deterministic in either mode."""
+    """cd.logsumexp over n: per row and N tile an online (reference point, sum of exp) pair, combined exactly
+    by the finishing kernel. Always per-tile partials, never atomics: deterministic in either mode."""
 
     def canonical(self) -> str:
         return "LogSumExp" + super().canonical()

@@ -141,8 +141,9 @@ CUTLASS_HOST_DEVICE Partials partials(int M, int N, bool over_n) {
   return {rows, (other + ot - 1) / ot, int64_t((rows + rt - 1) / rt) * rt};
 }
 
-// (m, s) <- the log-sum-exp pair of (m, s) and (mt, st), each a (max, sum of exp(x - max)): equal maxima
-// (infinite ones too) need no scaling, and a -inf maximum never meets exp(-inf - -inf).
+// (m, s) <- the log-sum-exp pair of (m, s) and (mt, st), each a (reference point, sum of exp(x - point)),
+// the larger point kept: equal points (infinite ones too) need no scaling, and a -inf point never meets
+// exp(-inf - -inf).
 CUTLASS_DEVICE void merge_logsumexp(float& m, float& s, float mt, float st) {
   if (mt > m) {
     s = s * expf(m - mt) + st;
@@ -152,8 +153,8 @@ CUTLASS_DEVICE void merge_logsumexp(float& m, float& s, float mt, float st) {
   }
 }
 
-// out[l, r] = fn(log sum_t s_t exp(m_t)) from the (m_t, s_t) = (max, sum of exp(x - max)) pair of
-// every tile t, maxima before sums in `partial` (cd.logsumexp); rows split over threads as finish_rows.
+// out[l, r] = fn(log sum_t s_t exp(m_t)) from the (m_t, s_t) = (reference point, sum of exp(x - m_t)) pair
+// of every tile t, points before sums in `partial` (cd.logsumexp); rows split over threads as finish_rows.
 template <class Fn, class Args>
 __global__ void finish_logsumexp_rows(float const* partial, float* out, Partials p, int L, Args args) {
   __shared__ float maxima[kSplit][kRows], sums[kSplit][kRows];

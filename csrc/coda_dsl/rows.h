@@ -13,10 +13,19 @@ namespace coda {
 // (including both infinite) need no scaling, which keeps -inf - -inf out of exp.
 CUTLASS_DEVICE float rescaled(float s, float m, float mm) { return m == mm ? s : s * __expf(m - mm); }
 
-// cd.logsumexp(x, axis="n"): each thread keeps an online (running max, sum of exp) pair per row it
+// cd.logsumexp(x, axis="n"): each thread keeps a (reference point m, sum of exp(x - m)) pair per row it
 // holds; at the end of the tile the lanes holding one row combine theirs with shuffles and one lane
-// writes the tile's pair to partials [2][L][tiles][rows_padded] (maxima, then sums), which
-// finish_logsumexp combines exactly. Columns past N are never visited (predicated).
+// writes the tile's pair to partials [2][L][tiles][rows_padded] (reference points, then sums), which
+// finish_logsumexp combines exactly (any reference point does: the pairs are rescaled to a common one).
+// Columns past N are never visited (predicated).
+// m moves only when a value passes it by more than kLazyRescale (then the sum is rescaled once), so
+// that each value's exp depends on m alone, not on the exp before it: with m the exact running max,
+// every value waited for the previous one's exp and compare, and the statistics epilogue added 18 % to
+// the cooperative 256x128 GEMM at M = 4096, V = 128256 on an H100 (ncu: 6.68 ms against 5.65 for the
+// identity epilogue), where pingpong hides it behind the other warp group's mainloop. Terms stay below
+// e^kLazyRescale: sums of 10^9 such terms are far inside fp32's range.
+constexpr float kLazyRescale = 8.f;
+
 struct LogSumExpArguments {
   float* partials = nullptr;
 };
@@ -50,14 +59,12 @@ struct RowLogSumExp : DirectNode<LogSumExpArguments> {
       for (int i = 0; i < FragmentSize; ++i) {
         int k = epi_v * FragmentSize + i;
         if (cute::elem_less(c(k), shape)) {
-          float x = float(frg_input[i]), mk = m(k);
-          float e = x == mk ? 1.f : __expf(-fabsf(x - mk));  // one exp: exp(x - m), or exp(m - x) if x is larger
-          if (x > mk) {
-            s(k) = s(k) * e + 1.f;
+          float x = float(frg_input[i]);
+          if (x > m(k) + kLazyRescale) {  // rare: a new reference point (the first finite value, from -inf)
+            s(k) *= __expf(m(k) - x);
             m(k) = x;
-          } else {
-            s(k) += e;
           }
+          s(k) += x == m(k) ? 1.f : __expf(x - m(k));  // equal infinities count 1, not exp(NaN)
         }
       }
       return frg_input;
