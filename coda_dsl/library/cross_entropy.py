@@ -40,13 +40,11 @@ import coda_dsl as cd  # the library is written against the public API, like use
 # six chunks' logits GEMMs took 19.3 ms against 12.6 for two, and grad_W's accumulation 13.4 against 11.5.
 BUFFER_BYTES = 1 << 30
 _ROW_ALIGN = 128  # chunk rows: a multiple of the GEMM tile's M (and of 8: 16-byte aligned row vectors)
-# The kernels' configuration at every shape unless linear_cross_entropy(config=) names another: the
-# cooperative 256x128 tile with a 1x2 cluster, cuBLAS's shape for this GEMM. One 4096-row chunk's logits
-# GEMM at d = 4096, V = 128256 under ncu on an H100: the identity epilogue ran 5.65 ms on it against
-# 6.63 on pingpong 128x128 (cuBLAS 5.43); the statistics epilogue, which pingpong hid behind the other
-# warp group's mainloop (6.65), cost cooperative 1 ms more (6.68) until cd.logsumexp's exps stopped
-# waiting for each other (csrc/coda_dsl/rows.h).
-CONFIG = cd.Config((256, 128, 64), (1, 2), "cooperative")
+# The kernels' configuration at every shape unless linear_cross_entropy(config=) names another. H200,
+# M = 8192, d = 4096, V = 128256 (bench.cross_entropy --configs --profile): pingpong 128x128 overlaps
+# one tile's exp-heavy epilogue with the other's mainloop: forward 13.68 ms against 14.57 for the
+# cooperative 128x256 tile and 15.28 for pingpong 128x192; the chunks' logits GEMMs 12.46 ms against 15.04.
+CONFIG = cd.Config((128, 128, 64), (2, 1), "pingpong")
 
 
 def _softcapped(acc, cap):
