@@ -4,6 +4,10 @@ default configuration (runtime/tune.py:default).
     python -m bench.sweep [--only identity,...] [--configs KEY,...] [--shapes MxNxK,...] [--iters 30]
                           [--sustained MS | --graph]
 
+Besides bench.epilogues' cases, `--only ce_logits`: the cross-entropy's logits GEMM over one chunk of
+4096 rows at V = 128256 (cross_entropy.CONFIG's choice), its statistics epilogue storing the fp16
+logits; with `identity` on the same configurations and shape, what the epilogue costs on each.
+
 Every (epilogue, configuration) kernel is built in one parallel ninja run; then, per shape, the
 cuBLAS GEMM and every configuration are timed round-robin (CUDA events, median of rounds, inputs
 rotated past L2), or with --graph from CUDA graph replays (the GPU's time without the host's), or
@@ -20,17 +24,27 @@ import sys
 import torch
 
 import coda_dsl as cd
+from coda_dsl.library import cross_entropy as ce
 from coda_dsl.passes.plan import Config
 from coda_dsl.runtime import op as runtime
 
-from .epilogues import CASES, _inputs
+from .epilogues import CASES, Case, _inputs
 from .harness import (Row, Timing, add_timing, fmt, markdown, no_gpu, parser, progress, rel_err, results_only_on_stdout, rotation,
                       save, shapes, subset, timed)
 from .harness import command as command_line
 
 LLAMA = ((8192, 4096, 4096), (8192, 6144, 4096), (8192, 14336, 4096), (8192, 4096, 14336),  # 8B: o, qkv, up, down
          (8192, 28672, 8192), (8192, 8192, 28672))  # 70B: up, down
-SHAPES = {"swiglu": ((8192, 28672, 4096), (8192, 57344, 8192)), "rope": ((8192, 6144, 4096), (8192, 12288, 4096))}
+SHAPES = {"swiglu": ((8192, 28672, 4096), (8192, 57344, 8192)), "rope": ((8192, 6144, 4096), (8192, 12288, 4096)),
+          "ce_logits": ((4096, 128256, 4096),)}  # M = a chunk's rows, N = Llama-3's vocabulary, K = d
+
+
+def _targets(m: int, n: int) -> torch.Tensor:
+    return torch.randint(0, n, (m,), device="cuda")
+
+
+SWEPT = {**CASES, "ce_logits": Case("ce_logits", ce._forward_epilogue(False, None, ce.stored_logits(torch.bfloat16)),
+                                    lambda m, n: {"target": _targets(m, n)}, lambda a, w, target: a @ w.t())}
 CONFIGS = ("128x256x64_c2x1_cooperative_s1", "128x256x64_c2x1_cooperative", "128x256x64_c2x1_cooperative_rm_s4",
            "128x256x64_c2x1_cooperative_streamk", "256x128x64_c2x1_cooperative",
            "128x256x64_c2x1_cooperative_e128x64", "128x192x64_c2x1_pingpong", "128x128x64_c2x1_pingpong")
@@ -64,7 +78,8 @@ def built_kernels(cases, configs: list[Config]) -> tuple[dict, list[str]]:
 
 def main(argv=None) -> int:
     p = parser("python -m bench.sweep", __doc__)
-    p.add_argument("--only", type=subset(tuple(CASES)), default=list(CASES), help="epilogues")
+    p.add_argument("--only", type=subset(tuple(SWEPT)), default=list(CASES),
+                   help="epilogues (default: bench.epilogues' cases)")
     p.add_argument("--configs", default=",".join(CONFIGS), help="configuration keys, comma-separated")
     p.add_argument("--shapes", type=shapes, help="MxNxK,... (default: Llama-3 8B/70B projections at 8192 tokens)")
     p.add_argument("--iters", type=int, default=30, help="timed calls per variant, over all rounds")
@@ -74,13 +89,14 @@ def main(argv=None) -> int:
     if no_gpu():
         return 1
     command = command_line("python -m bench.sweep", argv)
-    cases = [CASES[n] for n in args.only]
+    cases = [SWEPT[n] for n in args.only]
     with results_only_on_stdout():
         ops, failed = built_kernels(cases, configs)
-    rows, tables = [], []
+    rows, tables, swept = [], [], {}
     for c in cases:
         header, lines = None, []
         for shape in args.shapes or SHAPES.get(c.name, LLAMA):
+            swept[shape] = None
             m, n, k = shape
             sets = rotation(lambda: _inputs(c, m, n, k), 2 * (m * k + n * k + m * n))
             a, w, o = sets[0]
@@ -111,7 +127,7 @@ def main(argv=None) -> int:
     print("Time / the bare cuBLAS GEMM of the same shape (lower is better):\n")
     print("\n\n".join(tables))
     print("\ncuBLAS kernels:\n")
-    print(markdown(["shape", "kernel"], [[fmt(s), cublas_kernel(*s)] for s in args.shapes or LLAMA]))
+    print(markdown(["shape", "kernel"], [[fmt(s), cublas_kernel(*s)] for s in swept]))
     for f in failed:
         print(f"- FAILED {f}")
     progress(f"results: {save(rows, 'sweep', command, failed=failed)}")
