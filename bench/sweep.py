@@ -5,7 +5,7 @@ default configuration (runtime/tune.py:default).
                           [--sustained MS | --graph]
 
 Besides bench.epilogues' cases, `--only ce_logits`: the cross-entropy's logits GEMM over one chunk of
-4096 rows at V = 128256 (cross_entropy.CONFIG's choice), its statistics epilogue storing the fp16
+4096 rows at V = 128256 (linear_cross_entropy's default there), its statistics epilogue storing the fp16
 logits; with `identity` on the same configurations and shape, what the epilogue costs on each.
 
 Every (epilogue, configuration) kernel is built in one parallel ninja run; then, per shape, the

@@ -157,7 +157,7 @@ CUTLASS_DEVICE void merge_logsumexp(float& m, float& s, float mt, float st) {
 // of every tile t, points before sums in `partial` (cd.logsumexp); rows split over threads as finish_rows.
 template <class Fn, class Args>
 __global__ void finish_logsumexp_rows(float const* partial, float* out, Partials p, int L, Args args) {
-  __shared__ float maxima[kSplit][kRows], sums[kSplit][kRows];
+  __shared__ float points[kSplit][kRows], sums[kSplit][kRows];
   int64_t i = int64_t(blockIdx.x) * kRows + threadIdx.x;
   bool live = i < int64_t(p.rows) * L;
   float mm = -INFINITY, sum = 0.f;
@@ -168,11 +168,11 @@ __global__ void finish_logsumexp_rows(float const* partial, float* out, Partials
     for (int t = threadIdx.y; t < p.tiles; t += kSplit)
       merge_logsumexp(mm, sum, m[t * p.rows_padded], s[t * p.rows_padded]);
   }
-  maxima[threadIdx.y][threadIdx.x] = mm;
+  points[threadIdx.y][threadIdx.x] = mm;
   sums[threadIdx.y][threadIdx.x] = sum;
   __syncthreads();
   if (threadIdx.y != 0 || !live) return;
-  for (int y = 1; y < kSplit; ++y) merge_logsumexp(mm, sum, maxima[y][threadIdx.x], sums[y][threadIdx.x]);
+  for (int y = 1; y < kSplit; ++y) merge_logsumexp(mm, sum, points[y][threadIdx.x], sums[y][threadIdx.x]);
   out[i] = Fn{}(mm + logf(sum), args);
 }
 

@@ -9,7 +9,7 @@
 
 namespace coda {
 
-// (max, sum of exp(x - max)) pairs: s scaled from reference point m to mm >= m. Equal points
+// (reference point, sum of exp(x - point)) pairs: s scaled from point m to mm >= m. Equal points
 // (including both infinite) need no scaling, which keeps -inf - -inf out of exp.
 CUTLASS_DEVICE float rescaled(float s, float m, float mm) { return m == mm ? s : s * __expf(m - mm); }
 
@@ -38,12 +38,12 @@ struct RowLogSumExp : DirectNode<LogSumExpArguments> {
 
   template <class Registers, class Coords, class Shape, class LaneLayout>
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE ConsumerStoreCallbacks(Registers maxima, Registers sums, Coords coords, Shape shape,
+    CUTLASS_DEVICE ConsumerStoreCallbacks(Registers points, Registers sums, Coords coords, Shape shape,
                                           LaneLayout lanes, int lane_n, float* tile_pairs)
-        : maxima(maxima), sums(sums), coords(coords), shape(shape), lanes(lanes), lane_n(lane_n),
+        : points(points), sums(sums), coords(coords), shape(shape), lanes(lanes), lane_n(lane_n),
           tile_pairs(tile_pairs) {}
 
-    Registers maxima, sums;  // one slot per row of this thread
+    Registers points, sums;  // one slot per row of this thread: its reference point and sum
     Coords coords;           // (m, n, l) of this thread's values
     Shape shape;             // (M, N, L)
     LaneLayout lanes;        // (lane along m, lane along n) -> lane index
@@ -54,7 +54,7 @@ struct RowLogSumExp : DirectNode<LogSumExpArguments> {
     CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m,
                               int epi_n, cutlass::Array<ElementInput, FragmentSize> const& frg_input) {
       cute::Tensor c = coords(cute::_, cute::_, cute::_, epi_m, epi_n);
-      cute::Tensor m = maxima(cute::_, cute::_, cute::_, epi_m, epi_n);
+      cute::Tensor m = points(cute::_, cute::_, cute::_, epi_m, epi_n);
       cute::Tensor s = sums(cute::_, cute::_, cute::_, epi_m, epi_n);
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < FragmentSize; ++i) {
@@ -72,7 +72,7 @@ struct RowLogSumExp : DirectNode<LogSumExpArguments> {
     }
 
     CUTLASS_DEVICE void end() {
-      cute::Tensor m = cute::filter_zeros(maxima);
+      cute::Tensor m = cute::filter_zeros(points);
       cute::Tensor s = cute::filter_zeros(sums);
       CUTLASS_PRAGMA_UNROLL
       for (int step = cute::size<1>(lanes) / 2; step > 0; step /= 2) {  // lanes of one row: a tree
@@ -87,7 +87,7 @@ struct RowLogSumExp : DirectNode<LogSumExpArguments> {
       }
       if (lane_n != 0) return;
       Partials p = coda::partials<TileShape>(cute::get<0>(shape), cute::get<1>(shape), true);
-      cute::Tensor c = row_coordinates(maxima, coords);  // a row's first column of this thread: its n tile
+      cute::Tensor c = row_coordinates(points, coords);  // a row's first column of this thread: its n tile
       int tile_n = cute::size<1>(TileShape{});
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < cute::size(m); ++r) {
@@ -105,9 +105,9 @@ struct RowLogSumExp : DirectNode<LogSumExpArguments> {
   CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
     using namespace cute;
     auto [coords, shape_mnl] = thread_coordinates<ReferenceSrc>(args);
-    auto maxima = per_row_registers<float, ReferenceSrc>(args);
-    auto sums = make_tensor_like(maxima);
-    fill(maxima, -INFINITY);
+    auto points = per_row_registers<float, ReferenceSrc>(args);
+    auto sums = make_tensor_like(points);
+    fill(points, -INFINITY);
     fill(sums, 0.f);
     // Which lanes hold the values of one row, from the epilogue's thread-value layout.
     auto tile_mn = shape(typename decltype(args.tiled_copy)::Tiler_MN{});
@@ -122,8 +122,8 @@ struct RowLogSumExp : DirectNode<LogSumExpArguments> {
                   "cd.logsumexp needs the values of a tile row in one warp (every coda_dsl tile has that)");
     auto lanes = make_layout(filter(get<0>(to_lane)), filter(get<1>(to_lane)));
     auto lane_mn = idx2crd(right_inverse(lanes)(cutlass::canonical_lane_idx()), lanes.shape());
-    return ConsumerStoreCallbacks<decltype(maxima), decltype(coords), decltype(shape_mnl), decltype(lanes)>(
-        maxima, sums, coords, shape_mnl, lanes, int(get<1>(lane_mn)), this->params_ptr->partials);
+    return ConsumerStoreCallbacks<decltype(points), decltype(coords), decltype(shape_mnl), decltype(lanes)>(
+        points, sums, coords, shape_mnl, lanes, int(get<1>(lane_mn)), this->params_ptr->partials);
   }
 };
 
