@@ -17,7 +17,9 @@ from typing import Callable
 
 import torch
 
+from coda_dsl.runtime.op import TUNE_ENV
 from coda_dsl.runtime.tune import round_robin as tuner_round_robin
+from coda_dsl.runtime.warm import ENV as WARM_ENV
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FLOOR = "cuBLAS GEMM (floor)"
@@ -44,7 +46,7 @@ def no_gpu() -> bool:
     return False
 
 
-SETTINGS = ("CODA_DSL_TUNE", "CODA_DSL_WARM")  # process-wide switches that change timings
+SETTINGS = (TUNE_ENV, WARM_ENV)  # process-wide switches that change timings
 
 
 def command(prog: str, argv=None) -> str:

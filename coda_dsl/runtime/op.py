@@ -766,13 +766,16 @@ def compile(epilogue: Epilogue, A, B, /, *, out: dict | None = None, config: Con
     return specialization(epilogue, call, dtypes, out, config, deterministic, accumulate)
 
 
+TUNE_ENV = "CODA_DSL_TUNE"
+
+
 def _env_tuning() -> bool:
     """CODA_DSL_TUNE: 1/true/yes/on, or 0/false/no/off (or unset); anything else is off, with a warning."""
-    value = os.environ.get("CODA_DSL_TUNE", "").strip().lower()
+    value = os.environ.get(TUNE_ENV, "").strip().lower()
     if value in ("1", "true", "yes", "on"):
         return True
     if value not in ("", "0", "false", "no", "off"):
-        warnings.warn(f"coda_dsl: CODA_DSL_TUNE={value!r} is not 1/true/yes/on or 0/false/no/off: tuning stays off",
+        warnings.warn(f"coda_dsl: {TUNE_ENV}={value!r} is not 1/true/yes/on or 0/false/no/off: tuning stays off",
                       stacklevel=2)
     return False
 

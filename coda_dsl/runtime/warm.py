@@ -18,7 +18,8 @@ from pathlib import Path
 from .. import build
 from ..errors import KernelError
 
-ENABLED = os.environ.get("CODA_DSL_WARM", "1").strip() != "0"
+ENV = "CODA_DSL_WARM"
+ENABLED = os.environ.get(ENV, "1").strip() != "0"
 _module = None
 _failed = False
 _lock = threading.Lock()
