@@ -9,10 +9,6 @@
 
 namespace coda {
 
-// (reference point, sum of exp(x - point)) pairs: s scaled from point m to mm >= m. Equal points
-// (including both infinite) need no scaling, which keeps -inf - -inf out of exp.
-CUTLASS_DEVICE float rescaled(float s, float m, float mm) { return m == mm ? s : s * __expf(m - mm); }
-
 // cd.logsumexp(x, axis="n"): each thread keeps a (reference point m, sum of exp(x - m)) pair per row it
 // holds; at the end of the tile the lanes holding one row combine theirs with shuffles and one lane
 // writes the tile's pair to partials [2][L][tiles][rows_padded] (reference points, then sums), which
@@ -80,9 +76,7 @@ struct RowLogSumExp : DirectNode<LogSumExpArguments> {
         for (int r = 0; r < cute::size(m); ++r) {
           float m2 = __shfl_down_sync(0xFFFFFFFF, m(r), lanes(0, step));
           float s2 = __shfl_down_sync(0xFFFFFFFF, s(r), lanes(0, step));
-          float mm = fmaxf(m(r), m2);
-          s(r) = rescaled(s(r), m(r), mm) + rescaled(s2, m2, mm);
-          m(r) = mm;
+          merge_logsumexp(m(r), s(r), m2, s2);  // as the finishing kernel merges the tiles' pairs
         }
       }
       if (lane_n != 0) return;
