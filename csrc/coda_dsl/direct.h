@@ -56,6 +56,14 @@ CUTLASS_DEVICE auto thread_coordinates(cutlass::epilogue::fusion::ConsumerStoreA
   return cute::make_tuple(coords, shape_mnl);
 }
 
+// Whether this thread's tile lies wholly inside the problem's (M, N): then its values need no bounds checks.
+template <class... Args>
+CUTLASS_DEVICE bool tile_inside(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
+  auto [M, N, K, L] = args.problem_shape_mnkl;
+  auto [m, n, k, l] = args.tile_coord_mnkl;
+  return (m + 1) * cute::size<0>(args.tile_shape_mnk) <= M && (n + 1) * cute::size<1>(args.tile_shape_mnk) <= N;
+}
+
 // Registers with one slot per row of this thread's values, indexed like those values (stride 0
 // along n): what a per-row statistic accumulates into.
 template <class T, bool ReferenceSrc, class... Args>

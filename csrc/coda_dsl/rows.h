@@ -13,7 +13,7 @@ namespace coda {
 // holds; at the end of the tile the lanes holding one row combine theirs with shuffles and one lane
 // writes the tile's pair to partials [2][L][tiles][rows_padded] (reference points, then sums), which
 // finish_logsumexp combines exactly (any reference point does: the pairs are rescaled to a common one).
-// Columns past N are never visited (predicated).
+// Values past (M, N) count as -inf (checked only on the tiles that reach past them).
 // m moves only when a value passes it by more than kLazyRescale (then the sum is rescaled once), so
 // that each value's exp depends on m alone, not on the exp and compare before it, as with m the exact
 // running max. Where the epilogue is not hidden (the cooperative schedule; pingpong overlaps it with the
@@ -22,6 +22,14 @@ namespace coda {
 // 128x128's, 0.995x with the lazy point (README: cross-entropy). Terms stay below e^kLazyRescale: sums
 // of 10^9 of them are far inside fp32's range.
 constexpr float kLazyRescale = 8.f;
+
+// e^x by the hardware's 2^x, subnormal results flushed to 0 (without .ftz, __expf adds a range fixup of
+// three instructions per value): a term below 2^-126 of a sum that holds a term of 1 changes nothing.
+CUTLASS_DEVICE float exp_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.44269504088896341f));
+  return y;
+}
 
 struct LogSumExpArguments {
   float* partials = nullptr;
@@ -35,13 +43,14 @@ struct RowLogSumExp : DirectNode<LogSumExpArguments> {
   template <class Registers, class Coords, class Shape, class LaneLayout>
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
     CUTLASS_DEVICE ConsumerStoreCallbacks(Registers points, Registers sums, Coords coords, Shape shape,
-                                          LaneLayout lanes, int lane_n, float* tile_pairs)
-        : points(points), sums(sums), coords(coords), shape(shape), lanes(lanes), lane_n(lane_n),
-          tile_pairs(tile_pairs) {}
+                                          bool inside, LaneLayout lanes, int lane_n, float* tile_pairs)
+        : points(points), sums(sums), coords(coords), shape(shape), inside(inside), lanes(lanes),
+          lane_n(lane_n), tile_pairs(tile_pairs) {}
 
     Registers points, sums;  // one slot per row of this thread: its reference point and sum
     Coords coords;           // (m, n, l) of this thread's values
     Shape shape;             // (M, N, L)
+    bool inside;             // the whole tile is inside (M, N): no value needs its bounds check
     LaneLayout lanes;        // (lane along m, lane along n) -> lane index
     int lane_n;              // this lane's position along n
     float* tile_pairs;       // the partials: [2][L][tiles][rows_padded]
@@ -49,22 +58,40 @@ struct RowLogSumExp : DirectNode<LogSumExpArguments> {
     template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
     CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m,
                               int epi_n, cutlass::Array<ElementInput, FragmentSize> const& frg_input) {
+      if (inside) accumulate<false>(frg_input, epi_v, epi_m, epi_n);  // one branch per tile, not per value
+      else accumulate<true>(frg_input, epi_v, epi_m, epi_n);
+      return frg_input;
+    }
+
+    template <bool Checked, typename ElementInput, int FragmentSize>
+    CUTLASS_DEVICE void accumulate(cutlass::Array<ElementInput, FragmentSize> const& frg_input, int epi_v,
+                                   int epi_m, int epi_n) {
       cute::Tensor c = coords(cute::_, cute::_, cute::_, epi_m, epi_n);
       cute::Tensor m = points(cute::_, cute::_, cute::_, epi_m, epi_n);
       cute::Tensor s = sums(cute::_, cute::_, cute::_, epi_m, epi_n);
+      float x[FragmentSize];
+      bool move = false;
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < FragmentSize; ++i) {
+      for (int i = 0; i < FragmentSize; ++i) {  // columns past N count as -inf: they add nothing to the sum
         int k = epi_v * FragmentSize + i;
-        if (cute::elem_less(c(k), shape)) {
-          float x = float(frg_input[i]);
-          if (x > m(k) + kLazyRescale) {  // rare: a new reference point (the first finite value, from -inf)
-            s(k) *= __expf(m(k) - x);
-            m(k) = x;
+        x[i] = !Checked || cute::elem_less(c(k), shape) ? float(frg_input[i]) : -INFINITY;
+        move |= x[i] > m(k) + kLazyRescale;
+      }
+      if (move) {  // rare: a new reference point (the first finite value of a row, from -inf)
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < FragmentSize; ++i) {
+          int k = epi_v * FragmentSize + i;
+          if (x[i] > m(k) + kLazyRescale) {
+            s(k) *= exp_ftz(m(k) - x[i]);
+            m(k) = x[i];
           }
-          s(k) += x == m(k) ? 1.f : __expf(x - m(k));  // equal infinities count 1, not exp(NaN)
         }
       }
-      return frg_input;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < FragmentSize; ++i) {  // the fragment's exps are independent of one another
+        int k = epi_v * FragmentSize + i;
+        s(k) += x[i] == m(k) ? 1.f : exp_ftz(x[i] - m(k));  // equal infinities count 1, not exp(NaN)
+      }
     }
 
     CUTLASS_DEVICE void end() {
@@ -117,7 +144,7 @@ struct RowLogSumExp : DirectNode<LogSumExpArguments> {
     auto lanes = make_layout(filter(get<0>(to_lane)), filter(get<1>(to_lane)));
     auto lane_mn = idx2crd(right_inverse(lanes)(cutlass::canonical_lane_idx()), lanes.shape());
     return ConsumerStoreCallbacks<decltype(points), decltype(coords), decltype(shape_mnl), decltype(lanes)>(
-        points, sums, coords, shape_mnl, lanes, int(get<1>(lane_mn)), this->params_ptr->partials);
+        points, sums, coords, shape_mnl, tile_inside(args), lanes, int(get<1>(lane_mn)), this->params_ptr->partials);
   }
 };
 
@@ -140,7 +167,7 @@ struct RowTake : DirectNode<TakeArguments> {
     CUTLASS_DEVICE ConsumerStoreCallbacks(Registers targets, Coords coords, Shape shape, TakeArguments const* args)
         : targets(targets), coords(coords), shape(shape), args(args) {}
 
-    Registers targets;  // the index of each row this thread holds
+    Registers targets;  // the column to take of each row this thread holds; -1: none (row or index outside)
     Coords coords;
     Shape shape;
     TakeArguments const* args;
@@ -151,8 +178,9 @@ struct RowTake : DirectNode<TakeArguments> {
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < cute::size(t); ++r) {
         int row = cute::get<0>(c(r)), l = cute::get<2>(c(r));
-        t(r) = row < cute::get<0>(shape) && l < cute::get<2>(shape) ? args->index[l * args->index_batch + row]
-                                                                      : int64_t(-1);
+        int64_t index = row < cute::get<0>(shape) && l < cute::get<2>(shape) ? args->index[l * args->index_batch + row]
+                                                                                : -1;
+        t(r) = index >= 0 && index < cute::get<1>(shape) ? int(index) : -1;
       }
     }
 
@@ -164,7 +192,7 @@ struct RowTake : DirectNode<TakeArguments> {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < FragmentSize; ++i) {
         int k = epi_v * FragmentSize + i;
-        if (cute::get<1>(c(k)) == t(k) && cute::elem_less(c(k), shape)) {
+        if (cute::get<1>(c(k)) == t(k)) {  // in bounds: begin() kept only columns and rows inside
           args->out[cute::get<2>(c(k)) * args->out_batch + cute::get<0>(c(k))] = float(frg_input[i]);
         }
       }
@@ -175,7 +203,7 @@ struct RowTake : DirectNode<TakeArguments> {
   template <bool ReferenceSrc, class... Args>
   CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
     auto [coords, shape] = thread_coordinates<ReferenceSrc>(args);
-    auto targets = per_row_registers<int64_t, ReferenceSrc>(args);
+    auto targets = per_row_registers<int, ReferenceSrc>(args);
     return ConsumerStoreCallbacks<decltype(targets), decltype(coords), decltype(shape)>(targets, coords, shape,
                                                                                         this->params_ptr);
   }
