@@ -69,6 +69,7 @@ class Case:
     eager: Callable  # (a, w, **operands) -> output(s): the unfused PyTorch formulation
     cublaslt: Callable | None = None  # a cuBLASLt fused epilogue doing the same, if one exists
     shapes: tuple = GENERIC  # default (M, N, K) list
+    scaled_w: bool = False  # w scaled by K^-1/2, the GEMM's values of order 1 (logits: what the epilogue meets)
 
 
 def _r(*s):
@@ -143,7 +144,8 @@ def kernels(todo: list[tuple[Case, tuple]], config: str | None = None) -> dict:
 
 
 def _inputs(c: Case, m: int, n: int, k: int) -> tuple:
-    return _r(m, k), _r(n, k), c.operands(m, n)
+    w = _r(n, k)
+    return _r(m, k), w.mul_(k ** -0.5) if c.scaled_w else w, c.operands(m, n)
 
 
 # torch.compile recompiles once per static shape, up to a limit: (config module, setting name).

@@ -6,7 +6,8 @@ default configuration (runtime/tune.py:default).
 
 Besides bench.epilogues' cases, `--only ce_logits`: the cross-entropy's logits GEMM over one chunk of
 4096 rows at V = 128256 (linear_cross_entropy's default there), its statistics epilogue storing the fp16
-logits; with `identity` on the same configurations and shape, what the epilogue costs on each.
+logits (of order 1, as a model's: w scaled by d^-1/2); with `identity` on the same configurations and
+`--shapes 4096x128256x4096`, what the epilogue costs on each.
 
 Every (epilogue, configuration) kernel is built in one parallel ninja run; then, per shape, the
 cuBLAS GEMM and every configuration are timed round-robin (CUDA events, median of rounds, inputs
@@ -44,7 +45,8 @@ def _targets(m: int, n: int) -> torch.Tensor:
 
 
 SWEPT = {**CASES, "ce_logits": Case("ce_logits", ce._forward_epilogue(False, None, ce.stored_logits(torch.bfloat16)),
-                                    lambda m, n: {"target": _targets(m, n)}, lambda a, w, target: a @ w.t())}
+                                    lambda m, n: {"target": _targets(m, n)}, lambda a, w, target: a @ w.t(),
+                                    scaled_w=True)}
 CONFIGS = ("128x256x64_c2x1_cooperative_s1", "128x256x64_c2x1_cooperative", "128x256x64_c2x1_cooperative_rm_s4",
            "128x256x64_c2x1_cooperative_streamk", "256x128x64_c2x1_cooperative",
            "128x256x64_c2x1_cooperative_e128x64", "128x192x64_c2x1_pingpong", "128x128x64_c2x1_pingpong")

@@ -77,15 +77,15 @@ struct RowLogSumExp : DirectNode<LogSumExpArguments> {
         x[i] = !Checked || cute::elem_less(c(k), shape) ? float(frg_input[i]) : -INFINITY;
         move |= x[i] > m(k) + kLazyRescale;
       }
-      if (move) {  // rare: a new reference point (the first finite value of a row, from -inf)
+      if (move) {  // rare: the fragment's rows move their points to their maxima, each sum rescaled once
+        cute::Tensor row_m = cute::filter_zeros(m), row_s = cute::filter_zeros(s);  // one slot per row
+        float before[cute::size(row_m)];
         CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < FragmentSize; ++i) {
-          int k = epi_v * FragmentSize + i;
-          if (x[i] > m(k) + kLazyRescale) {
-            s(k) *= exp_ftz(m(k) - x[i]);
-            m(k) = x[i];
-          }
-        }
+        for (int r = 0; r < cute::size(row_m); ++r) before[r] = row_m(r);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < FragmentSize; ++i) m(epi_v * FragmentSize + i) = fmaxf(m(epi_v * FragmentSize + i), x[i]);
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < cute::size(row_m); ++r) row_s(r) *= before[r] == row_m(r) ? 1.f : exp_ftz(before[r] - row_m(r));
       }
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < FragmentSize; ++i) {  // the fragment's exps are independent of one another
