@@ -23,13 +23,15 @@ namespace coda {
 // of 10^9 of them are far inside fp32's range.
 constexpr float kLazyRescale = 8.f;
 
-// e^x by the hardware's 2^x, subnormal results flushed to 0 (without .ftz, __expf adds a range fixup of
-// three instructions per value): a term below 2^-126 of a sum that holds a term of 1 changes nothing.
-CUTLASS_DEVICE float exp_ftz(float x) {
+// 2^x by the hardware, subnormal results flushed to 0 (without .ftz, __expf adds a range fixup of three
+// instructions per value): a term below 2^-126 of a sum that holds a term of 1 changes nothing.
+CUTLASS_DEVICE float exp2_ftz(float x) {
   float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.44269504088896341f));
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
+constexpr float kLog2e = 1.44269504088896341f;
+CUTLASS_DEVICE float exp_ftz(float x) { return exp2_ftz(x * kLog2e); }
 
 struct LogSumExpArguments {
   float* partials = nullptr;
@@ -63,32 +65,40 @@ struct RowLogSumExp : DirectNode<LogSumExpArguments> {
       return frg_input;
     }
 
+    // Adds the fragment's values to their rows' sums. As a rule one FFMA, compare, ex2 and add per value:
+    // when each value is finite and at most kLazyRescale above its row's point (a finite point).
     template <bool Checked, typename ElementInput, int FragmentSize>
     CUTLASS_DEVICE void accumulate(cutlass::Array<ElementInput, FragmentSize> const& frg_input, int epi_v,
                                    int epi_m, int epi_n) {
       cute::Tensor c = coords(cute::_, cute::_, cute::_, epi_m, epi_n);
       cute::Tensor m = points(cute::_, cute::_, cute::_, epi_m, epi_n);
       cute::Tensor s = sums(cute::_, cute::_, cute::_, epi_m, epi_n);
-      float x[FragmentSize];
-      bool move = false;
+      float x[FragmentSize], d[FragmentSize];  // the values, and log2 of their terms: (x - m) log2(e)
+      bool near = true;
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < FragmentSize; ++i) {  // columns past N count as -inf: they add nothing to the sum
         int k = epi_v * FragmentSize + i;
         x[i] = !Checked || cute::elem_less(c(k), shape) ? float(frg_input[i]) : -INFINITY;
-        move |= x[i] > m(k) + kLazyRescale;
+        d[i] = fmaf(x[i], kLog2e, -m(k) * kLog2e);
+        near &= d[i] < kLazyRescale * kLog2e;  // false for NaN: an infinite value at an infinite point
       }
-      if (move) {  // rare: the fragment's rows move their points to their maxima, each sum rescaled once
-        cute::Tensor row_m = cute::filter_zeros(m), row_s = cute::filter_zeros(s);  // one slot per row
-        float before[cute::size(row_m)];
+      if (near) {
         CUTLASS_PRAGMA_UNROLL
-        for (int r = 0; r < cute::size(row_m); ++r) before[r] = row_m(r);
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < FragmentSize; ++i) m(epi_v * FragmentSize + i) = fmaxf(m(epi_v * FragmentSize + i), x[i]);
-        CUTLASS_PRAGMA_UNROLL
-        for (int r = 0; r < cute::size(row_m); ++r) row_s(r) *= before[r] == row_m(r) ? 1.f : exp_ftz(before[r] - row_m(r));
+        for (int i = 0; i < FragmentSize; ++i) s(epi_v * FragmentSize + i) += exp2_ftz(d[i]);
+        return;
       }
+      // Rare (a row's first fragment in the tile, from the point -inf): the fragment's rows move their points
+      // to their maxima, each sum rescaled once; then the values add exactly, infinities and NaN included.
+      cute::Tensor row_m = cute::filter_zeros(m), row_s = cute::filter_zeros(s);  // one slot per row
+      float before[cute::size(row_m)];
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < FragmentSize; ++i) {  // the fragment's exps are independent of one another
+      for (int r = 0; r < cute::size(row_m); ++r) before[r] = row_m(r);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < FragmentSize; ++i) m(epi_v * FragmentSize + i) = fmaxf(m(epi_v * FragmentSize + i), x[i]);
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < cute::size(row_m); ++r) row_s(r) *= before[r] == row_m(r) ? 1.f : exp_ftz(before[r] - row_m(r));
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < FragmentSize; ++i) {
         int k = epi_v * FragmentSize + i;
         s(k) += x[i] == m(k) ? 1.f : exp_ftz(x[i] - m(k));  // equal infinities count 1, not exp(NaN)
       }
@@ -189,11 +199,16 @@ struct RowTake : DirectNode<TakeArguments> {
                               int epi_n, cutlass::Array<ElementInput, FragmentSize> const& frg_input) {
       cute::Tensor c = coords(cute::_, cute::_, cute::_, epi_m, epi_n);
       cute::Tensor t = targets(cute::_, cute::_, cute::_, epi_m, epi_n);
+      bool any = false;
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < FragmentSize; ++i) {
-        int k = epi_v * FragmentSize + i;
-        if (cute::get<1>(c(k)) == t(k)) {  // in bounds: begin() kept only columns and rows inside
-          args->out[cute::get<2>(c(k)) * args->out_batch + cute::get<0>(c(k))] = float(frg_input[i]);
+      for (int i = 0; i < FragmentSize; ++i) any |= cute::get<1>(c(epi_v * FragmentSize + i)) == t(epi_v * FragmentSize + i);
+      if (any) {  // rare: one branch per fragment, not per value
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < FragmentSize; ++i) {
+          int k = epi_v * FragmentSize + i;
+          if (cute::get<1>(c(k)) == t(k)) {  // in bounds: begin() kept only columns and rows inside
+            args->out[cute::get<2>(c(k)) * args->out_batch + cute::get<0>(c(k))] = float(frg_input[i]);
+          }
         }
       }
       return frg_input;
