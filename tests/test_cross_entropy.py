@@ -356,16 +356,16 @@ def test_factoring_leaves_the_incoming_gradient_alone_unless_fp16(dtype):
 
 
 def test_default_chunk_rows():
-    """The [rows, V] buffer within BUFFER_BYTES, rows a multiple of 128, as few chunks as that allows,
+    """The [rows, V] buffer within BUFFER_BYTES, rows a multiple of 256, as few chunks as that allows,
     balanced; at Llama-3's vocabulary and M = 8192 tokens, 2 chunks of 4096 rows (1 GiB)."""
     from coda_dsl.library.cross_entropy import BUFFER_BYTES, default_chunk_rows
-    assert default_chunk_rows(8192, 128256) == 4096 and default_chunk_rows(0, 1000) == 128
+    assert default_chunk_rows(8192, 128256) == 4096 and default_chunk_rows(0, 1000) == 256
     for m, v in [(8192, 128256), (16384, 128256), (8192, 32000), (8192, 256000), (37, 301), (1, 10**7)]:
         rows = default_chunk_rows(m, v)
         chunks = -(-m // rows)
-        assert rows % 128 == 0 and (rows * v * 2 <= BUFFER_BYTES or rows == 128)
-        assert chunks == max(1, -(-m // max(128, BUFFER_BYTES // (2 * v) // 128 * 128)))
-        assert rows - 128 < -(-m // chunks)  # balanced: no chunk is much shorter than the others
+        assert rows % 256 == 0 and (rows * v * 2 <= BUFFER_BYTES or rows == 256)
+        assert chunks == max(1, -(-m // max(256, BUFFER_BYTES // (2 * v) // 256 * 256)))
+        assert rows - 256 < -(-m // chunks)  # balanced: no chunk is much shorter than the others
 
 
 @pytest.mark.parametrize("smoothing,cap", [(0.0, None), (0.1, 20.0)])

@@ -39,7 +39,10 @@ import coda_dsl as cd  # the library is written against the public API, like use
 # (peak 1466 MiB), 42.1 ms with 2048, 41.6 ms with 4096 (2132 MiB, 0.18x eager's); with 1536 rows the
 # six chunks' logits GEMMs took 19.3 ms against 12.6 for two, and grad_W's accumulation 13.4 against 11.5.
 BUFFER_BYTES = 1 << 30
-_ROW_ALIGN = 128  # chunk rows: a multiple of the GEMM tile's M (and of 8: 16-byte aligned row vectors)
+# Chunk rows: a multiple of the tile's M times the cluster's (256 for CONFIG and for the cooperative 256x128
+# 1x2: a chunk of 13 tiles' rows ran 14, the cluster's second CTA on rows past the chunk) and of 8 (16-byte
+# aligned row vectors).
+_ROW_ALIGN = 256
 # The kernels' configuration at every shape unless linear_cross_entropy(config=) names another. H200,
 # M = 8192, d = 4096, V = 128256 (bench.cross_entropy --configs --profile): pingpong 128x128 overlaps
 # one tile's exp-heavy epilogue with the other's mainloop: forward 13.68 ms against 14.57 for the
@@ -98,7 +101,7 @@ def stored_logits(dtype: torch.dtype) -> bool | torch.dtype:
 
 def default_chunk_rows(m: int, v: int, device: torch.device | str = "cpu") -> int:
     """Rows per chunk: the [rows, V] buffer within BUFFER_BYTES (and a quarter of the free memory on
-    CUDA), balanced over the chunks M needs, rounded up to a multiple of 128."""
+    CUDA), balanced over the chunks M needs, rounded up to a multiple of _ROW_ALIGN."""
     budget = BUFFER_BYTES
     if torch.device(device).type == "cuda" and not torch.compiler.is_compiling():
         budget = min(budget, torch.cuda.mem_get_info(device)[0] // 4)
