@@ -39,8 +39,8 @@ import coda_dsl as cd  # the library is written against the public API, like use
 # (peak 1466 MiB), 42.1 ms with 2048, 41.6 ms with 4096 (2132 MiB, 0.18x eager's); with 1536 rows the
 # six chunks' logits GEMMs took 19.3 ms against 12.6 for two, and grad_W's accumulation 13.4 against 11.5.
 BUFFER_BYTES = 1 << 30
-# Chunk rows: a multiple of the tile's M times the cluster's (256 for CONFIG and for the cooperative 256x128
-# 1x2: a chunk of 13 tiles' rows ran 14, the cluster's second CTA on rows past the chunk) and of 8 (16-byte
+# Chunk rows: a multiple of the tile's M times the cluster's, 256 for CONFIG and the cooperative 256x128
+# 1x2 (CUTLASS's scheduler rounds 13 tiles of rows up to 14: a tile row past the chunk), and of 8 (16-byte
 # aligned row vectors).
 _ROW_ALIGN = 256
 # The kernels' configuration at every shape unless linear_cross_entropy(config=) names another. H200,
