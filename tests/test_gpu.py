@@ -183,6 +183,7 @@ VARIANTS = [
     ((scaled_bias, torch.bfloat16, "nk"), dict(accumulate=True, out_dtype=torch.bfloat16)),
     # the row nodes under another thread layout: one warp group per 64-row tile
     ((lse_and_take, torch.bfloat16, "nk"), dict(config=cd.Config((64, 256, 64), (1, 1), "pingpong"))),
+    ((lse_and_take, torch.bfloat16, "nk"), dict(config="256x128x64_c1x2_cooperative")),  # its epilogue not hidden
     ((double_width, torch.bfloat16, "nk"), dict(config=runtime.tuning.PINGPONG.text)),
 ]
 # tile-scheduler options and other tiles: each with reductions + a full-size load, and with pair stores;
@@ -634,11 +635,38 @@ def test_rope_angle_accuracy(kernels):
     assert fp32_angle_err <= 4e-6 and exact_err <= 8e-3
 
 
-def test_lse_and_take_other_config(kernels):
+@pytest.mark.parametrize("config", ["64x256x64_c1x1_pingpong", "256x128x64_c1x2_cooperative"])
+def test_lse_and_take_other_config(kernels, config):
     m, n, k = RAGGED
     a, b = _ab(m, n, k, torch.bfloat16, "nk")
-    _check(lse_and_take, a, b, _operands(lse_and_take, m, n, torch.bfloat16),
-           config=cd.Config((64, 256, 64), (1, 1), "pingpong"))
+    _check(lse_and_take, a, b, _operands(lse_and_take, m, n, torch.bfloat16), config=config)
+
+
+@pytest.mark.parametrize("config", [None, "256x128x64_c1x2_cooperative"])
+def test_lse_and_take_special_values(kernels, config):
+    """+inf, NaN and all -inf rows, inside tiles and in the partial ones (rows 768+, column n - 1), and take
+    indices outside [0, N) that int32 would wrap onto a column: as the reference, batched too."""
+    m, n, k = 777, 4104, 64
+    a, b = _ab(m, n, k, torch.bfloat16, "nk")
+    b[:, :3] = 0
+    b[:, 1] = 1
+    b[7, 0] = b[n - 1, 0] = b[n - 1, 2] = 1
+    a[5, 0] = a[770, 0] = 1e38  # z = 8 acc overflows: +inf at columns 7 and n - 1
+    a[6] = a[775] = float("nan")
+    for r in (3, 4, 776):  # lse_masked over -inf alone (padded columns too) ...
+        a[r] = 0
+        a[r, 1] = -100
+    a[3, 2] = 200  # ... but for row 3's column n - 1 (z = -200)
+    t = _targets(m, n)
+    t[5], t[770], t[6] = 7, n - 1, 0
+    t[8], t[9], t[10], t[11] = -1, 2**31, 2**32 + 3, -(2**40)  # all take 0
+    for lead in ((), (2,)):
+        a_, b_, t_ = (x.expand(*lead, *x.shape).contiguous() for x in (a, b, t))
+        want = cd.gemm(a_, b_, lse_and_take, backend="reference", target=t_, shift=-1000.0)
+        got = cd.gemm(a_, b_, lse_and_take, backend="cutlass", config=config, target=t_, shift=-1000.0)
+        for name, w in want.items():
+            torch.testing.assert_close(got[name], w, rtol=2e-5, atol=1e-4, equal_nan=True, msg=name)
+        assert got["lse"][..., 5].isposinf().all() and got["lse_masked"][..., 4].isneginf().all()
 
 
 def test_lse_and_take_batched(kernels):
