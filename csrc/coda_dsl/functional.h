@@ -22,9 +22,17 @@ CUTLASS_HOST_DEVICE float fast_divide(float a, float b) {
   return a / b;
 #endif
 }
-CUTLASS_HOST_DEVICE float fast_exp(float x) {
+// 2^x by the hardware, subnormal results flushed to 0: without .ftz (as __expf) a range fixup of three more
+// instructions per value. A term below 2^-126 next to 1 (1 + e^-x; a sum holding a term of 1) changes nothing.
+CUTLASS_DEVICE float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+constexpr float kLog2e = 1.44269504088896341f;
+CUTLASS_HOST_DEVICE float fast_exp(float x) {  // for sigmoid, silu and cd.logsumexp's terms
 #ifdef __CUDA_ARCH__
-  return __expf(x);
+  return exp2_ftz(x * kLog2e);
 #else
   return expf(x);
 #endif
@@ -63,9 +71,10 @@ CUTLASS_HOST_DEVICE float fast_cos(float x) {
 CUTLASS_HOST_DEVICE float sigmoid(float x) { return fast_divide(1.f, 1.f + fast_exp(-x)); }
 CUTLASS_HOST_DEVICE float silu(float x) { return fast_divide(x, 1.f + fast_exp(-x)); }
 CUTLASS_HOST_DEVICE float gelu_erf(float x) { return 0.5f * x * (1.f + erff(x * 0.70710678118654752f)); }
-CUTLASS_HOST_DEVICE float gelu_tanh(float x) {
-  constexpr float k0 = 0.7978845608028654f, k1 = 0.044715f;  // sqrt(2/pi)
-  return 0.5f * x * (1.f + fast_tanh(k0 * (x + k1 * x * x * x)));
+CUTLASS_HOST_DEVICE float gelu_tanh(float x) {  // 0.5 x (1 + tanh(k0 (x + 0.044715 x^3))) in 6 instructions, not 8
+  constexpr float k0 = 0.7978845608028654f, k1 = 0.044715f * 0.7978845608028654f;  // sqrt(2/pi)
+  float h = 0.5f * x;
+  return fmaf(h, fast_tanh(x * fmaf(k1, x * x, k0)), h);
 }
 
 // cd.cast(x, dtype): round to a storable type and back, as the stored tensor would hold it.

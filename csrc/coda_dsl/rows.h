@@ -30,16 +30,6 @@ namespace coda {
 // (identity: 1.002x).
 constexpr float kLazyRescale = 8.f;
 
-// 2^x by the hardware, subnormal results flushed to 0 (without .ftz, __expf adds a range fixup of three
-// instructions per value): a term below 2^-126 of a sum that holds a term of 1 changes nothing.
-CUTLASS_DEVICE float exp2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-constexpr float kLog2e = 1.44269504088896341f;
-CUTLASS_DEVICE float exp_ftz(float x) { return exp2_ftz(x * kLog2e); }
-
 struct LogSumExpArguments {
   float* partials = nullptr;
 };
@@ -103,11 +93,11 @@ struct RowLogSumExp : DirectNode<LogSumExpArguments> {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < FragmentSize; ++i) m(epi_v * FragmentSize + i) = fmaxf(m(epi_v * FragmentSize + i), x[i]);
       CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < cute::size(row_m); ++r) row_s(r) *= before[r] == row_m(r) ? 1.f : exp_ftz(before[r] - row_m(r));
+      for (int r = 0; r < cute::size(row_m); ++r) row_s(r) *= before[r] == row_m(r) ? 1.f : fast_exp(before[r] - row_m(r));
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < FragmentSize; ++i) {
         int k = epi_v * FragmentSize + i;
-        s(k) += x[i] == m(k) ? 1.f : exp_ftz(x[i] - m(k));  // equal infinities count 1, not exp(NaN)
+        s(k) += x[i] == m(k) ? 1.f : fast_exp(x[i] - m(k));  // equal infinities count 1, not exp(NaN)
       }
     }
 
