@@ -91,9 +91,14 @@ struct RowLogSumExp : DirectNode<LogSumExpArguments> {
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < cute::size(row_m); ++r) before[r] = row_m(r);
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < FragmentSize; ++i) m(epi_v * FragmentSize + i) = fmaxf(m(epi_v * FragmentSize + i), x[i]);
+      for (int i = 0; i < FragmentSize; ++i) {
+        int k = epi_v * FragmentSize + i;
+        m(k) = fmaxf(m(k), x[i]);
+      }
       CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < cute::size(row_m); ++r) row_s(r) *= before[r] == row_m(r) ? 1.f : fast_exp(before[r] - row_m(r));
+      for (int r = 0; r < cute::size(row_m); ++r) {
+        row_s(r) *= before[r] == row_m(r) ? 1.f : fast_exp(before[r] - row_m(r));
+      }
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < FragmentSize; ++i) {
         int k = epi_v * FragmentSize + i;
@@ -185,8 +190,8 @@ struct RowTake : DirectNode<TakeArguments> {
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < cute::size(t); ++r) {
         int row = cute::get<0>(c(r)), l = cute::get<2>(c(r));
-        int64_t index = row < cute::get<0>(shape) && l < cute::get<2>(shape) ? args->index[l * args->index_batch + row]
-                                                                                : -1;
+        int64_t index = -1;
+        if (row < cute::get<0>(shape) && l < cute::get<2>(shape)) index = args->index[l * args->index_batch + row];
         t(r) = index >= 0 && index < cute::get<1>(shape) ? int(index) : -1;
       }
     }
@@ -198,7 +203,10 @@ struct RowTake : DirectNode<TakeArguments> {
       cute::Tensor t = targets(cute::_, cute::_, cute::_, epi_m, epi_n);
       bool any = false;
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < FragmentSize; ++i) any |= cute::get<1>(c(epi_v * FragmentSize + i)) == t(epi_v * FragmentSize + i);
+      for (int i = 0; i < FragmentSize; ++i) {
+        int k = epi_v * FragmentSize + i;
+        any |= cute::get<1>(c(k)) == t(k);
+      }
       if (any) {  // rare: one branch per fragment, not per value
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < FragmentSize; ++i) {
