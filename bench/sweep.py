@@ -94,11 +94,11 @@ def main(argv=None) -> int:
     cases = [SWEPT[n] for n in args.only]
     with results_only_on_stdout():
         ops, failed = built_kernels(cases, configs)
-    rows, tables, swept = [], [], {}
+    shapes_of = {c.name: args.shapes or SHAPES.get(c.name, LLAMA) for c in cases}
+    rows, tables = [], []
     for c in cases:
         header, lines = None, []
-        for shape in args.shapes or SHAPES.get(c.name, LLAMA):
-            swept[shape] = None
+        for shape in shapes_of[c.name]:
             m, n, k = shape
             sets = rotation(lambda: _inputs(c, m, n, k), 2 * (m * k + n * k + m * n))
             a, w, o = sets[0]
@@ -129,6 +129,7 @@ def main(argv=None) -> int:
     print("Time / the bare cuBLAS GEMM of the same shape (lower is better):\n")
     print("\n\n".join(tables))
     print("\ncuBLAS kernels:\n")
+    swept = dict.fromkeys(s for c in cases for s in shapes_of[c.name])  # each shape once, in order
     print(markdown(["shape", "kernel"], [[fmt(s), cublas_kernel(*s)] for s in swept]))
     for f in failed:
         print(f"- FAILED {f}")

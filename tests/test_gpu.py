@@ -174,6 +174,9 @@ CASES = [
 CASES += [(ep, torch.bfloat16, "nk") for ep in (swiglu, swiglu_keep_preactivation, rope_tables, rope_positions,
                                                  lse_and_take, pairs_with_full_width_operands, sin_cos,
                                                  swiglu_backward, swiglu_derived_backward, double_width)]
+# the row nodes under other thread layouts: one warp group per 64-row tile; the cooperative tile, whose
+# epilogue no mainloop hides (the cross-entropy's cost there)
+LSE_CONFIGS = ("64x256x64_c1x1_pingpong", "256x128x64_c1x2_cooperative")
 # further specializations: (case, compile options)
 VARIANTS = [
     ((row_stats, torch.bfloat16, "nk"), dict(deterministic=True)),
@@ -181,9 +184,7 @@ VARIANTS = [
     ((rms_producer, torch.bfloat16, "nk"), dict(deterministic=True)),
     ((scaled_bias, torch.bfloat16, "nk"), dict(accumulate=True, out_dtype=torch.float32)),
     ((scaled_bias, torch.bfloat16, "nk"), dict(accumulate=True, out_dtype=torch.bfloat16)),
-    # the row nodes under another thread layout: one warp group per 64-row tile
-    ((lse_and_take, torch.bfloat16, "nk"), dict(config=cd.Config((64, 256, 64), (1, 1), "pingpong"))),
-    ((lse_and_take, torch.bfloat16, "nk"), dict(config="256x128x64_c1x2_cooperative")),  # its epilogue not hidden
+    *(((lse_and_take, torch.bfloat16, "nk"), dict(config=c)) for c in LSE_CONFIGS),
     ((double_width, torch.bfloat16, "nk"), dict(config=runtime.tuning.PINGPONG.text)),
 ]
 # tile-scheduler options and other tiles: each with reductions + a full-size load, and with pair stores;
@@ -635,14 +636,14 @@ def test_rope_angle_accuracy(kernels):
     assert fp32_angle_err <= 4e-6 and exact_err <= 8e-3
 
 
-@pytest.mark.parametrize("config", ["64x256x64_c1x1_pingpong", "256x128x64_c1x2_cooperative"])
+@pytest.mark.parametrize("config", LSE_CONFIGS)
 def test_lse_and_take_other_config(kernels, config):
     m, n, k = RAGGED
     a, b = _ab(m, n, k, torch.bfloat16, "nk")
     _check(lse_and_take, a, b, _operands(lse_and_take, m, n, torch.bfloat16), config=config)
 
 
-@pytest.mark.parametrize("config", [None, "256x128x64_c1x2_cooperative"])
+@pytest.mark.parametrize("config", [None, LSE_CONFIGS[1]])
 def test_lse_and_take_special_values(kernels, config):
     """+inf, NaN and all -inf rows, inside tiles and in the partial ones (rows 768+, column n - 1), and take
     indices outside [0, N) that int32 would wrap onto a column: as the reference, batched too."""
