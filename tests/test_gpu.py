@@ -368,41 +368,6 @@ def test_reductions_batched(kernels):
         cd.gemm(a2d, b[0], col_and_total_stats, scale=1.0, backend="cutlass")
 
 
-def test_reductions_on_two_streams_at_once(kernels):
-    """Row and column sums are completed by the GEMM's last tile of each block, through totals and counters
-    that are zero between kernels on one stream (finish.h: zero_at_rest), one buffer per stream: calls queued
-    on two streams at once, each behind the other's sleep, must not mix; then a call whose totals outgrow
-    the buffer (5 x 4000 rows)."""
-    m, n, k = RAGGED
-    streams = [torch.cuda.Stream() for _ in range(2)]
-    calls = [(row_stats, *_ab(m, n, k, torch.bfloat16, "nk"), dict(residual=_rand(m, n))),
-             (col_and_total_stats, *_ab(m, n, k, torch.bfloat16, "nk"), dict(scale=0.5))]
-    for ep, a, b, ops in calls:  # warm: built and loaded, the buffers of the default stream made
-        cd.gemm(a, b, ep, backend="cutlass", **ops)
-    got = []
-    for s in streams:
-        s.wait_stream(torch.cuda.current_stream())
-    for _ in range(3):
-        for j, s in enumerate(streams):
-            with torch.cuda.stream(s):
-                torch.cuda._sleep(2_000_000)  # the other stream's calls run meanwhile
-                for c in (j, 1 - j):
-                    ep, a, b, ops = calls[c]
-                    got.append((c, cd.gemm(a, b, ep, backend="cutlass", **ops)))
-    for s in streams:
-        torch.cuda.current_stream().wait_stream(s)
-    refs = [cd.gemm(a, b, ep, backend="reference", **ops) for ep, a, b, ops in calls]
-    for i, (c, out) in enumerate(got):
-        ep, ref = calls[c][0], refs[c]
-        for name in ("sumsq", "rowamax") if ep is row_stats else ("colsum", "colamax"):
-            err = _rel(out[name], ref[name])
-            if (ep.name, name) in MAGNITUDE:
-                err *= ref[name].double().norm().item() / MAGNITUDE[ep.name, name](ref).double().norm().item()
-            assert err <= 1e-5, (i, name, err)
-    a = _rand(5, 4000, 256)
-    _check(row_stats, a, _rand(n, 256), dict(residual=_rand(5, 4000, n)))
-
-
 @pytest.mark.parametrize("ep", [row_stats, col_and_total_stats, rms_producer], ids=lambda e: e.name)
 def test_deterministic_reductions(kernels, ep):
     """Per-tile partials combined in a fixed order: matches the reference and is bit-identical run to run."""

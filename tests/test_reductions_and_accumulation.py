@@ -45,24 +45,17 @@ def test_finishing_expression_rejects_tile_values():
             return {"D": acc, "s": cd.sum(acc).then(lambda s: s * 2).then(lambda s: s)}
 
 
-def test_where_each_reduction_is_completed(make_plan):
-    """Atomic: a row sum is completed by the GEMM's last tile of each row block (zero-at-rest totals, no
-    launch but the GEMM's unless N is 0), a column max is filled with its identity first and finished by a
-    kernel after the GEMM. Deterministic: per-tile partials in the workspace, combined by a finishing kernel."""
+def test_deterministic_lowering_uses_partials_and_a_finishing_kernel(make_plan):
     atomic, det = make_plan(stats), make_plan(stats, deterministic=True)
     assert atomic.canonical != det.canonical
-    rstd, colmax = [n for n in atomic.nodes if isinstance(n, Reduce)]
-    assert rstd.completed_in_kernel and not colmax.completed_in_kernel
-    c = cpp(rstd)
-    assert c.type.startswith("coda::FinishedReduction<fusion::Sm90ColReduction<") and "cutlass::atomic_add" in c.type
-    assert f"{rstd.finish.name}<float>, Scalars, TileShape, true>" in c.type  # the .then applied by the last tile
-    assert "coda::totals_at_rest<TileShape>(call, ws, " in c.init and not c.fill
-    assert c.finish.startswith("if (N == 0) {")  # no tile to complete it: the identity, finished, on the host side
-    c = cpp(colmax)
-    assert "coda::atomic_maximum" in c.type and "coda::Fill{" in c.fill and "coda::finish<coda::Max" in c.finish
-    for r in (n for n in det.nodes if isinstance(n, Reduce)):
-        c = cpp(r)
-        assert "atomic" not in c.type and not c.fill and "ws.floats(" in c.init and "coda::finish<" in c.finish
+    for plan, expect_atomic in ((atomic, True), (det, False)):
+        reds = [n for n in plan.nodes if isinstance(n, Reduce)]
+        assert len(reds) == 2 and all(r.finish is not None for r in reds)
+        for r in reds:
+            assert ("atomic" in cpp(r).type) == expect_atomic
+            assert ("coda::Fill{" in cpp(r).fill) == expect_atomic  # atomics need the identity, partials don't
+            assert ("ws.floats(" in cpp(r).init) != expect_atomic  # partials live in the workspace
+            assert "coda::finish<" in cpp(r).finish
 
 
 def test_epilogue_without_d_on_reference_and_in_code(make_plan):
@@ -156,18 +149,16 @@ def extremes(acc):
 
 
 def test_reduction_identities_atomics_and_strides(make_plan):
-    """Atomic mode: each output is combined with its kind's atomic and addressed per row ([M], axis n) or per
-    column ([N], axis m); max and min are filled with their identity first, the sum (completed by the GEMM
-    in zero-at-rest totals) is not."""
+    """Atomic mode: each output is filled with its kind's identity, combined with its kind's atomic, and
+    addressed per row ([M], axis n) or per column ([N], axis m)."""
     red = {n.kind: n for n in make_plan(extremes).nodes if isinstance(n, Reduce)}
     assert cpp(red["max"]).fill.endswith(", -INFINITY}") and cpp(red["min"]).fill.endswith(", INFINITY}")
     assert "coda::atomic_maximum" in cpp(red["max"]).type and "coda::atomic_minimum" in cpp(red["min"]).type
-    assert not cpp(red["sum"]).fill and "cutlass::atomic_add" in cpp(red["sum"]).type
     assert "{cute::_1{}, cute::_0{}, int64_t(M)}" in cpp(red["sum"]).args
     assert "{cute::_0{}, cute::_1{}, int64_t(N)}" in cpp(red["min"]).args
-    src = render(make_plan(extremes), "0" * 24)  # max and min filled by one launch, before the GEMM's
-    fills = src[src.index("coda::fill({  // outputs set"):src.index("coda::launch<GemmKernel>")]
-    assert fills.count("coda::Fill{outputs[") == 2
+    src = render(make_plan(extremes), "0" * 24)  # the three outputs filled by one launch, before the GEMM's
+    assert src.count("coda::fill(") == 1 and src.count("coda::Fill{outputs[") == 3
+    assert src.index("coda::fill(") < src.index("coda::launch<GemmKernel>")
 
 
 def test_deterministic_partials_and_combines(make_plan):

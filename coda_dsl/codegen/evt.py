@@ -63,10 +63,6 @@ def _partials(r: p.Reduce) -> str:
     return f"partial_{r.output_index}"
 
 
-def _totals(r: p.Reduce) -> str:
-    return f"totals_{r.output_index}"
-
-
 def _finish_fn(r: p.Reduce) -> str:
     """The functor the finishing kernel applies to each complete statistic."""
     return f"{r.finish.name}<float>" if r.finish else "coda::Identity<float>"
@@ -80,32 +76,21 @@ def _reduction_type(r: p.Reduce) -> str:
     node, stride = ("Sm90RowReduction", "cute::_0, cute::_1") if r.axis == "m" else \
         ("Sm90ColReduction", "cute::_1, cute::_0")  # deterministic totals reduce per-row partials
     tail = ", 4, true, false" if r.deterministic else ""  # alignment, nullptr check, no final pass
-    inner = (f"fusion::{node}<{reg}, {shuffle}, {combine if r.deterministic else atomic}, 0, TileShape, "
-             f"float, float, {ROUND}, cute::Stride<{stride}, int64_t>{tail}>")
-    if r.completed_in_kernel:
-        return f"coda::FinishedReduction<{inner}, {_finish_fn(r)}, Scalars, TileShape, {str(r.axis == 'n').lower()}>"
-    return inner
+    return (f"fusion::{node}<{reg}, {shuffle}, {combine if r.deterministic else atomic}, 0, TileShape, "
+            f"float, float, {ROUND}, cute::Stride<{stride}, int64_t>{tail}>")
 
 
 def _reduction_args(r: p.Reduce) -> str:
     axis = "n" if r.axis is None and r.deterministic else r.axis
     stride, batch = {"n": ("cute::_1{}, cute::_0{}", "M"), "m": ("cute::_0{}, cute::_1{}", "N"),
                      None: ("cute::_0{}, cute::_0{}", "1")}[axis]
-    out = f"outputs[{r.output_index}].data_ptr<float>()"
-    if r.completed_in_kernel:
-        q = _totals(r)
-        return f"{{{{{q}.scratch, 0.f, {{{stride}, int64_t({batch})}}}}, {q}.scratch, {out}, {q}.counters, scalars}}"
-    ptr = _partials(r) if r.deterministic else out
+    ptr = _partials(r) if r.deterministic else f"outputs[{r.output_index}].data_ptr<float>()"
     return f"{{{ptr}, {identity(r)}, {{{stride}, int64_t({batch})}}}}"
 
 
 def _reduction_init(r: p.Reduce) -> tuple[str, str]:
-    """(init, fill) before the launch: a statistic the GEMM completes gets its zero-at-rest totals and
-    counters; other atomics accumulate into the output, so fill it with the identity; deterministic mode
-    gets a workspace buffer for the per-tile partials instead."""
-    if r.completed_in_kernel:
-        return (f"auto {_totals(r)} = coda::totals_at_rest<TileShape>(call, ws, {r.output_index}, M, N, L, "
-                f"{str(r.axis == 'n').lower()}, op_name);"), ""
+    """(init, fill) before the launch: atomics accumulate into the output, so fill it with the identity;
+    deterministic mode gets a workspace buffer for the per-tile partials instead."""
     if not r.deterministic:
         return "", _fill(r.output_index, identity(r))
     q = _partials(r)
@@ -119,21 +104,18 @@ def _fill(output_index: int, value: str) -> str:
 
 def _reduction_finish(r: p.Reduce) -> str:
     """After the launch: combine partials and/or apply the finishing expression (else nothing)."""
-    rows = {"n": "M", "m": "N", None: "1"}[r.axis]
-    out = f"outputs[{r.output_index}].data_ptr<float>()"
-    finish = (f"coda::finish<{_FINISH_COMBINE[r.kind]}, {_finish_fn(r)}>({{src}}, {out}, {{shape}}, {identity(r)}, "
-              "scalars, call, op_name);")
-    if r.completed_in_kernel:  # no tile when the reduced axis is empty: the identity, finished, everywhere
-        other = "N" if r.axis == "n" else "M"
-        return (f"if ({other} == 0) {{\n    coda::fill({{{_fill(r.output_index, '0.f')}}}, call, op_name);\n    "
-                + finish.format(src=out, shape=f"{rows}, {rows}, 1, L, false") + "\n  }")
     if not r.deterministic and r.finish is None:
         return ""
+    out = f"outputs[{r.output_index}].data_ptr<float>()"
     if r.deterministic:
         q = _partials(r)
-        return finish.format(src=q, shape=f"{q}_shape.rows, {q}_shape.rows_padded, {q}_shape.tiles, L, "
-                                          f"{str(r.axis is None).lower()}")
-    return finish.format(src=out, shape=f"{rows}, {rows}, 1, L, false")  # in place on the atomic output
+        shape = f"{q}_shape.rows, {q}_shape.rows_padded, {q}_shape.tiles, L, {str(r.axis is None).lower()}"
+        src = q
+    else:  # in place on the atomically reduced output
+        rows = {"n": "M", "m": "N", None: "1"}[r.axis]
+        shape, src = f"{rows}, {rows}, 1, L, false", out
+    return (f"coda::finish<{_FINISH_COMBINE[r.kind]}, {_finish_fn(r)}>({src}, {out}, {shape}, {identity(r)}, "
+            "scalars, call, op_name);")
 
 
 def _logsumexp(r: p.LogSumExp) -> tuple[str, str, str, str, str]:

@@ -249,11 +249,10 @@ class _Lowering:
             self.add(Take(f"Take_{name}", (child,), comment=f"output {name}: the value at column {index}[m], "
                           f"fp32{then}", index_input=self.input(index), **common))
         else:
-            r = Reduce(f"Reduce_{name}", (child,), deterministic=self.sig.deterministic, **common)
-            mode = ("deterministic" if r.deterministic else
-                    "atomic, completed by the last tile of each block" if r.completed_in_kernel else "atomic")
-            r.comment = f"output {name}: {kind} over {axis or 'm and n'}, fp32, {mode}{then}"
-            self.add(r)
+            mode = "deterministic" if self.sig.deterministic else "atomic"
+            self.add(Reduce(f"Reduce_{name}", (child,), comment=f"output {name}: {kind} over "
+                               f"{axis or 'm and n'}, fp32, {mode}{then}", deterministic=self.sig.deterministic,
+                               **common))
         return KIND_OF_AXIS[axis]
 
     def value(self, n: ir.Node) -> int:

@@ -327,11 +327,9 @@ class Reduce(EvtNode):
 
     axis "n" (per row, [M]) is CUTLASS's ColReduction, "m" (per column, [N]) its RowReduction:
     CUTLASS names them after the shape of the result, the opposite of the ML reading.
-    Default: tiles combine with global atomics; a row or column sum or amax into zero-at-rest totals that
-    the last tile of each block stores (`completed_in_kernel`), anything else into the output, filled with
-    the identity first. deterministic: every tile writes its partial (FinalReduction=false) and a small
-    finishing kernel combines them in a fixed order. `finish` (from `.then`) runs where the statistic is
-    completed.
+    Default: tiles combine with global atomics into the output (filled with the identity first).
+    deterministic: every tile writes its partial (FinalReduction=false) and a small finishing kernel
+    combines them in a fixed order. `finish` (from `.then`) runs in that kernel too.
     """
 
     kind: str = "sum"
@@ -343,12 +341,6 @@ class Reduce(EvtNode):
     def canonical(self) -> str:
         body = self.finish.canonical() if self.finish else ""
         return f"Reduce{self.kind}{self.axis}{'det' if self.deterministic else ''}{self.children}{body}"
-
-    @property
-    def completed_in_kernel(self) -> bool:
-        """Completed by the GEMM's last tile of each row (column) block: no launch before it to set the
-        output to the identity, none after it. Atomic row and column statistics whose identity is 0."""
-        return not self.deterministic and self.axis is not None and self.kind in ("sum", "amax")
 
 
 @dataclass

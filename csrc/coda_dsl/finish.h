@@ -1,20 +1,15 @@
-// What completes a reduction: the GEMM's last tile of each row (column) block for row and column sums
-// (FinishedReduction), else a small kernel after the GEMM that combines per-tile partials in a fixed
-// order (deterministic mode) and applies the finishing expression (`.then(...)`), in one pass.
+// The small kernel that completes a reduction after the GEMM: combine per-tile partials in a fixed
+// order (deterministic mode) and apply the finishing expression (`.then(...)`), in one pass.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
-#include <map>
-#include <mutex>
-#include <tuple>
 
 #include "cutlass/cutlass.h"
 #include "cute/tensor.hpp"
 #include "coda_dsl/abi.h"
 #include "coda_dsl/device.h"
-#include "coda_dsl/direct.h"
 #include "coda_dsl/functional.h"
 
 namespace coda {
@@ -189,149 +184,5 @@ void finish_logsumexp(float const* partial, float* out, Partials p, int L, Args 
   finish_logsumexp_rows<Fn, Args><<<row_grid(n), dim3(kRows, kSplit), 0, call.stream>>>(partial, out, p, L, args);
   check_cuda(cudaGetLastError(), op_name, "finishing kernel");
 }
-
-// Memory whose bytes are zero whenever no kernel on its stream runs: a kernel that uses it sets back
-// what it changed before it ends, so the next one needs no launch to zero it. One buffer per device,
-// stream and slot, grown in stream order; while the stream is captured into a CUDA graph, the call's
-// workspace instead, zeroed by a memset that the graph replays. (A stream destroyed with such a kernel
-// still queued, and a new stream given its handle at once, would share the buffer: torch never destroys
-// its streams.)
-inline void* zero_at_rest(Call const& call, Workspace& ws, int slot, int64_t bytes, char const* op_name) {
-  void* own = ws.take(bytes);  // in every call: a size query cannot know whether the launch is captured
-  if (call.query || bytes == 0) return nullptr;
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  check_cuda(cudaStreamIsCapturing(call.stream, &capture), op_name, "cudaStreamIsCapturing");
-  if (capture != cudaStreamCaptureStatusNone) {
-    check_cuda(cudaMemsetAsync(own, 0, size_t(bytes), call.stream), op_name, "zeroing the reductions' counters");
-    return own;
-  }
-  struct Buffer {
-    void* data = nullptr;
-    int64_t bytes = 0;
-  };
-  static std::mutex mutex;
-  static std::map<std::tuple<int, CUstream_st*, int>, Buffer> buffers;
-  std::lock_guard<std::mutex> lock(mutex);
-  Buffer& b = buffers[{call.device, call.stream, slot}];
-  if (b.bytes < bytes) {
-    if (b.data) check_cuda(cudaFreeAsync(b.data, call.stream), op_name, "cudaFreeAsync");
-    b = Buffer{};
-    int64_t grown = std::max<int64_t>(bytes, 64 << 10);
-    check_cuda(cudaMallocAsync(&b.data, size_t(grown), call.stream), op_name, "cudaMallocAsync");
-    check_cuda(cudaMemsetAsync(b.data, 0, size_t(grown), call.stream), op_name, "zeroing the reductions' counters");
-    b.bytes = grown;
-  }
-  return b.data;
-}
-
-// A FinishedReduction's two zero-at-rest buffers: the statistic's running totals [L, rows] and a tile
-// counter per row block [L, blocks] (rows: M over n, N over m).
-struct Totals {
-  float* scratch = nullptr;
-  int* counters = nullptr;
-};
-
-template <class TileShape>
-Totals totals_at_rest(Call const& call, Workspace& ws, int slot, int M, int N, int L, bool over_n, char const* op_name) {
-  int rows = over_n ? M : N, tile = over_n ? cute::size<0>(TileShape{}) : cute::size<1>(TileShape{});
-  int64_t scratch_bytes = (int64_t(L) * rows * int64_t(sizeof(float)) + 255) / 256 * 256;
-  int64_t blocks = int64_t(L) * ((rows + tile - 1) / tile);
-  auto* p = static_cast<char*>(zero_at_rest(call, ws, slot, scratch_bytes + blocks * int64_t(sizeof(int)), op_name));
-  if (!p) return {};
-  return {reinterpret_cast<float*>(p), reinterpret_cast<int*>(p + scratch_bytes)};
-}
-
-// A row statistic over n (Inner: CUTLASS's atomic Sm90ColReduction) or a column statistic over m (its
-// Sm90RowReduction) whose identity is 0 (sum, amax), completed by the GEMM itself: no launch before it to
-// set the output to the identity, none after it for `.then`. Inner adds each tile's partials into
-// `scratch`, zero at rest; then each tile counts itself in its row block's counter (zero at rest too),
-// and the block's last tile applies Fn to the block's totals, stores them in `out` and sets the scratch
-// and the counter back to zero. Not deterministic: the atomics' order varies, as before.
-template <class Inner, class Fn, class FnArgs, class TileShape, bool OverN>
-struct FinishedReduction : ConsumerOnlyNode {
-  using SharedStorage = typename Inner::SharedStorage;
-  struct Arguments {
-    typename Inner::Arguments inner;  // its pointer is `scratch`
-    float* scratch = nullptr;         // [L, rows]
-    float* out = nullptr;             // [L, rows]
-    int* counters = nullptr;          // [L, blocks]
-    FnArgs fn{};
-  };
-  struct Params {
-    typename Inner::Params inner;
-    Arguments args;
-  };
-
-  template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const& shape, Arguments const& args, void* ws) {
-    return {Inner::to_underlying_arguments(shape, args.inner, ws), args};
-  }
-
-  CUTLASS_HOST_DEVICE FinishedReduction() {}
-  CUTLASS_HOST_DEVICE FinishedReduction(Params const& params, SharedStorage const& shared)
-      : params(params), inner(params.inner, shared) {}
-  Params params;
-  Inner inner;
-
-  template <class InnerCallbacks>
-  struct ConsumerStoreCallbacks : InnerCallbacks {  // Inner's callbacks, with the count and the last tile's work
-    CUTLASS_DEVICE ConsumerStoreCallbacks(InnerCallbacks&& base, Arguments const* args, int64_t first, int count,
-                                          int* counter, int expected, int thread, int threads)
-        : InnerCallbacks(static_cast<InnerCallbacks&&>(base)), finishing(args), first(first), count(count),
-          counter(counter), expected(expected), thread(thread), threads(threads) {}
-
-    Arguments const* finishing;
-    int64_t first;  // the block's first total in scratch and out
-    int count;      // its totals (rows past the problem's not counted)
-    int* counter;   // null: a tile outside the problem, which Inner skips (a cluster's padding)
-    int expected;   // the block's tiles
-    int thread, threads;
-    bool last = false;
-
-    template <class STensor, class SyncFn, class VTensor>
-    CUTLASS_DEVICE void reduce(STensor&& smem, SyncFn const& sync_fn, int epi_m, int epi_n, bool is_last_iteration,
-                               VTensor visit_results) {
-      InnerCallbacks::reduce(smem, sync_fn, epi_m, epi_n, is_last_iteration, visit_results);
-      if (!is_last_iteration || !counter) return;  // uniform over the tile's threads
-      __threadfence();  // this thread's atomics reach memory before the tile is counted
-      sync_fn();
-      int* seen = reinterpret_cast<int*>(cute::raw_pointer_cast(smem.data()));
-      if (thread == 0) *seen = atomicAdd(counter, 1);
-      sync_fn();
-      last = *seen == expected - 1;
-      sync_fn();  // read before the subtile's values reuse the buffer
-    }
-
-    CUTLASS_DEVICE void end() {
-      InnerCallbacks::end();
-      if (!last) return;
-      __threadfence();
-      for (int i = thread; i < count; i += threads) {
-        float total = __ldcg(finishing->scratch + first + i);  // from L2, where the atomics went
-        __stcg(finishing->scratch + first + i, 0.f);
-        finishing->out[first + i] = Fn{}(total, finishing->fn);
-      }
-      if (thread == 0) *counter = 0;
-    }
-  };
-
-  template <bool ReferenceSrc, class... Args>
-  CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
-    auto base = inner.template get_consumer_store_callbacks<ReferenceSrc>(args);
-    auto [M, N, K, L] = args.problem_shape_mnkl;
-    auto [m, n, k, l] = args.tile_coord_mnkl;
-    constexpr int tm = cute::size<0>(TileShape{}), tn = cute::size<1>(TileShape{});
-    int rows = OverN ? M : N, tile = OverN ? tm : tn, block = OverN ? m : n;
-    int other = OverN ? N : M, other_tile = OverN ? tn : tm;
-    bool inside = m * tm < M && n * tn < N;
-    int blocks = (rows + tile - 1) / tile;
-    int first = block * tile;
-    int* counter = inside ? params.args.counters + int64_t(l) * blocks + block : nullptr;
-    return ConsumerStoreCallbacks<decltype(base)>(
-        static_cast<decltype(base)&&>(base), &params.args, int64_t(l) * rows + first, cute::min(tile, rows - first),
-        counter, (other + other_tile - 1) / other_tile, int(args.thread_idx),
-        int(decltype(args.tiled_copy)::TiledNumThr::value));
-  }
-};
 
 }  // namespace coda

@@ -40,7 +40,7 @@ struct Scalars {
 using Acc = fusion::Sm90AccFetch;  // [0] fp32 accumulator of A @ B^T
 using Reduce_lse = coda::RowLogSumExp<TileShape>;  // [1] output lse: log-sum-exp over n, fp32, online per tile <- 0
 using Take_z_target = coda::RowTake;  // [2] output z_target: the value at column target[m], fp32 <- 0
-using Reduce_z_sum = coda::FinishedReduction<fusion::Sm90ColReduction<cutlass::plus, cutlass::plus, cutlass::atomic_add, 0, TileShape, float, float, cutlass::FloatRoundStyle::round_to_nearest, cute::Stride<cute::_1, cute::_0, int64_t>>, coda::Identity<float>, Scalars, TileShape, true>;  // [3] output z_sum: sum over n, fp32, atomic, completed by the last tile of each block <- 0
+using Reduce_z_sum = fusion::Sm90ColReduction<cutlass::plus, cutlass::plus, cutlass::atomic_add, 0, TileShape, float, float, cutlass::FloatRoundStyle::round_to_nearest, cute::Stride<cute::_1, cute::_0, int64_t>>;  // [3] output z_sum: sum over n, fp32, atomic <- 0
 
 using Visitor = fusion::Sm90TopologicalVisitor<
     float,
@@ -97,12 +97,11 @@ int64_t run(coda::Call const& call) {
   coda::Workspace ws(call);  // the kernel's own buffers first, then CUTLASS's
   auto partial_0_shape = coda::partials<TileShape>(M, N, true);
   float* partial_0 = ws.floats(2 * partial_0_shape.size(L));  // Reduce_lse
-  auto totals_2 = coda::totals_at_rest<TileShape>(call, ws, 2, M, N, L, true, op_name);  // Reduce_z_sum
   typename EVT::Arguments evt_args{
       {},  // Acc
       {partial_0},  // Reduce_lse
       coda::take_args<Take_z_target>(inputs[0], outputs[1]),  // Take_z_target
-      {{totals_2.scratch, 0.f, {cute::_1{}, cute::_0{}, int64_t(M)}}, totals_2.scratch, outputs[2].data_ptr<float>(), totals_2.counters, scalars}  // Reduce_z_sum
+      {outputs[2].data_ptr<float>(), 0.f, {cute::_1{}, cute::_0{}, int64_t(M)}}  // Reduce_z_sum
   };
 
 
@@ -126,13 +125,10 @@ int64_t run(coda::Call const& call) {
   if (call.query) return ws.used();
   coda::fill({  // outputs set to their start values, in one launch
       coda::Fill{outputs[1], 0.f},  // Take_z_target
+      coda::Fill{outputs[2], 0.f},  // Reduce_z_sum
   }, call, op_name);
   coda::launch<GemmKernel>(args, gemm_entry, gemm_ws, gemm_ws_size, call, op_name);
   coda::finish_logsumexp<coda::Identity<float>>(partial_0, outputs[0].data_ptr<float>(), partial_0_shape, L, scalars, call, op_name);  // Reduce_lse
-  if (N == 0) {
-    coda::fill({coda::Fill{outputs[2], 0.f}}, call, op_name);
-    coda::finish<coda::Plus, coda::Identity<float>>(outputs[2].data_ptr<float>(), outputs[2].data_ptr<float>(), M, M, 1, L, false, 0.f, scalars, call, op_name);
-  }  // Reduce_z_sum
   return ws.used();
 }
 #endif  // CODA_DEVICE_PASS
