@@ -102,6 +102,8 @@ def _pairs(items: list[str] | None, flag: str) -> dict[str, str]:
         name, sep, value = item.partition("=")
         if not sep or not name or not value:
             raise CliError(f"{flag} expects NAME=VALUE, got {item!r}")
+        if name.strip() in out:
+            raise CliError(f"{flag} {name.strip()} is given twice ({out[name.strip()]} and {value.strip()}): give it once")
         out[name.strip()] = value.strip()
     return out
 
@@ -633,9 +635,21 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _joined_shapes(argv: list[str]) -> list[str]:
+    """`--shape -1x8x8` as `--shape=-1x8x8`: argparse would take a value starting with '-' for an option and
+    say --shape lacks its argument, where the shape's own check says what is wrong with it."""
+    out = []
+    for arg in argv:
+        if out and out[-1] == "--shape" and arg.startswith("-") and arg[1:2].isdigit():
+            out[-1] = f"--shape={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
-    args, extra = ap.parse_known_args(argv)
+    args, extra = ap.parse_known_args(_joined_shapes(sys.argv[1:] if argv is None else argv))
     if args.command != "bench" and extra:
         ap.error(f"unrecognized arguments: {' '.join(extra)}")
     try:

@@ -263,7 +263,7 @@ def vocab_parallel_cross_entropy(x: torch.Tensor, lm_head_weight: DTensor, targe
     mesh = lm_head_weight.device_mesh
     vocab_size = lm_head_weight.shape[0]
     w = lm_head_weight.to_local()
-    check_args(x, w, target, reduction, label_smoothing)
+    check_args(x, w, target, reduction, label_smoothing, ignore_index)
     per_rank = -(-vocab_size // mesh.size())  # torch.chunk's split, which the rows' offsets assume
     vocab_start = min(mesh.get_local_rank() * per_rank, vocab_size)
     if w.shape[0] != min(per_rank, vocab_size - vocab_start):

@@ -157,10 +157,19 @@ def test_bad_target(capsys, eps, target, words):
     (("--const", "c=1", "--operand-dtype", "res=int8"), "dtype must be one of"),
     (("--const", "c=1", "--operand-dtype", "q=fp32"), "no tensor/vector operand 'q'"),
     (("--const", "c=1", "--config", "big"), "bad config"),
+    (("--const", "c=1", "--const", "c=2"), "--const c is given twice (1 and 2)"),
 ])
 def test_bad_options(capsys, eps, opts, words):
     rc, _, err = run(capsys, "explain", f"{eps}:scaled", *opts)
     assert rc == 2 and words in err and "Traceback" not in err
+
+
+def test_a_negative_shape_is_refused_by_its_own_check(capsys, eps):
+    """argparse reads `--shape -1x8x8`'s value as an option ("expected one argument"): the CLI hands it to the
+    shape's check instead."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["explain", f"{eps}:scaled", "--const", "c=1", "--shape", "-1x8x8"])
+    assert e.value.code == 2 and "M, N and K must be positive, got '-1x8x8'" in capsys.readouterr().err
 
 
 def test_tracing_error_is_one_message(capsys, tmp_path):

@@ -395,7 +395,7 @@ def test_combining_shards_checks_its_arguments():
     parts = [vocab_shard_stats(x, w[:10], t, 0, backend="reference"), vocab_shard_stats(x, w[10:], t, 10,
                                                                                        backend="reference")]
     for kwargs, match in (({"reduction": "avg"}, "reduction"), ({"label_smoothing": 0.1}, "z_sum"),
-                          ({"label_smoothing": 1.5}, "label_smoothing")):
+                          ({"label_smoothing": 1.5}, "label_smoothing"), ({"ignore_index": None}, "ignore_index")):
         with pytest.raises(ValueError, match=match):
             combine_vocab_shards(parts, t, 20, **kwargs)
     with pytest.raises(ValueError, match="got none"):
@@ -462,6 +462,9 @@ def test_bad_arguments():
         cd.linear_cross_entropy(x, w, t, backend="cuda")
     with pytest.raises(ValueError, match="w has no rows"):
         cd.linear_cross_entropy(x, w[:0], t, backend="reference")
+    for bad in (None, -100.0, True):  # F.cross_entropy refuses them too
+        with pytest.raises(ValueError, match="ignore_index must be an int"):
+            cd.linear_cross_entropy(x, w, t, ignore_index=bad, backend="reference")
     with pytest.raises(ValueError, match="target is on meta, x on cpu"):
         cd.linear_cross_entropy(x, w, t.to("meta"), backend="reference")
     for cap in (0.0, -10.0, float("inf"), float("nan"), True, "30", torch.tensor(-1.0)):  # 0 is no "off": None is

@@ -5,6 +5,8 @@ import math
 from math import exp
 import os
 import pydoc
+import re
+import sys
 
 import numpy as np
 import pytest
@@ -418,6 +420,18 @@ BODY_ERRORS = [
     (e_iter, ["not iterable", "per element"]),
     (e_string, ["str"]),
 ]
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="instructions carry their line from Python 3.11 on")
+def test_foreign_function_named_without_source():
+    """Code with no source file (python - < file, exec): the error still names the math function, read from
+    the bytecode of the line's call; a plain float() is not mistaken for an earlier line's np.sqrt."""
+    env = {"cd": cd, "math": math, "np": np}
+    for src, needle in (("@cd.epilogue\ndef f(acc): return cd.relu(math.exp(acc * 2))", "math.exp() cannot take"),
+                        ("from math import tanh\n@cd.epilogue\ndef f(acc):\n  return tanh(acc)", "math.tanh() cannot"),
+                        ("@cd.epilogue\ndef f(acc):\n  c = np.sqrt(2.0)\n  return float(acc) * c", "float() of a traced")):
+        with pytest.raises(EpilogueError, match=re.escape(needle)):
+            exec(compile(src, "<stdin>", "exec"), env)
 
 
 def test_help_coda_dsl_lists_every_dsl_function():

@@ -263,9 +263,12 @@ def test_out_with_wrong_shape():
 
 
 def test_not_an_epilogue():
+    """A plain function is refused with a coda_dsl error (a TypeError too, the Python category) and the fix."""
     a, b = ab()
-    with pytest.raises(TypeError, match="@cd.epilogue"):
-        cd.gemm(a, b, lambda acc: acc, backend="reference")
+    for call in (cd.gemm, cd.linear):
+        with pytest.raises(cd.EpilogueError, match=r"decorated with @cd\.epilogue.*\n  fix: put @cd\.epilogue"):
+            call(a, b, lambda acc: acc, backend="reference")
+    assert issubclass(cd.EpilogueError, TypeError) and issubclass(cd.EpilogueError, cd.CodaError)
 
 
 def test_unknown_backend():

@@ -6,6 +6,7 @@ function and line, with the fix.
 from __future__ import annotations
 
 import builtins
+import dis
 import inspect
 import itertools
 import linecache
@@ -64,14 +65,28 @@ def foreign_function(qualname: str) -> EpilogueError:
                 _cd_fix(qualname.rpartition(".")[2]))
 
 
+def _foreign(obj) -> str | None:
+    """'math.exp' for a function of math, numpy or torch (np.exp: 'np.exp'), else None."""
+    module = (getattr(obj, "__module__", None) or "").partition(".")[0]
+    if module in ("math", "numpy", "torch") and hasattr(obj, "__name__"):
+        return f"{'np' if module == 'numpy' else module}.{obj.__name__}"
+    return None
+
+
 def _called_function() -> str | None:
     """'math.exp' (or 'np.where', 'torch.tensor') when the user's line is calling that function of math,
-    numpy or torch: the call being executed (its source span, Python >= 3.11), else the line's first
-    math.X(...); None otherwise."""
+    numpy or torch: from the call's source span (Python >= 3.11), else the line's first math.X(...), else
+    (no source: stdin, exec) the names the frame's bytecode loads for the call; None otherwise."""
     f = _user_frame()
     if f is None:
         return None
+
+    def lookup(name: str):
+        return f.f_locals.get(name, f.f_globals.get(name, getattr(builtins, name, None)))
+
     line = linecache.getline(f.f_code.co_filename, f.f_lineno)
+    if not line.strip():
+        return _called_in_bytecode(f, lookup)
     if sys.version_info >= (3, 11):
         first, last, col, end = next(itertools.islice(f.f_code.co_positions(), f.f_lasti // 2, None),
                                      (None,) * 4)
@@ -79,14 +94,34 @@ def _called_function() -> str | None:
             call = line.encode()[col:end].decode(errors="replace")  # (the columns count UTF-8 bytes)
             m = re.match(r"\s*([A-Za-z_][\w.]*)\s*\(", call)
             head, *rest = m.group(1).split(".") if m else ("",)
-            obj = f.f_locals.get(head, f.f_globals.get(head, getattr(builtins, head, None)))
+            obj = lookup(head)
             for part in rest:
                 obj = getattr(obj, part, None)
-            module = (getattr(obj, "__module__", None) or "").partition(".")[0]
-            if module in ("math", "numpy", "torch"):
-                return f"{'np' if module == 'numpy' else module}.{getattr(obj, '__name__', rest[-1] if rest else head)}"
+            if _foreign(obj):
+                return _foreign(obj)
     m = re.search(r"\bmath\.(\w+)\s*\(", line)
     return f"math.{m.group(1)}" if m else None
+
+
+def _called_in_bytecode(f, lookup) -> str | None:
+    """The math/numpy/torch function among the names the line loads before the frame's current call
+    (module.fn, or a name imported from one), nearest first: math.exp(cd.relu(x)) passes cd.relu."""
+    if sys.version_info < (3, 11):  # (instructions carry their line from 3.11 on)
+        return None
+    ins = [i for i in dis.get_instructions(f.f_code) if i.offset <= f.f_lasti and i.positions.lineno == f.f_lineno]
+    for at in range(len(ins) - 1, -1, -1):
+        i = ins[at]
+        obj = None
+        if i.opname in ("LOAD_ATTR", "LOAD_METHOD") and at and ins[at - 1].opname in _NAME_LOADS:
+            obj = getattr(lookup(ins[at - 1].argval), i.argval, None)
+        elif i.opname in _NAME_LOADS:
+            obj = lookup(i.argval)
+        if _foreign(obj):
+            return _foreign(obj)
+    return None
+
+
+_NAME_LOADS = ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_FAST", "LOAD_DEREF")
 
 
 class _Tracer:

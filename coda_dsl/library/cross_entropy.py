@@ -386,7 +386,9 @@ def recomputed_grads(x, w, lse, scale, target, uniform: float, hot: float, cap: 
     return grad_x, grad_w
 
 
-def _check_options(reduction, label_smoothing):
+def _check_options(reduction, label_smoothing, ignore_index):
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise ValueError(f"ignore_index must be an int (a target value whose rows are left out), not {ignore_index!r}")
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', not {reduction!r}")
     if not 0.0 <= label_smoothing <= 1.0:
@@ -405,8 +407,8 @@ def _cap(softcap) -> float | None:
     return float(softcap)
 
 
-def check_args(x, w, target, reduction, label_smoothing):
-    _check_options(reduction, label_smoothing)
+def check_args(x, w, target, reduction, label_smoothing, ignore_index):
+    _check_options(reduction, label_smoothing, ignore_index)
     if x.dim() != 2:
         raise ValueError(f"x must be [M, d] (flatten a batch: x.flatten(0, -2), target.flatten()), got "
                          f"{list(x.shape)}")
@@ -432,7 +434,7 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
     (The reference backend forms fp32 logits per chunk.) config: the kernels' tile configuration
     (a cd.Config or its text; default CONFIG).
     """
-    check_args(x, w, target, reduction, label_smoothing)
+    check_args(x, w, target, reduction, label_smoothing, ignore_index)
     if w.shape[0] == 0:
         raise ValueError("w has no rows: the vocabulary is empty (a shard of a vocabulary-parallel head may be; "
                          "see vocab_shard_stats)")
@@ -458,7 +460,7 @@ def vocab_shard_stats(x: torch.Tensor, w_shard: torch.Tensor, target: torch.Tens
     and, with label smoothing, "z_sum". Combine the shards' with combine_vocab_shards, or across
     GPUs with all-reduces: m = lse, all_reduce(m, MAX); s = exp(lse - m), all_reduce(s, SUM);
     lse = m + log(s); all_reduce(z_target, SUM) (and z_sum); then the loss as combine_vocab_shards."""
-    check_args(x, w_shard, target, "mean", label_smoothing)
+    check_args(x, w_shard, target, "mean", label_smoothing, ignore_index)
     local = target - vocab_start
     inside = (target != ignore_index) & (local >= 0) & (local < w_shard.shape[0])
     with torch.no_grad():
@@ -470,7 +472,7 @@ def combine_vocab_shards(stats: Sequence[dict[str, torch.Tensor]], target: torch
                          reduction: str = "mean") -> torch.Tensor:
     """The loss from every shard's vocab_shard_stats, as linear_cross_entropy over the whole
     vocabulary (vocab_size columns) would give it; the same max / sum-exp steps as the all-reduces."""
-    _check_options(reduction, label_smoothing)
+    _check_options(reduction, label_smoothing, ignore_index)
     if not stats:
         raise ValueError("stats: one vocab_shard_stats result per shard, got none")
     if label_smoothing and any("z_sum" not in s for s in stats):

@@ -13,7 +13,7 @@ import torch
 
 from .. import build, pipeline
 from ..dsl import Epilogue, identity
-from ..errors import OperandError, UnsupportedError
+from ..errors import EpilogueError, OperandError, UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import DTYPES, REDUCTIONS
 from ..passes import accumulate_into_d, specialize
@@ -496,7 +496,8 @@ def epilogue_of(api: str, epilogue, operands: dict) -> Epilogue:
         raise OperandError(f"{api}: the epilogue is positional: {api}(A, B, {name}, ...), not epilogue={name}")
     ep = epilogue or identity
     if not isinstance(ep, Epilogue):
-        raise TypeError(f"{api}: epilogue must be a function decorated with @cd.epilogue, got {ep!r}")
+        raise EpilogueError(f"{api}: the epilogue must be a function decorated with @cd.epilogue, got {ep!r}\n  fix: "
+                            "put @cd.epilogue above its def (or pass cd.epilogue(fn))")
     return ep
 
 
