@@ -113,7 +113,10 @@ def _called_in_bytecode(f, lookup) -> str | None:
         i = ins[at]
         obj = None
         if i.opname in ("LOAD_ATTR", "LOAD_METHOD") and at and ins[at - 1].opname in _NAME_LOADS:
-            obj = getattr(lookup(ins[at - 1].argval), i.argval, None)
+            try:  # any object's attribute: a traced value's raises EpilogueError
+                obj = getattr(lookup(ins[at - 1].argval), i.argval, None)
+            except Exception:  # noqa: BLE001
+                continue
         elif i.opname in _NAME_LOADS:
             obj = lookup(i.argval)
         if _foreign(obj):
