@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-from .harness import markdown, progress
+from .harness import markdown, positive, progress
 
 # (epilogue spec as module:name, signature options): the 3 representatives first, then variants
 # (other configs and dtypes) that give the warm load its distinct cached kernels
@@ -90,8 +90,8 @@ def _restored_cache_env(saved: str | None):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.build_time", description=__doc__.split("\n")[0])
-    p.add_argument("--kernels", type=int, default=10, help="cached kernels the warm load opens (default 10)")
-    p.add_argument("--jobs", type=int, default=None, help="parallel nvcc jobs (default: coda_dsl's choice)")
+    p.add_argument("--kernels", type=positive, default=10, help="cached kernels the warm load opens (default 10)")
+    p.add_argument("--jobs", type=positive, default=None, help="parallel nvcc jobs (default: coda_dsl's choice)")
     p.add_argument("--no-serial", action="store_true", help="skip the one-at-a-time cold builds")
     args = p.parse_args(argv)
     rows = []

@@ -29,8 +29,9 @@ import coda_dsl as cd
 from coda_dsl.library import cross_entropy as ce
 from coda_dsl.runtime import op as runtime
 
-from .harness import (background, compile_label, compile_mode, config_text, fmt, markdown, no_gpu, parser, peak_mib,
-                      profile_kernels, progress, rel_err, results_only_on_stdout, round_robin, save, shapes)
+from .harness import (background, compile_label, compile_mode, config_texts, fmt, markdown, no_gpu,
+                      non_negative, parser, peak_mib, positive, profile_kernels, progress, rel_err,
+                      results_only_on_stdout, round_robin, save, shapes)
 from .harness import command as command_line
 
 SHAPE = (8192, 4096, 128256)  # M tokens, d model width, V vocabulary (Llama-3-8B)
@@ -216,14 +217,14 @@ def report(rows: list[CERow], failed: list[str], command: str) -> None:
 def main(argv=None) -> int:
     p = parser("python -m bench.cross_entropy", __doc__)
     p.add_argument("--shape", type=shapes, default=SHAPES, help="MxDxV,...: tokens, model width, vocabulary")
-    p.add_argument("--iters", type=int, default=10, help="timed calls per variant and step")
+    p.add_argument("--iters", type=positive, default=10, help="timed calls per variant and step")
     p.add_argument("--autotune", action="store_true", help="torch.compile with max-autotune-no-cudagraphs (slow)")
-    p.add_argument("--chunk-rows", type=lambda t: [int(r) for r in t.split(",")], default=[],
+    p.add_argument("--chunk-rows", type=lambda t: [positive(r) for r in t.split(",")], default=[],
                    help="also measure cd.linear_cross_entropy with these chunk_rows (comma-separated)")
-    p.add_argument("--configs", type=lambda t: [config_text(c) for c in t.split(",")], default=[],
+    p.add_argument("--configs", type=config_texts, default=[],
                    help="also measure cd.linear_cross_entropy with these tile configurations (comma-separated "
                         "cd.Config texts, e.g. 128x128x64_c1x1_pingpong)")
-    p.add_argument("--profile", type=int, default=0, metavar="N",
+    p.add_argument("--profile", type=non_negative, default=0, metavar="N",
                    help="after the timing, the N costliest GPU kernels of one forward+backward per variant (stderr)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
     args = p.parse_args(argv)

@@ -12,7 +12,6 @@ the lower forward+backward ratio (training's step); runtime/tune.py:default has 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -22,7 +21,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .harness import command, markdown, no_gpu, parser, progress, save, subset
+from .harness import command, markdown, no_gpu, parser, positive, progress, save, subset
 from .llama_layer import CODA, COMPILED, FLOOR, tokens_list
 
 RULES = ("H100", "H200")  # the models runtime/tune.py:default has a rule of its own for
@@ -77,23 +76,13 @@ def report(rows: list[RuleRow], rules: list[str], tokens: list[int]) -> str:
                      "torch.compile fwd × floor", "torch.compile fwd+bwd × floor"], out, numeric=4)
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def main(argv=None) -> int:
     p = parser("python -m bench.default_rule", __doc__)
     p.add_argument("--rules", type=subset(RULES), default=list(RULES), help="GPU models whose rules to time "
                    f"(default: {','.join(RULES)})")
-    p.add_argument("--rounds", type=_positive, default=2, help="processes per rule, alternating (default 2)")
+    p.add_argument("--rounds", type=positive, default=2, help="processes per rule, alternating (default 2)")
     p.add_argument("--tokens", type=tokens_list, default=[8192, 16384], help="token counts, comma-separated")
-    p.add_argument("--iters", type=_positive, default=10, help="bench.llama_layer's timed rounds per process")
+    p.add_argument("--iters", type=positive, default=10, help="bench.llama_layer's timed rounds per process")
     args = p.parse_args(argv)
     if no_gpu():
         return 1

@@ -27,9 +27,9 @@ from coda_dsl.library import geglu, rope_frequencies, rope_positions, swiglu
 from coda_dsl.runtime import op as runtime
 from coda_dsl.runtime import tune as tuning
 
-from .harness import (FLOOR, Row, Timing, add_timing, background, compile_label, compile_mode, config_text, fmt, markdown, no_gpu,
-                      out_dir, parser, progress, rel_err, results_only_on_stdout, rotation, save, shapes, subset,
-                      table, timed)
+from .harness import (FLOOR, Row, Timing, add_timing, background, compile_label, compile_mode, config_text, fmt,
+                      markdown, no_gpu, out_dir, parser, positive, progress, rel_err, results_only_on_stdout,
+                      rotation, save, shapes, subset, table, timed)
 from .harness import command as command_line
 
 CUBES = tuple((s, s, s) for s in (2048, 4096, 8192))  # M, N, K
@@ -283,7 +283,7 @@ def report(rows: list[Row], failed: list[str], command: str) -> None:
 def add_args(p: argparse.ArgumentParser, only=tuple(CASES)) -> None:
     p.add_argument("--only", type=subset(only), default=list(only), help=f"subset of {','.join(only)}")
     p.add_argument("--shapes", type=shapes, help="MxNxK,... for every case (default: each case's own)")
-    p.add_argument("--iters", type=int, default=50, help="timed calls per variant, over all rounds")
+    p.add_argument("--iters", type=positive, default=50, help="timed calls per variant, over all rounds")
     p.add_argument("--autotune", action="store_true", help="torch.compile with max-autotune-no-cudagraphs (slow)")
     p.add_argument("--compile-dynamic", action="store_true",
                    help="torch.compile once per case with dynamic shapes instead of once per shape (faster)")

@@ -160,7 +160,7 @@ def add_timing(p, what: str = "each variant", graph: bool = False) -> None:
     """The timing options of every benchmark that times with timed(): --sustained MS, and where the variants
     can be captured in CUDA graphs (graph=True), --graph instead."""
     group = p.add_mutually_exclusive_group() if graph else p
-    group.add_argument("--sustained", type=float, default=0, metavar="MS",
+    group.add_argument("--sustained", type=milliseconds, default=0, metavar="MS",
                        help=f"time {what} alone after MS ms of its own calls, as training runs, with the SM clock "
                             "and board power (default: round-robin)")
     if graph:
@@ -276,6 +276,33 @@ def shapes(text: str) -> list[tuple[int, int, int]]:
     return [shape(s) for s in text.split(",")]
 
 
+def positive(text: str) -> int:
+    """An argparse type: an integer > 0 (timed calls, rounds, sizes)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def non_negative(text: str) -> int:
+    """An argparse type: an integer >= 0 (0: off)."""
+    return 0 if text.strip() == "0" else positive(text)
+
+
+def milliseconds(text: str) -> float:
+    """An argparse type: a duration in ms, >= 0 (0: off)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected milliseconds >= 0, got {text!r}")
+    return value
+
+
 def config_text(text: str) -> str:
     """An argparse type: a cd.Config's text (e.g. 128x128x64_c2x1_pingpong), checked."""
     import coda_dsl as cd
@@ -283,6 +310,11 @@ def config_text(text: str) -> str:
         return cd.Config.parse(text).text
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def config_texts(text: str) -> list[str]:
+    """An argparse type: comma-separated cd.Config texts, each checked."""
+    return [config_text(c) for c in text.split(",")]
 
 
 def subset(choices) -> Callable[[str], list[str]]:
@@ -296,10 +328,16 @@ def subset(choices) -> Callable[[str], list[str]]:
     return parse
 
 
+class _Parser(argparse.ArgumentParser):
+    def parse_known_args(self, args=None, namespace=None):  # --shapes -1x8x8: the shape's check answers
+        from coda_dsl.cli import joined_negative_values
+        return super().parse_known_args(joined_negative_values(sys.argv[1:] if args is None else list(args),
+                                                               ("--shape", "--shapes")), namespace)
+
+
 def parser(prog: str, doc: str) -> argparse.ArgumentParser:
     # allow_abbrev=False: --shape must not silently mean --shapes
-    return argparse.ArgumentParser(prog=prog, description=doc, allow_abbrev=False,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    return _Parser(prog=prog, description=doc, allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def compile_mode(autotune: bool) -> str | None:

@@ -28,8 +28,8 @@ from coda_dsl.passes.autodiff import GRAD
 from coda_dsl.runtime.autograd import forward_epilogue
 
 from .epilogues import bias_gelu, residual_sumsq
-from .harness import (Row, fmt, markdown, no_gpu, parser, progress, results_only_on_stdout, rotation, round_robin,
-                      save, shapes, subset)
+from .harness import (Row, fmt, markdown, no_gpu, parser, positive, progress, results_only_on_stdout, rotation,
+                      round_robin, save, shapes, subset)
 from .harness import command as command_line
 
 SHAPES = [(8192, 14336, 4096)]  # the target shape: Llama-3-8B's MLP width
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     p = parser("python -m bench.linear_backward", __doc__)
     p.add_argument("--only", type=subset(list(CASES)), default=list(CASES), help="epilogues, comma-separated")
     p.add_argument("--shapes", type=shapes, default=SHAPES, help="MxNxK,... (default %(default)s)")
-    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--iters", type=positive, default=30)
     p.add_argument("--with-dy", action="store_true",
                    help="also with dY's GEMM, where the derived backward epilogue can run (against 4 GEMMs)")
     p.add_argument("--dry-run", action="store_true", help="print what would be measured, then exit")

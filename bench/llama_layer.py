@@ -48,8 +48,8 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .harness import (Timing, add_timing, markdown, no_gpu, parser, peak_mib, profile_kernels, progress, rel_err, results_only_on_stdout,
-                      save, timed)
+from .harness import (Timing, add_timing, markdown, no_gpu, non_negative, parser, peak_mib, positive,
+                      profile_kernels, progress, rel_err, results_only_on_stdout, save, timed)
 from .harness import command as command_line
 
 CONFIGS = {
@@ -372,10 +372,10 @@ def parse(argv=None):
     p = parser("python -m bench.llama_layer", __doc__)
     p.add_argument("--config", choices=sorted(CONFIGS), default="8b", help="layer shape (default: Llama-3-8B)")
     p.add_argument("--tokens", type=tokens_list, default=TOKENS, help="token counts, comma-separated")
-    p.add_argument("--seq", type=int, default=2048, help="sequence length; batch = tokens / seq")
-    p.add_argument("--iters", type=int, default=20, help="timed rounds")
+    p.add_argument("--seq", type=positive, default=2048, help="sequence length; batch = tokens / seq")
+    p.add_argument("--iters", type=positive, default=20, help="timed rounds")
     p.add_argument("--json", metavar="PATH", help="also write the results' JSON here")
-    p.add_argument("--profile", type=int, default=0, metavar="N",
+    p.add_argument("--profile", type=non_negative, default=0, metavar="N",
                    help="print each variant's N costliest GPU kernels of one fwd+bwd (stderr)")
     p.add_argument("--without-y", action="store_true",
                    help=f"also the variant '{CODA_WITHOUT_Y}': the layer's MLP keeps no y for the backward")

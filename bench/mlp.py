@@ -47,8 +47,8 @@ from coda_dsl.nn import rms_swiglu_fwd, rms_swiglu_grad, rms_swiglu_grad_and_y
 from coda_dsl.passes.plan import Config
 from coda_dsl.runtime.tune import DEFAULT, PINGPONG, PINGPONG_192, default
 
-from .harness import (Row, Timing, add_timing, fmt, markdown, no_gpu, parser, progress, results_only_on_stdout, rotation, save, shapes,
-                      timed)
+from .harness import (Row, Timing, add_timing, fmt, markdown, no_gpu, parser, positive, progress,
+                      results_only_on_stdout, rotation, save, shapes, timed)
 from .harness import command as command_line
 
 SHAPES = [(8192, 14336, 4096)]  # Llama-3-8B: tokens x FFN x hidden
@@ -256,7 +256,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", type=shapes, default=SHAPES, help="MxFxD,... (default %(default)s)")
     p.add_argument("--configs", default="default",
                    help=f"comma-separated: {list(CONFIGS)} or config texts like 128x128x64_c1x2_pingpong")
-    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--iters", type=positive, default=30)
     add_timing(p)
     args = p.parse_args(argv)
     steps, configs = args.steps.split(","), args.configs.split(",")

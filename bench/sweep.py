@@ -30,8 +30,8 @@ from coda_dsl.passes.plan import Config
 from coda_dsl.runtime import op as runtime
 
 from .epilogues import CASES, Case, _inputs
-from .harness import (Row, Timing, add_timing, fmt, markdown, no_gpu, parser, progress, rel_err, results_only_on_stdout, rotation,
-                      save, shapes, subset, timed)
+from .harness import (Row, Timing, add_timing, config_texts, fmt, markdown, no_gpu, parser, positive, progress,
+                      rel_err, results_only_on_stdout, rotation, save, shapes, subset, timed)
 from .harness import command as command_line
 
 LLAMA = ((8192, 4096, 4096), (8192, 6144, 4096), (8192, 14336, 4096), (8192, 4096, 14336),  # 8B: o, qkv, up, down
@@ -82,12 +82,12 @@ def main(argv=None) -> int:
     p = parser("python -m bench.sweep", __doc__)
     p.add_argument("--only", type=subset(tuple(SWEPT)), default=list(CASES),
                    help="epilogues (default: bench.epilogues' cases)")
-    p.add_argument("--configs", default=",".join(CONFIGS), help="configuration keys, comma-separated")
+    p.add_argument("--configs", type=config_texts, default=list(CONFIGS), help="configuration keys, comma-separated")
     p.add_argument("--shapes", type=shapes, help="MxNxK,... (default: Llama-3 8B/70B projections at 8192 tokens)")
-    p.add_argument("--iters", type=int, default=30, help="timed calls per variant, over all rounds")
+    p.add_argument("--iters", type=positive, default=30, help="timed calls per variant, over all rounds")
     add_timing(p, graph=True)
     args = p.parse_args(argv)
-    configs = [Config.parse(c) for c in args.configs.split(",")]
+    configs = [Config.parse(c) for c in args.configs]
     if no_gpu():
         return 1
     command = command_line("python -m bench.sweep", argv)

@@ -38,7 +38,7 @@ from torch import nn
 
 import coda_dsl as cd
 
-from .harness import markdown, no_gpu, out_dir, parser, progress, results_only_on_stdout, save
+from .harness import markdown, no_gpu, out_dir, parser, positive, progress, results_only_on_stdout, save
 from .harness import command as command_line
 
 SMALL = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=688,
@@ -210,10 +210,10 @@ def plot(curves: list[Curve], path, title: str):
 
 def parse(argv=None):
     p = parser("python -m bench.train_llama", __doc__)
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--steps", type=positive, default=200)
+    p.add_argument("--batch", type=positive, default=16)
+    p.add_argument("--seq", type=positive, default=128)
+    p.add_argument("--layers", type=positive, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0, help="initial weights and data")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")

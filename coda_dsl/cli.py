@@ -324,7 +324,7 @@ def _age(seconds: float) -> str:
 def cmd_cache(args) -> int:
     root = build.cache_dir()
     if args.action == "export":
-        parts = build.export_cache(Path(args.file), int(args.part_mb * 2**20) if args.part_mb else None)
+        parts = build.export_cache(Path(args.file), max(1, int(args.part_mb * 2**20)) if args.part_mb else None)
         for p in parts:
             print(f"wrote {p} ({_size(p.stat().st_size)})")
         return 0
@@ -635,13 +635,13 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _joined_shapes(argv: list[str]) -> list[str]:
+def joined_negative_values(argv: list[str], options: tuple[str, ...] = ("--shape",)) -> list[str]:
     """`--shape -1x8x8` as `--shape=-1x8x8`: argparse would take a value starting with '-' for an option and
     say --shape lacks its argument, where the shape's own check says what is wrong with it."""
     out = []
     for arg in argv:
-        if out and out[-1] == "--shape" and arg.startswith("-") and arg[1:2].isdigit():
-            out[-1] = f"--shape={arg}"
+        if out and out[-1] in options and arg.startswith("-") and arg[1:2].isdigit():
+            out[-1] = f"{out[-1]}={arg}"
         else:
             out.append(arg)
     return out
@@ -649,7 +649,7 @@ def _joined_shapes(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
-    args, extra = ap.parse_known_args(_joined_shapes(sys.argv[1:] if argv is None else argv))
+    args, extra = ap.parse_known_args(joined_negative_values(sys.argv[1:] if argv is None else argv))
     if args.command != "bench" and extra:
         ap.error(f"unrecognized arguments: {' '.join(extra)}")
     try:

@@ -73,6 +73,26 @@ def test_bad_arguments(args, capsys):
     assert e.value.code == 2
 
 
+@pytest.mark.parametrize("module, args, words", [
+    ("epilogues", ["--iters", "0"], "expected a positive integer, got '0'"),  # (a median of no timings, after the builds)
+    ("epilogues", ["--shapes", "-1x8x8"], "expected three positive integers"),  # not "expected one argument"
+    ("epilogues", ["--sustained", "-1"], "expected milliseconds >= 0"),
+    ("sweep", ["--configs", "bogus"], "bogus"),
+    ("sweep", ["--iters", "-3"], "expected a positive integer"),
+    ("cross_entropy", ["--chunk-rows", "0,256"], "expected a positive integer, got '0'"),
+    ("cross_entropy", ["--profile", "-2"], "expected a positive integer, got '-2'"),
+    ("llama_layer", ["--seq", "0"], "expected a positive integer"),
+    ("train_llama", ["--steps", "0"], "expected a positive integer"),
+])
+def test_bad_counts_and_configs_are_usage_errors(module, args, words, capsys):
+    """Each bench module refuses them while parsing (exit 2, the option named), before any build or GPU work."""
+    import importlib
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(f"bench.{module}").main([*args, "--dry-run"] if module != "train_llama" else args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and words in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("entry", [bench_main.main, epilogues.main, cross_entropy.main, linear_backward.main])
 def test_no_cuda_exits_with_one_line(entry, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

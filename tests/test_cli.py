@@ -370,10 +370,23 @@ def test_cache_import_rejects_what_is_not_a_checked_entry(capsys, tmp_path, monk
     assert json.loads((cache.entry_dir(good) / "meta.json").read_text())["op_name"] == "k01"
     assert not (tmp_path / "escape").exists() and not (tmp_path / "other" / "escape").exists()
     (tmp_path / "broken.tar.gz").write_bytes(path.read_bytes()[:100])
-    rc, _, err = run(capsys, "cache", "import", str(tmp_path / "broken.tar.gz"))
-    assert rc == 2 and "is not a whole gzip'd tar file" in err
-    rc, _, err = run(capsys, "cache", "import", str(tmp_path / "missing.tar.gz"))
-    assert rc == 2 and "cannot read" in err and "missing.tar.gz" in err
+    rc, out, _ = run(capsys, "cache", "import", str(tmp_path / "broken.tar.gz"), str(path), str(path))
+    assert rc == 1 and "broken.tar.gz: not a whole gzip'd tar file" in out  # reported with the other files' outcomes
+    assert "added 0, already present 1, rejected" in out  # the good entry counted once though given twice
+    for name, why in (("missing.tar.gz", "no such file"), ("", "a directory")):
+        rc, _, err = run(capsys, "cache", "import", str(path), str(tmp_path / name))
+        assert rc == 2 and f"cannot read {tmp_path / name}: {why}" in err  # before any file is imported
+    for files, sha in (([1], {}), ({}, "abc")):  # a meta.json whose tables are of other types: rejected
+        meta = json.loads((cache.entry_dir(good) / "meta.json").read_text())
+        meta.update(key=f"{3:024x}", files=files, sha256=sha)
+        odd = tmp_path / "odd.tar.gz"
+        with tarfile.open(odd, "w:gz") as tar:
+            for name, data in (("kernel.so", b"k"), ("meta.json", json.dumps(meta).encode())):
+                info = tarfile.TarInfo(f"{3:024x}/{name}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        rc, out, _ = run(capsys, "cache", "import", str(odd))
+        assert rc == 1 and "files and sha256 are not tables" in out
     for argv in (["export"], ["export", "a.tar.gz", "b.tar.gz"], ["import"], ["list", "x"], ["export", "--part-mb", "0",
                                                                                           "k.tar.gz"], []):
         with pytest.raises(SystemExit) as exited:  # argparse's usage error

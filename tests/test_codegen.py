@@ -238,7 +238,7 @@ def test_config_text_is_checked(text):
 
 def test_config_fields_are_checked():
     for kw in (dict(cluster=(2, 1, 5)), dict(epilogue_tile=(128, 0)), dict(epilogue_tile=(128, 64, 1)),
-               dict(tile=(128.0, 256, 64)), dict(swizzle=True)):
+               dict(tile=(128.0, 256, 64)), dict(swizzle=True), dict(swizzle=2.0)):  # 2.0: text _s2.0, unparsable
         with pytest.raises(ValueError):
             Config(**kw)
     c = Config(tile=[128, 256, 64])  # a list is its tuple: hashable, and prints as the default

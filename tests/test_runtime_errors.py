@@ -268,7 +268,17 @@ def test_not_an_epilogue():
     for call in (cd.gemm, cd.linear):
         with pytest.raises(cd.EpilogueError, match=r"decorated with @cd\.epilogue.*\n  fix: put @cd\.epilogue"):
             call(a, b, lambda acc: acc, backend="reference")
+    with pytest.raises(cd.EpilogueError, match=r"^cd\.compile: the epilogue must be a function decorated"):
+        cd.compile(lambda acc: acc, a, b)
     assert issubclass(cd.EpilogueError, TypeError) and issubclass(cd.EpilogueError, cd.CodaError)
+
+
+@pytest.mark.parametrize("option", ["backend", "tune"])
+def test_compile_refuses_the_options_of_gemm_by_name(option):
+    """cd.compile(..., backend=...) was reported as an unexpected operand 'backend'."""
+    a, b = ab()
+    with pytest.raises(cd.OperandError, match=f"cd.compile: {option}= is an option of cd.gemm, not of cd.compile"):
+        cd.compile(cd.identity, a, b, **{option: "reference" if option == "backend" else True})
 
 
 def test_unknown_backend():

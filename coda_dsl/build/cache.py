@@ -463,18 +463,20 @@ def import_cache(paths: list[Path]) -> Imported:
     meta.json records; anything else is rejected and reported, never extracted. An entry the cache
     already has complete is left as it is. The cache still looks entries up by build key, so one
     built with another nvcc or CUTLASS is stored but never loaded."""
+    for path in paths:  # all of them before the first is read: a typo imports nothing
+        if not Path(path).is_file():
+            raise CacheError(f"cannot read {path}: {'a directory' if Path(path).is_dir() else 'no such file'}"
+                             " (give the files `coda-dsl cache export` wrote)")
     result = Imported()
     for path in paths:
-        if not Path(path).is_file():
-            raise CacheError(f"cannot read {path}: no such file")
         try:
             _unpack(path, result)
         except CacheError:  # the cache's own files (cache_io): the message names the cache
             raise
-        except (tarfile.TarError, EOFError) as e:
-            raise CacheError(f"{path} is not a whole gzip'd tar file of `coda-dsl cache export` ({e})") from None
+        except (tarfile.TarError, EOFError) as e:  # the other files' entries still count
+            result.rejected.append(f"{path}: not a whole gzip'd tar file of `coda-dsl cache export` ({e})")
         except OSError as e:
-            raise CacheError(f"cannot read {path}: {e.strerror or e}") from None
+            result.rejected.append(f"{path}: cannot read it ({e.strerror or e})")
     return result
 
 
@@ -499,7 +501,7 @@ def _commit_members(tar: tarfile.TarFile, tmp: Path, result: Imported) -> None:
         outcome = _import_entry(key, files)
         if outcome == "added":
             result.added.append(key)
-        elif outcome == "present":
+        elif outcome == "present" and key not in result.added + result.present:  # once, if two files hold it
             result.present.append(key)
         else:
             result.rejected.append(f"{key}: {outcome}")
@@ -516,6 +518,8 @@ def _import_entry(key: str, files: dict[str, Path]) -> str:
     if "kernel.so" not in files:
         return "no kernel.so"
     sizes, digests = meta.get("files") or {}, meta.get("sha256") or {}
+    if not isinstance(sizes, dict) or not isinstance(digests, dict):
+        return "its meta.json's files and sha256 are not tables of file names"
     for name, f in files.items():
         if sizes.get(name) != f.stat().st_size or digests.get(name) != _sha256(f):
             return f"{name} does not match the size and SHA-256 its meta.json records"

@@ -63,7 +63,7 @@ class Config:
                                  f"(pingpong), N a multiple of 16 dividing the tile's {n}")
         if self.raster not in ("auto", "m", "n"):
             raise ValueError(f"raster must be 'auto', 'm' or 'n', not {self.raster!r}")
-        if isinstance(self.swizzle, bool) or self.swizzle not in (1, 2, 4, 8):
+        if not isinstance(self.swizzle, int) or isinstance(self.swizzle, bool) or self.swizzle not in (1, 2, 4, 8):
             raise ValueError(f"swizzle must be 1, 2, 4 or 8, not {self.swizzle!r}")
         if self.scheduler not in ("persistent", "streamk"):
             raise ValueError(f"scheduler must be 'persistent' or 'streamk', not {self.scheduler!r}")

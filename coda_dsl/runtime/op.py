@@ -750,21 +750,26 @@ def _warm_table(key: tuple, ep: Epilogue):
 register_eager(gemm)  # what the torch.compile custom op runs
 
 
-def compile(epilogue: Epilogue, A, B, /, *, out: dict | None = None, config: Config | str | None = None,
+def compile(epilogue: Epilogue | None, A, B, /, *, out: dict | None = None, config: Config | str | None = None,
             deterministic: bool = False, accumulate: bool = False, **operands) -> CompiledOp:  # noqa: A001
     """The specialization (CompiledOp) for these operands' dtypes and layouts: rendered now, built (or
     found in the cache) at its first call, op.load(), or cd.prebuild([op, ...]) with others in parallel.
     A CompiledOp is a kernel: it needs an sm_90 GPU (UnsupportedError elsewhere; cd.gemm falls back to
     the reference backend instead). config: the kernel's (default: the shape-free Config(), not the shape
     rule cd.gemm applies per call). out: tensors whose dtypes (and layouts) the kernel is built for; the
-    call passes its own out= each time."""
-    call = _normalize(epilogue, A, B, operands, out)
-    config = _config(epilogue, config)
-    _flag(epilogue, "deterministic", deterministic)
-    _flag(epilogue, "accumulate", accumulate)
+    call passes its own out= each time. epilogue None: cd.identity, as in cd.gemm."""
+    ep = epilogue_of("cd.compile", epilogue, operands)
+    for name, why in (("backend", "a CompiledOp is a kernel and always runs it"),
+                      ("tune", "pass the config= to build (cd.gemm(..., tune=True) measures and records one)")):
+        if name in operands:
+            raise OperandError(f"cd.compile: {name}= is an option of cd.gemm, not of cd.compile: {why}")
+    call = _normalize(ep, A, B, operands, out)
+    config = _config(ep, config)
+    _flag(ep, "deterministic", deterministic)
+    _flag(ep, "accumulate", accumulate)
     # as cd.gemm(backend="cutlass"): never a useless build
-    dtypes = _check_call(epilogue, call, out, cutlass=True, accumulate=accumulate)
-    return specialization(epilogue, call, dtypes, out, config, deterministic, accumulate)
+    dtypes = _check_call(ep, call, out, cutlass=True, accumulate=accumulate)
+    return specialization(ep, call, dtypes, out, config, deterministic, accumulate)
 
 
 TUNE_ENV = "CODA_DSL_TUNE"
