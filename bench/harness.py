@@ -289,7 +289,13 @@ def positive(text: str) -> int:
 
 def non_negative(text: str) -> int:
     """An argparse type: an integer >= 0 (0: off)."""
-    return 0 if text.strip() == "0" else positive(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
 
 
 def milliseconds(text: str) -> float:
