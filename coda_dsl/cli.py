@@ -177,7 +177,7 @@ def _epilogue_from_args(args) -> tuple[Epilogue, dict, dict]:
     consts = _pairs(args.const, "--const")
     if not getattr(args, "backward", False):
         return ep, consts, {}
-    from .ir.graph import reduction_of
+    from .ir.graph import LOAD_KINDS, reduction_of
     from .passes.autodiff import GRAD, SAVED
     from .runtime.autograd import derived_backward
     back = derived_backward(ep, **_const_values(ep, consts))
@@ -186,7 +186,8 @@ def _epilogue_from_args(args) -> tuple[Epilogue, dict, dict]:
                        "operand (rounding and comparisons have a zero gradient; cd.max, cd.min and cd.amax "
                        "statistics have no derivative yet)")
     statistics = {GRAD + o.name for o in ep.program.outputs if reduction_of(o.node) is not None}
-    return back, {}, {p.name: "fp32" for p in back.params if p.name.startswith(SAVED) or p.name in statistics}
+    return back, {}, {p.name: "fp32" for p in back.params  # (a statistic of everything is a cd.Scalar: no dtype)
+                      if p.kind in LOAD_KINDS and (p.name.startswith(SAVED) or p.name in statistics)}
 
 
 def _spec_from_args(args, epilogue: tuple[Epilogue, dict, dict] | None = None) -> tuple[Epilogue, CompiledOp]:

@@ -224,6 +224,27 @@ def test_where_and_comparisons_pass_gradients_only_through_the_chosen_value():
     assert back.uses_acc
 
 
+def test_an_infinite_gradient_stays_out_of_the_side_not_taken():
+    """relu, maximum and minimum select, as torch does: sqrt(relu(acc))'s infinite gradient where acc <= 0
+    is 0 there, not inf * 0 = NaN spread over all of grad_x and grad_W."""
+    @cd.epilogue
+    def f(acc, t: cd.Tensor):
+        return cd.sqrt(cd.relu(acc)) + cd.log(cd.maximum(acc, 0.0)) * 0.0 + cd.sqrt(-cd.minimum(acc, t))
+
+    x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
+    t = torch.zeros(6, 7, dtype=torch.float64)
+    y = cd.linear(x, w, f, t=t, backend="reference")["D"]
+    keep = torch.isfinite(y)  # log(0) * 0 is NaN where acc <= 0, in torch too: leave those out of the loss
+    y[keep].sum().backward()
+    x2, w2 = x.detach().requires_grad_(), w.detach().requires_grad_()
+    z = x2 @ w2.t()
+    ref = torch.sqrt(torch.relu(z)) + torch.log(torch.maximum(z, torch.zeros(()))) * 0.0 + torch.sqrt(-torch.minimum(z, t))
+    ref[keep].sum().backward()
+    for got, want in ((x.grad, x2.grad), (w.grad, w2.grad)):
+        assert not got.isnan().any() and torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_reductions_as_outputs_and_operand_gradients_as_reductions():
     @cd.epilogue
     def f(acc, bias: cd.VecN, scale: cd.VecM, alpha: cd.Scalar, c: cd.Const):

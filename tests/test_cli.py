@@ -552,6 +552,13 @@ def test_backward_is_the_one_cd_linear_derives(capsys, tmp_path):
     for consts, message in (((), "pass --const c=VALUE"), (("c=2", "zz=1"), "no cd.Const parameter 'zz'")):
         rc, _, err = run(capsys, "explain", f"{f}:scaled", "--backward", *(a for c in consts for a in ("--const", c)))
         assert rc != 0 and message in err
+    h = tmp_path / "total.py"  # a statistic of everything: its gradient and saved value are scalars, no dtype
+    h.write_text("import coda_dsl as cd\n\n@cd.epilogue\ndef total(acc, eps: cd.Scalar):\n"
+                 "    return {'D': acc, 't': cd.sum(acc * acc, axis=None).then(lambda s: cd.rsqrt(s + eps))}\n")
+    for command in ("explain", "emit"):
+        rc, out, err = run(capsys, command, f"{h}:total", "--backward")
+        assert rc == 0, err
+    assert "grad_t: scalar, saved_t: scalar" in run(capsys, "explain", f"{h}:total", "--backward")[1]
     g = tmp_path / "flat.py"  # a backward with no output: said so, not a traceback
     g.write_text("import coda_dsl as cd\n\n@cd.epilogue\ndef only_max(acc):\n    return {'m': cd.amax(acc, axis=None)}\n\n"
                  "@cd.epilogue\ndef steps(acc):\n    return cd.where(acc > 0, 1.0, 0.0) + cd.round(acc)\n")

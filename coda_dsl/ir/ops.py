@@ -90,8 +90,9 @@ def _no_grad(d, x, y, g):  # comparisons: piecewise constant
 
 
 def _tie_split(d, win, tie, g):
-    """torch's maximum/minimum: the winner takes g, a tie splits it in half."""
-    return d.mul(g, d.add(win, d.mul(tie, d.c(0.5))))
+    """torch's maximum/minimum: the winner takes g, a tie splits it in half, the loser gets exactly 0 (a
+    select, as torch's masked_fill: g * 0 would make an infinite g NaN)."""
+    return d.where(win, g, d.where(tie, d.mul(g, d.c(0.5)), d.c(0.0)))
 
 
 def _gelu_grad(d, x, y, g):
@@ -168,8 +169,8 @@ OPS: dict[str, OpDef] = {
                     lambda d, x, y, g: (d.mul(g, d.mul(y, d.sub(d.c(1.0), y))),)),
         elementwise("abs", 1, torch.abs,
                     lambda d, x, y, g: (d.mul(g, d.sub(d.gt(x[0], d.c(0.0)), d.lt(x[0], d.c(0.0)))),)),
-        elementwise("relu", 1, torch.relu,
-                    lambda d, x, y, g: (d.mul(g, d.gt(x[0], d.c(0.0))),)),
+        elementwise("relu", 1, torch.relu,  # a select: an infinite g stays out of the inactive side
+                    lambda d, x, y, g: (d.where(d.gt(x[0], d.c(0.0)), g, d.c(0.0)),)),
         elementwise("gelu", 1, _gelu_erf,
                     _gelu_grad),
         elementwise("gelu_tanh", 1, _gelu_tanh,
