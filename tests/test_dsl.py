@@ -1,5 +1,6 @@
 """Tracing: every op reachable from the DSL, operand kinds, hash-consing, and every user error
 (EpilogueError naming the epilogue, the user's own file:line, and a fix)."""
+import functools
 import inspect
 import math
 from math import exp
@@ -668,8 +669,26 @@ def test_parameters_an_epilogue_cannot_take():
                         (with_default, "parameter 's' has a default value")):
         with pytest.raises(cd.EpilogueError, match=message):
             cd.epilogue(fn)
-    with pytest.raises(TypeError, match="cd.epilogue decorates a function"):
-        cd.epilogue(3)
+    for not_a_function in (3, functools.partial(with_default, s=2.0), abs):  # a partial: no code to trace and name
+        with pytest.raises(cd.EpilogueError, match="cd.epilogue decorates a function"):
+            cd.epilogue(not_a_function)
+
+
+@pytest.mark.parametrize("math_of_acc, words", [
+    (lambda acc: acc ** float("inf"), "x ** inf is not supported"),  # was OverflowError from int(p)
+    (lambda acc: acc ** float("nan"), "x ** nan is not supported"),  # was ValueError
+    (lambda acc: acc + 10 ** 400, "an integer of 401 digits does not fit a float"),  # was OverflowError
+    (lambda acc: acc * torch.tensor(1 + 2j), "is complex: epilogue math is real"),  # was RuntimeError
+    (lambda acc: acc * np.complex64(2 + 3j), "is complex: epilogue math is real"),  # was the real part, silently
+])
+def test_numbers_a_float_cannot_hold_are_epilogue_errors(math_of_acc, words):
+    with pytest.raises(cd.EpilogueError, match=re.escape(words)):
+        cd.epilogue(math_of_acc)
+
+
+def test_a_0d_tensor_exponent_is_a_number():
+    """acc ** torch.tensor(2.0) is acc ** 2.0 (0-d tensors are numbers in traced math; 0.5 already was)."""
+    assert cd.epilogue(lambda acc: acc ** torch.tensor(2.0)).program.outputs[0].node.op == "square"
 
 
 def test_every_dsl_function_is_a_cd_name():
@@ -678,3 +697,14 @@ def test_every_dsl_function_is_a_cd_name():
     from coda_dsl.dsl import ops
     assert sorted(ops.__all__) == sorted(cd._LAZY["dsl.ops"])
     assert all(getattr(cd, name) is getattr(ops, name) for name in ops.__all__)
+
+
+def test_an_epilogue_uid_names_its_program():
+    """A graph names its epilogue by uid: a count (unique in the process) and a digest of the program, so that a
+    graph made in another process (torch.export) cannot run another epilogue of the same name and count."""
+    a = cd.epilogue(lambda acc: acc * 2.0, name="same")
+    b = cd.epilogue(lambda acc: acc * 3.0, name="same")
+    assert a.uid.split(".")[1] != b.uid.split(".")[1] and cd.Epilogue.by_uid(a.uid) is a
+    elsewhere = b.uid.split(".")[0] + "." + a.uid.split(".")[1]  # b's count with a's program: made nowhere here
+    with pytest.raises(cd.UnsupportedError, match="which this process has not made"):
+        cd.Epilogue.by_uid(elsewhere)

@@ -481,3 +481,28 @@ def test_a_new_elementwise_op_is_its_definition_and_spelling(monkeypatch, make_p
     (_, comp), = computes(plan)
     assert [s.op for s in comp.functor.steps] == ["softsign", "mul"]
     assert "float t0 = (x0 / (1.f + fabsf(x0)));" in cpp.functor(comp.functor).body
+
+
+def test_a_chain_of_thousands_of_ops_meets_no_recursion_limit(make_plan):
+    """Folding and lowering walk the graph on stacks of their own: a 3000-op sequential chain (a loop adding
+    terms) ran into Python's recursion limit at ~495 ops; now it plans into one functor, and the reference
+    and cd.linear run it."""
+    n = 3000
+
+    @cd.epilogue
+    def chain(acc, b: cd.VecN, c: cd.Const):
+        s = acc
+        for i in range(n):
+            s = s + b * (c / (i + 1))
+        return {"D": s, "r": cd.sum(s, axis="n").then(lambda z: cd.rsqrt(z * z + 1.0))}
+
+    plan = make_plan(chain, consts={"c": 1.0})
+    assert max(len(f.steps) for f in plan.functors) >= 2 * n
+    x, w, b = torch.randn(8, 16, requires_grad=True), torch.randn(24, 16), torch.randn(24)
+    ref = x.detach() @ w.t()
+    for i in range(n):
+        ref = ref + b * (1.0 / (i + 1))
+    out = cd.linear(x, w, chain, b=b, c=1.0, backend="reference")
+    assert torch.allclose(out["D"], ref, rtol=1e-4, atol=1e-4)
+    out["D"].sum().backward()
+    assert torch.allclose(x.grad, torch.ones(8, 24) @ w, rtol=1e-4, atol=1e-4)

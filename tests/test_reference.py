@@ -590,3 +590,26 @@ def test_interleave_of_a_constant_and_a_finish_without_its_input():
     expect[:, 1::2] = (a @ b.t())[:, 0::2]
     assert torch.allclose(out["D"].float(), expect, atol=1e-2) and out["c"].shape == (5,)
     assert torch.equal(out["c"], torch.full((5,), 2.0))
+
+
+def test_autocast_changes_nothing():
+    """Under torch.autocast the ops compute as written (fp32 accumulation and math, as the kernels and compiled
+    code do): autocast rounded the reference's accumulator, constants and scalars to bf16 (1001.0078 for
+    1001.51), and cd.linear's and the cross-entropy's backward GEMMs."""
+    @cd.epilogue
+    def shifted(acc, b: cd.VecN, s: cd.Scalar):
+        return {"D": cd.gelu(acc + b) + 1000.5 + s, "t": cd.sum(acc, axis="n")}
+
+    x, w = torch.randn(6, 8, requires_grad=True), torch.randn(16, 8, requires_grad=True)
+    b, t = torch.randn(16, requires_grad=True), torch.randint(0, 16, (6,))
+
+    def run():
+        out = cd.linear(x, w, shifted, b=b, s=1.01, backend="reference")
+        loss = out["D"].sum() + cd.linear_cross_entropy(x, w, t, backend="reference")
+        return [out["D"], out["t"], loss, *torch.autograd.grad(loss, (x, w, b))]
+
+    plain = run()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = run()
+    assert all(torch.equal(p, u) for p, u in zip(plain, under))
+    assert torch.is_autocast_enabled("cpu") is False  # and the context is back as it was

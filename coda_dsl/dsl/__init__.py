@@ -1,10 +1,13 @@
 """The user-facing DSL: @epilogue, operand kinds, traced values and the functions on them."""
 from __future__ import annotations
 
+import hashlib
+import inspect
 import itertools
 import weakref
 from typing import Callable
 
+from ..errors import EpilogueError, UnsupportedError
 from ..ir import graph as ir
 from . import ops
 from .trace import Reduction, Value, signature_params, trace
@@ -39,12 +42,20 @@ class Epilogue:
         self.program = program
         self.name, self.defined_at, self.params = program.name, program.defined_at, program.params
         self.output_names = tuple(o.name for o in program.outputs)
-        self.uid = f"{self.name}#{next(self._count)}"  # names this epilogue inside torch.compile graphs
+        # names this epilogue inside torch.compile graphs: unique in the process (the count), and a digest of
+        # the program, so that a graph made elsewhere (torch.export, a cache) never finds another epilogue
+        digest = hashlib.sha256(ir.format_program(program).encode()).hexdigest()[:12]
+        self.uid = f"{self.name}#{next(self._count)}.{digest}"
         Epilogue._by_uid[self.uid] = self
 
     @classmethod
     def by_uid(cls, uid: str) -> "Epilogue":
-        return cls._by_uid[uid]
+        try:
+            return cls._by_uid[uid]
+        except KeyError:
+            raise UnsupportedError(f"a graph calls coda_dsl epilogue {uid!r}, which this process has not made (or no "
+                                   "longer holds): graphs that call coda_dsl ops (torch.export'ed programs among them) "
+                                   "run in the process that made them, with the epilogue still referenced") from None
 
     def __call__(self, *args, **kwargs):
         raise TypeError(f"epilogue '{self.name}' is not called directly: use cd.gemm(A, B, {self.name}, "
@@ -61,8 +72,9 @@ def epilogue(fn: Callable | None = None, *, name: str | None = None):
     """
     if fn is None:
         return lambda f: epilogue(f, name=name)
-    if not callable(fn):
-        raise TypeError(f"cd.epilogue decorates a function, not {fn!r}: @cd.epilogue\ndef f(acc, ...): ...")
+    if not (inspect.isfunction(fn) or inspect.ismethod(fn)):  # a partial, callable object or builtin: no code to name
+        raise EpilogueError(f"cd.epilogue decorates a function (def, lambda or method), not {fn!r}\n  fix: @cd.epilogue\n"
+                            "def f(acc, ...): ... (a function of constants: cd.epilogue_factory)")
     return Epilogue(fn, name)
 
 

@@ -10,6 +10,7 @@ import dis
 import inspect
 import itertools
 import linecache
+import math
 import numbers
 import os
 import re
@@ -187,13 +188,15 @@ class Value:
         if isinstance(p, Value):
             raise fail("x ** p takes a Python number p (it picks multiplications, sqrt or rsqrt while tracing), "
                        "not a traced value, cd.Scalar or cd.Const", "for x > 0: cd.exp(p * cd.log(x))")
+        if not isinstance(p, numbers.Real) and lift(p).op == "const":  # a 0-d numpy/torch number
+            p = lift(p).attr
         if p == 0.5:
             return apply("sqrt", self)
         if p == -0.5:
             return apply("rsqrt", self)
         if p == 0:  # as torch.pow: 1, NaN included
             return Value(ir.const(1.0))
-        if isinstance(p, numbers.Real) and p == int(p) and abs(p) <= 8:  # x**3 = x*x*x, as torch.pow
+        if isinstance(p, numbers.Real) and math.isfinite(p) and p == int(p) and abs(p) <= 8:  # x**3 = x*x*x
             n, y, x = int(abs(p)), None, self
             while n:  # by squaring: x**8 is three multiplications
                 if n & 1:
@@ -352,15 +355,27 @@ def lift(x: Any) -> ir.Node:
     if isinstance(x, bool):
         return ir.const(1.0 if x else 0.0)
     if isinstance(x, (int, float)):
-        return ir.const(float(x))
+        return ir.const(_number(x))
     if type(x).__module__.startswith("torch") or type(x).__module__.startswith("numpy"):
         if getattr(x, "ndim", 1) == 0 or getattr(x, "shape", None) == ():
-            return ir.const(float(x))
+            return ir.const(_number(x))
         raise fail(
             f"a {type(x).__name__} captured from outside the epilogue cannot be used in traced math",
             "declare it as an operand (x: cd.Tensor / cd.VecN / cd.VecM / cd.Scalar) and pass it to cd.gemm",
         )
     raise fail(f"cannot use a value of type {type(x).__name__} in an epilogue", "use traced values or numbers")
+
+
+def _number(x) -> float:
+    """A real number (a Python or 0-d numpy/torch one) as a float: complex values and integers beyond a
+    float's range are refused, not truncated or raised as Python's own errors."""
+    if "complex" in str(getattr(x, "dtype", "")):
+        raise fail(f"{x!r} is complex: epilogue math is real (fp32)", "use its real part, x.real")
+    try:
+        return float(x)
+    except OverflowError:
+        raise fail(f"an integer of {len(str(abs(x)))} digits does not fit a float (fp32 holds up to ~3.4e38)",
+                   "use float('inf') if that is meant") from None
 
 
 def apply(op: str, *args: Any) -> Value:

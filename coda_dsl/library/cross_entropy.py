@@ -292,6 +292,7 @@ def _reduce(loss, valid, count, reduction, bad):
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
+    @cd.as_written
     def forward(ctx, x, w, target, ignore_index, reduction, smoothing, cap, backend, config, chunk, need_x, need_w):
         valid, bad = target != ignore_index, _out_of_range(target, w.shape[0], ignore_index)
         safe = torch.where(valid, target, -1)  # out of range: take gives 0, the row is masked anyway
@@ -329,6 +330,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return _reduce(loss, valid, count, reduction, bad)
 
     @staticmethod
+    @cd.as_written
     @cd.first_order("linear_cross_entropy")
     def backward(ctx, grad):
         if hasattr(ctx, "grads"):
@@ -451,6 +453,7 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
                                      grad and x.requires_grad, grad and w.requires_grad)
 
 
+@cd.as_written
 def vocab_shard_stats(x: torch.Tensor, w_shard: torch.Tensor, target: torch.Tensor, vocab_start: int,
                       ignore_index: int = -100, label_smoothing: float = 0.0, softcap: float | None = None,
                       backend: str = "auto") -> dict[str, torch.Tensor]:

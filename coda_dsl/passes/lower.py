@@ -153,7 +153,7 @@ class _Lowering:
             steps.append(Step(n.op, n.attr, tuple(args)))
             return Ref("temp", len(steps) - 1)
 
-        def expr(n: ir.Node) -> tuple[Ref, Ref]:
+        def expr(n: ir.Node):  # a generator: yields each input whose (even, odd) it needs, in order
             if id(n) in values:
                 return values[id(n)]
             given = operand(n)
@@ -164,15 +164,32 @@ class _Lowering:
             elif n.op == "scalar":  # by position: the key must not depend on names
                 r = (Ref("scalar", self.scalars.index(n.attr)),) * 2
             elif n.kind == "structural":  # a re-selection of its inputs' parts: no step
-                r = tuple(expr(n.inputs[i])[part] for i, part in n.definition.parts(n.attr))
+                r = []
+                for i, part in n.definition.parts(n.attr):
+                    r.append((yield n.inputs[i])[part])
+                r = tuple(r)
             else:
-                args = [expr(i) for i in n.inputs]
+                args = []
+                for i in n.inputs:
+                    args.append((yield i))
                 even = emit(n, [a[0] for a in args])
                 r = (even, even if all(a[0] == a[1] for a in args) else emit(n, [a[1] for a in args]))
             values[id(n)] = r
             return r
 
-        even, odd = expr(root)
+        # depth first as a recursion would go (the order operand() sees nodes in), on a stack of our own:
+        # a chain of thousands of ops must not meet Python's recursion limit
+        frames, result = [expr(root)], None
+        while frames:
+            try:
+                child = frames[-1].send(result)
+            except StopIteration as done:
+                frames.pop()
+                result = done.value
+            else:
+                frames.append(expr(child))
+                result = None
+        even, odd = result
         return steps, even, odd
 
     def fetched(self, n: ir.Node) -> bool:

@@ -11,28 +11,40 @@ from ..ir.ops import FoldError
 from .widths import infer, width_text
 
 
-def _fold(node: ir.Node, memo: dict[int, ir.Node], consts: dict[str, float], program: ir.Program) -> ir.Node:
-    done = memo.get(id(node))
-    if done is not None:
-        return done
+def _fold(root: ir.Node, memo: dict[int, ir.Node], consts: dict[str, float], program: ir.Program) -> ir.Node:
+    """root with constants bound and folded; inputs first, with a stack of its own (a chain of thousands of
+    ops must not meet Python's recursion limit)."""
+    stack = [(root, False)]
+    while stack:
+        node, inputs_done = stack.pop()
+        if id(node) in memo:
+            continue
+        if node.is_leaf or node.op == "const_param" or inputs_done:
+            memo[id(node)] = _fold_one(node, memo, consts, program)
+            continue
+        stack.append((node, True))
+        stack.extend((i, False) for i in (*node.inputs, *([node.attr] if node.op == "finish" else [])))
+    return memo[id(root)]
+
+
+def _fold_one(node: ir.Node, memo: dict[int, ir.Node], consts: dict[str, float], program: ir.Program) -> ir.Node:
+    """One node, its inputs folded already (in memo)."""
     if node.op == "const_param":
-        out = ir.const(consts[node.attr])
-    elif node.is_leaf:
-        out = node
-    else:
-        inputs = tuple(_fold(i, memo, consts, program) for i in node.inputs)
-        attr = _fold(node.attr, memo, consts, program) if node.op == "finish" else node.attr
-        out = ir.Node(node.op, inputs, attr)
-        if node.op == "cast" and inputs[0].op == "interleave":  # the rounding of each half: the form kernels store
-            out = ir.interleave(*(ir.Node("cast", (half,), attr) for half in inputs[0].inputs))
-        op = node.definition
-        if op is not None and op.fold and all(i.op == "const" for i in inputs):
-            try:
-                out = ir.const(op.evaluate(node.attr, [i.attr for i in inputs]))
-            except FoldError as e:
-                raise EpilogueError(f"epilogue '{program.name}' ({program.where(node)}): {e}\n  fix: interleave "
-                                    "traced values (a constant of the tile's width: cd.where(acc == acc, 1.0, 1.0))") from None
-    memo[id(node)] = out
+        return ir.const(consts[node.attr])
+    if node.is_leaf:
+        return node
+    inputs = tuple(memo[id(i)] for i in node.inputs)
+    attr = memo[id(node.attr)] if node.op == "finish" else node.attr
+    out = ir.Node(node.op, inputs, attr)
+    if node.op == "cast" and inputs[0].op == "interleave":  # the rounding of each half: the form kernels store
+        out = ir.interleave(*(ir.Node("cast", (half,), attr) for half in inputs[0].inputs))
+    op = node.definition
+    if op is not None and op.fold and all(i.op == "const" for i in inputs):
+        try:
+            out = ir.const(op.evaluate(node.attr, [i.attr for i in inputs]))
+        except FoldError as e:
+            raise EpilogueError(f"epilogue '{program.name}' ({program.where(node)}): {e}\n  fix: interleave "
+                                "traced values (a constant of the tile's width: cd.where(acc == acc, 1.0, 1.0))") from None
     return out
 
 

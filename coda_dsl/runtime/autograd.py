@@ -113,6 +113,7 @@ def _derive(ep: Epilogue, consts: dict, no_grad: tuple[str, ...] = ()) -> _Deriv
 
 class _Linear(torch.autograd.Function):
     @staticmethod
+    @reference.as_written
     def forward(ctx, ep, names, numbers, options, x, w, *tensors):
         operands = {**dict(zip(names, tensors)), **numbers}  # numbers last: a learnt cd.Scalar's value
         consts = {p.name: operands[p.name] for p in ep.params if p.kind == "const"}
@@ -137,6 +138,7 @@ class _Linear(torch.autograd.Function):
         return tuple(outs[o] for o in ep.output_names)  # linear() names them in this order
 
     @staticmethod
+    @reference.as_written
     @first_order("cd.linear")  # the saved accumulator has no graph
     def backward(ctx, *grads):
         names = ctx.names

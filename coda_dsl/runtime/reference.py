@@ -6,6 +6,7 @@ in fp64, for torch.autograd.gradcheck.
 """
 from __future__ import annotations
 
+import functools
 from fractions import Fraction
 
 import torch
@@ -93,6 +94,20 @@ def _evaluate(nodes, values: dict, operands: dict, acc: torch.Tensor, widths: di
     return values
 
 
+def as_written(fn):
+    """fn with torch.autocast off: coda_dsl's ops compute in the dtypes they are given, fp32 accumulation and
+    epilogue math, on every backend and in compiled code alike; autocast would round the reference's
+    accumulator, constants and scalars to bf16 (and the backward's GEMMs). Callers cast A and B themselves."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if torch.compiler.is_compiling() or not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
+            return fn(*args, **kwargs)
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return fn(*args, **kwargs)
+    return run
+
+
+@as_written
 def evaluate(program: ir.Program, a: torch.Tensor, b: torch.Tensor, operands: dict,
              out_dtypes: dict[str, str]) -> dict[str, torch.Tensor]:
     """Run a specialized program (constants bound). out_dtypes: output name -> dtype name."""
