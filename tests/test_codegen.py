@@ -3,6 +3,7 @@ visitor types and edges, operand node types, bindings, scalars, literals, layout
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -241,6 +242,7 @@ def test_config_fields_are_checked():
                dict(tile=(128.0, 256, 64)), dict(swizzle=True), dict(swizzle=2.0)):  # 2.0: text _s2.0, unparsable
         with pytest.raises(ValueError):
             Config(**kw)
+    assert Config(swizzle=np.int64(4)).text.endswith("_s4")  # numpy's integers are integers
     c = Config(tile=[128, 256, 64])  # a list is its tuple: hashable, and prints as the default
     assert hash(c) == hash(Config()) and Config.parse(c.text) == c
     for text in ("128x256x64_c2x1_cooperative", "64x128x64_c1x2_pingpong_e64x64_rm_s4_streamk"):

@@ -2,6 +2,7 @@
 loss and gradients, ignore_index, label smoothing, softcap, reductions; cd.logsumexp and cd.take."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -465,6 +466,9 @@ def test_bad_arguments():
     for bad in (None, -100.0, True):  # F.cross_entropy refuses them too
         with pytest.raises(ValueError, match="ignore_index must be an int"):
             cd.linear_cross_entropy(x, w, t, ignore_index=bad, backend="reference")
+    for same in (np.int64(-100), torch.tensor(-100)):  # integers all the same
+        assert torch.equal(cd.linear_cross_entropy(x, w, t, ignore_index=same, backend="reference"),
+                           cd.linear_cross_entropy(x, w, t, backend="reference"))
     with pytest.raises(ValueError, match="target is on meta, x on cpu"):
         cd.linear_cross_entropy(x, w, t.to("meta"), backend="reference")
     for cap in (0.0, -10.0, float("inf"), float("nan"), True, "30", torch.tensor(-1.0)):  # 0 is no "off": None is

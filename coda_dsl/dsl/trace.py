@@ -10,7 +10,6 @@ import dis
 import inspect
 import itertools
 import linecache
-import math
 import numbers
 import os
 import re
@@ -98,31 +97,29 @@ def _called_function() -> str | None:
             obj = lookup(head)
             for part in rest:
                 obj = getattr(obj, part, None)
-            if _foreign(obj):
-                return _foreign(obj)
+            if name := _foreign(obj):
+                return name
     m = re.search(r"\bmath\.(\w+)\s*\(", line)
     return f"math.{m.group(1)}" if m else None
 
 
 def _called_in_bytecode(f, lookup) -> str | None:
-    """The math/numpy/torch function among the names the line loads before the frame's current call
-    (module.fn, or a name imported from one), nearest first: math.exp(cd.relu(x)) passes cd.relu."""
-    if sys.version_info < (3, 11):  # (instructions carry their line from 3.11 on)
+    """The math/numpy/torch function the frame's current call calls, from the first names its source span
+    loads (the callee: `math.exp` of math.exp(cd.relu(x)), not an earlier call of the line)."""
+    if sys.version_info < (3, 11):  # (instructions carry their columns from 3.11 on)
         return None
-    ins = [i for i in dis.get_instructions(f.f_code) if i.offset <= f.f_lasti and i.positions.lineno == f.f_lineno]
-    for at in range(len(ins) - 1, -1, -1):
-        i = ins[at]
-        obj = None
-        if i.opname in ("LOAD_ATTR", "LOAD_METHOD") and at and ins[at - 1].opname in _NAME_LOADS:
-            try:  # any object's attribute: a traced value's raises EpilogueError
-                obj = getattr(lookup(ins[at - 1].argval), i.argval, None)
-            except Exception:  # noqa: BLE001
-                continue
-        elif i.opname in _NAME_LOADS:
-            obj = lookup(i.argval)
-        if _foreign(obj):
-            return _foreign(obj)
-    return None
+    line, _, col, end = next(itertools.islice(f.f_code.co_positions(), f.f_lasti // 2, None), (None,) * 4)
+    if col is None:
+        return None
+    span = [i for i in dis.get_instructions(f.f_code)
+            if i.offset <= f.f_lasti and i.positions.lineno == line and i.positions.col_offset is not None
+            and col <= i.positions.col_offset and i.positions.end_col_offset <= end]
+    if not span or span[0].opname not in _NAME_LOADS:
+        return None
+    obj = lookup(span[0].argval)
+    if len(span) > 1 and span[1].opname in ("LOAD_ATTR", "LOAD_METHOD"):
+        obj = getattr(obj, span[1].argval, None) if inspect.ismodule(obj) else None
+    return _foreign(obj)
 
 
 _NAME_LOADS = ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_FAST", "LOAD_DEREF")
@@ -188,7 +185,7 @@ class Value:
         if isinstance(p, Value):
             raise fail("x ** p takes a Python number p (it picks multiplications, sqrt or rsqrt while tracing), "
                        "not a traced value, cd.Scalar or cd.Const", "for x > 0: cd.exp(p * cd.log(x))")
-        if not isinstance(p, numbers.Real) and lift(p).op == "const":  # a 0-d numpy/torch number
+        if not isinstance(p, numbers.Real):  # a 0-d numpy/torch number (anything else: lift explains)
             p = lift(p).attr
         if p == 0.5:
             return apply("sqrt", self)
@@ -196,7 +193,7 @@ class Value:
             return apply("rsqrt", self)
         if p == 0:  # as torch.pow: 1, NaN included
             return Value(ir.const(1.0))
-        if isinstance(p, numbers.Real) and math.isfinite(p) and p == int(p) and abs(p) <= 8:  # x**3 = x*x*x
+        if -8 <= p <= 8 and p == int(p):  # x**3 = x*x*x, as torch.pow (inf, nan and huge p fail the bounds)
             n, y, x = int(abs(p)), None, self
             while n:  # by squaring: x**8 is three multiplications
                 if n & 1:
@@ -205,7 +202,8 @@ class Value:
                 if n:
                     x = apply("square", x)
             return y if p > 0 else 1.0 / y
-        raise fail(f"x ** {p!r} is not supported (integers up to 8 in magnitude, 0.5 and -0.5 are)",
+        shown = repr(p) if len(repr(p)) <= 24 else repr(p)[:20] + "..."
+        raise fail(f"x ** {shown} is not supported (integers up to 8 in magnitude, 0.5 and -0.5 are)",
                    "for x > 0: cd.exp(p * cd.log(x)); for any x and an odd integer p: cd.where(x < 0, -1.0, 1.0) * "
                    "cd.exp(p * cd.log(cd.abs(x)))")
 
@@ -374,7 +372,7 @@ def _number(x) -> float:
     try:
         return float(x)
     except OverflowError:
-        raise fail(f"an integer of {len(str(abs(x)))} digits does not fit a float (fp32 holds up to ~3.4e38)",
+        raise fail("an integer beyond a float's range (fp32 holds up to ~3.4e38)",
                    "use float('inf') if that is meant") from None
 
 

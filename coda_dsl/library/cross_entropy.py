@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from typing import Sequence
 
 import torch
@@ -389,7 +390,12 @@ def recomputed_grads(x, w, lse, scale, target, uniform: float, hot: float, cap: 
 
 
 def _check_options(reduction, label_smoothing, ignore_index):
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+    try:  # an int, numpy's, or a 0-d integer tensor
+        operator.index(ignore_index)
+        ok = not isinstance(ignore_index, bool)
+    except TypeError:
+        ok = False
+    if not ok:
         raise ValueError(f"ignore_index must be an int (a target value whose rows are left out), not {ignore_index!r}")
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', not {reduction!r}")

@@ -8,6 +8,7 @@ position: `inputs[i]` of the op is the plan's i-th input operand, `outputs[j]` i
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 from ..ir.ops import to_fp32
@@ -63,7 +64,7 @@ class Config:
                                  f"(pingpong), N a multiple of 16 dividing the tile's {n}")
         if self.raster not in ("auto", "m", "n"):
             raise ValueError(f"raster must be 'auto', 'm' or 'n', not {self.raster!r}")
-        if not isinstance(self.swizzle, int) or isinstance(self.swizzle, bool) or self.swizzle not in (1, 2, 4, 8):
+        if not isinstance(self.swizzle, numbers.Integral) or isinstance(self.swizzle, bool) or self.swizzle not in (1, 2, 4, 8):
             raise ValueError(f"swizzle must be 1, 2, 4 or 8, not {self.swizzle!r}")
         if self.scheduler not in ("persistent", "streamk"):
             raise ValueError(f"scheduler must be 'persistent' or 'streamk', not {self.scheduler!r}")

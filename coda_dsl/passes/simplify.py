@@ -23,7 +23,8 @@ def _fold(root: ir.Node, memo: dict[int, ir.Node], consts: dict[str, float], pro
             memo[id(node)] = _fold_one(node, memo, consts, program)
             continue
         stack.append((node, True))
-        stack.extend((i, False) for i in (*node.inputs, *([node.attr] if node.op == "finish" else [])))
+        # reversed: inputs leave the stack first to last, as a recursion visits them (an error names the first)
+        stack.extend((i, False) for i in reversed((*node.inputs, *([node.attr] if node.op == "finish" else []))))
     return memo[id(root)]
 
 

@@ -100,7 +100,7 @@ def as_written(fn):
     accumulator, constants and scalars to bf16 (and the backward's GEMMs). Callers cast A and B themselves."""
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        if torch.compiler.is_compiling() or not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
+        if not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
             return fn(*args, **kwargs)
         with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
             return fn(*args, **kwargs)
