@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from coda_dsl.cli import joined_negative_values, positive  # noqa: F401  (positive: the bench modules' type too)
 from coda_dsl.runtime.op import TUNE_ENV
 from coda_dsl.runtime.tune import round_robin as tuner_round_robin
 from coda_dsl.runtime.warm import ENV as WARM_ENV
@@ -276,17 +277,6 @@ def shapes(text: str) -> list[tuple[int, int, int]]:
     return [shape(s) for s in text.split(",")]
 
 
-def positive(text: str) -> int:
-    """An argparse type: an integer > 0 (timed calls, rounds, sizes)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def non_negative(text: str) -> int:
     """An argparse type: an integer >= 0 (0: off)."""
     try:
@@ -336,7 +326,6 @@ def subset(choices) -> Callable[[str], list[str]]:
 
 class _Parser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):  # --shapes -1x8x8: the shape's check answers
-        from coda_dsl.cli import joined_negative_values
         return super().parse_known_args(joined_negative_values(sys.argv[1:] if args is None else list(args),
                                                                ("--shape", "--shapes")), namespace)
 

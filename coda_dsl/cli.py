@@ -555,14 +555,14 @@ def _positive_float(text: str) -> float:
     return v
 
 
-def _positive(text: str) -> int:
-    """A positive int, for argparse."""
+def positive(text: str) -> int:
+    """An argparse type: an integer > 0 (sizes, counts; bench's options too)."""
     try:
         v = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+        v = 0
     if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return v
 
 
@@ -626,9 +626,9 @@ def parser() -> argparse.ArgumentParser:
                 "Run the README's residual_rms example on random bf16 data. On an sm_90 GPU it builds (or "
                 "loads) the fused kernel and checks it against the reference backend; elsewhere it runs the "
                 "reference backend on the CPU.")
-    p.add_argument("--m", type=_positive, default=512, help="rows of A and of the outputs (default 512)")
-    p.add_argument("--n", type=_positive, default=1024, help="columns of the outputs, rows of B (default 1024)")
-    p.add_argument("--k", type=_positive, default=256, help="the reduction dimension, columns of A and B (default 256)")
+    p.add_argument("--m", type=positive, default=512, help="rows of A and of the outputs (default 512)")
+    p.add_argument("--n", type=positive, default=1024, help="columns of the outputs, rows of B (default 1024)")
+    p.add_argument("--k", type=positive, default=256, help="the reduction dimension, columns of A and B (default 256)")
 
     # add_help=False: `coda-dsl bench --help` is the benchmark's own help
     command("bench", cmd_bench, "run the benchmarks from a checkout (python -m bench ARGS; bench --help "
