@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from coda_dsl.cli import joined_negative_values, positive  # noqa: F401  (positive: the bench modules' type too)
+from coda_dsl.cli import joined_negative_values, number_type, positive  # noqa: F401  (positive: the modules' type)
 from coda_dsl.runtime.op import TUNE_ENV
 from coda_dsl.runtime.tune import round_robin as tuner_round_robin
 from coda_dsl.runtime.warm import ENV as WARM_ENV
@@ -277,26 +277,8 @@ def shapes(text: str) -> list[tuple[int, int, int]]:
     return [shape(s) for s in text.split(",")]
 
 
-def non_negative(text: str) -> int:
-    """An argparse type: an integer >= 0 (0: off)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
-def milliseconds(text: str) -> float:
-    """An argparse type: a duration in ms, >= 0 (0: off)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected milliseconds >= 0, got {text!r}")
-    return value
+non_negative = number_type(int, "an integer >= 0", zero=True)  # 0: off
+milliseconds = number_type(float, "milliseconds >= 0", zero=True)  # 0: off
 
 
 def config_text(text: str) -> str:

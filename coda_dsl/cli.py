@@ -17,7 +17,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 # Only torch-free modules here: torch and the DSL (which needs it) are imported by the commands that
 # use them, so that `coda-dsl --help` answers at once.
@@ -544,26 +544,21 @@ def _shape(text: str) -> tuple[int, int, int]:
     return m, n, k
 
 
-def _positive_float(text: str) -> float:
-    """A positive finite number, for argparse."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not 0 < v < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
-    return v
+def number_type(convert: Callable, what: str, zero: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number `convert` reads (int or float), above 0 (or at least 0 with zero)."""
+    def parse(text: str):
+        try:
+            v = convert(text)
+        except ValueError:
+            v = None
+        if v is None or not (0 <= v if zero else 0 < v) or v == float("inf"):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return v
+    return parse
 
 
-def positive(text: str) -> int:
-    """An argparse type: an integer > 0 (sizes, counts; bench's options too)."""
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
+positive = number_type(int, "a positive integer")  # sizes and counts (bench's options too)
+_positive_float = number_type(float, "a positive number")
 
 
 def parser() -> argparse.ArgumentParser:
