@@ -75,50 +75,35 @@ def _foreign(obj) -> str | None:
 
 def _called_function() -> str | None:
     """'math.exp' (or 'np.where', 'torch.tensor') when the user's line is calling that function of math,
-    numpy or torch: from the call's source span (Python >= 3.11), else the line's first math.X(...), else
-    (no source: stdin, exec) the names the frame's bytecode loads for the call; None otherwise."""
+    numpy or torch: the call in progress (Python >= 3.11, _callee), else the line's first math.X(...); None
+    otherwise."""
     f = _user_frame()
     if f is None:
         return None
-
-    def lookup(name: str):
-        return f.f_locals.get(name, f.f_globals.get(name, getattr(builtins, name, None)))
-
-    line = linecache.getline(f.f_code.co_filename, f.f_lineno)
-    if not line.strip():
-        return _called_in_bytecode(f, lookup)
-    if sys.version_info >= (3, 11):
-        first, last, col, end = next(itertools.islice(f.f_code.co_positions(), f.f_lasti // 2, None),
-                                     (None,) * 4)
-        if first is not None and first == last == f.f_lineno and col is not None:
-            call = line.encode()[col:end].decode(errors="replace")  # (the columns count UTF-8 bytes)
-            m = re.match(r"\s*([A-Za-z_][\w.]*)\s*\(", call)
-            head, *rest = m.group(1).split(".") if m else ("",)
-            obj = lookup(head)
-            for part in rest:
-                obj = getattr(obj, part, None)
-            if name := _foreign(obj):
-                return name
-    m = re.search(r"\bmath\.(\w+)\s*\(", line)
+    if sys.version_info >= (3, 11) and (name := _callee(f)):
+        return name
+    m = re.search(r"\bmath\.(\w+)\s*\(", linecache.getline(f.f_code.co_filename, f.f_lineno))
     return f"math.{m.group(1)}" if m else None
 
 
-def _called_in_bytecode(f, lookup) -> str | None:
-    """The math/numpy/torch function the frame's current call calls, from the first names its source span
-    loads (the callee: `math.exp` of math.exp(cd.relu(x)), not an earlier call of the line)."""
-    if sys.version_info < (3, 11):  # (instructions carry their columns from 3.11 on)
-        return None
-    line, _, col, end = next(itertools.islice(f.f_code.co_positions(), f.f_lasti // 2, None), (None,) * 4)
-    if col is None:
+def _callee(f) -> str | None:
+    """The math/numpy/torch function the frame's current call calls, from its bytecode (source or not: stdin,
+    exec): the names loaded first within the call's own span, through module attributes (`math.exp` of
+    math.exp(cd.relu(x)), `torch.nn.functional.gelu`), not an earlier call of the line."""
+    first, last, col, end = next(itertools.islice(f.f_code.co_positions(), f.f_lasti // 2, None), (None,) * 4)
+    if col is None or first != last:  # (a call over several lines: the line's text decides)
         return None
     span = [i for i in dis.get_instructions(f.f_code)
-            if i.offset <= f.f_lasti and i.positions.lineno == line and i.positions.col_offset is not None
+            if i.offset <= f.f_lasti and i.positions.lineno == first and i.positions.col_offset is not None
             and col <= i.positions.col_offset and i.positions.end_col_offset <= end]
     if not span or span[0].opname not in _NAME_LOADS:
         return None
-    obj = lookup(span[0].argval)
-    if len(span) > 1 and span[1].opname in ("LOAD_ATTR", "LOAD_METHOD"):
-        obj = getattr(obj, span[1].argval, None) if inspect.ismodule(obj) else None
+    name = span[0].argval
+    obj = f.f_locals.get(name, f.f_globals.get(name, getattr(builtins, name, None)))
+    for i in span[1:]:
+        if i.opname not in ("LOAD_ATTR", "LOAD_METHOD") or not inspect.ismodule(obj):
+            break
+        obj = getattr(obj, i.argval, None)
     return _foreign(obj)
 
 

@@ -389,13 +389,17 @@ def recomputed_grads(x, w, lse, scale, target, uniform: float, hot: float, cap: 
     return grad_x, grad_w
 
 
-def _check_options(reduction, label_smoothing, ignore_index):
-    try:  # an int, numpy's, or a 0-d integer tensor
-        operator.index(ignore_index)
-        ok = not isinstance(ignore_index, bool)
+def _is_int(x) -> bool:
+    """An int, numpy's, or a 0-d integer tensor (what has __index__), not a bool."""
+    try:
+        operator.index(x)
     except TypeError:
-        ok = False
-    if not ok:
+        return False
+    return not isinstance(x, bool)
+
+
+def _check_options(reduction, label_smoothing, ignore_index):
+    if not _is_int(ignore_index):
         raise ValueError(f"ignore_index must be an int (a target value whose rows are left out), not {ignore_index!r}")
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', not {reduction!r}")
