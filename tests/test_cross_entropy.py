@@ -46,6 +46,25 @@ def test_loss_and_grads_match_f_cross_entropy(seed, smoothing, cap, reduction, d
     assert _rel(x.grad, xf.grad) < 1e-2 and _rel(w.grad, wf.grad) < 1e-2
 
 
+@pytest.mark.parametrize("ignore", [0, 150, 299])  # V = 301: columns the kernels compute, and the fp32 tail's
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+def test_ignore_index_that_is_a_class(seed, ignore, grad):
+    """An ignore_index inside [0, V), whose column the GEMMs take for those rows (they get the targets as
+    given): the rows are still left out; loss and gradients match F.cross_entropy's."""
+    x, w, t = _problem()
+    t[[1, x.shape[0] // 2]] = 3
+    t[[0, 5, 9]] = ignore
+    with torch.set_grad_enabled(grad):
+        loss = cd.linear_cross_entropy(x, w, t, ignore_index=ignore, backend="reference", chunk_rows=16)
+    xf, wf = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    ref = F.cross_entropy(xf @ wf.t(), t, ignore_index=ignore)
+    assert _rel(loss.detach(), ref.detach()) < 1e-3
+    if grad:
+        loss.backward()
+        ref.backward()
+        assert _rel(x.grad, xf.grad) < 1e-2 and _rel(w.grad, wf.grad) < 1e-2
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_vocabulary_a_multiple_of_8_has_no_tail(monkeypatch, reduction):
     """V % 8 == 0: the kernels cover every column, no fp32 tail is computed; loss and gradients still

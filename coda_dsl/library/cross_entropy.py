@@ -261,6 +261,13 @@ def _out_of_range(target: torch.Tensor, v: int, ignore_index: int) -> torch.Tens
     return bad
 
 
+def _rows(target: torch.Tensor, ignore_index: int, v: int) -> tuple[torch.Tensor, ...]:
+    """Per row: valid (not ignored), bad (_out_of_range), safe (the target, -1 where ignored) and the count of
+    valid rows (a 0-dim tensor: no synchronization)."""
+    valid = target != ignore_index
+    return valid, _out_of_range(target, v, ignore_index), torch.where(valid, target, -1), valid.sum()
+
+
 def _factored(scale: torch.Tensor, m: int, dtype: torch.dtype) -> tuple[torch.Tensor, float, torch.Tensor]:
     """The rows' gradient scale as unit * peak, for gradients in `dtype`. fp16: |unit| <= 1 goes into the
     logits' gradient g (fp16's g kept out of subnormals: with a scale like 1/M most of it was). The GEMMs
@@ -295,30 +302,37 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     @cd.as_written
     def forward(ctx, x, w, target, ignore_index, reduction, smoothing, cap, backend, config, chunk, need_x, need_w):
-        valid, bad = target != ignore_index, _out_of_range(target, w.shape[0], ignore_index)
-        safe = torch.where(valid, target, -1)  # out of range: take gives 0, the row is masked anyway
-        count = valid.sum()
         m, v = x.shape[0], w.shape[0]
         chunk = -(-(chunk or default_chunk_rows(m, v, x.device)) // 8) * 8  # 16-byte aligned row slices
         ctx.cfg = (reduction, smoothing, cap, backend, config, chunk)
+        # The GEMMs are queued before the rows' bookkeeping (_rows, _factored: a dozen small kernels, each
+        # of which the GPU would otherwise wait for the host to launch before the first GEMM; 0.8 ms of idle
+        # GPU at M = 8192 on an H100), so they take the targets as given: one outside their columns takes
+        # nothing (z_target 0), and an ignored row's statistics are masked out (loss by valid, gradient by
+        # a zero scale and safe's -1).
         if reduction == "none" or not (need_x or need_w):
-            st = _chunked_stats(x, w, safe, smoothing, cap, backend, config, chunk)
+            st = _chunked_stats(x, w, target, smoothing, cap, backend, config, chunk)
+            valid, bad, safe, count = _rows(target, ignore_index, v)
             ctx.save_for_backward(x, w, safe, valid, bad, st["lse"], count)
             return _reduce(_row_loss(st, v, smoothing), valid, count, reduction, bad)
         # gradients now, chunk by chunk: the backward then only scales them
+        vk = _split(v)
+        wk, wt = w[:vk], w[vk:]
+        buf = _chunk_buffer(min(chunk, m), vk, x, logits_buffer_dtype(x.dtype))
+        spans = [(s, min(m, s + chunk)) for s in range(0, m, chunk)]
+
+        def logits_gemm(s: int, e: int) -> dict:
+            return _stats(x[s:e], wk, target[s:e], smoothing, cap, backend, config,
+                          logits=buf[: e - s] if buf is not None else True)
+        first = logits_gemm(*spans[0]) if spans else None
+        valid, bad, safe, count = _rows(target, ignore_index, v)
         loss = torch.empty(m, device=x.device, dtype=torch.promote_types(x.dtype, torch.float32))
         scale, alpha, peak = _factored(
             _poisoned(valid.to(loss.dtype) / (count.clamp_min(1) if reduction == "mean" else 1), bad), m, x.dtype)
         gx, gw = _grad_buffers(x, w, need_x, need_w)
-        vk = _split(v)
-        wk, wt = w[:vk], w[vk:]
-        buf = _chunk_buffer(min(chunk, m), vk, x, logits_buffer_dtype(x.dtype))
-        for s in range(0, m, chunk):
-            e = min(m, s + chunk)
-            xs, ts = x[s:e], safe[s:e]
-            st = _stats(xs, wk, torch.where(ts < vk, ts, -1), smoothing, cap, backend, config,
-                        logits=buf[: e - s] if buf is not None else True)
-            z = st["D"]
+        for s, e in spans:
+            st = first if s == 0 else logits_gemm(s, e)
+            xs, ts, z = x[s:e], safe[s:e], st["D"]
             if vk < v:
                 zt = _tail(xs, wt, cap)
                 st = _merge_tail(st, zt, ts - vk)
@@ -457,7 +471,7 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
                                                                        and chunk_rows > 0)):
         raise ValueError(f"chunk_rows must be a positive int (rounded up to a multiple of 8), got {chunk_rows!r}")
     grad = torch.is_grad_enabled()  # Function.forward runs without grad mode: decide here
-    return _LinearCrossEntropy.apply(x, w, target, ignore_index, reduction, float(label_smoothing),
+    return _LinearCrossEntropy.apply(x, w, target, operator.index(ignore_index), reduction, float(label_smoothing),
                                      _cap(softcap), backend, config or CONFIG,
                                      int(chunk_rows) if chunk_rows else None,
                                      grad and x.requires_grad, grad and w.requires_grad)
