@@ -143,3 +143,79 @@ def scale_(t: torch.Tensor, by: torch.Tensor) -> None:
         t.mul_(by)
     else:
         _launch_scale(t, by, torch.cuda.get_device_properties(t.device).multi_processor_count * _SCALE_PROGRAMS_PER_SM)
+
+
+# logit_grad_'s columns per step and warps per row (one program per row, two passes over it)
+_CE_BLOCK, _CE_WARPS = 4096, 8
+
+if triton is not None:
+    @triton.jit
+    def _logit_grad_kernel(z, g, x, w, target, scale, extra, lse_out, zt_out, zsum_out, s_z, s_x0, s_x1, s_w0,
+                           s_w1, V, D, uniform, hot, cap, HAS_EXTRA: tl.constexpr, HAS_CAP: tl.constexpr,
+                           BV: tl.constexpr, BD: tl.constexpr):
+        """One row: its target logit in fp32 (x . w[t], softcapped), then pass 1 over z: the online max and sum
+        of exp (the target's column taken from that fp32 logit), and the sum; pass 2 writes the gradient over
+        z's bytes (g: the same storage in the gradient's dtype; each step reads its columns before it writes)."""
+        row = tl.program_id(0).to(tl.int64)
+        t = tl.load(target + row)
+        hit = (t >= 0) & (t < V)
+        dot = tl.zeros([BD], dtype=tl.float32)
+        for k in range(0, D, BD):
+            c = k + tl.arange(0, BD)
+            xv = tl.load(x + row * s_x0 + c * s_x1, mask=c < D, other=0.0).to(tl.float32)
+            wv = tl.load(w + tl.where(hit, t, 0) * s_w0 + c * s_w1, mask=(c < D) & hit, other=0.0)
+            dot += xv * wv.to(tl.float32)
+        zt = tl.sum(dot, 0)
+        if HAS_CAP:  # cap * tanh(zt / cap), tanh from exp: |zt| / cap may be large
+            e = tl.exp(-2.0 * tl.abs(zt) / cap)
+            zt = tl.where(zt < 0, -cap, cap) * (1.0 - e) / (1.0 + e)
+        zt = tl.where(hit, zt, 0.0)
+        t = tl.where(hit, t, -1)  # a target past z's columns must not meet a masked column
+        m = tl.full([], -float("inf"), tl.float32)
+        s = tl.full([], 0.0, tl.float32)
+        total = tl.full([], 0.0, tl.float32)
+        for start in range(0, V, BV):
+            cols = start + tl.arange(0, BV)
+            v = tl.load(z + row * s_z + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
+            v = tl.where(cols == t, zt, v)
+            top = tl.maximum(m, tl.max(v, 0))
+            s = s * tl.exp(m - top) + tl.sum(tl.exp(v - top), 0)
+            total += tl.sum(tl.where(cols < V, v, 0.0), 0)
+            m = top
+        lse = m + tl.log(s)
+        if HAS_EXTRA:  # the fp32 tail's log-sum-exp
+            e = tl.load(extra + row)
+            hi = tl.maximum(lse, e)
+            lse = hi + tl.log(tl.exp(lse - hi) + tl.exp(e - hi))
+        tl.store(lse_out + row, lse)
+        tl.store(zt_out + row, zt)
+        tl.store(zsum_out + row, total)
+        sc = tl.load(scale + row)
+        for start in range(0, V, BV):
+            cols = start + tl.arange(0, BV)
+            v = tl.load(z + row * s_z + cols, mask=cols < V, other=0.0).to(tl.float32)
+            v = tl.where(cols == t, zt, v)
+            d = tl.exp(v - lse) - uniform
+            d = tl.where(cols == t, d - hot, d) * sc
+            if HAS_CAP:
+                d = d * (1.0 - (v / cap) * (v / cap))
+            tl.store(g + row * s_z + cols, d.to(g.dtype.element_ty), mask=cols < V)
+
+
+def logit_grad_(z: torch.Tensor, g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
+                scale: torch.Tensor, extra: torch.Tensor | None, uniform: float, hot: float,
+                cap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The cross-entropy's logits gradient and row statistics in one Triton kernel (coda_dsl.library.cross_entropy's
+    logit_grad_ defines the values): z [c, V] (unit column stride) becomes g, a view of its bytes; returns lse,
+    z_target and z_sum [c] in fp32. x [c, d], w [V, d] (any strides); target, scale, extra [c]."""
+    c, v = z.shape
+    out = [torch.empty(c, device=z.device, dtype=torch.float32) for _ in range(3)]
+    if c:
+        with torch.cuda.device(z.device) if z.is_cuda else contextlib.nullcontext():
+            _logit_grad_kernel[(c,)](
+                z, g, x, w, target.contiguous(), scale.float().contiguous(),
+                extra.float().contiguous() if extra is not None else out[0], *out,
+                z.stride(0), *x.stride(), *w.stride(), v, x.shape[1], float(uniform), float(hot), float(cap or 1.0),
+                HAS_EXTRA=extra is not None, HAS_CAP=cap is not None, BV=_CE_BLOCK,
+                BD=min(1024, triton.next_power_of_2(max(x.shape[1], 1))), num_warps=_CE_WARPS)
+    return tuple(out)

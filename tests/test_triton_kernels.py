@@ -117,3 +117,45 @@ def test_scale_kernel_in_the_interpreter():
                PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+def test_logit_grad_kernel_in_the_interpreter():
+    """triton_kernels.logit_grad_'s kernel in Triton's CPU interpreter against cross_entropy.logit_grad_'s
+    plain-torch form (what the CPU runs): the gradient written over the chunk buffer's bytes and the rows'
+    statistics, with and without a softcap and a tail's log-sum-exp, targets ignored (-1), in z's columns and
+    past them (in the tail), blocks that leave a partial one, the fp16 buffer of bf16 inputs (padded rows)
+    and fp32 throughout, W passed transposed (strided columns). On the GPU: tests/test_gpu.py's cross-entropy
+    tests."""
+    pytest.importorskip("triton")
+    script = textwrap.dedent("""
+        import torch
+        from coda_dsl import triton_kernels as tk
+        from coda_dsl.library import cross_entropy as ce
+        torch.manual_seed(0)
+        tk._CE_BLOCK = 16  # V = 37: two whole blocks and a partial one
+        c, d, v = 6, 40, 37
+        for dtype in (torch.bfloat16, torch.float32):
+            for cap in (None, 3.0):
+                for tail in (False, True):
+                    x = torch.randn(c, d).to(dtype)
+                    w = (torch.randn(d, v) / d ** 0.5).to(dtype).t()  # [V, d] with strided columns
+                    t = torch.tensor([3, -1, 36, 0, 37, 20])  # 37: past z's columns
+                    scale, extra = torch.rand(c), (torch.randn(c) if tail else None)
+                    zf = x.float() @ w.float().t()
+                    zf = cap * torch.tanh(zf / cap) if cap else zf
+                    want_z = ce._chunk_buffer(c, v, x, ce.logits_buffer_dtype(dtype))
+                    want_z.copy_(zf)
+                    z = want_z.clone()
+                    want = ce.logit_grad_(want_z, x, w, t, scale, extra, 0.01, 0.9, cap, dtype)
+                    got = tk.logit_grad_(z, z.view(dtype), x, w, t, scale, extra, 0.01, 0.9, cap)
+                    for name, value in zip(("lse", "z_target", "z_sum"), got):
+                        torch.testing.assert_close(value, want[name].float(), rtol=1e-4, atol=1e-4)
+                    # the interpreter casts fp32 to bf16 by truncation (the GPU rounds): one ulp apart
+                    tol = dict(rtol=2 ** -7, atol=1e-6) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+                    torch.testing.assert_close(z.view(dtype).float(), want_z.view(dtype).float(), **tol)
+        print("ok")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
