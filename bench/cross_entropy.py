@@ -76,22 +76,23 @@ def plan_rows(shapes=SHAPES, autotune=False, chunk_rows=(), configs=()) -> list[
 def kernels(configs=(None,)) -> list:
     """The kernels cd.linear_cross_entropy launches with its default options and each of `configs`
     (the same for every shape), rendered for the same parallel build as the other benchmarks' kernels:
-    the statistics-only forward (no grad) and the gradient path's logits GEMM. Best effort: one left out
-    here is built (or falls back to the reference backend, with a warning) at its first call."""
+    the statistics-only forward (no grad) and the forward that also stores the logits chunk (with
+    gradients). Best effort: one left out here is built (or falls back to the reference backend, with
+    a warning) at its first call."""
     x = torch.empty(128, 128, device="cuda", dtype=torch.bfloat16)
     target = torch.zeros(128, device="cuda", dtype=torch.int64)
     logits = torch.empty(128, 128, device="cuda", dtype=ce.logits_buffer_dtype(x.dtype))
     ops = []
     for config in configs:
-        make = {"forward": lambda: cd.compile(ce._forward_epilogue(False, None), x, x, target=target,
-                                              config=config or ce.CONFIG),
-                "logits": lambda: cd.compile(ce._logits_epilogue(None, ce.stored_logits(x.dtype)), x, x,
-                                             out={"D": logits}, config=config or ce.LOGITS_CONFIG)}
+        config = config or ce.CONFIG
+        make = {"forward": lambda: cd.compile(ce._forward_epilogue(False, None), x, x, target=target, config=config),
+                "forward with logits": lambda: cd.compile(ce._forward_epilogue(False, None, ce.stored_logits(x.dtype)),
+                                                          x, x, target=target, out={"D": logits}, config=config)}
         for name, compile_op in make.items():
             try:
                 ops.append(compile_op())
             except Exception as e:  # noqa: BLE001
-                progress(f"cross_entropy: {name} kernel ({config or 'default'}) not prebuilt "
+                progress(f"cross_entropy: {name} kernel ({config}) not prebuilt "
                          f"({type(e).__name__}: {str(e).splitlines()[0]})")
     return ops
 

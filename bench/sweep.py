@@ -4,10 +4,10 @@ default configuration (runtime/tune.py:default).
     python -m bench.sweep [--only identity,...] [--configs KEY,...] [--shapes MxNxK,...] [--iters 30]
                           [--sustained MS | --graph]
 
-Besides bench.epilogues' cases, `--only ce_logits`: the cross-entropy's gradient-path logits GEMM over one
-chunk of 4096 rows at V = 128256 (linear_cross_entropy's default there), storing the fp16 logits (of order 1,
-as a model's: w scaled by d^-1/2); with `identity` on the same configurations and `--shapes
-4096x128256x4096`, what the fp16 store costs on each.
+Besides bench.epilogues' cases, `--only ce_logits`: the cross-entropy's logits GEMM over one chunk of
+4096 rows at V = 128256 (linear_cross_entropy's default there), its statistics epilogue storing the fp16
+logits (of order 1, as a model's: w scaled by d^-1/2); with `identity` on the same configurations and
+`--shapes 4096x128256x4096`, what the epilogue costs on each.
 
 Every (epilogue, configuration) kernel is built in one parallel ninja run; then, per shape, the
 cuBLAS GEMM and every configuration are timed round-robin (CUDA events, median of rounds, inputs
@@ -40,8 +40,13 @@ SHAPES = {"swiglu": ((8192, 28672, 4096), (8192, 57344, 8192)), "rope": ((8192, 
           "ce_logits": ((4096, 128256, 4096),)}  # M = a chunk's rows, N = Llama-3's vocabulary, K = d
 
 
-SWEPT = {**CASES, "ce_logits": Case("ce_logits", ce._logits_epilogue(None, ce.stored_logits(torch.bfloat16)),
-                                    lambda m, n: {}, lambda a, w: a @ w.t(), scaled_w=True)}
+def _targets(m: int, n: int) -> torch.Tensor:
+    return torch.randint(0, n, (m,), device="cuda")
+
+
+SWEPT = {**CASES, "ce_logits": Case("ce_logits", ce._forward_epilogue(False, None, ce.stored_logits(torch.bfloat16)),
+                                    lambda m, n: {"target": _targets(m, n)}, lambda a, w, target: a @ w.t(),
+                                    scaled_w=True)}
 CONFIGS = ("128x256x64_c2x1_cooperative_s1", "128x256x64_c2x1_cooperative", "128x256x64_c2x1_cooperative_rm_s4",
            "128x256x64_c2x1_cooperative_streamk", "256x128x64_c2x1_cooperative",
            "128x256x64_c2x1_cooperative_e128x64", "128x192x64_c2x1_pingpong", "128x128x64_c2x1_pingpong")

@@ -421,13 +421,14 @@ def test_sweep_on_fake_gpu(fake_gpu, capsys, monkeypatch, timing):
 
 
 def test_sweep_of_the_cross_entropy_logits_gemm(fake_gpu, capsys, monkeypatch):
-    """`--only identity,ce_logits`: the cross-entropy's gradient-path logits GEMM (its fp16 logits checked
-    against A @ W^T) on the same configurations as the identity, each with its own table; its default shape
-    is one 4096-row chunk at Llama-3's vocabulary."""
+    """`--only identity,ce_logits`: the cross-entropy's statistics epilogue (its fp16 logits checked against
+    A @ W^T) on the same configurations as the identity, each with its own table; its default shape is one
+    4096-row chunk at Llama-3's vocabulary."""
     ops = lambda cases, cfgs: ({(c.name, cfg.text): (lambda a, w, ep=c.epilogue, **o: cd.gemm(  # noqa: E731
         a, w, ep, backend="reference", **o)) for c in cases for cfg in cfgs}, [])
     for name, value in (("no_gpu", lambda: False), ("built_kernels", ops), ("cublas_kernel", lambda m, n, k: "k"),
-                        ("rotation", lambda make, nbytes: [make(), make()])):
+                        ("rotation", lambda make, nbytes: [make(), make()]),
+                        ("_targets", lambda m, n: torch.randint(0, n, (m,)))):
         monkeypatch.setattr(sweep, name, value)
     monkeypatch.setattr(harness, "round_robin", lambda fns, sets, iters, warmup=2: {n: 100.0 for n in fns})
     argv = ["--only", "identity,ce_logits", "--shapes", "64x136x32", "--configs", "128x128x64_c2x1_pingpong"]

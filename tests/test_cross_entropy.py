@@ -132,7 +132,7 @@ def test_gradients_in_the_forward_backward_launches_no_gemm(monkeypatch, reducti
     x, w, t = _problem(m=40)
     calls = _count_gemms(monkeypatch)
     loss = cd.linear_cross_entropy(x, w, t, reduction=reduction, backend="reference", chunk_rows=16)
-    assert calls == [("ce_logits_float16", True)] * 3  # 40 rows: chunks of 16, 16, 8 (bf16: z in fp16)
+    assert calls == [("ce_forward_logits_float16", True)] * 3  # 40 rows: chunks of 16, 16, 8 (bf16: z in fp16)
     loss.backward()
     assert len(calls) == 3 and x.grad is not None and w.grad is not None
 
@@ -150,8 +150,8 @@ def test_per_row_loss_recomputes_in_the_backward(monkeypatch):
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_config_reaches_every_kernel(monkeypatch, reduction):
-    """config= names the tile configuration of every GEMM of the loss (by default CONFIG for the statistics
-    kernels, LOGITS_CONFIG for the gradient path's logits GEMM); a bad one is an error on any backend."""
+    """config= names the tile configuration of every GEMM of the loss (CONFIG by default); a bad one is
+    an error on any backend."""
     x, w, t = _problem(m=40)
     seen = []
     gemm = cd.gemm
@@ -163,9 +163,8 @@ def test_config_reaches_every_kernel(monkeypatch, reduction):
     assert seen and set(seen) == {"128x128x64_c1x1_pingpong"}
     torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-4)
     seen.clear()
-    cd.linear_cross_entropy(x, w, t, reduction=reduction, backend="reference")
-    ce = cd.library.cross_entropy
-    assert seen == [ce.LOGITS_CONFIG if reduction == "mean" else ce.CONFIG]
+    cd.linear_cross_entropy(x, w, t, backend="reference")
+    assert seen == [cd.library.cross_entropy.CONFIG]
     with pytest.raises(cd.CodaError, match="config"):
         cd.linear_cross_entropy(x, w, t, backend="reference", config="128x128_bogus")
 
@@ -333,43 +332,20 @@ def test_label_smoothing_one():
     assert _rel(loss.detach(), ref.detach()) < 1e-5 and _rel(x.grad, xf.grad) < 1e-5
 
 
-def test_gradient_step_under_torch_compile_matches_eager():
-    """The gradient pass's plain-torch form, which torch.compile traces inside a compiled model (there one
-    fused kernel writes g over z's bytes), here through inductor's CPU backend, equals the eager pass, on the
-    padded chunk buffer, with a tail's log-sum-exp to merge."""
+def test_compiled_gradient_step_matches_eager():
+    """The fused step as torch.compile runs it on CUDA (one kernel writing g over z's bytes), here
+    through inductor's CPU backend, equals the eager step, on the padded chunk buffer."""
     from coda_dsl.library import cross_entropy as ce
-    c, d, v = 24, 16, 1007
-    x, w = torch.randn(c, d), torch.randn(v, d) / d ** 0.5
+    c, v = 24, 1007
     z = ce._chunk_buffer(c, v, torch.empty(0), torch.float16)  # rows padded to 1008: a strided view
-    z.copy_(30.0 * torch.tanh(x @ w.t() / 30.0))
-    scale, t, extra = torch.rand(c), torch.randint(-1, v, (c,)), torch.randn(c)
+    z.copy_(torch.randn(c, v) * 5)
+    lse = torch.logsumexp(z.float(), -1)
+    scale, t = torch.rand(c), torch.randint(-1, v, (c,))
+    z_target = z.float().gather(1, t.clamp_min(0)[:, None])[:, 0] + 1e-3  # the statistics' fp32 value
     eager = z.clone()
-    want = ce.logit_grad_(eager, x, w, t, scale, extra, 0.01, 0.9, 30.0, torch.bfloat16)
-    got = torch.compile(ce.logit_grad_)(z, x, w, t, scale, extra, 0.01, 0.9, 30.0, torch.bfloat16)
+    ce._logit_grad_.eager(eager, lse, scale, t, z_target, 0.01, 0.9, 30.0, torch.bfloat16)
+    torch.compile(ce._logit_grad_.eager)(z, lse, scale, t, z_target, 0.01, 0.9, 30.0, torch.bfloat16)
     assert _rel(z.view(torch.bfloat16), eager.view(torch.bfloat16)) < 1e-6
-    for name in ("lse", "z_target", "z_sum"):
-        torch.testing.assert_close(got[name], want[name])
-
-
-def test_gradient_step_statistics():
-    """logit_grad_'s statistics against their definitions on fp32 logits: lse over z's columns and the
-    tail's (extra), the target's logit from x . w[target] (softcapped; 0 for a target outside z's columns)
-    and the sum over z's columns; the gradient softmax - one-hot with the row's scale."""
-    from coda_dsl.library import cross_entropy as ce
-    c, d, v, cap = 9, 12, 40, 4.0
-    x, w = torch.randn(c, d), torch.randn(v, d)
-    zf = cap * torch.tanh(x @ w.t() / cap)
-    t = torch.tensor([0, 39, -1, 5, 40, 7, 7, 12, 3])  # 40: in the tail, not z's
-    scale, extra = torch.rand(c), torch.randn(c)
-    z = zf.clone()
-    st = ce.logit_grad_(z, x, w, t, scale, extra, 0.0, 1.0, cap, torch.float32)
-    hit = (t >= 0) & (t < v)
-    lse = torch.logaddexp(torch.logsumexp(zf, 1), extra)
-    torch.testing.assert_close(st["lse"], lse)
-    torch.testing.assert_close(st["z_target"], torch.where(hit, zf.gather(1, t.clamp(0, v - 1)[:, None])[:, 0], 0.0))
-    torch.testing.assert_close(st["z_sum"], zf.sum(1))
-    want = torch.exp(zf - lse[:, None]) - F.one_hot(torch.where(hit, t, v), v + 1)[:, :v]
-    torch.testing.assert_close(z, want * scale[:, None] * (1 - (zf / cap) ** 2))
 
 
 def test_scaling_in_place():
@@ -570,16 +546,18 @@ def test_forward_epilogue_lowers_to_row_nodes():
         assert text in src, text
 
 
-def test_logits_epilogue_lowers_for_cutlass(make_plan):
-    """The gradient path's logits GEMM: D alone (fp16, into the buffer), softcapped, no row nodes."""
+def test_forward_with_logits_lowers_for_cutlass(make_plan):
+    """The forward that also stores the logits chunk: D (fp16, into the buffer) with the row nodes in
+    one kernel, softcap and smoothing included."""
     from coda_dsl.codegen import render
-    from coda_dsl.library.cross_entropy import _logits_epilogue
+    from coda_dsl.library.cross_entropy import _forward_epilogue
     from coda_dsl.passes.plan import LogSumExp, Take
 
-    plan = make_plan(_logits_epilogue(30.0, torch.float16))
-    assert plan.d_dtype == "fp16" and plan.inputs == [] and plan.outputs == []  # D is the GEMM's own
-    assert not [n for n in plan.nodes if isinstance(n, (LogSumExp, Take))]
-    assert "RowLogSumExp" not in render(plan, "0" * 24)
+    plan = make_plan(_forward_epilogue(True, 30.0, torch.float16), operand_dtypes={"target": "i64"})
+    assert plan.d_dtype == "fp16" and plan.inputs == ["target"]
+    assert [type(n) for n in plan.nodes if isinstance(n, (LogSumExp, Take))] == [LogSumExp, Take]
+    assert [o[0] for o in plan.outputs] == ["lse", "z_target", "z_sum"]
+    assert "coda::RowLogSumExp<TileShape>" in render(plan, "0" * 24)
 
 
 def test_logsumexp_is_per_row_only_and_stable():

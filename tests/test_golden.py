@@ -52,9 +52,8 @@ EPILOGUES = {
     "input_norm_grad": (nn.input_norm_grad, {}),  # the Llama layer's norm backward steps
     "post_norm_grad": (nn.post_norm_grad, {}),
     **{f"rms_consumer_{a or 'linear'}": (rmsnorm.rms_consumer(a), {}) for a in rmsnorm._ACTIVATIONS},
-    **{f"ce_forward_{int(s)}{int(c is not None)}": (ce._forward_epilogue(s, c), {})
-       for s in (False, True) for c in (None, 30.0)},
-    **{f"ce_logits_{int(c is not None)}": (ce._logits_epilogue(c, torch.float16), {}) for c in (None, 30.0)},
+    **{f"ce_forward_{int(s)}{int(c is not None)}{int(lg is not False)}": (ce._forward_epilogue(s, c, lg), {})
+       for s in (False, True) for c in (None, 30.0) for lg in (False, torch.float16)},
     "ce_backward": (ce.ce_backward, {}),
     "ce_backward_softcap": (ce._backward_softcap_epilogue(30.0), {}),
     "extrema": (epilogues.extrema, {}),
@@ -73,9 +72,9 @@ VARIANT_CASES = {  # which epilogues each variant is rendered for
     "fp16": ["residual_rms", "swiglu", "rope_positions", "rms_producer"],
     "kn": ["residual_rms", "rope_tables", "input_norm_grad", "post_norm_grad"],
     "km": ["gain_wgrad", "residual_rms"],
-    "deterministic": ["rms_producer", "ce_forward_11", "ce_forward_01", "extrema"],
+    "deterministic": ["rms_producer", "ce_forward_110", "ce_forward_011", "extrema"],
     "accumulate": ["residual_rms", "leaky_relu", "rms_consumer_silu"],  # (a pairwise D is refused: no C to read)
-    "pingpong": ["residual_rms", "swiglu", "rope_tables", "rms_producer", "ce_forward_00", "ce_logits_0"],
+    "pingpong": ["residual_rms", "swiglu", "rope_tables", "rms_producer", "ce_forward_000"],
 }
 CASES = [(name, None) for name in EPILOGUES] + [(name, v) for v, names in VARIANT_CASES.items() for name in names]
 

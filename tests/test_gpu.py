@@ -18,9 +18,8 @@ from coda_dsl.library import (interleave_gate_up, linear_swiglu, rms_consumer, r
                               rope_frequencies, rope_positions, rope_tables, swiglu, swiglu_backward,
                               swiglu_keep_preactivation)
 from coda_dsl.library.cross_entropy import CONFIG as CE_CONFIG
-from coda_dsl.library.cross_entropy import LOGITS_CONFIG as CE_LOGITS_CONFIG
-from coda_dsl.library.cross_entropy import (BUFFER_BYTES, _backward_softcap_epilogue, _forward_epilogue, _logits_epilogue,
-                                           ce_backward, combine_vocab_shards, default_chunk_rows, logits_buffer_dtype,
+from coda_dsl.library.cross_entropy import (BUFFER_BYTES, _backward_softcap_epilogue, _forward_epilogue, ce_backward,
+                                           combine_vocab_shards, default_chunk_rows, logits_buffer_dtype,
                                            stored_logits, vocab_shard_stats)
 from coda_dsl.runtime import op as runtime
 from build_helpers import warm_path_or_skip
@@ -195,12 +194,13 @@ SCHEDULER_CONFIGS = [runtime.tuning.PINGPONG.text, runtime.tuning.PINGPONG_192.t
                      "128x256x64_c2x1_cooperative_rm_s4_streamk", "256x128x64_c1x2_cooperative_rn_s2",
                      runtime.tuning.PINGPONG.text + "_rm_s4"]
 VARIANTS += [((ep, torch.bfloat16, "nk"), dict(config=c)) for c in SCHEDULER_CONFIGS for ep in (row_stats, swiglu)]
-# the cross-entropy library's kernels, with their A/B dtype: the statistics forward (smoothing, softcap), the
-# gradient path's logits GEMM (fp16 D for bf16 and fp16 inputs, as cross_entropy asks: stored_logits), and the
-# recompute backward ones
-CE_KERNELS = [(_forward_epilogue(s, c), torch.bfloat16) for s in (False, True) for c in (None, 30.0)] + \
-    [(_logits_epilogue(c, stored_logits(torch.bfloat16)), torch.bfloat16) for c in (None, 30.0)] + \
-    [(_logits_epilogue(None, stored_logits(torch.float16)), torch.float16), (_forward_epilogue(False, None), torch.float16),
+# the cross-entropy library's kernels, with their A/B dtype: forward variants (smoothing, softcap),
+# statistics only or also storing the logits chunk (fp16 D, as cross_entropy._stats asks: stored_logits),
+# and the recompute backward ones
+CE_KERNELS = [(_forward_epilogue(s, c, logits), torch.bfloat16) for s in (False, True) for c in (None, 30.0)
+              for logits in (False, stored_logits(torch.bfloat16))] + \
+    [(_forward_epilogue(False, None, stored_logits(torch.float16)), torch.float16),
+     (_forward_epilogue(False, None), torch.float16),
      (ce_backward, torch.bfloat16), (_backward_softcap_epilogue(30.0), torch.bfloat16)]
 
 
@@ -234,10 +234,10 @@ def kernels():
         if not wanted(ep):
             continue
         x, names = _rand(64, 64, dtype=dtype), {p.name for p in ep.params}
-        logits = ep.name.startswith("ce_logits")
-        out = {"D": torch.empty(64, 64, device="cuda", dtype=logits_buffer_dtype(dtype))} if logits else None
-        ops.append(cd.compile(ep, x, x, out=out, config=CE_LOGITS_CONFIG if logits else CE_CONFIG, **{
-            k: v for k, v in dict(target=t, lse=vec, scale=vec, uniform=0.0).items() if k in names}))  # as called
+        out = {"D": torch.empty(64, 64, device="cuda", dtype=logits_buffer_dtype(dtype))} if "_logits" in ep.name \
+            else None
+        ops.append(cd.compile(ep, x, x, out=out, config=CE_CONFIG, **{k: v for k, v in dict(
+            target=t, lse=vec, scale=vec, uniform=0.0).items() if k in names}))  # the config its calls use
     try:
         runtime.prebuild(ops)
     except cd.CodaError as e:  # tests of the kernels that did build still run; the others fail on their own

@@ -9,11 +9,10 @@ Three paths, chosen per call:
   whose epilogue keeps per row only the online log-sum-exp, the target logit (and, with label
   smoothing, the sum of logits); no D. Extra memory O(M).
 - Gradients wanted, reduction "mean" or "sum": three GEMMs in all, all in the forward, per chunk of
-  rows: (a) the chunk's logits GEMM stores z into a [chunk, V] buffer reused across chunks (its epilogue
-  does nothing else: the statistics' exp per value was not hidden behind the mainloop); (b) one kernel
-  reads z twice, for the rows' statistics and then to turn z into the logits' gradient g in place;
-  (c) grad_x[chunk] = g @ W and grad_W += g^T @ x[chunk]. The backward only scales the saved gradients
-  by the incoming (scalar) gradient.
+  rows: (a) the chunk's logits GEMM stores z into a [chunk, V] buffer reused across chunks, with the
+  per-row statistics in the same epilogue; (b) one fused elementwise pass turns z into the logits'
+  gradient g in place; (c) grad_x[chunk] = g @ W and grad_W += g^T @ x[chunk]. The backward only
+  scales the saved gradients by the incoming (scalar) gradient.
 - Gradients wanted, reduction "none" (the incoming gradient is per row, known only in the backward):
   the statistics-only forward, and a backward that recomputes the logits per chunk (a fourth GEMM)
   with P = (softmax - eps/V) * scale formed in its epilogue.
@@ -22,8 +21,8 @@ The buffer holds z in fp16 for bf16 and fp16 inputs: bf16 logits lose up to |z| 
 2-4 % gradient error vs fp32 autograd on a confident model (logits up to 20-40, p(target) ~ 0.5);
 fp16 gave 0.3-0.5 %, fp32 0.01-0.03 % (CPU measurement, V = 32000). g is then written over z in the
 inputs' dtype (same bytes per element), so the buffer is all the chunk needs. (fp16 holds logits
-up to 65504 in magnitude; a softcap bounds them.) The target's column is formed from an fp32 target
-logit instead (x . w[target]): on a confident row 1 - p is below the buffer's rounding of z.
+up to 65504 in magnitude; a softcap bounds them.) The target's column is formed from the statistics'
+fp32 target logit instead: on a confident row 1 - p is below the buffer's rounding of z.
 """
 from __future__ import annotations
 
@@ -45,15 +44,11 @@ BUFFER_BYTES = 1 << 30
 # 1x2 (CUTLASS's scheduler rounds 13 tiles of rows up to 14: a tile row past the chunk), and of 8 (16-byte
 # aligned row vectors).
 _ROW_ALIGN = 256
-# The statistics kernels' configuration (the forward without gradients, the recomputing backward) unless
-# linear_cross_entropy(config=) names another. H200, M = 8192, d = 4096, V = 128256 (bench.cross_entropy
-# --configs --profile): pingpong 128x128 overlaps one tile's exp-heavy epilogue with the other's mainloop:
-# forward 13.68 ms against 14.57 for the cooperative 128x256 tile and 15.28 for pingpong 128x192.
+# The kernels' configuration at every shape unless linear_cross_entropy(config=) names another. H200,
+# M = 8192, d = 4096, V = 128256 (bench.cross_entropy --configs --profile): pingpong 128x128 overlaps
+# one tile's exp-heavy epilogue with the other's mainloop: forward 13.68 ms against 14.57 for the
+# cooperative 128x256 tile and 15.28 for pingpong 128x192; the chunks' logits GEMMs 12.46 ms against 15.04.
 CONFIG = cd.Config((128, 128, 64), (2, 1), "pingpong")
-# The gradient path's logits GEMM (an epilogue with nothing to hide): the tile whose mainloop is fastest.
-# H100, one 4096-row chunk at V = 128256 (history.md): identity epilogue, cooperative 256x128 1x2 5567 us,
-# pingpong 128x128 2x1 7079, cuBLAS 5487.
-LOGITS_CONFIG = cd.Config((256, 128, 64), (1, 2), "cooperative")
 
 
 def _softcapped(acc, cap):
@@ -61,28 +56,20 @@ def _softcapped(acc, cap):
 
 
 @cd.epilogue_factory
-def _forward_epilogue(smoothing: bool, cap: float | None) -> cd.Epilogue:
-    """Per row: lse, the target logit (and the sum of logits); no D."""
+def _forward_epilogue(smoothing: bool, cap: float | None, logits: bool | torch.dtype = False) -> cd.Epilogue:
+    """Per row: lse, the target logit (and the sum of logits); with `logits`, D = z too: True in the inputs'
+    dtype, a dtype in that one (the chunk buffer's, logits_buffer_dtype: fp16 for bf16 inputs; declared
+    here, not taken from the buffer, so that the op torch.compile traces makes the same D)."""
     def ce_forward(acc, target: cd.VecM):
         z = _softcapped(acc, cap)
-        out = {"lse": cd.logsumexp(z, axis="n"), "z_target": cd.take(z, target, axis="n")}
+        out = {"D": z if logits is True else cd.cast(z, logits)} if logits is not False else {}
+        out.update(lse=cd.logsumexp(z, axis="n"), z_target=cd.take(z, target, axis="n"))
         if smoothing:
             out["z_sum"] = cd.sum(z, axis="n")
         return out
-    return cd.epilogue(ce_forward, name=f"ce_forward{'_smooth' if smoothing else ''}{'_cap' if cap else ''}")
-
-
-@cd.epilogue_factory
-def _logits_epilogue(cap: float | None, logits: bool | torch.dtype) -> cd.Epilogue:
-    """The gradient path's chunk GEMM: D = the (softcapped) logits z alone, True: in the inputs' dtype, a
-    dtype: in that one (the chunk buffer's, stored_logits; declared here, not taken from the buffer, so that
-    the op torch.compile traces makes the same D). Its epilogue is the identity's cost: the statistics come
-    from the pass that reads z anyway (logit_grad_)."""
-    def ce_logits(acc):
-        z = _softcapped(acc, cap)
-        return {"D": z if logits is True else cd.cast(z, logits)}
-    stored = "" if logits is True else f"_{str(logits).removeprefix('torch.')}"
-    return cd.epilogue(ce_logits, name=f"ce_logits{stored}{'_cap' if cap else ''}")
+    stored = "" if logits is False else "_logits" if logits is True else f"_logits_{str(logits).removeprefix('torch.')}"
+    name = f"ce_forward{stored}{'_smooth' if smoothing else ''}{'_cap' if cap else ''}"
+    return cd.epilogue(ce_forward, name=name)
 
 
 @cd.epilogue
@@ -146,31 +133,16 @@ def put_target_column(p: torch.Tensor, g_target: torch.Tensor, target: torch.Ten
         p[rows, col] = torch.where(target >= 0, g_target - hot, p[rows, col].to(g_target.dtype)).to(p.dtype)
 
 
-def logit_grad_(z: torch.Tensor, x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, scale: torch.Tensor,
-                extra: torch.Tensor | None, uniform: float, hot: float, cap: float | None,
-                dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """In place: a chunk's (softcapped) logits z [c, V'] over w's V' rows become the logits' gradient
-    (_logit_grad) in `dtype` over the same bytes. Returns the rows' statistics (fp32; fp64 for fp64): lse
-    (merged with extra, the log-sum-exp of the vocabulary's other columns; None: z has them all), z_target
-    (x . w[target], softcapped, 0 where the target is outside [0, V'): from the inputs, not from z, whose
-    rounding would stay whole in exp(z - lse) - 1 on a confident row) and z_sum over z's columns.
+@cd.on_cuda
+def _logit_grad_(z: torch.Tensor, lse, scale, target, z_target, uniform: float, hot: float, cap: float | None,
+                 dtype: torch.dtype) -> None:
+    """In place: the logits z [c, V] become their gradient (_logit_grad), in `dtype` over the same bytes.
 
-    On CUDA one Triton kernel (triton_kernels.logit_grad_: per row the target's dot product, then two
-    passes over z, which reads z twice and writes it once); elsewhere and inside torch.compile, this."""
-    if z.is_cuda and z.stride(1) == 1 and not torch.compiler.is_compiling():
-        from ..triton_kernels import logit_grad_ as kernel, triton
-        if triton is not None:
-            return dict(zip(("lse", "z_target", "z_sum"),
-                            kernel(z, z.view(dtype), x, w, target, scale, extra, uniform, hot, cap)))
-    dt = torch.promote_types(z.dtype, torch.float32)
-    hit = (target >= 0) & (target < z.shape[1])
-    picked = (x.to(dt) * w[target.clamp(0, max(z.shape[1] - 1, 0))].to(dt)).sum(1) if z.shape[1] else target.to(dt)
-    z_target = torch.where(hit, cap * torch.tanh(picked / cap) if cap else picked, 0.0)
-    zf = torch.where(torch.arange(z.shape[1], device=z.device) == target[:, None], z_target[:, None], z.to(dt))
-    lse = torch.logsumexp(zf, 1)
-    st = {"lse": lse if extra is None else torch.logaddexp(lse, extra), "z_target": z_target, "z_sum": zf.sum(1)}
-    z.view(dtype).copy_(_logit_grad(z, st["lse"], scale, target, z_target, uniform, hot, cap))
-    return st
+    Passes over the buffer: 1 on CUDA, compiled (one fused kernel reads z and stores g into z's
+    storage; checked on CPU's inductor: no temporary), with static sizes: with every size symbolic
+    (dynamic=True) that kernel ran at a third of the H200's bandwidth (1.99 ms per 4096-row chunk at
+    V = 128256); eagerly (CPU), ~6 passes with fp32 temporaries."""
+    z.view(dtype).copy_(_logit_grad(z, lse, scale, target, z_target, uniform, hot, cap))
 
 
 def _scale_(gx: torch.Tensor | None, gw: torch.Tensor | None, by: torch.Tensor, alpha: float) -> None:
@@ -201,9 +173,12 @@ def _chunk_buffer(rows: int, v: int, like: torch.Tensor, dtype: torch.dtype) -> 
     return buf[:, :v]
 
 
-def _stats(x, w, target, smoothing, cap, backend, config) -> dict:
-    """One GEMM: lse, z_target (0 where the target is outside [0, V)), z_sum with smoothing."""
-    return cd.gemm(x, w, _forward_epilogue(smoothing > 0, cap), target=target, backend=backend, config=config)
+def _stats(x, w, safe, smoothing, cap, backend, config, logits: torch.Tensor | bool = False) -> dict:
+    """One GEMM: lse, z_target (0 where safe is out of range), z_sum with smoothing; with `logits`, D too
+    (in logits_buffer_dtype): into that tensor, or (True) a new one."""
+    out = {"D": logits} if isinstance(logits, torch.Tensor) else None
+    ep = _forward_epilogue(smoothing > 0, cap, logits is not False and stored_logits(x.dtype))
+    return cd.gemm(x, w, ep, target=safe, out=out, backend=backend, config=config)
 
 
 def _chunked_stats(x, w, safe, smoothing, cap, backend, config, chunk: int) -> dict:
@@ -260,6 +235,15 @@ def _tail_target(zt: torch.Tensor, t_tail: torch.Tensor) -> torch.Tensor:
     column is not in the tail."""
     picked = zt.gather(1, t_tail.clamp(0, zt.shape[1] - 1)[:, None])[:, 0]
     return torch.where((t_tail >= 0) & (t_tail < zt.shape[1]), picked, torch.zeros_like(picked))
+
+
+def _merge_tail(st: dict, zt: torch.Tensor, t_tail: torch.Tensor) -> dict:
+    """Statistics over all V columns from the kernel's (the first V - V % 8) and the tail's logits."""
+    out = {"lse": torch.logaddexp(st["lse"], torch.logsumexp(zt, 1)),
+           "z_target": st["z_target"] + _tail_target(zt, t_tail)}
+    if "z_sum" in st:
+        out["z_sum"] = st["z_sum"] + zt.sum(1)
+    return out
 
 
 def _row_loss(st: dict, v: int, smoothing: float) -> torch.Tensor:
@@ -323,10 +307,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx.cfg = (reduction, smoothing, cap, backend, config, chunk)
         # The GEMMs are queued before the rows' bookkeeping (_rows, _factored: a dozen small kernels, each
         # of which the GPU would otherwise wait for the host to launch before the first GEMM; 0.8 ms of idle
-        # GPU at M = 8192 on an H100). The statistics GEMMs take the targets as given: one outside their
-        # columns takes nothing (z_target 0), and an ignored row's statistics are masked out after.
+        # GPU at M = 8192 on an H100), so they take the targets as given: one outside their columns takes
+        # nothing (z_target 0), and an ignored row's statistics are masked out (loss by valid, gradient by
+        # a zero scale and safe's -1).
         if reduction == "none" or not (need_x or need_w):
-            st = _chunked_stats(x, w, target, smoothing, cap, backend, config or CONFIG, chunk)
+            st = _chunked_stats(x, w, target, smoothing, cap, backend, config, chunk)
             valid, bad, safe, count = _rows(target, ignore_index, v)
             ctx.save_for_backward(x, w, safe, valid, bad, st["lse"], count)
             return _reduce(_row_loss(st, v, smoothing), valid, count, reduction, bad)
@@ -336,28 +321,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
         buf = _chunk_buffer(min(chunk, m), vk, x, logits_buffer_dtype(x.dtype))
         spans = [(s, min(m, s + chunk)) for s in range(0, m, chunk)]
 
-        def logits(s: int, e: int) -> torch.Tensor:
-            return cd.gemm(x[s:e], wk, _logits_epilogue(cap, stored_logits(x.dtype)), backend=backend,
-                           out=None if buf is None else {"D": buf[: e - s]}, config=config or LOGITS_CONFIG)["D"]
-        first = logits(*spans[0]) if spans else None
+        def logits_gemm(s: int, e: int) -> dict:
+            return _stats(x[s:e], wk, target[s:e], smoothing, cap, backend, config,
+                          logits=buf[: e - s] if buf is not None else True)
+        first = logits_gemm(*spans[0]) if spans else None
         valid, bad, safe, count = _rows(target, ignore_index, v)
         loss = torch.empty(m, device=x.device, dtype=torch.promote_types(x.dtype, torch.float32))
         scale, alpha, peak = _factored(
             _poisoned(valid.to(loss.dtype) / (count.clamp_min(1) if reduction == "mean" else 1), bad), m, x.dtype)
         gx, gw = _grad_buffers(x, w, need_x, need_w)
-        uniform, hot = smoothing / v, 1.0 - smoothing
         for s, e in spans:
-            z = first if s == 0 else logits(s, e)
-            xs, ts = x[s:e], safe[s:e]
-            zt = _tail(xs, wt, cap) if vk < v else None
-            st = logit_grad_(z, xs, wk, ts, scale[s:e], None if zt is None else torch.logsumexp(zt, 1), uniform, hot,
-                             cap, x.dtype)
-            gt = None
-            if zt is not None:  # the target's logit and the sum over the tail's columns too
-                st["z_target"] = st["z_target"] + _tail_target(zt, ts - vk)
-                st["z_sum"] = st["z_sum"] + zt.sum(1)
-                gt = _logit_grad(zt, st["lse"], scale[s:e], ts - vk, st["z_target"], uniform, hot, cap).to(x.dtype)
+            st = first if s == 0 else logits_gemm(s, e)
+            xs, ts, z = x[s:e], safe[s:e], st["D"]
+            if vk < v:
+                zt = _tail(xs, wt, cap)
+                st = _merge_tail(st, zt, ts - vk)
             loss[s:e] = _row_loss(st, v, smoothing)
+            _logit_grad_(z, st["lse"], scale[s:e], ts, st["z_target"], smoothing / v, 1.0 - smoothing, cap, x.dtype)
+            gt = None if vk == v else _logit_grad(zt, st["lse"], scale[s:e], ts - vk, st["z_target"], smoothing / v,
+                                                  1.0 - smoothing, cap).to(x.dtype)
             _accumulate(gx, gw, z.view(x.dtype), gt, w, xs, s, alpha)
         ctx.grads = (gx, gw, peak, alpha)
         return _reduce(loss, valid, count, reduction, bad)
@@ -383,7 +365,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             scale = scale.expand(m) / (count.clamp_min(1) if reduction == "mean" else 1)
         scale = _poisoned(torch.where(valid, scale, torch.zeros_like(scale)), bad)
         need_x, need_w = ctx.needs_input_grad[:2]  # a frozen LM head needs no grad_w GEMMs
-        grad_x, grad_w = recomputed_grads(x, w, lse, scale, safe, smoothing / v, 1.0 - smoothing, cap, backend, config or CONFIG,
+        grad_x, grad_w = recomputed_grads(x, w, lse, scale, safe, smoothing / v, 1.0 - smoothing, cap, backend, config,
                                           chunk, need_x, need_w)
         return grad_x, grad_w, *[None] * 10
 
@@ -476,8 +458,7 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
     grad_w; a second backward through the same forward (retain_graph) raises. With "none": the
     backward recomputes the logits per chunk. Only the gradients autograd asks for are computed.
     (The reference backend forms fp32 logits per chunk.) config: the kernels' tile configuration
-    (a cd.Config or its text; default CONFIG for the statistics kernels, LOGITS_CONFIG for the gradient path's
-    logits GEMM).
+    (a cd.Config or its text; default CONFIG).
     """
     check_args(x, w, target, reduction, label_smoothing, ignore_index)
     if w.shape[0] == 0:
@@ -491,7 +472,7 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
         raise ValueError(f"chunk_rows must be a positive int (rounded up to a multiple of 8), got {chunk_rows!r}")
     grad = torch.is_grad_enabled()  # Function.forward runs without grad mode: decide here
     return _LinearCrossEntropy.apply(x, w, target, operator.index(ignore_index), reduction, float(label_smoothing),
-                                     _cap(softcap), backend, config,
+                                     _cap(softcap), backend, config or CONFIG,
                                      int(chunk_rows) if chunk_rows else None,
                                      grad and x.requires_grad, grad and w.requires_grad)
 
