@@ -169,6 +169,16 @@ def test_config_reaches_every_kernel(monkeypatch, reduction):
         cd.linear_cross_entropy(x, w, t, backend="reference", config="128x128_bogus")
 
 
+def test_default_config_per_gpu_model(monkeypatch):
+    """The kernels' default configuration follows the GPU model (measured on H100s and the H200; others
+    take the H200's); no GPU: CONFIG, what the reference backend ignores."""
+    from coda_dsl.library import cross_entropy as ce
+    for name, want in (("NVIDIA H100 80GB HBM3", ce.H100_CONFIG), ("NVIDIA H200", ce.CONFIG),
+                       ("NVIDIA GH200 480GB", ce.CONFIG), ("", ce.CONFIG)):
+        monkeypatch.setattr(ce, "gpu_name", lambda device, name=name: name)
+        assert ce.default_config(torch.device("cuda")) == want, name
+
+
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_no_gradient_wanted_stores_no_logits(monkeypatch, smoothing):
     """Under no_grad, or when neither x nor W requires grad: a statistics-only GEMM per chunk of rows

@@ -17,9 +17,8 @@ import coda_dsl as cd
 from coda_dsl.library import (interleave_gate_up, linear_swiglu, rms_consumer, rms_producer, rmsnorm_linear,
                               rope_frequencies, rope_positions, rope_tables, swiglu, swiglu_backward,
                               swiglu_keep_preactivation)
-from coda_dsl.library.cross_entropy import CONFIG as CE_CONFIG
 from coda_dsl.library.cross_entropy import (BUFFER_BYTES, _backward_softcap_epilogue, _forward_epilogue, ce_backward,
-                                           combine_vocab_shards, default_chunk_rows, logits_buffer_dtype,
+                                           combine_vocab_shards, default_chunk_rows, default_config, logits_buffer_dtype,
                                            stored_logits, vocab_shard_stats)
 from coda_dsl.runtime import op as runtime
 from build_helpers import warm_path_or_skip
@@ -236,7 +235,7 @@ def kernels():
         x, names = _rand(64, 64, dtype=dtype), {p.name for p in ep.params}
         out = {"D": torch.empty(64, 64, device="cuda", dtype=logits_buffer_dtype(dtype))} if "_logits" in ep.name \
             else None
-        ops.append(cd.compile(ep, x, x, out=out, config=CE_CONFIG, **{k: v for k, v in dict(
+        ops.append(cd.compile(ep, x, x, out=out, config=default_config(x.device), **{k: v for k, v in dict(
             target=t, lse=vec, scale=vec, uniform=0.0).items() if k in names}))  # the config its calls use
     try:
         runtime.prebuild(ops)

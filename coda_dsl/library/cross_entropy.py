@@ -33,7 +33,9 @@ from typing import Sequence
 
 import torch
 
-import coda_dsl as cd  # the library is written against the public API, like user code
+import coda_dsl as cd  # the library is written against the public API, like user code, but for the GPU model
+from ..runtime.torch_compile import constant_under_compile
+from ..runtime.tune import gpu_name, is_model
 
 # The [chunk, V] logits buffer, by default: 4096 rows at V = 128256. Measured on the H200 at M = 8192,
 # d = 4096 (bench.cross_entropy --chunk-rows --profile): forward+backward 52.8 ms with 1536-row chunks
@@ -44,11 +46,22 @@ BUFFER_BYTES = 1 << 30
 # 1x2 (CUTLASS's scheduler rounds 13 tiles of rows up to 14: a tile row past the chunk), and of 8 (16-byte
 # aligned row vectors).
 _ROW_ALIGN = 256
-# The kernels' configuration at every shape unless linear_cross_entropy(config=) names another. H200,
-# M = 8192, d = 4096, V = 128256 (bench.cross_entropy --configs --profile): pingpong 128x128 overlaps
-# one tile's exp-heavy epilogue with the other's mainloop: forward 13.68 ms against 14.57 for the
-# cooperative 128x256 tile and 15.28 for pingpong 128x192; the chunks' logits GEMMs 12.46 ms against 15.04.
+# The kernels' configuration unless linear_cross_entropy(config=) names another, per GPU model (default_config),
+# at M = 8192, d = 4096, V = 128256 (bench.cross_entropy --configs --profile). H200 (and GPUs not measured):
+# pingpong 128x128 overlaps one tile's exp-heavy epilogue with the other's mainloop: forward 13.68 ms against
+# 14.57 for the cooperative 128x256 tile and 15.28 for pingpong 128x192; the chunks' logits GEMMs 12.46 ms
+# against 15.04.
 CONFIG = cd.Config((128, 128, 64), (2, 1), "pingpong")
+# H100: the cooperative 256x128 1x2 tile, whose mainloop runs at cuBLAS's speed there (pingpong 128x128's at
+# 1.27-1.30x): two runs on 2026-12-06 (at 0e4a44d and 6905cf2), forward 13.59 / 13.47 ms against 14.48 / 15.00,
+# forward+backward 40.33 / 40.56 against 41.13 / 43.26 (torch.compile 38.82 / 38.71).
+H100_CONFIG = cd.Config((256, 128, 64), (1, 2), "cooperative")
+
+
+@constant_under_compile
+def default_config(device: torch.device) -> cd.Config:
+    """The kernels' configuration on `device`: H100_CONFIG on an H100, else CONFIG."""
+    return H100_CONFIG if is_model(gpu_name(device), "H100") else CONFIG
 
 
 def _softcapped(acc, cap):
@@ -458,7 +471,7 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
     grad_w; a second backward through the same forward (retain_graph) raises. With "none": the
     backward recomputes the logits per chunk. Only the gradients autograd asks for are computed.
     (The reference backend forms fp32 logits per chunk.) config: the kernels' tile configuration
-    (a cd.Config or its text; default CONFIG).
+    (a cd.Config or its text; default: default_config, per GPU model).
     """
     check_args(x, w, target, reduction, label_smoothing, ignore_index)
     if w.shape[0] == 0:
@@ -472,7 +485,7 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
         raise ValueError(f"chunk_rows must be a positive int (rounded up to a multiple of 8), got {chunk_rows!r}")
     grad = torch.is_grad_enabled()  # Function.forward runs without grad mode: decide here
     return _LinearCrossEntropy.apply(x, w, target, operator.index(ignore_index), reduction, float(label_smoothing),
-                                     _cap(softcap), backend, config or CONFIG,
+                                     _cap(softcap), backend, config or default_config(x.device),
                                      int(chunk_rows) if chunk_rows else None,
                                      grad and x.requires_grad, grad and w.requires_grad)
 
@@ -491,7 +504,8 @@ def vocab_shard_stats(x: torch.Tensor, w_shard: torch.Tensor, target: torch.Tens
     local = target - vocab_start
     inside = (target != ignore_index) & (local >= 0) & (local < w_shard.shape[0])
     with torch.no_grad():
-        return _stats(x, w_shard, torch.where(inside, local, -1), label_smoothing, _cap(softcap), backend, CONFIG)
+        return _stats(x, w_shard, torch.where(inside, local, -1), label_smoothing, _cap(softcap), backend,
+                      default_config(x.device))
 
 
 def combine_vocab_shards(stats: Sequence[dict[str, torch.Tensor]], target: torch.Tensor, vocab_size: int,

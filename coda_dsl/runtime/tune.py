@@ -57,9 +57,9 @@ def default(m: int, n: int, k: int, l: int = 1, gpu: str | None = None) -> tuple
       1.017-1.019 against 1.05-1.08): a gain at 8192 tokens, none to tell at 16384.
     Swizzle 8 everywhere: one wave's A and B slices stay in L2."""
     gpu = gpu_name() if gpu is None else gpu
-    if _model(gpu, "H100"):
+    if is_model(gpu, "H100"):
         return DEFAULT, f"{gpu}: cooperative 128x256 at every shape, measured fastest on H100s (runtime/tune.py:default)"
-    rule = f"{'no GPU here' if not gpu else gpu if _model(gpu, 'H200') else gpu + ' (not measured)'}: the H200's rule"
+    rule = f"{'no GPU here' if not gpu else gpu if is_model(gpu, 'H200') else gpu + ' (not measured)'}: the H200's rule"
     if m * l * n < 4096 * 4096:
         return DEFAULT, f"{rule}, M x N = {m * l} x {n} < 4096 x 4096: cooperative 128x256"
     if k >= 8192:
@@ -69,7 +69,7 @@ def default(m: int, n: int, k: int, l: int = 1, gpu: str | None = None) -> tuple
     return PINGPONG, f"{rule}, K = {k} < 8192: pingpong hides the epilogue; 192 does not divide N = {n}"
 
 
-def _model(gpu: str, model: str) -> bool:
+def is_model(gpu: str, model: str) -> bool:
     """Whether a GPU's name names that model, in any case ("NVIDIA H100 80GB HBM3", "H100-SXM5", "h100": yes;
     "GH200": not an H200)."""
     return re.search(rf"(?<![A-Za-z0-9]){model}(?![0-9])", gpu, re.IGNORECASE) is not None
