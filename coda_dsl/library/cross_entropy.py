@@ -319,8 +319,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         chunk = -(-(chunk or default_chunk_rows(m, v, x.device)) // 8) * 8  # 16-byte aligned row slices
         ctx.cfg = (reduction, smoothing, cap, backend, config, chunk)
         # The GEMMs are queued before the rows' bookkeeping (_rows, _factored: a dozen small kernels, each
-        # of which the GPU would otherwise wait for the host to launch before the first GEMM; 0.8 ms of idle
-        # GPU at M = 8192 on an H100), so they take the targets as given: one outside their columns takes
+        # of which the GPU would otherwise wait for the host to launch before the first GEMM: most of 1.1 ms
+        # of idle GPU at M = 8192 on an H100), so they take the targets as given: one outside their columns takes
         # nothing (z_target 0), and an ignored row's statistics are masked out (loss by valid, gradient by
         # a zero scale and safe's -1).
         if reduction == "none" or not (need_x or need_w):
