@@ -722,3 +722,8 @@ def test_an_epilogue_uid_names_its_program():
     elsewhere = b.uid.split(".")[0] + "." + a.uid.split(".")[1]  # b's count with a's program: made nowhere here
     with pytest.raises(cd.UnsupportedError, match="which this process has not made"):
         cd.Epilogue.by_uid(elsewhere)
+    # programs that differ only inside a finishing expression (an op's attribute there: cast's dtype)
+    def finished_in(dt):
+        return cd.epilogue(lambda acc: {"s": cd.sum(acc, axis="n").then(lambda s: cd.cast(s, dt) * 2.0)}, name="same")
+    kept = [finished_in(cd.bfloat16), finished_in(cd.float16)]
+    assert kept[0].uid.split(".")[1] != kept[1].uid.split(".")[1]

@@ -221,7 +221,8 @@ def format_program(program: Program) -> str:
             for m in topo_order([n.attr]):
                 if id(m) not in names and not m.is_leaf:
                     names[id(m)] = f"%f{len(names)}"
-                    lines.append(f"  {names[id(m)]} = {m.op}({', '.join(name(x) for x in m.inputs)})")
+                    inner = f"[{m.attr}]" if m.attr is not None else ""
+                    lines.append(f"  {names[id(m)]} = {m.op}{inner}({', '.join(name(x) for x in m.inputs)})")
             attr = f"[{name(n.attr)}]"
         names[id(n)] = f"%{i}"
         lines.append(f"  %{i} = {n.op}{attr}({args})")
