@@ -35,6 +35,7 @@ math.*, numpy and torch functions cannot take traced values: use the cd. functio
 Glue around the GEMMs: cd.on_cuda(fn) runs a function of torch ops compiled (fused) on CUDA tensors.
 cd.first_order(what) marks an autograd.Function's backward that has no graph: a second derivative raises.
 cd.as_written(fn) runs fn with torch.autocast off, as cd.gemm, cd.linear and the library run (dtypes as given).
+cd.is_gpu(model, device) tells a GPU model ("H100", "H200") for choices measured per model, as the library's tiles.
 
 Library: cd.linear_cross_entropy (more in coda_dsl.library). Errors: cd.CodaError and its subclasses
 cd.EpilogueError, cd.OperandError, cd.UnsupportedError (cd.SharedMemoryError), cd.KernelError. The
@@ -55,7 +56,7 @@ _LAZY = {
                 "sin", "sqrt", "sum", "take", "tanh", "where"),
     "passes.plan": ("Config",),
     "runtime": ("BACKENDS", "CompiledOp", "as_written", "backward_epilogue", "compile", "first_order", "gemm",
-                "linear", "prebuild", "set_tuning"),
+                "is_gpu", "linear", "prebuild", "set_tuning"),
     "runtime.torch_compile": ("epilogue_factory", "on_cuda"),
     "library": ("linear_cross_entropy",),
 }

@@ -170,13 +170,17 @@ def test_config_reaches_every_kernel(monkeypatch, reduction):
 
 
 def test_default_config_per_gpu_model(monkeypatch):
-    """The kernels' default configuration follows the GPU model (measured on H100s and the H200; others
-    take the H200's); no GPU: CONFIG, what the reference backend ignores."""
+    """The kernels' default configuration follows the GPU model (cd.is_gpu; measured on H100s and the H200,
+    others take the H200's), inside torch.compile too; no GPU: CONFIG, what the reference backend ignores."""
     from coda_dsl.library import cross_entropy as ce
+    from coda_dsl.runtime import tune
     for name, want in (("NVIDIA H100 80GB HBM3", ce.H100_CONFIG), ("NVIDIA H200", ce.CONFIG),
                        ("NVIDIA GH200 480GB", ce.CONFIG), ("", ce.CONFIG)):
-        monkeypatch.setattr(ce, "gpu_name", lambda device, name=name: name)
+        monkeypatch.setattr(tune, "gpu_name", lambda device, name=name: name)
         assert ce.default_config(torch.device("cuda")) == want, name
+    pick = torch.compile(lambda x: x * (2.0 if ce.default_config(x.device) is ce.CONFIG else 3.0), fullgraph=True,
+                         backend="eager")  # the model is a constant of a traced graph (cd.is_gpu), no graph break
+    assert torch.equal(pick(torch.ones(2)), torch.full((2,), 2.0))
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])

@@ -33,9 +33,7 @@ from typing import Sequence
 
 import torch
 
-import coda_dsl as cd  # the library is written against the public API, like user code, but for the GPU model
-from ..runtime.torch_compile import constant_under_compile
-from ..runtime.tune import gpu_name, is_model
+import coda_dsl as cd  # the library is written against the public API, like user code
 
 # The [chunk, V] logits buffer, by default: 4096 rows at V = 128256. Measured on the H200 at M = 8192,
 # d = 4096 (bench.cross_entropy --chunk-rows --profile): forward+backward 52.8 ms with 1536-row chunks
@@ -58,10 +56,9 @@ CONFIG = cd.Config((128, 128, 64), (2, 1), "pingpong")
 H100_CONFIG = cd.Config((256, 128, 64), (1, 2), "cooperative")
 
 
-@constant_under_compile
 def default_config(device: torch.device) -> cd.Config:
     """The kernels' configuration on `device`: H100_CONFIG on an H100, else CONFIG."""
-    return H100_CONFIG if is_model(gpu_name(device), "H100") else CONFIG
+    return H100_CONFIG if cd.is_gpu("H100", device) else CONFIG
 
 
 def _softcapped(acc, cap):

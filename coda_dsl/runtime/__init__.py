@@ -2,6 +2,7 @@
 from .autograd import backward_epilogue, first_order, linear
 from .op import BACKENDS, CompiledOp, clear, compile, gemm, prebuild, set_tuning
 from .reference import as_written
+from .tune import is_gpu
 
-__all__ = ["BACKENDS", "CompiledOp", "as_written", "backward_epilogue", "clear", "compile", "first_order", "gemm", "linear",
-           "prebuild", "set_tuning"]
+__all__ = ["BACKENDS", "CompiledOp", "as_written", "backward_epilogue", "clear", "compile", "first_order", "gemm",
+           "is_gpu", "linear", "prebuild", "set_tuning"]

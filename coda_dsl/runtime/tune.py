@@ -24,6 +24,7 @@ import torch
 from .. import build
 from ..errors import SharedMemoryError
 from ..passes.plan import Config
+from .torch_compile import constant_under_compile
 
 DEFAULT = Config()  # cd.compile without config=: cooperative 128x256, cluster 2x1, swizzle 8
 PINGPONG = Config((128, 128, 64), (2, 1), "pingpong")
@@ -57,9 +58,9 @@ def default(m: int, n: int, k: int, l: int = 1, gpu: str | None = None) -> tuple
       1.017-1.019 against 1.05-1.08): a gain at 8192 tokens, none to tell at 16384.
     Swizzle 8 everywhere: one wave's A and B slices stay in L2."""
     gpu = gpu_name() if gpu is None else gpu
-    if is_model(gpu, "H100"):
+    if _model(gpu, "H100"):
         return DEFAULT, f"{gpu}: cooperative 128x256 at every shape, measured fastest on H100s (runtime/tune.py:default)"
-    rule = f"{'no GPU here' if not gpu else gpu if is_model(gpu, 'H200') else gpu + ' (not measured)'}: the H200's rule"
+    rule = f"{'no GPU here' if not gpu else gpu if _model(gpu, 'H200') else gpu + ' (not measured)'}: the H200's rule"
     if m * l * n < 4096 * 4096:
         return DEFAULT, f"{rule}, M x N = {m * l} x {n} < 4096 x 4096: cooperative 128x256"
     if k >= 8192:
@@ -69,7 +70,7 @@ def default(m: int, n: int, k: int, l: int = 1, gpu: str | None = None) -> tuple
     return PINGPONG, f"{rule}, K = {k} < 8192: pingpong hides the epilogue; 192 does not divide N = {n}"
 
 
-def is_model(gpu: str, model: str) -> bool:
+def _model(gpu: str, model: str) -> bool:
     """Whether a GPU's name names that model, in any case ("NVIDIA H100 80GB HBM3", "H100-SXM5", "h100": yes;
     "GH200": not an H200)."""
     return re.search(rf"(?<![A-Za-z0-9]){model}(?![0-9])", gpu, re.IGNORECASE) is not None
@@ -89,6 +90,14 @@ def gpu_name(device: torch.device | None = None) -> str:
 @functools.cache
 def _cuda_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
+
+
+@constant_under_compile
+def is_gpu(model: str, device: torch.device | None = None) -> bool:
+    """Whether `device` (None: the current CUDA device) is a GPU of that model ("H100", "H200"; "GH200" is not
+    an H200), for a choice measured per model, such as the library's tile configurations. A constant under
+    torch.compile."""
+    return _model(gpu_name(device), model)
 
 
 def bucket(m: int, n: int, k: int, l: int) -> str:
