@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import coda_dsl as cd
 from coda_dsl.library import swiglu
-from coda_dsl.passes.autodiff import GRAD
+from coda_dsl.passes.autodiff import GRAD, SAVED
 from coda_dsl.runtime.autograd import forward_epilogue
 
 from .epilogues import bias_gelu, residual_sumsq
@@ -97,15 +97,23 @@ def _with_dy(step: Callable) -> Callable:
     return lambda x, w, operands, dys, g, v: step(x, w, operands, {**dys, "D": g @ v.t()})
 
 
+def _saved(backward: cd.Epilogue, outs: dict) -> dict:
+    """The backward epilogue's saved_<name> operands from the forward kernel's outputs: saved_acc is its acc,
+    saved_<statistic> a statistic before .then, saved_<output> an output read back."""
+    return {p.name: outs.get(p.name, outs.get(p.name[len(SAVED):])) for p in backward.params
+            if p.name.startswith(SAVED)}
+
+
 def _in_dy(case: Case) -> Callable:
-    """Forward + backward with the derived backward epilogue in dY's GEMM: the forward kernel keeps its
-    accumulator; dY's GEMM then outputs dacc (its D) and the operands' gradients; then dacc @ W, dacc^T x."""
+    """Forward + backward with the derived backward epilogue in dY's GEMM: the forward kernel keeps what the
+    derivative reads (the accumulator, or outputs it reads back); dY's GEMM then outputs dacc (its D) and
+    the operands' gradients; then dacc @ W, dacc^T x."""
     forward, backward = forward_epilogue(case.epilogue), cd.backward_epilogue(case.epilogue)
 
     @torch.no_grad()  # as inside a layer's autograd.Function: cd.gemm is not recorded
     def step(x, w, operands, dys, g, v):
-        acc = cd.gemm(x, w, forward, **operands)["acc"]
-        grads = cd.gemm(g, v, backward, saved_acc=acc, **operands,
+        outs = cd.gemm(x, w, forward, **operands)
+        grads = cd.gemm(g, v, backward, **_saved(backward, outs), **operands,
                         **{GRAD + o: dy for o, dy in dys.items() if o != "D"})
         dacc = grads["D"]
         return (dacc @ w, dacc.t() @ x, *(grads[k] for k in operands))
@@ -150,14 +158,15 @@ def prebuild(todo: list[tuple[str, tuple]], with_dy: bool = False) -> None:
         case = CASES[name]
         x, w, operands, dys, *gv = _inputs(case, 64, 64, 64, with_dy)  # small: only dtypes and layouts matter
         operands = {key: v.detach() for key, v in operands.items()}
-        ops.append(cd.compile(forward_epilogue(case.epilogue), x.detach(), w.detach(), config=default(m, n, k)[0],
-                              **operands))
+        forward = forward_epilogue(case.epilogue)
+        ops.append(cd.compile(forward, x.detach(), w.detach(), config=default(m, n, k)[0], **operands))
         if with_dy:
             g, v = gv
-            acc = (x @ w.t()).detach()
+            backward = cd.backward_epilogue(case.epilogue)
+            outs = cd.gemm(x.detach(), w.detach(), forward, backend="reference", **operands)
             n_d = dys["D"].shape[1] * n // 64  # the real problem's dY width
-            ops.append(cd.compile(cd.backward_epilogue(case.epilogue), g, v, config=default(m, n_d, k)[0],
-                                  saved_acc=acc, **operands, **{GRAD + o: dy for o, dy in dys.items() if o != "D"}))
+            ops.append(cd.compile(backward, g, v, config=default(m, n_d, k)[0], **_saved(backward, outs), **operands,
+                                  **{GRAD + o: dy for o, dy in dys.items() if o != "D"}))
     runtime.prebuild(ops)
 
 

@@ -307,7 +307,8 @@ def test_the_forward_kernel_outputs_statistics_before_then(make_plan):
         h = acc + residual
         return {"D": h, "rstd": cd.sum(h * h, axis="n").then(lambda s: cd.rsqrt(s * inv_n + eps))}
     forward = forward_epilogue(residual_rms)
-    assert forward.output_names == ("D", "rstd", "acc", SAVED + "rstd")  # the derivative reads h = acc + residual
+    # the derivative reads h = acc + residual back from D: no accumulator kept
+    assert forward.output_names == ("D", "rstd", SAVED + "rstd")
     reduces = [n for n in make_plan(forward).nodes if isinstance(n, Reduce)]
     assert len(reduces) == 2 and reduces[0].children == reduces[1].children
     assert sorted(r.finish is None for r in reduces) == [False, True]
@@ -319,7 +320,7 @@ def test_the_forward_kernel_outputs_statistics_before_then(make_plan):
     h = acc + res
     s = (h * h).sum(-1)
     ((h * (src @ w_next.t())).sum() + (torch.rsqrt(s / n + eps) * drstd).sum()).backward()
-    got = cd.gemm(src, w_next, cd.backward_epilogue(residual_rms), backend="reference", saved_acc=acc.detach(),
+    got = cd.gemm(src, w_next, cd.backward_epilogue(residual_rms), backend="reference", saved_D=h.detach(),
                   residual=res, grad_rstd=drstd, saved_rstd=s.detach(), inv_n=1 / n, eps=eps)
     assert rel_err(got["D"], acc.grad) < 1e-6
 
@@ -462,15 +463,65 @@ def test_a_scalar_read_by_then_is_not_learnt_silently():
     torch.testing.assert_close(x.grad, 0.7 * w.sum(0).expand(6, 4))
 
 
+def test_outputs_read_back_instead_of_recomputed():
+    """A forward value that is also an output (a residual stream h = acc + r) is read back from that output:
+    the forward keeps no accumulator and the backward reads neither it nor r. Gradients as torch's, with every
+    output used or one unused (the backward then reads what the forward kept); an in-place change of the
+    saved output is caught, as torch's own ops catch it. Where reading back would move more, nothing is."""
+    from coda_dsl.runtime.autograd import forward_epilogue
+
+    @cd.epilogue
+    def residual_sumsq(acc, residual: cd.Tensor):
+        h = acc + residual
+        return {"D": h, "sumsq": cd.sum(h * h, axis="n")}
+    back = derive(specialize(residual_sumsq.program, {}))
+    assert back.reused == back.saved == ("D",) and not back.uses_acc
+    assert {n.attr[1] for n in ir.walk(back.program) if n.op == "load"} == {"grad_D", "grad_sumsq", "saved_D"}
+    assert forward_epilogue(residual_sumsq).output_names == ("D", "sumsq")
+    fused = cd.backward_epilogue(residual_sumsq)
+    assert [p.name for p in fused.params] == ["residual", "grad_sumsq", "saved_D"]
+    # dacc is also the residual's gradient: cd.linear's backward makes it once (share=True)
+    values = {"residual": torch.randn(5, 4), "grad_D": torch.randn(5, 4), "grad_sumsq": torch.randn(5),
+              "saved_D": torch.randn(5, 4)}
+    dtypes = {"acc": "bf16", "residual": "bf16"}
+    got = evaluate_on(back.program, torch.zeros(5, 4), values, dtypes, share=True)
+    assert got["acc"] is got["residual"]
+    assert evaluate_on(back.program, torch.zeros(5, 4), values, dtypes)["acc"] is not got["residual"]
+
+    x, w, r = (torch.randn(*s, dtype=torch.float64, requires_grad=True) for s in ((5, 3), (4, 3), (5, 4)))
+    run = lambda x, w, r: cd.linear(x, w, residual_sumsq, residual=r, backend="reference")  # noqa: E731
+    assert torch.autograd.gradcheck(lambda *t: tuple(run(*t).values()), (x, w, r))
+    for use in ("D", "sumsq"):
+        got = torch.autograd.grad(run(x, w, r)[use].sum(), (x, w, r))
+        h = x @ w.t() + r
+        want = torch.autograd.grad((h if use == "D" else (h * h).sum(-1)).sum(), (x, w, r))
+        for g, t in zip(got, want):
+            torch.testing.assert_close(g, t)
+    out = run(x, w, r)
+    out["D"].add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out["sumsq"].sum().backward()
+
+    @cd.epilogue
+    def gelu_with_residual(acc, residual: cd.Tensor):  # the derivative reads acc + r, D is gelu of it
+        return cd.gelu(acc + residual)
+    assert derive(specialize(gelu_with_residual.program, {})).reused == ()
+
+
 def test_linear_keeps_outputs_named_like_its_saved_values_apart():
-    """An output named 'acc' is the user's own when the derivative does not read the accumulator; where it
-    does (or an output is named saved_<statistic>), the clash is refused with the fix."""
+    """An output named 'acc' is the user's own when the derivative does not read the accumulator, or when it
+    is the accumulator (read back as saved_acc); where the derivative reads the accumulator and 'acc' is
+    something else (or an output is named saved_<statistic>), the clash is refused with the fix."""
     @cd.epilogue
     def linear_acc(acc):
         return {"D": acc * 2.0, "acc": acc}
 
     @cd.epilogue
     def gelu_acc(acc):
+        return {"D": cd.gelu(acc), "acc": acc * 2.0}
+
+    @cd.epilogue
+    def gelu_and_acc(acc):
         return {"D": cd.gelu(acc), "acc": acc}
 
     @cd.epilogue
@@ -484,6 +535,14 @@ def test_linear_keeps_outputs_named_like_its_saved_values_apart():
     for ep, name in ((gelu_acc, "acc"), (saved, "saved_s")):
         with pytest.raises(cd.OperandError, match=f"output named '{name}'.*rename"):
             cd.linear(x, w, ep, backend="reference")
+    x.grad = None
+    out = cd.linear(x, w, gelu_and_acc, backend="reference")
+    (out["D"].sum() + out["acc"].sum()).backward()
+    xd = x.detach().requires_grad_()
+    (torch.nn.functional.gelu(xd @ w.t()).sum() + (xd @ w.t()).sum()).backward()
+    torch.testing.assert_close(x.grad, xd.grad)
+    bw = cd.backward_epilogue(gelu_and_acc)  # one saved_acc: the accumulator, which the forward outputs as acc
+    assert [p.name for p in bw.params] == ["saved_acc", "grad_acc"]
 
 
 def test_gemm_has_no_derivative_on_any_backend():
@@ -801,13 +860,13 @@ def test_outputs_without_a_gradient():
     """no_grad: an output kept for the backward (SwiGLU's pre-activation) gets no grad_<name> operand; the
     derived backward is then SwiGLU's. Unknown names are refused."""
     from coda_dsl.library import swiglu, swiglu_keep_preactivation
-    keep = cd.backward_epilogue(swiglu_keep_preactivation)
-    assert {p.name for p in keep.params} == {"saved_acc", "grad_pre"}
+    keep = cd.backward_epilogue(swiglu_keep_preactivation)  # reads the accumulator back from pre
+    assert {p.name for p in keep.params} == {"saved_pre", "grad_pre"}
     bw = cd.backward_epilogue(swiglu_keep_preactivation, no_grad=("pre",))
-    assert [p.name for p in bw.params] == ["saved_acc"] and bw.output_names == ("D",)
+    assert [p.name for p in bw.params] == ["saved_pre"] and bw.output_names == ("D",)
     dy, acc = torch.randn(9, 6), torch.randn(9, 12)
     want = cd.gemm(dy, torch.eye(6), cd.backward_epilogue(swiglu), saved_acc=acc, backend="reference")["D"]
-    got = cd.gemm(dy, torch.eye(6), bw, saved_acc=acc, backend="reference")["D"]
+    got = cd.gemm(dy, torch.eye(6), bw, saved_pre=acc, backend="reference")["D"]
     assert torch.equal(got, want)
     assert cd.backward_epilogue(swiglu_keep_preactivation, no_grad="pre").output_names == ("D",)  # one name
     with pytest.raises(UnsupportedError, match=r"no_grad names \['y'\], which are not outputs"):

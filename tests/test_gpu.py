@@ -815,18 +815,36 @@ def test_linear_cross_entropy_two_vocabulary_shards(kernels):
         assert _rel(got, _ce_reference(x, w, t, 0.1, 30.0, reduction)) <= 1e-3
 
 
-def test_linear_derived_backward_matches_reference(kernels):
-    """cd.linear on the cutlass backend (the fused forward saves the accumulator in bf16; the derived
-    backward runs on it) against the reference backend's gradients."""
+@pytest.mark.parametrize("ep, make", [(bias_gelu, lambda m, n: dict(bias=_rand(n))),
+                                      (residual_rms, lambda m, n: dict(residual=_rand(m, n), gamma=_rand(n)))],
+                         ids=["bias_gelu", "residual_rms"])
+def test_linear_derived_backward_matches_reference(kernels, ep, make):
+    """cd.linear on the cutlass backend against the reference backend's gradients. The fused forward saves
+    what the derivative reads: bias_gelu's accumulator (in bf16); residual_rms's D (h = acc + residual),
+    read back instead of an accumulator and the residual."""
     m, n, k = 777, 4104, 1000
     grads = {}
     for backend in ("reference", "cutlass"):
         torch.manual_seed(1)
         x = _rand(m, k).requires_grad_()
         w = (_rand(n, k) * k ** -0.5).to(torch.bfloat16).requires_grad_()
-        bias = _rand(n).requires_grad_()
-        y = cd.linear(x, w, bias_gelu, backend=backend, bias=bias)["D"]
-        y.float().square().sum().backward()
-        grads[backend] = (x.grad, w.grad, bias.grad)
+        operands = {name: t.requires_grad_() for name, t in make(m, n).items()}
+        outs = cd.linear(x, w, ep, backend=backend, **operands)
+        sum(o.float().square().sum() for o in outs.values()).backward()
+        grads[backend] = (x.grad, w.grad, *(t.grad for t in operands.values()))
     for got, want in zip(grads["cutlass"], grads["reference"]):
         assert _rel(got, want) <= 2e-2
+
+
+def test_backward_epilogue_reading_an_output_back(kernels):
+    """residual_rms's derived backward in the GEMM that produces D's gradient reads h back from the forward's
+    D (saved_D), not its accumulator and residual: the kernel against the reference backend, ragged shape."""
+    m, n, k = 777, 4104, 1000
+    bw = cd.backward_epilogue(residual_rms)
+    assert "saved_acc" not in {p.name for p in bw.params}
+    g, v = _rand(m, k), _rand(n, k) * k ** -0.5
+    operands = dict(saved_D=_rand(m, n), residual=_rand(m, n), gamma=_rand(n), grad_h_gamma=_rand(m, n))
+    got, want = cd.gemm(g, v, bw, **operands), cd.gemm(g, v, bw, backend="reference", **operands)
+    assert set(got) == set(want) == {"D", "residual", "gamma"}
+    for name in want:
+        assert _rel(got[name], want[name]) <= 2e-2, name

@@ -14,7 +14,10 @@ cd.Const operands, comparisons and int64 indices get none. Each op's rule lives 
 A statistic finished by .then(f) passes back dy * f'(s), with s the statistic before f (`saved_<output>`,
 which the forward kernel then also outputs); a cd.Scalar that f reads gets no gradient at all, not
 even from the rest of the program (f's part is a per-row quantity that an epilogue cannot sum into
-one number): Backward.ungraded names them.
+one number): Backward.ungraded names them. A value of the forward that is also one of its [M, N]
+outputs is read back from that output (`saved_<output>`) where that moves fewer [M, N] values than
+computing it again: a residual stream h = acc + r is one load of h, not a stored accumulator and two
+loads.
 """
 from __future__ import annotations
 
@@ -57,11 +60,13 @@ class Backward:
 
     program: ir.Program
     grads: tuple[str, ...]  # forward outputs whose incoming gradient is a parameter (grad_<name>)
-    saved: tuple[str, ...]  # statistics the derivative reads (saved_<name>: before .then, if any)
-    unfinished: tuple[str, ...]  # those of `saved` under a .then: the forward must output them as saved_<name>
-    uses_acc: bool  # reads the forward's accumulator (else only the operands and gradients)
+    saved: tuple[str, ...]  # forward outputs the derivative reads (saved_<name>): statistics (before .then, if
+    #                         any), then the [M, N] outputs of `reused`
+    unfinished: tuple[str, ...]  # statistics of `saved` under a .then: the forward must output them as saved_<name>
+    uses_acc: bool  # reads the forward's accumulator (else only the operands, gradients and saved outputs)
     forward: ir.Program  # the (specialized) forward it was derived from
     ungraded: tuple[str, ...] = ()  # cd.Scalars read by a .then: no gradient output, though one exists
+    reused: tuple[str, ...] = ()  # [M, N] outputs read back instead of computed again (_read_outputs)
 
 
 def _add(a: ir.Node | None, b: ir.Node) -> ir.Node:
@@ -122,9 +127,46 @@ def _rebuilder(swap: dict[int, ir.Node], make=lambda n, inputs: ir.Node(n.op, in
     return rebuild
 
 
-def derive(program: ir.Program, no_grad: tuple[str, ...] = ()) -> Backward:
+def _moved(outputs: list[ir.Output]) -> int:
+    """The [M, N] values a backward program moves besides its incoming gradients: each tensor it loads, and the
+    accumulator twice (the forward stores it for the backward)."""
+    leaves = {n for n in ir.topo_order([o.node for o in outputs]) if n.op == "acc" or n.op == "load"}
+    return sum(2 if n.op == "acc" else n.attr[0] == "tensor" and not n.attr[1].startswith(GRAD) for n in leaves)
+
+
+def _read_outputs(program: ir.Program, outputs: list[ir.Output], widths: dict, reuse: tuple[str, ...] | None) \
+        -> tuple[list[ir.Output], tuple[str, ...]]:
+    """The backward's outputs with forward values that are also [M, N] outputs of the forward (stored in A's
+    dtype, as the accumulator would be) read back as saved_<output>, and the names of those read. reuse: which
+    to read (a subset of the same program's derivation, which must read no more than it saved); None: the
+    choice that moves the fewest [M, N] values (_moved), reading none on a tie."""
+    inside = {id(n) for n in ir.topo_order([o.node for o in outputs])}
+    candidates = {}
+    for o in program.outputs:
+        n = o.node
+        if (id(n) in inside and o.dtype is None and ir.reduction_of(n) is None and (not n.is_leaf or n.op == "acc")
+                and (o.name != ACC or n.op == "acc")  # saved_acc is the accumulator, whoever saves it
+                and widths.get(id(n), 1) == 1 and id(n) not in candidates and (reuse is None or o.name in reuse)):
+            candidates[id(n)] = o.name
+    picks = [list(candidates)] if reuse is not None else [  # every subset of a few; else none or all
+        [c for i, c in enumerate(candidates) if mask >> i & 1] for mask in range(1 << len(candidates))
+    ] if len(candidates) <= 6 else [[], list(candidates)]
+    best = None
+    for pick in picks:
+        swap = _rebuilder({c: ir.load("tensor", SAVED + candidates[c]) for c in pick})
+        new = [replace(o, node=swap(o.node)) for o in outputs]
+        loads = {n.attr[1] for n in ir.topo_order([o.node for o in new]) if n.op == "load"}
+        read = tuple(candidates[c] for c in pick if SAVED + candidates[c] in loads)
+        if best is None or (_moved(new), len(read)) < best[0]:
+            best = (_moved(new), len(read)), new, read
+    return best[1], best[2]
+
+
+def derive(program: ir.Program, no_grad: tuple[str, ...] = (), reuse: tuple[str, ...] | None = None) -> Backward:
     """The backward of a specialized forward program (cd.Const values bound). no_grad: outputs whose
-    incoming gradient is zero (e.g. a pre-activation stored for the backward): no grad_<name> for them."""
+    incoming gradient is zero (e.g. a pre-activation stored for the backward): no grad_<name> for them.
+    reuse: the [M, N] outputs it may read back (Backward.reused of the derivation whose saved values the
+    caller holds); None: chosen here."""
     where = f"epilogue '{program.name}' ({program.defined_at})"
     if unknown := set(no_grad) - {o.name for o in program.outputs}:
         raise UnsupportedError(f"{where}: no_grad names {sorted(unknown)}, which are not outputs of the epilogue "
@@ -184,11 +226,14 @@ def derive(program: ir.Program, no_grad: tuple[str, ...] = ()) -> Backward:
         if g is None or p.name in finishing_scalars:
             continue
         outputs.append(ir.Output(p.name, g if p.kind == "tensor" else ir.reduce("sum", _SUM_AXIS[p.kind], g), None))
+    outputs, reused = _read_outputs(program, outputs, forward_widths, reuse)
+    saved += reused
+    params += [ir.Param(SAVED + o, "tensor", Fraction(1)) for o in reused]
     uses = {n.op for n in ir.topo_order([o.node for o in outputs])}
     backward = ir.Program(f"{program.name}_backward", tuple(p for p in program.params if p.kind != "const")
                           + tuple(params), tuple(outputs), program.defined_at, program.locations)
     ungraded = tuple(p.name for p in program.params if p.name in finishing_scalars)
-    return Backward(backward, tuple(grads), tuple(saved), tuple(unfinished), "acc" in uses, program, ungraded)
+    return Backward(backward, tuple(grads), tuple(saved), tuple(unfinished), "acc" in uses, program, ungraded, reused)
 
 
 SAVED_ACC = SAVED + ACC  # the forward's accumulator, an operand of the fused backward
@@ -201,7 +246,8 @@ def into_producer(back: Backward, output: str = "D", split: bool = False, recomp
         -> ir.Program:
     """The derived backward as the epilogue of the GEMM that computes the incoming gradient of `output`
     (e.g. dY = dOut @ W_next in the layer above): that GEMM's accumulator is the gradient, the forward's
-    accumulator becomes the cd.Tensor operand `saved_acc`, and dL/dacc is its D. So the derivative costs
+    accumulator becomes the cd.Tensor operand `saved_acc` (declared only if read: a derivative may read
+    saved outputs instead, saved_<output>), and dL/dacc is its D. So the derivative costs
     no pass of its own. For a pairwise forward (2N wide, e.g. SwiGLU) the program is narrowed to N-wide
     values (_narrower), so its D is one 2N-wide cd.interleave, the form the kernels store; split: that
     interleave's halves as two N-wide outputs instead, D_even and D_odd (for SwiGLU the gate's and the
@@ -223,7 +269,8 @@ def into_producer(back: Backward, output: str = "D", split: bool = False, recomp
     # widths are over the accumulator's: now dy's, which is the forward's times dy's width
     w = next(p.width for p in program.params if p.name == GRAD + output)
     params = tuple(ir.Param(SAVED_ACC, "tensor", 1 / w) if p.name == GRAD + output
-                   else replace(p, width=p.width / w) if p.width is not None else p for p in program.params)
+                   else replace(p, width=p.width / w) if p.width is not None else p for p in program.params
+                   if p.name != SAVED_ACC)  # (an output named acc that is the accumulator, read back: the same)
     swapped = tuple(ir.Output("D" if o.name == ACC else o.name, swap(o.node), o.dtype) for o in program.outputs)
     for name in dict.fromkeys(recompute):
         o = back.forward.output(name)
@@ -247,6 +294,8 @@ def into_producer(back: Backward, output: str = "D", split: bool = False, recomp
     if clash := sorted({n for n in names if names.count(n) > 1}):
         raise UnsupportedError(f"{where}: the fused backward would have two outputs named {clash} (an operand's "
                                "gradient is named like the operand): rename that operand")
+    if not any(n.op == "load" and n.attr[1] == SAVED_ACC for n in ir.topo_order([o.node for o in outputs])):
+        params = tuple(p for p in params if p.name != SAVED_ACC)  # the derivative reads saved outputs instead
     return ir.Program(f"{program.name}_fused", params, tuple(outputs), program.defined_at, {})
 
 

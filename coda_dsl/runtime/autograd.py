@@ -3,7 +3,8 @@
 
 Forward: the fused GEMM, with the accumulator as one more output when the derivative reads it (in
 A's dtype: the pre-activation that training frameworks save), and, for a statistic finished by .then
-whose derivative reads it, the statistic before .then (output saved_<name>). Backward: the derived epilogue on the
+whose derivative reads it, the statistic before .then (output saved_<name>); outputs the derivative
+reads back (a residual stream) are saved as they are. Backward: the derived epilogue on the
 saved accumulator gives dacc and the operands' gradients (its reference semantics as torch ops; on
 CUDA through torch.compile, which fuses them into a kernel or two instead of a pass per op), then
 grad_x = dacc @ W and grad_W = dacc^T x.
@@ -83,15 +84,16 @@ class _Derived:
     def _backward(self, acc: torch.Tensor, operands: dict, out_dtypes: dict) -> dict[str, torch.Tensor]:
         """The gradients, in out_dtypes (name -> dtype name)."""
         return reference.evaluate_on(self.back.program, acc if acc.dtype == torch.float64 else acc.float(),
-                                     operands, out_dtypes)
+                                     operands, out_dtypes, share=True)
 
 
 @made_once  # for the process's life: one small entry per epilogue, consts and outputs left out
-def _derived(uid: str, consts: tuple, no_grad: tuple[str, ...]) -> _Derived:
+def _derived(uid: str, consts: tuple, no_grad: tuple[str, ...], reuse: tuple[str, ...] | None) -> _Derived:
     """The derivation of the epilogue named uid with these (name, value) consts, leaving out no_grad's
-    outputs. Inside torch.compile, Dynamo calls this instead of tracing it (a pass over the IR)."""
+    outputs, reading back reuse's outputs (None: derive's choice). Inside torch.compile, Dynamo calls this
+    instead of tracing it (a pass over the IR)."""
     ep = Epilogue.by_uid(uid)
-    back = derive(specialize(ep.program, dict(consts)), no_grad)
+    back = derive(specialize(ep.program, dict(consts)), no_grad, reuse)
     p, forward = ep.program, ep
     taken = [name for name in ([ACC] if back.uses_acc else []) + [SAVED + o for o in back.unfinished]
              if p.output(name)]
@@ -105,10 +107,11 @@ def _derived(uid: str, consts: tuple, no_grad: tuple[str, ...]) -> _Derived:
     return _Derived(forward, back)
 
 
-def _derive(ep: Epilogue, consts: dict, no_grad: tuple[str, ...] = ()) -> _Derived:
+def _derive(ep: Epilogue, consts: dict, no_grad: tuple[str, ...] = (), reuse: tuple[str, ...] | None = None) \
+        -> _Derived:
     """The epilogue's derivation (made once), in a form torch.compile(fullgraph=True) traces."""
     consts = {k: torch_compile.constant(v) for k, v in consts.items()} if torch.compiler.is_compiling() else consts
-    return _derived(ep.uid, tuple(sorted(consts.items())), tuple(sorted(no_grad)))
+    return _derived(ep.uid, tuple(sorted(consts.items())), tuple(sorted(no_grad)), reuse)
 
 
 class _Linear(torch.autograd.Function):
@@ -152,7 +155,7 @@ class _Linear(torch.autograd.Function):
         derived = ctx.derived
         if unused := tuple(o for o, g in grads.items() if g is None):
             # without the unused outputs: it reads a subset of what the full derivative had saved
-            derived = _derive(ctx.ep, ctx.consts, unused)
+            derived = _derive(ctx.ep, ctx.consts, unused, derived.back.reused)
         tensors, saved = rest[:len(names)], rest[len(names):]
         operands = {**dict(zip(names, tensors)), **ctx.numbers,
                     **{SAVED + o: t for o, t in zip(ctx.derived.back.saved, saved)},
@@ -243,7 +246,7 @@ def linear(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, /
 def forward_epilogue(epilogue: Epilogue, **consts) -> Epilogue:
     """The epilogue cd.linear's forward kernel runs: `epilogue`, with its accumulator as one more output
     when the derivative reads it (e.g. to build that kernel ahead of the first call)."""
-    return _derive(epilogue, consts).forward
+    return _derive(epilogue, consts, _no_derivative(epilogue)).forward
 
 
 def derived_backward(epilogue: Epilogue, **consts) -> Epilogue:
@@ -256,9 +259,10 @@ def derived_backward(epilogue: Epilogue, **consts) -> Epilogue:
 def backward_epilogue(epilogue: Epilogue, output: str = "D", split: bool = False,
                       no_grad: str | tuple[str, ...] = (), recompute: str | tuple[str, ...] = (), **consts) -> Epilogue:
     """The derived backward of `epilogue` as the epilogue of the GEMM that produces the gradient of its
-    `output` (the backward's dY = dOut @ W of the layer above): call it on that GEMM with the forward's
-    accumulator as `saved_acc` (and the forward's other operands, and the other outputs' gradients as
-    `grad_<name>`); its D is the gradient of the forward's accumulator, whose GEMMs (dacc @ W, dacc^T x)
+    `output` (the backward's dY = dOut @ W of the layer above): call it on that GEMM with what the
+    forward_epilogue kernel saved as the operands it declares, `saved_acc` (its output acc) where the
+    derivative reads the accumulator and `saved_<name>` for the forward's outputs it reads back (and the
+    forward's other operands, and the other outputs' gradients as `grad_<name>`); its D is the gradient of the forward's accumulator, whose GEMMs (dacc @ W, dacc^T x)
     follow, and an output per differentiable operand holds that operand's gradient. split (a pairwise
     forward): D's even and odd columns as two outputs D_even and D_odd instead, e.g. SwiGLU's gate and up
     gradients for their own weights. no_grad: outputs with no incoming gradient (a pre-activation kept for
@@ -266,5 +270,6 @@ def backward_epilogue(epilogue: Epilogue, output: str = "D", split: bool = False
     computes again, as outputs recomputed_<name> (so the forward need not keep them: SwiGLU's y, which
     W_down's gradient reads). cd.Const values go in `consts`. library.swiglu_backward is SwiGLU's."""
     names = lambda x: (x,) if isinstance(x, str) else tuple(x)  # noqa: E731  a single name, or several
-    back = _derive(epilogue, consts, names(no_grad)).back
+    saved = _derive(epilogue, consts, _no_derivative(epilogue)).back.reused  # what the forward kernel keeps
+    back = _derive(epilogue, consts, names(no_grad), saved).back
     return Epilogue.of_program(into_producer(back, output, split, names(recompute)))

@@ -115,18 +115,24 @@ def evaluate(program: ir.Program, a: torch.Tensor, b: torch.Tensor, operands: di
 
 
 def evaluate_on(program: ir.Program, acc: torch.Tensor, operands: dict,
-                out_dtypes: dict[str, str | None]) -> dict[str, torch.Tensor]:
+                out_dtypes: dict[str, str | None], share: bool = False) -> dict[str, torch.Tensor]:
     """The program on a given accumulator: fp32 (the semantics), or fp64 for autodiff's checks, where the
-    math stays in fp64 and is differentiable by torch.autograd. An out dtype None keeps the math's."""
+    math stays in fp64 and is differentiable by torch.autograd. An out dtype None keeps the math's. share:
+    outputs of one value and dtype are one tensor (a derived backward's dacc and a residual's gradient:
+    one store, not two)."""
     widths = infer_widths(program)
     values = _evaluate(ir.walk(program), {}, operands, acc, widths)
-    result = {}
+    result, made = {}, {}
     for o in program.outputs:
+        key = (id(o.node), out_dtypes.get(o.name))
+        if share and key in made:
+            result[o.name] = made[key]
+            continue
         v = values[id(o.node)]
         if ir.reduction_of(o.node) is None:
             v = _full(v, acc, widths.get(id(o.node), 1))
         elif o.node.op == "finish":  # constants in the expression must not shrink the statistic's shape
             v = torch.broadcast_to(v, values[id(o.node.inputs[0])].shape)
         dtype = out_dtypes.get(o.name)
-        result[o.name] = (v.to(DTYPES[dtype][0]) if dtype else v).contiguous()
+        result[o.name] = made[key] = (v.to(DTYPES[dtype][0]) if dtype else v).contiguous()
     return result
