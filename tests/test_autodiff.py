@@ -15,7 +15,7 @@ from coda_dsl.errors import UnsupportedError
 from coda_dsl.ir import graph as ir
 from coda_dsl.ir.ops import OPS
 from coda_dsl.passes import specialize
-from coda_dsl.passes.autodiff import GRAD, SAVED, derive
+from coda_dsl.passes.autodiff import ACC, GRAD, SAVED, derive
 from coda_dsl.runtime.reference import evaluate_on
 from epilogues import rel_err
 
@@ -939,3 +939,28 @@ def test_backward_epilogue_narrows_a_pairwise_forward_with_a_row_operand():
         return cd.relu(acc * s)
     with pytest.raises(UnsupportedError, match="split=True needs a pairwise forward"):
         cd.backward_epilogue(scaled_relu, split=True)
+
+
+def test_gelu_tanh_derivative_in_fp32_matches_torch_at_every_magnitude():
+    """gelu_tanh's rule is factored for fewer ops; in fp32 it still gives torch's derivative from tiny to huge
+    |x| (no inf * 0 where x^3 overflows but torch's form stays finite)."""
+    x = torch.cat([torch.tensor([0.0, 1e-30, -1e-30]), torch.logspace(-6, 18.5, 60), -torch.logspace(-6, 18.5, 60)])
+    program = cd.epilogue(lambda acc: cd.gelu(acc, approximate="tanh"), name="gelu_tanh").program
+    back = derive(specialize(program, {}))
+    got = evaluate_on(back.program, x[None], {GRAD + "D": torch.ones(1, len(x))}, {})[ACC][0]
+    xr = x.clone().requires_grad_()
+    torch.nn.functional.gelu(xr, approximate="tanh").sum().backward()
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, xr.grad, rtol=2e-6, atol=1e-7)
+
+
+def test_backward_epilogue_explains_a_constant_named_like_its_options():
+    """A cd.Const named like an option of cd.backward_epilogue could never get its value (the keyword binds to
+    the option): refused with the fix, not 'pass split=<number>'. A plain function is explained too."""
+    @cd.epilogue
+    def scaled(acc, split: cd.Const):
+        return cd.gelu(acc * split)
+    with pytest.raises(cd.OperandError, match="cd.Const named 'split'.*\n.*rename the constant"):
+        cd.backward_epilogue(scaled, split=2.0)
+    with pytest.raises(cd.EpilogueError, match="decorated with @cd.epilogue"):
+        cd.backward_epilogue(lambda acc: acc)

@@ -115,15 +115,25 @@ def _backprop(order: list[ir.Node], adjoint: dict[int, ir.Node], program: ir.Pro
 
 
 def _rebuilder(swap: dict[int, ir.Node], make=lambda n, inputs: ir.Node(n.op, inputs, n.attr)):
-    """node -> node with the nodes in `swap` (by id) replaced, the rest rebuilt by make(n, new inputs)."""
+    """node -> node with the nodes in `swap` (by id) replaced, the rest rebuilt by make(n, new inputs). It walks
+    on a stack of its own: a chain of thousands of ops meets no recursion limit."""
     memo: dict[int, ir.Node] = {}
 
-    def rebuild(n: ir.Node) -> ir.Node:
-        if id(n) in swap:
-            return swap[id(n)]
-        if id(n) not in memo:
-            memo[id(n)] = make(n, tuple(rebuild(i) for i in n.inputs))
-        return memo[id(n)]
+    def done(n: ir.Node) -> ir.Node | None:
+        return swap.get(id(n), memo.get(id(n)))
+
+    def rebuild(root: ir.Node) -> ir.Node:
+        stack = [root]
+        while stack:
+            n = stack[-1]
+            if done(n) is not None:
+                stack.pop()
+                continue
+            if pending := [i for i in n.inputs if done(i) is None]:
+                stack.extend(reversed(pending))
+                continue
+            memo[id(stack.pop())] = make(n, tuple(done(i) for i in n.inputs))
+        return done(root)
     return rebuild
 
 

@@ -270,6 +270,12 @@ def backward_epilogue(epilogue: Epilogue, output: str = "D", split: bool = False
     computes again, as outputs recomputed_<name> (so the forward need not keep them: SwiGLU's y, which
     W_down's gradient reads). cd.Const values go in `consts`. library.swiglu_backward is SwiGLU's."""
     names = lambda x: (x,) if isinstance(x, str) else tuple(x)  # noqa: E731  a single name, or several
+    epilogue = epilogue_of("cd.backward_epilogue", epilogue, {})
+    options = ("output", "split", "no_grad", "recompute")
+    if clash := [p.name for p in epilogue.params if p.kind == "const" and p.name in options]:
+        raise OperandError(f"cd.backward_epilogue: epilogue '{epilogue.name}' has a cd.Const named '{clash[0]}', "
+                           f"like an option of cd.backward_epilogue ({', '.join(options)}), so its value cannot be "
+                           "passed\n  fix: rename the constant")
     saved = _derive(epilogue, consts, _no_derivative(epilogue)).back.reused  # what the forward kernel keeps
     back = _derive(epilogue, consts, names(no_grad), saved).back
     return Epilogue.of_program(into_producer(back, output, split, names(recompute)))
