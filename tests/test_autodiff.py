@@ -507,6 +507,36 @@ def test_outputs_read_back_instead_of_recomputed():
         return cd.gelu(acc + residual)
     assert derive(specialize(gelu_with_residual.program, {})).reused == ()
 
+    # recompute: what it computes again reads the outputs read back too (no saved_acc the forward lacks)
+    @cd.epilogue
+    def residual_and_gelu(acc, r: cd.Tensor):
+        h = acc + r
+        return {"D": h, "y": cd.gelu(h)}
+    assert forward_epilogue(residual_and_gelu).output_names == ("D", "y")
+    bw = cd.backward_epilogue(residual_and_gelu, recompute="y")
+    assert [p.name for p in bw.params] == ["r", "grad_y", "saved_D"]
+    acc, r, dy = torch.randn(5, 6), torch.randn(5, 6), torch.randn(5, 6)
+    got = cd.gemm(dy, torch.eye(6), bw, backend="reference", r=r, saved_D=acc + r, grad_y=torch.randn(5, 6))
+    torch.testing.assert_close(got["recomputed_y"], torch.nn.functional.gelu(acc + r))
+    with pytest.raises(UnsupportedError, match="recompute names 'D'.*reads back"):
+        cd.backward_epilogue(residual_and_gelu, recompute="D")
+
+
+def test_activation_outputs_are_not_read_back():
+    """tanh's rule reads its output y: 1 - y^2 from a y rounded to bf16 is 0 wherever tanh rounds to 1 (|x| >= 3),
+    so an activation's output is not read back (the accumulator is, in A's dtype, and the fp32 math rounds
+    nothing more); an output that is the accumulator itself is, whatever its place among the outputs."""
+    for make in (lambda acc: cd.tanh(acc), lambda acc: {"D": cd.tanh(acc), "pre": acc},
+                 lambda acc: {"pre": acc, "D": cd.sigmoid(acc)}):
+        back = derive(specialize(cd.epilogue(make, name="act").program, {}))
+        assert back.reused in ((), ("pre",)) and "D" not in back.reused
+    x = torch.tensor([[3.5], [2.5], [5.0], [-4.0]], dtype=torch.bfloat16, requires_grad=True)
+    y = cd.linear(x, torch.ones(1, 1, dtype=torch.bfloat16), cd.epilogue(lambda acc: cd.tanh(acc), name="t"),
+                  backend="reference")["D"]
+    y.float().sum().backward()
+    want = 1 - torch.tanh(x.detach().double()) ** 2
+    assert ((x.grad.double() - want).abs() / want).max() < 2e-2
+
 
 def test_linear_keeps_outputs_named_like_its_saved_values_apart():
     """An output named 'acc' is the user's own when the derivative does not read the accumulator, or when it

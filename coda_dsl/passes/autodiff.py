@@ -144,17 +144,23 @@ def _moved(outputs: list[ir.Output]) -> int:
     return sum(2 if n.op == "acc" else n.attr[0] == "tensor" and not n.attr[1].startswith(GRAD) for n in leaves)
 
 
+# What an output read back may be: the accumulator, or sums and products of it with operands and constants,
+# whose rounding to A's dtype costs what the accumulator's would. Not an activation's output: tanh's and
+# sigmoid's rules read y, and 1 - y^2 from a rounded y loses its digits where the activation saturates.
+_READ_BACK = frozenset({"acc", "add", "sub", "mul", "neg"})
+
+
 def _read_outputs(program: ir.Program, outputs: list[ir.Output], widths: dict, reuse: tuple[str, ...] | None) \
         -> tuple[list[ir.Output], tuple[str, ...]]:
     """The backward's outputs with forward values that are also [M, N] outputs of the forward (stored in A's
-    dtype, as the accumulator would be) read back as saved_<output>, and the names of those read. reuse: which
-    to read (a subset of the same program's derivation, which must read no more than it saved); None: the
-    choice that moves the fewest [M, N] values (_moved), reading none on a tie."""
+    dtype, as the accumulator would be; of _READ_BACK's ops) read back as saved_<output>, and the names of those
+    read. reuse: which to read (a subset of the same program's derivation, which must read no more than it
+    saved); None: the choice that moves the fewest [M, N] values (_moved), reading none on a tie."""
     inside = {id(n) for n in ir.topo_order([o.node for o in outputs])}
     candidates = {}
     for o in program.outputs:
         n = o.node
-        if (id(n) in inside and o.dtype is None and ir.reduction_of(n) is None and (not n.is_leaf or n.op == "acc")
+        if (id(n) in inside and o.dtype is None and n.op in _READ_BACK
                 and (o.name != ACC or n.op == "acc")  # saved_acc is the accumulator, whoever saves it
                 and widths.get(id(n), 1) == 1 and id(n) not in candidates and (reuse is None or o.name in reuse)):
             candidates[id(n)] = o.name
@@ -167,8 +173,9 @@ def _read_outputs(program: ir.Program, outputs: list[ir.Output], widths: dict, r
         new = [replace(o, node=swap(o.node)) for o in outputs]
         loads = {n.attr[1] for n in ir.topo_order([o.node for o in new]) if n.op == "load"}
         read = tuple(candidates[c] for c in pick if SAVED + candidates[c] in loads)
-        if best is None or (_moved(new), len(read)) < best[0]:
-            best = (_moved(new), len(read)), new, read
+        cost = (_moved(new), len(read))
+        if best is None or cost < best[0]:
+            best = cost, new, read
     return best[1], best[2]
 
 
@@ -275,7 +282,9 @@ def into_producer(back: Backward, output: str = "D", split: bool = False, recomp
         raise UnsupportedError(f"{where}: output '{output}' is a reduction, whose gradient is a vector, not the "
                                "[M, N] accumulator of a producing GEMM: nothing to fuse into")
     grad = ir.load("tensor", GRAD + output)
-    swap = _rebuilder({id(ir.acc()): ir.load("tensor", SAVED_ACC), id(grad): ir.acc()})
+    # (the outputs read back replace their values in what `recompute` computes again, as in the derivative)
+    read_back = {id(back.forward.output(r).node): ir.load("tensor", SAVED + r) for r in back.reused}
+    swap = _rebuilder({id(ir.acc()): ir.load("tensor", SAVED_ACC), **read_back, id(grad): ir.acc()})
     # widths are over the accumulator's: now dy's, which is the forward's times dy's width
     w = next(p.width for p in program.params if p.name == GRAD + output)
     params = tuple(ir.Param(SAVED_ACC, "tensor", 1 / w) if p.name == GRAD + output
@@ -284,10 +293,10 @@ def into_producer(back: Backward, output: str = "D", split: bool = False, recomp
     swapped = tuple(ir.Output("D" if o.name == ACC else o.name, swap(o.node), o.dtype) for o in program.outputs)
     for name in dict.fromkeys(recompute):
         o = back.forward.output(name)
-        if o is None or ir.reduction_of(o.node) is not None or o.node.is_leaf:
+        if o is None or ir.reduction_of(o.node) is not None or o.node.is_leaf or name in back.reused:
             raise UnsupportedError(f"{where}: recompute names '{name}', which is not a computed elementwise output "
-                                   "of the forward (a statistic needs every tile; an operand or the accumulator "
-                                   "the caller has already)")
+                                   "of the forward (a statistic needs every tile; an operand, the accumulator or "
+                                   "an output the derivative reads back the caller has already)")
         swapped += (ir.Output(RECOMPUTED + name, swap(o.node), o.dtype),)
     narrow = _narrower(infer_widths(ir.Program(program.name, params, swapped, program.defined_at, {})))
     outputs = []

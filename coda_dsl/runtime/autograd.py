@@ -251,7 +251,7 @@ def forward_epilogue(epilogue: Epilogue, **consts) -> Epilogue:
 
 def derived_backward(epilogue: Epilogue, **consts) -> Epilogue:
     """The backward program cd.linear runs for `epilogue`, as an epilogue of its own (operands, grad_<output>,
-    saved_<statistic>; outputs acc and each operand's gradient). Statistics with no derivative yet are left
+    saved_<statistic> and saved_<output> for outputs read back; outputs acc and each operand's gradient). Statistics with no derivative yet are left
     out, as cd.linear leaves them. cd.Const values go in `consts`."""
     return Epilogue.of_program(_derive(epilogue, consts, _no_derivative(epilogue)).back.program)
 
