@@ -994,3 +994,26 @@ def test_backward_epilogue_explains_a_constant_named_like_its_options():
         cd.backward_epilogue(scaled, split=2.0)
     with pytest.raises(cd.EpilogueError, match="decorated with @cd.epilogue"):
         cd.backward_epilogue(lambda acc: acc)
+
+
+def test_fused_backward_of_a_pairwise_forward_keeps_full_width_operands():
+    """A pairwise forward's backward fused into the GEMM of its N/2-wide output's gradient: a residual as wide
+    as the forward's accumulator keeps that width there, twice dY's, whether the derivative reads it or not
+    (it was declared dY-wide, and the caller's tensor refused). Gradients as torch's; the kernel's C++ renders."""
+    @cd.epilogue
+    def gated_and_residual(acc, r: cd.Tensor):
+        g, u = cd.pairs(acc)
+        return {"D": cd.silu(g) * u, "h": acc + r}
+    m, n, k = 7, 12, 5
+    bw = cd.backward_epilogue(gated_and_residual)
+    assert {p.name: p.width for p in bw.params}["r"] == 2
+    acc, r = (torch.randn(m, n, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    src, w_next, dh = torch.randn(m, k, dtype=torch.float64), torch.randn(n // 2, k, dtype=torch.float64), \
+        torch.randn(m, n, dtype=torch.float64)
+    y = torch.nn.functional.silu(acc[:, 0::2]) * acc[:, 1::2]
+    ((y * (src @ w_next.t())).sum() + ((acc + r) * dh).sum()).backward()
+    got = cd.gemm(src, w_next, bw, backend="reference", r=r.detach(), grad_h=dh, saved_acc=acc.detach())
+    torch.testing.assert_close(got["D"], acc.grad)
+    torch.testing.assert_close(got["r"], r.grad)
+    from coda_dsl import cli
+    assert cli.specialization_from_options(bw, "bf16").cu_text

@@ -285,10 +285,14 @@ def into_producer(back: Backward, output: str = "D", split: bool = False, recomp
     # (the outputs read back replace their values in what `recompute` computes again, as in the derivative)
     read_back = {id(back.forward.output(r).node): ir.load("tensor", SAVED + r) for r in back.reused}
     swap = _rebuilder({id(ir.acc()): ir.load("tensor", SAVED_ACC), **read_back, id(grad): ir.acc()})
-    # widths are over the accumulator's: now dy's, which is the forward's times dy's width
+    # widths are over the accumulator's: now dy's, which is the forward's times dy's width; the forward's
+    # operands keep the widths they had there (a 2N-wide residual of a pairwise forward stays 2N wide)
     w = next(p.width for p in program.params if p.name == GRAD + output)
+    forward_widths = infer_widths(back.forward)
+    width = lambda p: p.width if p.width is not None else forward_widths.get(id(ir.load(p.kind, p.name))) \
+        if p.kind in ir.LOAD_KINDS else None  # noqa: E731
     params = tuple(ir.Param(SAVED_ACC, "tensor", 1 / w) if p.name == GRAD + output
-                   else replace(p, width=p.width / w) if p.width is not None else p for p in program.params
+                   else replace(p, width=width(p) / w) if width(p) is not None else p for p in program.params
                    if p.name != SAVED_ACC)  # (an output named acc that is the accumulator, read back: the same)
     swapped = tuple(ir.Output("D" if o.name == ACC else o.name, swap(o.node), o.dtype) for o in program.outputs)
     for name in dict.fromkeys(recompute):

@@ -114,9 +114,11 @@ def infer(program: ir.Program) -> dict[int, Fraction]:
 
 
 def load_widths(program: ir.Program) -> dict[str, Fraction]:
-    """Operand name -> width of every tensor/vector operand the program reads."""
+    """Operand name -> width of every tensor/vector operand the program reads, or declares a width for (one it
+    does not read still has the shape the caller passes: a derived backward's 2N-wide residual, say)."""
     widths = infer(program)
-    return {n.attr[1]: widths.get(id(n), Fraction(1)) for n in ir.walk(program) if n.op == "load"}
+    declared = {p.name: p.width for p in program.params if p.kind in ir.LOAD_KINDS and p.width is not None}
+    return {**declared, **{n.attr[1]: widths.get(id(n), Fraction(1)) for n in ir.walk(program) if n.op == "load"}}
 
 
 def width_text(w: Fraction) -> str:

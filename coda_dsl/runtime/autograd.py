@@ -98,8 +98,8 @@ def _derived(uid: str, consts: tuple, no_grad: tuple[str, ...], reuse: tuple[str
     taken = [name for name in ([ACC] if back.uses_acc else []) + [SAVED + o for o in back.unfinished]
              if p.output(name)]
     if taken:
-        raise OperandError(f"cd.linear: epilogue '{ep.name}' has an output named '{taken[0]}', the name the "
-                           "forward kernel gives a value the backward reads: rename that output")
+        raise OperandError(f"epilogue '{ep.name}' has an output named '{taken[0]}', the name cd.linear's forward "
+                           "kernel gives a value its derivative reads: rename that output to differentiate it")
     extra = ((ir.Output(ACC, ir.acc(), None),) if back.uses_acc else ()) + tuple(
         ir.Output(SAVED + o, ir.reduction_of(p.output(o).node), None) for o in back.unfinished)
     if extra:
