@@ -289,8 +289,11 @@ def into_producer(back: Backward, output: str = "D", split: bool = False, recomp
     # operands keep the widths they had there (a 2N-wide residual of a pairwise forward stays 2N wide)
     w = next(p.width for p in program.params if p.name == GRAD + output)
     forward_widths = infer_widths(back.forward)
-    width = lambda p: p.width if p.width is not None else forward_widths.get(id(ir.load(p.kind, p.name))) \
-        if p.kind in ir.LOAD_KINDS else None  # noqa: E731
+
+    def width(p: ir.Param) -> Fraction | None:
+        if p.width is not None or p.kind not in ir.LOAD_KINDS:
+            return p.width
+        return forward_widths.get(id(ir.load(p.kind, p.name)))
     params = tuple(ir.Param(SAVED_ACC, "tensor", 1 / w) if p.name == GRAD + output
                    else replace(p, width=width(p) / w) if width(p) is not None else p for p in program.params
                    if p.name != SAVED_ACC)  # (an output named acc that is the accumulator, read back: the same)

@@ -251,8 +251,8 @@ def forward_epilogue(epilogue: Epilogue, **consts) -> Epilogue:
 
 def derived_backward(epilogue: Epilogue, **consts) -> Epilogue:
     """The backward program cd.linear runs for `epilogue`, as an epilogue of its own (operands, grad_<output>,
-    saved_<statistic> and saved_<output> for outputs read back; outputs acc and each operand's gradient). Statistics with no derivative yet are left
-    out, as cd.linear leaves them. cd.Const values go in `consts`."""
+    saved_<statistic>, saved_<output> for outputs read back; outputs acc and each operand's gradient).
+    Statistics with no derivative yet are left out, as cd.linear leaves them. cd.Const values go in `consts`."""
     return Epilogue.of_program(_derive(epilogue, consts, _no_derivative(epilogue)).back.program)
 
 
@@ -262,13 +262,14 @@ def backward_epilogue(epilogue: Epilogue, output: str = "D", split: bool = False
     `output` (the backward's dY = dOut @ W of the layer above): call it on that GEMM with what the
     forward_epilogue kernel saved as the operands it declares, `saved_acc` (its output acc) where the
     derivative reads the accumulator and `saved_<name>` for the forward's outputs it reads back (and the
-    forward's other operands, and the other outputs' gradients as `grad_<name>`); its D is the gradient of the forward's accumulator, whose GEMMs (dacc @ W, dacc^T x)
-    follow, and an output per differentiable operand holds that operand's gradient. split (a pairwise
-    forward): D's even and odd columns as two outputs D_even and D_odd instead, e.g. SwiGLU's gate and up
-    gradients for their own weights. no_grad: outputs with no incoming gradient (a pre-activation kept for
-    the backward, say), which then need no grad_<name> operand. recompute: forward outputs it also
-    computes again, as outputs recomputed_<name> (so the forward need not keep them: SwiGLU's y, which
-    W_down's gradient reads). cd.Const values go in `consts`. library.swiglu_backward is SwiGLU's."""
+    forward's other operands, and the other outputs' gradients as `grad_<name>`); its D is the gradient of
+    the forward's accumulator, whose GEMMs (dacc @ W, dacc^T x) follow, and an output per differentiable
+    operand holds that operand's gradient. split (a pairwise forward): D's even and odd columns as two
+    outputs D_even and D_odd instead, e.g. SwiGLU's gate and up gradients for their own weights. no_grad:
+    outputs with no incoming gradient (a pre-activation kept for the backward, say), which then need no
+    grad_<name> operand. recompute: forward outputs it also computes again, as outputs recomputed_<name> (so
+    the forward need not keep them: SwiGLU's y, which W_down's gradient reads). cd.Const values go in
+    `consts`. library.swiglu_backward is SwiGLU's."""
     names = lambda x: (x,) if isinstance(x, str) else tuple(x)  # noqa: E731  a single name, or several
     epilogue = epilogue_of("cd.backward_epilogue", epilogue, {})
     options = ("output", "split", "no_grad", "recompute")
