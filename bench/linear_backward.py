@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 import coda_dsl as cd
 from coda_dsl.library import swiglu
-from coda_dsl.passes.autodiff import GRAD, SAVED
-from coda_dsl.runtime.autograd import forward_epilogue
+from coda_dsl.passes.autodiff import GRAD
+from coda_dsl.runtime.autograd import forward_epilogue, saved_operands
 
 from .epilogues import bias_gelu, residual_sumsq
 from .harness import (Row, fmt, markdown, no_gpu, parser, positive, progress, results_only_on_stdout, rotation,
@@ -97,13 +97,6 @@ def _with_dy(step: Callable) -> Callable:
     return lambda x, w, operands, dys, g, v: step(x, w, operands, {**dys, "D": g @ v.t()})
 
 
-def _saved(backward: cd.Epilogue, outs: dict) -> dict:
-    """The backward epilogue's saved_<name> operands from the forward kernel's outputs: saved_acc is its acc,
-    saved_<statistic> a statistic before .then, saved_<output> an output read back."""
-    return {p.name: outs.get(p.name, outs.get(p.name[len(SAVED):])) for p in backward.params
-            if p.name.startswith(SAVED)}
-
-
 def _in_dy(case: Case) -> Callable:
     """Forward + backward with the derived backward epilogue in dY's GEMM: the forward kernel keeps what the
     derivative reads (the accumulator, or outputs it reads back); dY's GEMM then outputs dacc (its D) and
@@ -113,7 +106,7 @@ def _in_dy(case: Case) -> Callable:
     @torch.no_grad()  # as inside a layer's autograd.Function: cd.gemm is not recorded
     def step(x, w, operands, dys, g, v):
         outs = cd.gemm(x, w, forward, **operands)
-        grads = cd.gemm(g, v, backward, **_saved(backward, outs), **operands,
+        grads = cd.gemm(g, v, backward, **saved_operands(backward, outs), **operands,
                         **{GRAD + o: dy for o, dy in dys.items() if o != "D"})
         dacc = grads["D"]
         return (dacc @ w, dacc.t() @ x, *(grads[k] for k in operands))
@@ -165,8 +158,8 @@ def prebuild(todo: list[tuple[str, tuple]], with_dy: bool = False) -> None:
             backward = cd.backward_epilogue(case.epilogue)
             outs = cd.gemm(x.detach(), w.detach(), forward, backend="reference", **operands)
             n_d = dys["D"].shape[1] * n // 64  # the real problem's dY width
-            ops.append(cd.compile(backward, g, v, config=default(m, n_d, k)[0], **_saved(backward, outs), **operands,
-                                  **{GRAD + o: dy for o, dy in dys.items() if o != "D"}))
+            ops.append(cd.compile(backward, g, v, config=default(m, n_d, k)[0], **saved_operands(backward, outs),
+                                  **operands, **{GRAD + o: dy for o, dy in dys.items() if o != "D"}))
     runtime.prebuild(ops)
 
 

@@ -468,7 +468,7 @@ def test_outputs_read_back_instead_of_recomputed():
     the forward keeps no accumulator and the backward reads neither it nor r. Gradients as torch's, with every
     output used or one unused (the backward then reads what the forward kept); an in-place change of the
     saved output is caught, as torch's own ops catch it. Where reading back would move more, nothing is."""
-    from coda_dsl.runtime.autograd import forward_epilogue
+    from coda_dsl.runtime.autograd import forward_epilogue, saved_operands
 
     @cd.epilogue
     def residual_sumsq(acc, residual: cd.Tensor):
@@ -480,6 +480,10 @@ def test_outputs_read_back_instead_of_recomputed():
     assert forward_epilogue(residual_sumsq).output_names == ("D", "sumsq")
     fused = cd.backward_epilogue(residual_sumsq)
     assert [p.name for p in fused.params] == ["residual", "grad_sumsq", "saved_D"]
+    forward_outs = {"D": torch.ones(2, 3), "sumsq": torch.ones(2)}
+    assert saved_operands(fused, forward_outs) == {"saved_D": forward_outs["D"]}
+    with pytest.raises(cd.OperandError, match="reads saved_D.*lack"):
+        saved_operands(fused, {"sumsq": torch.ones(2)})
     # dacc is also the residual's gradient: cd.linear's backward makes it once (share=True)
     values = {"residual": torch.randn(5, 4), "grad_D": torch.randn(5, 4), "grad_sumsq": torch.randn(5),
               "saved_D": torch.randn(5, 4)}

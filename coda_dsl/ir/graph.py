@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Iterator
+from typing import Callable, Iterator
 
 from .ops import NODE_OPS, REDUCTIONS, OpDef
 
@@ -165,8 +165,10 @@ class Program:
         return self.locations.get(id(node), self.defined_at)
 
 
-def topo_order(roots) -> list[Node]:
-    """Every node reachable from roots, inputs before users, in a deterministic order."""
+def topo_order(roots, inputs: Callable[[Node], tuple] = lambda n: n.inputs) -> list[Node]:
+    """Every node reachable from roots through inputs(n) (its inputs, unless the caller stops early or adds a
+    finishing expression), inputs before users, first input first (as a recursion visits them), on a stack
+    of its own (a chain of thousands of ops meets no recursion limit)."""
     seen: set[int] = set()
     order: list[Node] = []
 
@@ -181,7 +183,7 @@ def topo_order(roots) -> list[Node]:
                 order.append(node)
                 continue
             stack.append((node, True))
-            for i in reversed(node.inputs):
+            for i in reversed(inputs(node)):
                 if id(i) not in seen:
                     stack.append((i, False))
 

@@ -115,24 +115,17 @@ def _backprop(order: list[ir.Node], adjoint: dict[int, ir.Node], program: ir.Pro
 
 
 def _rebuilder(swap: dict[int, ir.Node], make=lambda n, inputs: ir.Node(n.op, inputs, n.attr)):
-    """node -> node with the nodes in `swap` (by id) replaced, the rest rebuilt by make(n, new inputs). It walks
-    on a stack of its own: a chain of thousands of ops meets no recursion limit."""
+    """node -> node with the nodes in `swap` (by id) replaced, the rest rebuilt by make(n, new inputs), inputs
+    first (ir.topo_order, which stops at what is swapped or rebuilt already)."""
     memo: dict[int, ir.Node] = {}
 
     def done(n: ir.Node) -> ir.Node | None:
         return swap.get(id(n), memo.get(id(n)))
 
     def rebuild(root: ir.Node) -> ir.Node:
-        stack = [root]
-        while stack:
-            n = stack[-1]
-            if done(n) is not None:
-                stack.pop()
-                continue
-            if pending := [i for i in n.inputs if done(i) is None]:
-                stack.extend(reversed(pending))
-                continue
-            memo[id(stack.pop())] = make(n, tuple(done(i) for i in n.inputs))
+        for n in ir.topo_order([root], lambda n: () if done(n) is not None else n.inputs):
+            if done(n) is None:
+                memo[id(n)] = make(n, tuple(done(i) for i in n.inputs))
         return done(root)
     return rebuild
 

@@ -12,19 +12,13 @@ from .widths import infer, width_text
 
 
 def _fold(root: ir.Node, memo: dict[int, ir.Node], consts: dict[str, float], program: ir.Program) -> ir.Node:
-    """root with constants bound and folded; inputs first, with a stack of its own (a chain of thousands of
-    ops must not meet Python's recursion limit)."""
-    stack = [(root, False)]
-    while stack:
-        node, inputs_done = stack.pop()
-        if id(node) in memo:
-            continue
-        if node.is_leaf or node.op == "const_param" or inputs_done:
+    """root with constants bound and folded, inputs (and a finishing expression) first, first to last (an
+    error names the first bad node); what memo holds is done."""
+    def inputs(n: ir.Node) -> tuple:
+        return () if id(n) in memo else (*n.inputs, *([n.attr] if n.op == "finish" else []))
+    for node in ir.topo_order([root], inputs):
+        if id(node) not in memo:
             memo[id(node)] = _fold_one(node, memo, consts, program)
-            continue
-        stack.append((node, True))
-        # reversed: inputs leave the stack first to last, as a recursion visits them (an error names the first)
-        stack.extend((i, False) for i in reversed((*node.inputs, *([node.attr] if node.op == "finish" else []))))
     return memo[id(root)]
 
 

@@ -249,6 +249,19 @@ def forward_epilogue(epilogue: Epilogue, **consts) -> Epilogue:
     return _derive(epilogue, consts, _no_derivative(epilogue)).forward
 
 
+def saved_operands(backward: Epilogue, forward_outputs: dict) -> dict:
+    """The saved_* operands a backward_epilogue declares, from the outputs of its forward_epilogue kernel:
+    saved_acc is the output acc, saved_<statistic> the statistic before .then (an output of that name), and
+    saved_<output> an output read back."""
+    def of(name: str):
+        for key in (name, name[len(SAVED):]):
+            if key in forward_outputs:
+                return forward_outputs[key]
+        raise OperandError(f"backward epilogue '{backward.name}' reads {name}, which the forward outputs given lack "
+                           f"({sorted(forward_outputs)})\n  fix: pass the outputs of the forward_epilogue kernel")
+    return {p.name: of(p.name) for p in backward.params if p.name.startswith(SAVED)}
+
+
 def derived_backward(epilogue: Epilogue, **consts) -> Epilogue:
     """The backward program cd.linear runs for `epilogue`, as an epilogue of its own (operands, grad_<output>,
     saved_<statistic>, saved_<output> for outputs read back; outputs acc and each operand's gradient).
