@@ -171,8 +171,9 @@ def _const_values(ep: Epilogue, consts: dict[str, str | float]) -> dict[str, flo
 
 def _epilogue_from_args(args) -> tuple[Epilogue, dict, dict]:
     """The epilogue the command works on, its --const values and operand dtypes other than --dtype's. With
-    --backward: the backward cd.linear runs (consts bound), whose statistics operands (saved_<statistic>,
-    grad_<statistic>) are fp32, as cd.linear passes them."""
+    --backward: the backward cd.linear runs (consts bound), whose operands grad_<output> and saved_<output>
+    (an output read back, or a statistic) have that output's dtype, as cd.linear passes them: fp32 for a
+    statistic, the declared dtype of a cast output, else --dtype's."""
     ep = load_epilogue(args.target)
     consts = _pairs(args.const, "--const")
     if not getattr(args, "backward", False):
@@ -185,9 +186,10 @@ def _epilogue_from_args(args) -> tuple[Epilogue, dict, dict]:
         raise CliError(f"epilogue '{ep.name}' has no backward to show: no output passes a gradient to A, B or an "
                        "operand (rounding and comparisons have a zero gradient; cd.max, cd.min and cd.amax "
                        "statistics have no derivative yet)")
-    statistics = {GRAD + o.name for o in ep.program.outputs if reduction_of(o.node) is not None}
-    return back, {}, {p.name: "fp32" for p in back.params  # (a statistic of everything is a cd.Scalar: no dtype)
-                      if p.kind in LOAD_KINDS and (p.name.startswith(SAVED) or p.name in statistics)}
+    dtypes = {prefix + o.name: "fp32" if reduction_of(o.node) is not None else o.dtype
+              for o in ep.program.outputs for prefix in (GRAD, SAVED)}
+    # (a statistic of everything is a cd.Scalar: no dtype)
+    return back, {}, {p.name: dtypes[p.name] for p in back.params if p.kind in LOAD_KINDS and dtypes.get(p.name)}
 
 
 def _spec_from_args(args, epilogue: tuple[Epilogue, dict, dict] | None = None) -> tuple[Epilogue, CompiledOp]:

@@ -578,6 +578,15 @@ def test_linear_keeps_outputs_named_like_its_saved_values_apart():
     bw = cd.backward_epilogue(gelu_and_acc)  # one saved_acc: the accumulator, which the forward outputs as acc
     assert [p.name for p in bw.params] == ["saved_acc", "grad_acc"]
 
+    @cd.epilogue
+    def named_like_read_back(acc, r: cd.Tensor):  # D is read back as the backward's operand saved_D
+        h = acc + r
+        return {"D": h, "sumsq": cd.sum(h * h, axis="n"), "saved_D": acc * 3.0}
+    for call in (lambda: cd.linear(x, w, named_like_read_back, backend="reference", r=torch.randn(6, 5)),
+                 lambda: cd.backward_epilogue(named_like_read_back)):
+        with pytest.raises(cd.OperandError, match="output named 'saved_D'.*rename"):
+            call()
+
 
 def test_gemm_has_no_derivative_on_any_backend():
     """cd.gemm's reference backend computes with torch ops, but its gradient is not offered: the kernel and
@@ -633,6 +642,8 @@ def test_linear_refuses_what_it_cannot_differentiate():
         assert cd.linear(x, w, f, backend="reference")["m"].shape == (4,)
     with pytest.raises(cd.OperandError, match="2-D"):
         cd.linear(torch.randn(2, 4, 8), torch.randn(8, 8), backend="reference")
+    with pytest.raises(cd.OperandError, match="B must be a 2-D weight"):  # not cd.gemm's advice for batched B
+        cd.linear(x, torch.randn(1, 8, 8), backend="reference")
     for option in ({"out": {"D": torch.empty(4, 8)}}, {"accumulate": True}):
         with pytest.raises(cd.OperandError, match="autograd cannot record"):
             cd.linear(x, torch.randn(8, 8), backend="reference", **option)
@@ -998,6 +1009,51 @@ def test_backward_epilogue_explains_a_constant_named_like_its_options():
         cd.backward_epilogue(scaled, split=2.0)
     with pytest.raises(cd.EpilogueError, match="decorated with @cd.epilogue"):
         cd.backward_epilogue(lambda acc: acc)
+
+
+def test_derivation_entry_points_check_what_they_are_given():
+    """forward_epilogue, derived_backward, cd.backward_epilogue and saved_operands explain a plain function, a
+    misspelt option or unknown constant (not swallowed), and a constant that is no number, as cd.gemm does."""
+    from coda_dsl.runtime.autograd import derived_backward, forward_epilogue, saved_operands
+
+    @cd.epilogue
+    def scaled(acc, b: cd.VecN, c: cd.Const):
+        return {"D": cd.gelu(acc * c + b), "pre": acc}
+    for fn in (forward_epilogue, derived_backward, cd.backward_epilogue):
+        with pytest.raises(cd.EpilogueError, match="decorated with @cd.epilogue"):
+            fn(lambda acc: acc)
+        with pytest.raises(cd.OperandError, match=r"unexpected keyword\(s\) \['zz'\](.|\n)*parameters are \['c'\]"):
+            fn(scaled, c=2.0, zz=1)
+        for bad in ("2.0", None, [1]):
+            with pytest.raises(cd.OperandError, match="'c' \\(const\\) must be a number"):
+                fn(scaled, c=bad)
+    with pytest.raises(cd.OperandError, match=r"\['nograd'\](.|\n)*options are \['output', 'split', 'no_grad'"):
+        cd.backward_epilogue(scaled, c=2.0, nograd="pre")
+    with pytest.raises(cd.EpilogueError, match="saved_operands: .*decorated with @cd.epilogue"):
+        saved_operands(lambda acc: acc, {})
+    with pytest.raises(cd.OperandError, match="dict of outputs"):
+        saved_operands(cd.backward_epilogue(scaled, c=2.0), [torch.ones(2)])
+
+
+def test_backward_epilogue_leaves_out_statistics_with_no_derivative():
+    """An fp8 scale's amax beside the activation: cd.backward_epilogue leaves it out (no grad_amax operand), as
+    cd.linear and derived_backward do, and its gradients are torch's."""
+    @cd.epilogue
+    def gelu_amax(acc, b: cd.VecN):
+        y = cd.gelu(acc + b)
+        return {"D": y, "amax": cd.amax(y, axis=None)}
+    bw = cd.backward_epilogue(gelu_amax)
+    assert [p.name for p in bw.params] == ["b", "saved_acc"] and bw.output_names == ("D", "b")
+    assert [p.name for p in cd.backward_epilogue(gelu_amax, no_grad="amax").params] == ["b", "saved_acc"]
+    x, w, b = torch.randn(6, 4, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64), torch.randn(5)
+    g, v = torch.randn(6, 3, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    acc = x @ w.t()
+    got = cd.gemm(g, v, bw, b=b.double(), saved_acc=acc, backend="reference")
+    a = acc.clone().requires_grad_()
+    bd = b.double().requires_grad_()
+    torch.autograd.backward(torch.nn.functional.gelu(a + bd), g @ v.t())
+    torch.testing.assert_close(got["D"], a.grad)
+    torch.testing.assert_close(got["b"], bd.grad)
 
 
 def test_fused_backward_of_a_pairwise_forward_keeps_full_width_operands():

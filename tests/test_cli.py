@@ -540,8 +540,8 @@ def test_emit_and_build_take_the_shapes_config(capsys, monkeypatch):
 
 def test_backward_is_the_one_cd_linear_derives(capsys, tmp_path):
     """--backward shows what cd.linear runs: statistics with no derivative (an amax, e.g. an fp8 scale) left
-    out rather than refused, the statistics' gradient and saved operands in fp32, --const checked as for the
-    forward."""
+    out rather than refused, the statistics' gradient and saved operands in fp32 (an output read back in its
+    own dtype), --const checked as for the forward."""
     f = tmp_path / "eps.py"
     f.write_text("import coda_dsl as cd\n\n"
                  "@cd.epilogue\ndef scaled(acc, c: cd.Const):\n    y = cd.gelu(acc * c)\n"
@@ -559,6 +559,16 @@ def test_backward_is_the_one_cd_linear_derives(capsys, tmp_path):
         rc, out, err = run(capsys, command, f"{h}:total", "--backward")
         assert rc == 0, err
     assert "grad_t: scalar, saved_t: scalar" in run(capsys, "explain", f"{h}:total", "--backward")[1]
+    r = tmp_path / "read_back.py"  # an output read back (saved_D) has --dtype's dtype; a cast output's gradient its own
+    r.write_text("import coda_dsl as cd\n\n@cd.epilogue\ndef rms(acc, eps: cd.Scalar):\n    h = acc * 2.0\n"
+                 "    return {'D': h, 'r': cd.sum(h * h, axis='n').then(lambda s: cd.rsqrt(s + eps))}\n\n"
+                 "@cd.epilogue\ndef rms32(acc, eps: cd.Scalar):\n    h = acc * 2.0\n"
+                 "    return {'D': cd.cast(h, 'fp32'), 'r': cd.sum(h * h, axis='n').then(lambda s: cd.rsqrt(s + eps))}\n")
+    for fn, inputs in (("rms", "grad_D (bf16), grad_r (fp32), saved_D (bf16), saved_r (fp32)"),
+                       ("rms32", "grad_D (fp32), grad_r (fp32), saved_r (fp32)")):  # (a cast is not read back)
+        rc, out, err = run(capsys, "explain", f"{r}:{fn}", "--backward")
+        assert rc == 0, err
+        assert f"inputs:  {inputs}\n" in out
     g = tmp_path / "flat.py"  # a backward with no output: said so, not a traceback
     g.write_text("import coda_dsl as cd\n\n@cd.epilogue\ndef only_max(acc):\n    return {'m': cd.amax(acc, axis=None)}\n\n"
                  "@cd.epilogue\ndef steps(acc):\n    return cd.where(acc > 0, 1.0, 0.0) + cd.round(acc)\n")

@@ -23,7 +23,7 @@ from ..passes import specialize
 from ..passes.autodiff import ACC, GRAD, SAVED, Backward, derive, into_producer
 from . import reference, torch_compile
 from .torch_compile import made_once
-from .op import check_operands, epilogue_of, gemm
+from .op import check_consts, check_operands, epilogue_of, gemm
 
 
 def first_order(what: str):
@@ -95,11 +95,12 @@ def _derived(uid: str, consts: tuple, no_grad: tuple[str, ...], reuse: tuple[str
     ep = Epilogue.by_uid(uid)
     back = derive(specialize(ep.program, dict(consts)), no_grad, reuse)
     p, forward = ep.program, ep
-    taken = [name for name in ([ACC] if back.uses_acc else []) + [SAVED + o for o in back.unfinished]
-             if p.output(name)]
+    # the names of what the derivative reads: acc and saved_<statistic> outputs of the forward kernel, and the
+    # backward's saved_<output> operands (an output of that name would be taken for them by saved_operands)
+    taken = [name for name in ([ACC] if back.uses_acc else []) + [SAVED + o for o in back.saved] if p.output(name)]
     if taken:
-        raise OperandError(f"epilogue '{ep.name}' has an output named '{taken[0]}', the name cd.linear's forward "
-                           "kernel gives a value its derivative reads: rename that output to differentiate it")
+        raise OperandError(f"epilogue '{ep.name}' has an output named '{taken[0]}', the name cd.linear gives a value "
+                           "its derivative reads: rename that output to differentiate it")
     extra = ((ir.Output(ACC, ir.acc(), None),) if back.uses_acc else ()) + tuple(
         ir.Output(SAVED + o, ir.reduction_of(p.output(o).node), None) for o in back.unfinished)
     if extra:
@@ -218,6 +219,9 @@ def linear(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, /
                                "cd.linear allocates its outputs (use cd.gemm for this)")
     if not isinstance(A, torch.Tensor) or A.dim() != 2:
         raise OperandError("cd.linear: A must be a 2-D tensor [M, K]; flatten a batch into rows: A.flatten(0, -2)")
+    if not isinstance(B, torch.Tensor) or B.dim() != 2:
+        raise OperandError("cd.linear: B must be a 2-D weight [N, K] (an nn.Linear's); batched GEMMs have no "
+                           "derivative here: call cd.linear per batch, or flatten a batch of A into rows")
     names = tuple(k for k, v in operands.items() if isinstance(v, torch.Tensor))
     # a cd.Scalar given as a 0-d tensor (to learn it): the kernel takes its value, the tensor its gradient
     values = {p.name: float(operands[p.name].detach()) for p in ep.params if p.kind == "scalar"
@@ -246,13 +250,26 @@ def linear(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, /
 def forward_epilogue(epilogue: Epilogue, **consts) -> Epilogue:
     """The epilogue cd.linear's forward kernel runs: `epilogue`, with its accumulator as one more output
     when the derivative reads it (e.g. to build that kernel ahead of the first call)."""
+    epilogue = _checked("forward_epilogue", epilogue, consts)
     return _derive(epilogue, consts, _no_derivative(epilogue)).forward
+
+
+def _checked(api: str, epilogue, consts: dict) -> Epilogue:
+    """The epilogue a derivation entry point was given, with its cd.Const values checked."""
+    epilogue = epilogue_of(api, epilogue, {})
+    check_consts(api, epilogue, consts)
+    return epilogue
 
 
 def saved_operands(backward: Epilogue, forward_outputs: dict) -> dict:
     """The saved_* operands a backward_epilogue declares, from the outputs of its forward_epilogue kernel:
     saved_acc is the output acc, saved_<statistic> the statistic before .then (an output of that name), and
     saved_<output> an output read back."""
+    backward = epilogue_of("saved_operands", backward, {})
+    if not isinstance(forward_outputs, dict):
+        raise OperandError(f"saved_operands: forward_outputs must be the dict of outputs the forward_epilogue kernel "
+                           f"returned, not {type(forward_outputs).__name__}")
+
     def of(name: str):
         for key in (name, name[len(SAVED):]):
             if key in forward_outputs:
@@ -266,6 +283,7 @@ def derived_backward(epilogue: Epilogue, **consts) -> Epilogue:
     """The backward program cd.linear runs for `epilogue`, as an epilogue of its own (operands, grad_<output>,
     saved_<statistic>, saved_<output> for outputs read back; outputs acc and each operand's gradient).
     Statistics with no derivative yet are left out, as cd.linear leaves them. cd.Const values go in `consts`."""
+    epilogue = _checked("derived_backward", epilogue, consts)
     return Epilogue.of_program(_derive(epilogue, consts, _no_derivative(epilogue)).back.program)
 
 
@@ -280,9 +298,10 @@ def backward_epilogue(epilogue: Epilogue, output: str = "D", split: bool = False
     operand holds that operand's gradient. split (a pairwise forward): D's even and odd columns as two
     outputs D_even and D_odd instead, e.g. SwiGLU's gate and up gradients for their own weights. no_grad:
     outputs with no incoming gradient (a pre-activation kept for the backward, say), which then need no
-    grad_<name> operand. recompute: forward outputs it also computes again, as outputs recomputed_<name> (so
-    the forward need not keep them: SwiGLU's y, which W_down's gradient reads). cd.Const values go in
-    `consts`. library.swiglu_backward is SwiGLU's."""
+    grad_<name> operand; statistics with no derivative yet (cd.max/min/amax/take) are among them. recompute:
+    forward outputs it also computes again, as outputs recomputed_<name> (so the forward need not keep them:
+    SwiGLU's y, which W_down's gradient reads). cd.Const values go in `consts`. library.swiglu_backward is
+    SwiGLU's."""
     names = lambda x: (x,) if isinstance(x, str) else tuple(x)  # noqa: E731  a single name, or several
     epilogue = epilogue_of("cd.backward_epilogue", epilogue, {})
     options = ("output", "split", "no_grad", "recompute")
@@ -290,6 +309,8 @@ def backward_epilogue(epilogue: Epilogue, output: str = "D", split: bool = False
         raise OperandError(f"cd.backward_epilogue: epilogue '{epilogue.name}' has a cd.Const named '{clash[0]}', "
                            f"like an option of cd.backward_epilogue ({', '.join(options)}), so its value cannot be "
                            "passed\n  fix: rename the constant")
-    saved = _derive(epilogue, consts, _no_derivative(epilogue)).back.reused  # what the forward kernel keeps
-    back = _derive(epilogue, consts, names(no_grad), saved).back
+    check_consts("cd.backward_epilogue", epilogue, consts, options)
+    frozen = _no_derivative(epilogue)
+    saved = _derive(epilogue, consts, frozen).back.reused  # what the forward kernel keeps
+    back = _derive(epilogue, consts, tuple(dict.fromkeys(names(no_grad) + frozen)), saved).back
     return Epilogue.of_program(into_producer(back, output, split, names(recompute)))

@@ -78,21 +78,39 @@ def check_operands(ep: Epilogue, operands: dict) -> None:
                           + ("; " if unknown and missing else "") + (f"missing operand(s) {missing}" if missing else ""),
                           f"the epilogue declares {[p.name for p in ep.params] or 'no operands'}")
     for p in ep.params:
-        v = operands[p.name]
-        if p.kind in ir.LOAD_KINDS:
-            continue  # tensors: checked by _check_tensors
-        if isinstance(v, torch.Tensor) and v.numel() == 1 and p.kind == "scalar":
-            raise checks.fail(where, f"scalar '{p.name}' was given as a tensor",
-                              f"pass a Python number (float({p.name})), or declare it cd.VecM/VecN (cd.linear "
-                              "learns a cd.Scalar given as a 0-d tensor)")
-        if not isinstance(v, numbers.Real):  # int, float, numpy's scalars
-            raise checks.fail(where, f"'{p.name}' ({p.kind}) must be a number, got {type(v).__name__}",
-                              f"pass float({p.name})")
-        try:
-            float(v)
-        except OverflowError:  # an int beyond double's range
-            raise checks.fail(where, f"'{p.name}' ({p.kind}) has {len(str(abs(int(v))))} digits: too large for a float",
-                              "pass a value within fp32's range (3.4e38)") from None
+        if p.kind not in ir.LOAD_KINDS:  # tensors: checked by _check_tensors
+            _check_number(where, p, operands[p.name])
+
+
+def _check_number(where: str, p: ir.Param, v) -> None:
+    if isinstance(v, torch.Tensor) and v.numel() == 1 and p.kind == "scalar":
+        raise checks.fail(where, f"scalar '{p.name}' was given as a tensor",
+                          f"pass a Python number (float({p.name})), or declare it cd.VecM/VecN (cd.linear "
+                          "learns a cd.Scalar given as a 0-d tensor)")
+    if not isinstance(v, numbers.Real):  # int, float, numpy's scalars
+        raise checks.fail(where, f"'{p.name}' ({p.kind}) must be a number, got {type(v).__name__}",
+                          f"pass float({p.name})")
+    try:
+        float(v)
+    except OverflowError:  # an int beyond double's range
+        raise checks.fail(where, f"'{p.name}' ({p.kind}) has {len(str(abs(int(v))))} digits: too large for a float",
+                          "pass a value within fp32's range (3.4e38)") from None
+
+
+def check_consts(api: str, ep: Epilogue, consts: dict, options: tuple[str, ...] = ()) -> None:
+    """The cd.Const values given to `api` (a derivation: no operands but these): each one the epilogue
+    declares, a number, and nothing else (a misspelt option of api's lands here)."""
+    where = f"{api} (epilogue '{ep.name}' from {ep.defined_at})"
+    declared = [p for p in ep.params if p.kind == "const"]
+    unknown = sorted(set(consts) - {p.name for p in declared})
+    missing = [p.name for p in declared if p.name not in consts]
+    if unknown or missing:
+        raise checks.fail(where, (f"unexpected keyword(s) {unknown}" if unknown else "") + ("; " if unknown and missing
+                          else "") + (f"missing cd.Const value(s) {missing}" if missing else ""),
+                          f"the epilogue's cd.Const parameters are {[p.name for p in declared] or 'none'}"
+                          + (f"; {api}'s options are {list(options)}" if options else ""))
+    for p in declared:
+        _check_number(where, p, consts[p.name])
 
 
 def _check_out_dict(where: str, out) -> None:
@@ -159,6 +177,15 @@ _MEANING = {"tensor": "a cd.Tensor has the output's shape: [M, N] (or [L, M, N])
             "vec_m": "a cd.VecM is one value per output row: shape [M] (or [L, M])"}
 
 
+def _meaning(kind: str, width) -> str:
+    """What shape an operand of this kind has, read at `width` times N (a cd.pairs half: 1/2)."""
+    if width == 1 or kind == "vec_m":
+        return _MEANING[kind]
+    cols = f"N/{width.denominator}" if width.numerator == 1 else f"{width}*N" if width.denominator > 1 else f"{width}N"
+    return (f"this one meets a value {cols} columns wide (cd.pairs / cd.interleave): shape "
+            + (f"[M, {cols}] (or [L, M, {cols}])" if kind == "tensor" else f"[{cols}] (or [L, {cols}])"))
+
+
 def _check_tensors(ep: Epilogue, call: Call, cutlass: bool) -> dict[str, str]:
     """Shapes, devices and (for the cutlass backend) layouts; returns operand dtypes."""
     where = _where(ep)
@@ -188,7 +215,7 @@ def _check_tensors(ep: Epilogue, call: Call, cutlass: bool) -> dict[str, str]:
     for name, t in call.tensors.items():
         wn = int(n * widths[name]) if name in widths else n  # pairwise epilogues read N/2-wide operands
         shape = {"tensor": (m, wn), "vec_n": (wn,), "vec_m": (m,)}[kinds[name]]
-        checks.tensor(where, f"operand '{name}'", t, shape, dev, _MEANING[kinds[name]], batch)
+        checks.tensor(where, f"operand '{name}'", t, shape, dev, _meaning(kinds[name], widths.get(name, 1)), batch)
         dtypes[name] = checks.dtype_of(t, where, f"operand '{name}'", index=name in facts.indices,
                                        fp64=ab == checks.REFERENCE_FP64)
         if not cutlass:
