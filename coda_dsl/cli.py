@@ -284,6 +284,10 @@ def cmd_explain(args) -> int:
         from .runtime.tune import default
         print(f"  config for M x N x K = {' x '.join(map(str, args.shape))}: " +
               (f"{args.config} (--config)" if args.config else default(*args.shape, gpu=args.gpu)[1]))
+        from .runtime.op import n_multiple
+        if args.shape[1] % (q := n_multiple(ep)):
+            print(f"  note: no call has this shape: N = {args.shape[1]} is not a multiple of {q}, the epilogue's "
+                  "column pairs (cd.pairs); cd.gemm refuses it on every backend")
         try:  # what cd.gemm checks of a shape before launching: TMA's 16-byte groups
             spec.check_widths(_meta_call(args.shape, sig))
         except UnsupportedError as e:

@@ -98,6 +98,9 @@ def test_explain_shape_says_when_no_kernel_runs_it(capsys):
     assert rc == 0 and "note:" not in out
     rc, out, _ = run(capsys, "explain", "coda_dsl.examples:bias_gelu", "--shape", "77x100x40", "--b-layout", "kn")
     assert "B is read along N" in out and "N = 100 must be a multiple of 8" in out
+    rc, out, _ = run(capsys, "explain", "coda_dsl.library:swiglu", "--shape", "4096x4097x4096")  # no call at all
+    assert rc == 0 and "note: no call has this shape: N = 4097 is not a multiple of 2" in out
+    assert "note: no call" not in run(capsys, "explain", "coda_dsl.library:swiglu", "--shape", "4096x4098x4096")[1]
 
 
 def test_explain_without_a_kernel_still_shows_the_program(capsys):
@@ -123,7 +126,7 @@ def test_options_change_key(capsys, eps):
 
 def test_key_matches_cd_compile(capsys, monkeypatch):
     """The CLI builds exactly what cd.gemm would for the same dtypes and layout."""
-    monkeypatch.setattr(runtime.checks, "require_cutlass", lambda where, device: None)  # CPU tensors: no build here
+    monkeypatch.setattr(runtime.checks, "require_cutlass", lambda *_: None)  # CPU tensors: no build here
     m, n, k = 64, 128, 32
     a, w = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(n, k, dtype=torch.bfloat16)
     r, g = torch.randn(m, n, dtype=torch.bfloat16), torch.randn(n, dtype=torch.float32)
@@ -296,7 +299,8 @@ def _entry(tmp_path, key: str, so: bytes) -> None:
 
 def test_cache_export_import_round_trip(capsys, tmp_path, monkeypatch):
     """export packs each built kernel (kernel.so, kernel.cu, meta.json), in parts when asked; import into
-    an empty cache gives the same entries, verified; a second import finds them present."""
+    an empty cache gives the same entries, verified; a second import finds them present, and so does an
+    import of two files holding the same kernels (not rejected)."""
     keys = [f"{i:024x}" for i in (1, 2, 3)]
     for k in keys:
         _entry(tmp_path, k, os.urandom(40_000))  # incompressible: the parts' sizes are the raw sizes
@@ -313,6 +317,9 @@ def test_cache_export_import_round_trip(capsys, tmp_path, monkeypatch):
     assert {k: cache.check_output(k)[0].read_bytes() for k in keys} == before
     rc, out, _ = run(capsys, "cache", "import", str(tmp_path / "all.tar.gz"))
     assert rc == 0 and "added 0, already present 3, rejected 0" in out
+    monkeypatch.setenv("CODA_DSL_CACHE", str(tmp_path / "third"))  # two exports of one kernel in one import
+    rc, out, _ = run(capsys, "cache", "import", str(tmp_path / "all.tar.gz"), *map(str, parts))
+    assert rc == 0 and "added 3, already present 0, rejected 0" in out
 
 
 def test_compile_only_build_keeps_the_kernel_and_export_skips_an_edited_source(capsys, tmp_path, monkeypatch):

@@ -605,12 +605,29 @@ def test_operand_named_like_a_gemm_argument_is_rejected_or_usable():
     (lambda acc: acc @ acc, "@ of a traced value"), (lambda acc: acc[0], "indexing of a traced value"),
     (lambda acc: (acc > 0) & (acc < 1), "&, \\|, \\^ or ~"),
     (lambda acc: cd.sum(acc, axis="n").then(3), "then\\(\\) takes a function"),
-], ids=["floordiv", "mod", "round", "rpow", "matmul", "getitem", "and", "then"])
+    (lambda acc: acc << 1, "<< or >>"), (lambda acc: 1 >> acc, "<< or >>"),
+    (lambda acc: pow(acc, 2, 3), "pow\\(x, p, m\\) is not supported"),
+], ids=["floordiv", "mod", "round", "rpow", "matmul", "getitem", "and", "then", "lshift", "rrshift", "pow_mod"])
 def test_python_operators_without_a_meaning_say_so(body, message):
     """Operators an epilogue cannot express are refused while tracing, with the line and a fix, not a raw
     TypeError from Python."""
     with pytest.raises(cd.EpilogueError, match=message):
         cd.epilogue(body, name="bad")
+
+
+def test_first_parameter_annotated_as_an_operand_is_refused():
+    """The first parameter is the accumulator: an operand kind there (the accumulator forgotten) is explained,
+    not traced as acc with the operand then 'unexpected'."""
+    def add_residual(residual: cd.Tensor):
+        return residual
+    with pytest.raises(cd.EpilogueError, match="first parameter, 'residual', is the accumulator(.|\n)*fix: put the "
+                       "accumulator first"):
+        cd.epilogue(add_residual)
+    assert cd.epilogue(lambda acc: acc).params == () and cd.epilogue(_annotated_acc).params == ()
+
+
+def _annotated_acc(acc: cd.Acc):
+    return acc
 
 
 def test_powers_rounding_and_clamp_mean_what_torch_means():
@@ -640,6 +657,10 @@ def test_powers_rounding_and_clamp_mean_what_torch_means():
     for p in (0, np.int64(2)):
         got = cd.gemm(acc, torch.eye(8), cd.epilogue(lambda a: a ** p, name="f"), backend="reference")["D"]  # noqa: B023
         torch.testing.assert_close(got, acc ** int(p))
+    big = torch.tensor([[1e5, 3e4]])  # x ** -8 where x ** 8 overflows: torch's subnormal / tiny values, not 0
+    got = cd.gemm(big, torch.eye(2), cd.epilogue(lambda a: a ** -8, name="f"), backend="reference")["D"]
+    assert (got > 0).all()
+    torch.testing.assert_close(got, big ** -8, rtol=1e-5, atol=0)
     nan = float("nan")  # a NaN bound, a number or a cd.Scalar's value: NaN everywhere, as torch.clamp
     for bounds in ((nan, None), (None, nan), (-1.0, nan)):
         got = cd.gemm(acc, torch.eye(8), cd.epilogue(lambda a: cd.clamp(a, *bounds), name="f"), backend="reference")  # noqa: B023

@@ -362,6 +362,8 @@ def test_config_roundtrip_and_validation():
         Config(cluster=(4, 2))
     with pytest.raises(ValueError, match="1 to 4 CTAs"):
         Config(cluster=(0, 1))
+    with pytest.raises(ValueError, match="each side 1, 2 or 4"):  # accepted before, then nvcc failed in CUTLASS
+        Config((128, 128, 64), (3, 1), "pingpong")
     with pytest.raises(ValueError, match="positive multiple of 64"):
         Config((0, 0, 0), (1, 1), "pingpong")
     with pytest.raises(ValueError, match="bad config"):

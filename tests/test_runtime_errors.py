@@ -613,6 +613,10 @@ def test_prebuild_of_a_function_builds_what_its_calls_need(fake_kernels, monkeyp
     with pytest.raises(ValueError):
         cd.prebuild(fails)
     assert runtime._collected is None and len(builds) == 1
+    for wrong in ([ep_all], ep_all, ["coda_dsl.examples:bias_gelu"], 42):  # epilogues, names: not CompiledOps
+        with pytest.raises(OperandError, match="is not a CompiledOp(.|\n)*fix: cd.prebuild"):
+            cd.prebuild(wrong)
+    assert len(builds) == 1
 
 
 def test_warm_calls_check_output_aliasing_every_time(fake_kernels):
@@ -843,14 +847,21 @@ def test_empty_axes_that_have_a_value():
 
 @pytest.mark.parametrize("backend", ["reference", "cutlass"])
 def test_outputs_that_alias_each_other_are_refused(fake_kernels, backend):
-    """One tensor for two outputs would leave D holding aux's values: refused on every call, warm too."""
+    """One tensor for two outputs would leave D holding aux's values: refused on every call, warm too; so are
+    views of one buffer that interleave, while views that lie apart (its halves) are separate outputs."""
     a, b = ab()
     r = torch.randn(M, N).bfloat16()
     call = cutlass_and_reference(fake_kernels)[backend]
     d, aux = torch.empty(M, N, dtype=torch.bfloat16), torch.empty(M, N, dtype=torch.bfloat16)
     call(a, b, two_outputs, out={"D": d, "aux": aux}, residual=r)  # valid: this layout is now warm
     halves = torch.empty(2, M, N, dtype=torch.bfloat16)
-    for out in ({"D": d, "aux": d}, {"D": halves[0], "aux": halves[1]}):
+    got = call(a, b, two_outputs, out={"D": halves[0], "aux": halves[1]}, residual=r)
+    assert got["D"].data_ptr() == halves[0].data_ptr() and got["aux"].data_ptr() == halves[1].data_ptr()
+    if backend == "reference":
+        want = cd.gemm(a, b, two_outputs, backend="reference", residual=r)
+        assert torch.equal(halves[0], want["D"]) and torch.equal(halves[1], want["aux"])
+    columns = torch.empty(M, 2 * N, dtype=torch.bfloat16)
+    for out in ({"D": d, "aux": d}, {"D": columns[:, :N], "aux": columns[:, N:]}):
         with pytest.raises(OperandError, match=r"out\['aux'\] shares memory with out\['D'\]"):
             call(a, b, two_outputs, out=out, residual=r)
     if backend == "cutlass":
@@ -904,8 +915,9 @@ def test_bad_arguments_are_operand_errors(fake_kernels, backend):
 
 
 def test_compile_refuses_cpu_tensors_at_once(fake_kernels, monkeypatch):
-    """cd.compile on CPU tensors gives cd.gemm(backend="cutlass")'s error, not an op whose first call
-    runs a long build and then fails; an op called with CPU tensors is refused before any build."""
+    """cd.compile on CPU tensors gives cd.gemm(backend="cutlass")'s error (its fix: cd.gemm's reference backend,
+    not the backend= that cd.compile lacks), not an op whose first call runs a long build and then fails; an
+    op called with CPU tensors is refused before any build."""
     monkeypatch.setattr(runtime.checks, "require_cutlass", REQUIRE_CUTLASS)
     a, b = ab()
     r = torch.randn(M, N).bfloat16()
@@ -913,8 +925,11 @@ def test_compile_refuses_cpu_tensors_at_once(fake_kernels, monkeypatch):
         cd.compile(two_outputs, a, b, residual=r)
     with pytest.raises(UnsupportedError) as called:
         cd.gemm(a, b, two_outputs, backend="cutlass", residual=r)
-    assert str(compiled.value) == str(called.value) and "needs CUDA tensors" in str(called.value)
-    monkeypatch.setattr(runtime.checks, "require_cutlass", lambda where, device: None)
+    first = lambda e: str(e.value).splitlines()[0]  # noqa: E731
+    assert first(compiled) == first(called) and "needs CUDA tensors" in first(called)
+    assert "or pass backend='reference'" in str(called.value) and "backend=" not in str(compiled.value).replace(
+        "cd.gemm(A, B, epilogue, ..., backend='reference')", "")
+    monkeypatch.setattr(runtime.checks, "require_cutlass", lambda *_: None)
     op = cd.compile(two_outputs, a, b, residual=r)
     monkeypatch.setattr(runtime.checks, "require_cutlass", REQUIRE_CUTLASS)
     with pytest.raises(UnsupportedError, match="needs CUDA tensors"):

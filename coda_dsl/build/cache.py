@@ -501,8 +501,9 @@ def _commit_members(tar: tarfile.TarFile, tmp: Path, result: Imported) -> None:
         outcome = _import_entry(key, files)
         if outcome == "added":
             result.added.append(key)
-        elif outcome == "present" and key not in result.added + result.present:  # once, if two files hold it
-            result.present.append(key)
+        elif outcome == "present":
+            if key not in result.added + result.present:  # once, if two files of this import hold it
+                result.present.append(key)
         else:
             result.rejected.append(f"{key}: {outcome}")
 

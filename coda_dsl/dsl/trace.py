@@ -166,7 +166,9 @@ class Value:
     def __eq__(self, o): return apply("eq", self, o)  # type: ignore[override]
     def __ne__(self, o): return apply("ne", self, o)  # type: ignore[override]
 
-    def __pow__(self, p):
+    def __pow__(self, p, modulo=None):
+        if modulo is not None:
+            raise fail("pow(x, p, m) is not supported (a modulus)", "x ** p, with p an integer up to 8 in magnitude")
         if isinstance(p, Value):
             raise fail("x ** p takes a Python number p (it picks multiplications, sqrt or rsqrt while tracing), "
                        "not a traced value, cd.Scalar or cd.Const", "for x > 0: cd.exp(p * cd.log(x))")
@@ -179,14 +181,15 @@ class Value:
         if p == 0:  # as torch.pow: 1, NaN included
             return Value(ir.const(1.0))
         if -8 <= p <= 8 and p == int(p):  # x**3 = x*x*x, as torch.pow (inf, nan and huge p fail the bounds)
-            n, y, x = int(abs(p)), None, self
+            # x**-n as (1/x)**n: 1/(x**n) would be 0 where x**n overflows but torch's x**-n is still subnormal
+            n, y, x = int(abs(p)), None, self if p > 0 else 1.0 / self
             while n:  # by squaring: x**8 is three multiplications
                 if n & 1:
                     y = x if y is None else y * x
                 n >>= 1
                 if n:
                     x = apply("square", x)
-            return y if p > 0 else 1.0 / y
+            return y
         shown = repr(p) if len(repr(p)) <= 24 else repr(p)[:20] + "..."
         raise fail(f"x ** {shown} is not supported (integers up to 8 in magnitude, 0.5 and -0.5 are)",
                    "for x > 0: cd.exp(p * cd.log(x)); for any x and an odd integer p: cd.where(x < 0, -1.0, 1.0) * "
@@ -217,6 +220,8 @@ class Value:
         return apply("where", self < 0.0, apply("ceil", self), apply("floor", self))
     __and__ = __rand__ = __or__ = __ror__ = __xor__ = __rxor__ = __invert__ = _refused(
         "&, |, ^ or ~", "combine conditions with cd.where(c1, c2, False) / cd.where(c1, True, c2)")
+    __lshift__ = __rlshift__ = __rshift__ = __rrshift__ = _refused(
+        "<< or >>", "values are fp32: scale by a power of two, x * 2.0 ** k")
 
     __hash__ = object.__hash__
 
@@ -457,6 +462,11 @@ def signature_params(fn: Callable, reserved: set[str]) -> tuple[str, tuple[ir.Pa
     if not names:
         raise EpilogueError(f"epilogue '{fn.__name__}' ({defined_at}) needs at least the accumulator parameter: "
                             f"def {fn.__name__}(acc, ...)")
+    first = names[0]
+    if kind := types.kind_of(ann.get(first, inspect.Parameter.empty)):  # an operand kind where acc goes
+        raise EpilogueError(f"epilogue '{fn.__name__}' ({defined_at}): the first parameter, '{first}', is the "
+                            f"accumulator A @ B^T, but it is annotated as an operand ({kind})\n  fix: put the "
+                            f"accumulator first: def {fn.__name__}(acc, {first}: ..., ...) (cd.Acc, or no annotation)")
     params = []
     for pname in names[1:]:
         p = sig.parameters[pname]

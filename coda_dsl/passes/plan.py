@@ -55,8 +55,9 @@ class Config:
             raise ValueError(f"the cooperative schedule needs tile M >= 128 (got {m}); use schedule='pingpong'")
         if n % 16 or k % 16 or m % 64 or min(self.tile) <= 0:
             raise ValueError(f"tile {self.tile}: M must be a positive multiple of 64, N and K of 16")
-        if min(self.cluster) < 1 or self.cluster[0] * self.cluster[1] > 4:
-            raise ValueError(f"cluster {self.cluster}: 1 to 4 CTAs, each side at least 1")
+        if any(c not in (1, 2, 4) for c in self.cluster) or self.cluster[0] * self.cluster[1] > 4:
+            # (a side of 3 splits no tile into the multicast slices CUTLASS's TMA loads need)
+            raise ValueError(f"cluster {self.cluster}: 1 to 4 CTAs, each side 1, 2 or 4")
         if self.epilogue_tile is not None:
             em, en = self.epilogue_tile
             if em != (128 if self.schedule == "cooperative" else 64) or en <= 0 or en % 16 or n % en:

@@ -77,6 +77,16 @@ def output(where: str, name: str, t: torch.Tensor) -> None:
                    f"pass {name}.detach() (same memory), or a tensor without requires_grad")
 
 
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' byte ranges meet (views of one buffer that do not, e.g. its rows, are apart)."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() or not a.numel() or not b.numel():
+        return False
+    span = lambda t: (t.data_ptr(), t.data_ptr() + t.element_size() * (  # noqa: E731
+        1 + sum((d - 1) * abs(s) for d, s in zip(t.shape, t.stride()))))
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
 def tma_rows(t: torch.Tensor) -> bool:
     """Can TMA address t's rows (16-byte aligned base and strides)? tma_layout says why not."""
     return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
@@ -134,16 +144,17 @@ def cutlass_runs_on(device: torch.device) -> bool:
     return is_sm90(device) and old_runtime() is None
 
 
-def require_cutlass(where: str, device: torch.device) -> None:
-    """An UnsupportedError with the fix where the cutlass backend cannot run on `device` (cutlass_runs_on)."""
+def require_cutlass(where: str, device: torch.device, instead: str = "pass backend='reference'") -> None:
+    """An UnsupportedError with the fix where the cutlass backend cannot run on `device` (cutlass_runs_on);
+    instead: the way to the reference backend from where the call came."""
     if device.type != "cuda":
         raise UnsupportedError(f"{where}: the cutlass backend needs CUDA tensors (A is on {device})\n"
-                               "  fix: move the tensors to an sm_90 GPU, or pass backend='reference'")
+                               f"  fix: move the tensors to an sm_90 GPU, or {instead}")
     cap = _capability_of(device)
     if cap != (9, 0):
         raise UnsupportedError(
             f"{where}: the cutlass backend needs an sm_90 (Hopper) GPU; {torch.cuda.get_device_name(device)} "
-            f"is sm_{cap[0]}{cap[1]}\n  fix: run on an H100/H200, or pass backend='reference' (slow)")
+            f"is sm_{cap[0]}{cap[1]}\n  fix: run on an H100/H200, or {instead} (slow)")
     if why := old_runtime():
-        raise UnsupportedError(f"{where}: {why}\n  fix: install a torch built with CUDA {MIN_CUDA_TEXT}+, or pass "
-                               "backend='reference' (slow)")
+        raise UnsupportedError(f"{where}: {why}\n  fix: install a torch built with CUDA {MIN_CUDA_TEXT}+, or "
+                               f"{instead} (slow)")

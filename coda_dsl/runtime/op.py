@@ -87,8 +87,10 @@ def _check_number(where: str, p: ir.Param, v) -> None:
         raise checks.fail(where, f"scalar '{p.name}' was given as a tensor",
                           f"pass a Python number (float({p.name})), or declare it cd.VecM/VecN (cd.linear "
                           "learns a cd.Scalar given as a 0-d tensor)")
-    if not isinstance(v, numbers.Real):  # int, float, numpy's scalars
-        raise checks.fail(where, f"'{p.name}' ({p.kind}) must be a number, got {type(v).__name__}",
+    if not isinstance(v, numbers.Real):  # int, float, numpy's scalars (not its bool: no number to numbers)
+        t = type(v)
+        raise checks.fail(where, f"'{p.name}' ({p.kind}) must be a number, got "
+                          f"{t.__name__ if t.__module__ == 'builtins' else t.__module__ + '.' + t.__name__}",
                           f"pass float({p.name})")
     try:
         float(v)
@@ -239,12 +241,17 @@ def _check_tensors(ep: Epilogue, call: Call, cutlass: bool) -> dict[str, str]:
     return dtypes
 
 
-def _check_call(ep: Epilogue, call: Call, out: dict | None, cutlass: bool, accumulate: bool) -> dict[str, str]:
+# the fix for a kernel (cd.compile, a CompiledOp) where none runs: cd.gemm has the reference backend
+_KERNEL_ONLY = "compute it with cd.gemm(A, B, epilogue, ..., backend='reference') (a CompiledOp is a kernel)"
+
+
+def _check_call(ep: Epilogue, call: Call, out: dict | None, cutlass: bool, accumulate: bool,
+                instead: str = "pass backend='reference'") -> dict[str, str]:
     """The checks of a normalized call (cd.gemm's, cd.compile's, a CompiledOp's); returns operand dtypes."""
     if accumulate and not (out and isinstance(out.get("D"), torch.Tensor)):
         raise checks.fail(_where(ep), "accumulate=True adds into an existing D", "pass it as out={'D': tensor}")
     if cutlass:
-        checks.require_cutlass(_where(ep), call.a.device)
+        checks.require_cutlass(_where(ep), call.a.device, instead)
     return _check_tensors(ep, call, cutlass)
 
 
@@ -277,6 +284,11 @@ def _facts(ep: Epilogue) -> _Facts:
             extrema=tuple((o.name, *r.attr) for o in ep.program.outputs
                           if (r := ir.reduction_of(o.node)) is not None and not REDUCTIONS[r.attr[0]].empty_defined))
     return facts
+
+
+def n_multiple(ep: Epilogue) -> int:
+    """N of every call of `ep` is a multiple of this (2 where a value is N/2 wide: cd.pairs), on any backend."""
+    return _facts(ep).pairs
 
 
 def index_operands(ep: Epilogue) -> frozenset[str]:
@@ -450,7 +462,7 @@ class CompiledOp:
 
     def _check(self, A, B, operands: dict, out: dict | None) -> None:
         call = _normalize(self.epilogue, A, B, operands, out)
-        dtypes = _check_call(self.epilogue, call, out, cutlass=True, accumulate=self.plan.reads_d)
+        dtypes = _check_call(self.epilogue, call, out, cutlass=True, accumulate=self.plan.reads_d, instead=_KERNEL_ONLY)
         got = (call.a.dtype, layouts(call), tuple(sorted(dtypes.items())), _consts_key(call.consts))
         if got != self._expects:
             what = ("A/B dtype", "A/B layouts", "operand dtypes", "cd.Const values")
@@ -494,25 +506,21 @@ def _check_out(where: str, name: str, t: torch.Tensor, shape, dtype, call: Call,
 
 
 def _check_alias(where: str, name: str, t: torch.Tensor, call: Call) -> None:
-    storage = t.untyped_storage().data_ptr()
-    if not storage:  # nothing stored (an empty tensor): nothing to overwrite
-        return
     for src_name, src in [("A", call.a), ("B", call.b), *call.tensors.items()]:
-        if src.untyped_storage().data_ptr() == storage:
+        if checks.overlaps(t, src):
             raise checks.fail(where, f"out['{name}'] shares memory with input {src_name}: the kernel would read "
                               "values it has already overwritten", "pass a separate output tensor")
 
 
 def _check_distinct(where: str, out: dict) -> None:
-    """Outputs in one storage would overwrite each other (D would hold an auxiliary output's values)."""
-    seen: dict[int, str] = {}
-    for name, t in out.items():
-        storage = t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else 0
-        if storage in seen:
-            raise checks.fail(where, f"out['{name}'] shares memory with out['{seen[storage]}']: one output would "
-                              "overwrite the other", "pass a separate tensor for each output")
-        if storage:
-            seen[storage] = name
+    """Outputs whose memory meets would overwrite each other (D would hold an auxiliary output's values);
+    views of one buffer apart from each other (its rows, say) are separate outputs."""
+    given = [(name, t) for name, t in out.items() if isinstance(t, torch.Tensor)]
+    for i, (name, t) in enumerate(given):
+        if other := next((o for o, u in given[:i] if checks.overlaps(t, u)), None):
+            raise checks.fail(where, f"out['{name}'] shares memory with out['{other}']: one output would overwrite "
+                              "the other (views of one buffer must not interleave)", "pass a separate tensor for each "
+                              "output, or views of one buffer that lie apart (e.g. its rows)")
 
 
 def epilogue_of(api: str, epilogue, operands: dict) -> Epilogue:
@@ -795,7 +803,7 @@ def compile(epilogue: Epilogue | None, A, B, /, *, out: dict | None = None, conf
     _flag(ep, "deterministic", deterministic)
     _flag(ep, "accumulate", accumulate)
     # as cd.gemm(backend="cutlass"): never a useless build
-    dtypes = _check_call(ep, call, out, cutlass=True, accumulate=accumulate)
+    dtypes = _check_call(ep, call, out, cutlass=True, accumulate=accumulate, instead=_KERNEL_ONLY)
     return specialization(ep, call, dtypes, out, config, deterministic, accumulate)
 
 
@@ -874,6 +882,8 @@ def prebuild(what, /, *args, jobs: int | None = None, **kwargs) -> int:
     (e.g. a training step on a real batch, with its backward). Process-wide while it runs, backward
     threads included. Returns the number of kernels asked for (built or found in the cache)."""
     global _collected
+    if isinstance(what, Epilogue):  # callable, but not the function meant here
+        what = [what]
     if callable(what):
         with _lock:
             if _collected is not None:
@@ -885,7 +895,11 @@ def prebuild(what, /, *args, jobs: int | None = None, **kwargs) -> int:
             with _lock:
                 ops, _collected = list(_collected.values()), None
     else:
-        ops = list(what)
+        ops = list(what) if hasattr(what, "__iter__") and not isinstance(what, str) else [what]
+        if wrong := [o for o in ops if not isinstance(o, CompiledOp)]:
+            raise OperandError(f"coda_dsl.prebuild: {wrong[0]!r} is not a CompiledOp: prebuild takes a list of "
+                               "cd.compile(...)'s ops, or a function whose calls it builds for\n  fix: cd.prebuild("
+                               "[cd.compile(epilogue, A, B, **operands), ...]), or cd.prebuild(lambda: model(x))")
     build.build_units([op.unit for op in ops], jobs=jobs)
     return len(ops)
 
