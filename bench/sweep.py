@@ -7,7 +7,9 @@ default configuration (runtime/tune.py:default).
 Besides bench.epilogues' cases, `--only ce_logits`: the cross-entropy's logits GEMM over one chunk of
 4096 rows at V = 128256 (linear_cross_entropy's default there), its statistics epilogue storing the fp16
 logits (of order 1, as a model's: w scaled by d^-1/2); with `identity` on the same configurations and
-`--shapes 4096x128256x4096`, what the epilogue costs on each.
+`--shapes 4096x128256x4096`, what the epilogue costs on each. `--only bias_gelu_keep_acc,bias_gelu_backward`:
+cd.linear's forward kernel for bias_gelu (D and the accumulator) and its derived backward in the GEMM that
+produces D's gradient (cd.backward_epilogue: dacc and the bias's column sums).
 
 Every (epilogue, configuration) kernel is built in one parallel ninja run; then, per shape, the
 cuBLAS GEMM and every configuration are timed round-robin (CUDA events, median of rounds, inputs
@@ -23,13 +25,16 @@ from __future__ import annotations
 import sys
 
 import torch
+import torch.nn.functional as F
 
 import coda_dsl as cd
 from coda_dsl.library import cross_entropy as ce
 from coda_dsl.passes.plan import Config
 from coda_dsl.runtime import op as runtime
+from coda_dsl.runtime.autograd import forward_epilogue
 
-from .epilogues import CASES, Case, _inputs
+from . import epilogues
+from .epilogues import CASES, Case, _inputs, bias_gelu
 from .harness import (Row, Timing, add_timing, config_texts, fmt, markdown, no_gpu, parser, positive, progress,
                       rel_err, results_only_on_stdout, rotation, save, shapes, subset, timed)
 from .harness import command as command_line
@@ -44,9 +49,23 @@ def _targets(m: int, n: int) -> torch.Tensor:
     return torch.randint(0, n, (m,), device="cuda")
 
 
+def _gelu_backward_eager(a, w, bias, saved_acc):
+    """dY = a @ w^T times gelu_tanh'(saved_acc + bias): the gradient of bias_gelu's accumulator."""
+    h = (saved_acc.float() + bias.float()).requires_grad_()
+    with torch.enable_grad():
+        return torch.autograd.grad(F.gelu(h, approximate="tanh"), h, (a @ w.t()).float())[0]
+
+
 SWEPT = {**CASES, "ce_logits": Case("ce_logits", ce._forward_epilogue(False, None, ce.stored_logits(torch.bfloat16)),
                                     lambda m, n: {"target": _targets(m, n)}, lambda a, w, target: a @ w.t(),
-                                    scaled_w=True)}
+                                    scaled_w=True),
+         # cd.linear's forward kernel (bias_gelu keeping its accumulator), and bias_gelu's derived backward in the
+         # GEMM that produces its incoming gradient (the accumulator's and the bias's gradients): issue 15's kernels
+         "bias_gelu_keep_acc": Case("bias_gelu_keep_acc", forward_epilogue(bias_gelu), lambda m, n: {"bias": epilogues._r(n)},
+                                    lambda a, w, bias: F.gelu(a @ w.t() + bias, approximate="tanh")),
+         "bias_gelu_backward": Case("bias_gelu_backward", cd.backward_epilogue(bias_gelu),
+                                    lambda m, n: {"bias": epilogues._r(n), "saved_acc": epilogues._r(m, n)},
+                                    _gelu_backward_eager)}
 CONFIGS = ("128x256x64_c2x1_cooperative_s1", "128x256x64_c2x1_cooperative", "128x256x64_c2x1_cooperative_rm_s4",
            "128x256x64_c2x1_cooperative_streamk", "256x128x64_c2x1_cooperative",
            "128x256x64_c2x1_cooperative_e128x64", "128x192x64_c2x1_pingpong", "128x128x64_c2x1_pingpong")

@@ -438,6 +438,22 @@ def test_sweep_of_the_cross_entropy_logits_gemm(fake_gpu, capsys, monkeypatch):
     assert sweep.SHAPES["ce_logits"] == ((4096, 128256, 4096),)
 
 
+def test_sweep_of_the_derived_bias_gelu_kernels(fake_gpu, capsys, monkeypatch):
+    """`--only bias_gelu_keep_acc,bias_gelu_backward`: cd.linear's forward kernel and the derived backward in
+    dY's GEMM, each checked against PyTorch (D; the accumulator's gradient by torch.autograd) and timed."""
+    ops = lambda cases, cfgs: ({(c.name, cfg.text): (lambda a, w, ep=c.epilogue, **o: cd.gemm(  # noqa: E731
+        a, w, ep, backend="reference", **o)) for c in cases for cfg in cfgs}, [])
+    for name, value in (("no_gpu", lambda: False), ("built_kernels", ops), ("cublas_kernel", lambda m, n, k: "k"),
+                        ("rotation", lambda make, nbytes: [make(), make()])):
+        monkeypatch.setattr(sweep, name, value)
+    monkeypatch.setattr(harness, "round_robin", lambda fns, sets, iters, warmup=2: {n: 100.0 for n in fns})
+    argv = ["--only", "bias_gelu_keep_acc,bias_gelu_backward", "--shapes", "64x136x32",
+            "--configs", "128x128x64_c2x1_pingpong", "--iters", "2"]
+    assert sweep.main(argv) == 0  # (a kernel off PyTorch's result by 2e-2 would fail the run)
+    out = capsys.readouterr().out
+    assert "### bias_gelu_backward" in out and out.count("| 64×136×32 | 100 | 1.000 |") == 2
+
+
 def test_linear_backward_on_fake_gpu(fake_gpu, capsys):
     assert linear_backward.main(["--dry-run"]) == 0
     assert "| swiglu | 8192×14336×4096 |" in capsys.readouterr().out
