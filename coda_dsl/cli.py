@@ -287,7 +287,7 @@ def cmd_explain(args) -> int:
         from .runtime.op import n_multiple
         if args.shape[1] % (q := n_multiple(ep)):
             print(f"  note: no call has this shape: N = {args.shape[1]} is not a multiple of {q}, the epilogue's "
-                  "column pairs (cd.pairs); cd.gemm refuses it on every backend")
+                  f"column {'pairs' if q == 2 else f'groups of {q}'} (cd.pairs); cd.gemm refuses it on every backend")
         try:  # what cd.gemm checks of a shape before launching: TMA's 16-byte groups
             spec.check_widths(_meta_call(args.shape, sig))
         except UnsupportedError as e:

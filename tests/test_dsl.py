@@ -657,10 +657,6 @@ def test_powers_rounding_and_clamp_mean_what_torch_means():
     for p in (0, np.int64(2)):
         got = cd.gemm(acc, torch.eye(8), cd.epilogue(lambda a: a ** p, name="f"), backend="reference")["D"]  # noqa: B023
         torch.testing.assert_close(got, acc ** int(p))
-    big = torch.tensor([[1e5, 3e4]])  # x ** -8 where x ** 8 overflows: torch's subnormal / tiny values, not 0
-    got = cd.gemm(big, torch.eye(2), cd.epilogue(lambda a: a ** -8, name="f"), backend="reference")["D"]
-    assert (got > 0).all()
-    torch.testing.assert_close(got, big ** -8, rtol=1e-5, atol=0)
     nan = float("nan")  # a NaN bound, a number or a cd.Scalar's value: NaN everywhere, as torch.clamp
     for bounds in ((nan, None), (None, nan), (-1.0, nan)):
         got = cd.gemm(acc, torch.eye(8), cd.epilogue(lambda a: cd.clamp(a, *bounds), name="f"), backend="reference")  # noqa: B023

@@ -613,10 +613,11 @@ def test_prebuild_of_a_function_builds_what_its_calls_need(fake_kernels, monkeyp
     with pytest.raises(ValueError):
         cd.prebuild(fails)
     assert runtime._collected is None and len(builds) == 1
+    assert cd.prebuild(cd.compile(cd.identity, a, b)) == 1 and len(builds) == 2  # one op, not a function
     for wrong in ([ep_all], ep_all, ["coda_dsl.examples:bias_gelu"], 42):  # epilogues, names: not CompiledOps
         with pytest.raises(OperandError, match="is not a CompiledOp(.|\n)*fix: cd.prebuild"):
             cd.prebuild(wrong)
-    assert len(builds) == 1
+    assert len(builds) == 2
 
 
 def test_warm_calls_check_output_aliasing_every_time(fake_kernels):
@@ -868,6 +869,17 @@ def test_outputs_that_alias_each_other_are_refused(fake_kernels, backend):
         op = cd.compile(two_outputs, a, b, residual=r)
         with pytest.raises(OperandError, match="shares memory with out"):
             op(a, b, out={"D": d, "aux": d}, residual=r)
+
+
+def test_overlap_is_of_memory_ranges():
+    """Outputs and inputs are told apart by the bytes they span: a buffer's rows or halves are apart, its
+    column slices interleave, a view meets its base; empty and meta tensors (nothing stored) meet nothing."""
+    from coda_dsl.runtime.checks import overlaps
+    buf = torch.empty(4, 2, 6)
+    assert not overlaps(buf[0], buf[1]) and not overlaps(buf[:2], buf[2:]) and overlaps(buf[1], buf[1:3])
+    assert overlaps(buf[:, :, :3], buf[:, :, 3:]) and overlaps(buf, buf[3, 1, 5:])
+    assert not overlaps(buf[3, 1, 4:5], buf[3, 1, 5:]) and not overlaps(buf, torch.empty(4, 2, 6))
+    assert not overlaps(buf[:0], buf) and not overlaps(*(torch.empty(3, device="meta") for _ in range(2)))
 
 
 @pytest.mark.parametrize("bad_aux", ["shape", "stride0", "grad"])

@@ -181,15 +181,14 @@ class Value:
         if p == 0:  # as torch.pow: 1, NaN included
             return Value(ir.const(1.0))
         if -8 <= p <= 8 and p == int(p):  # x**3 = x*x*x, as torch.pow (inf, nan and huge p fail the bounds)
-            # x**-n as (1/x)**n: 1/(x**n) would be 0 where x**n overflows but torch's x**-n is still subnormal
-            n, y, x = int(abs(p)), None, self if p > 0 else 1.0 / self
+            n, y, x = int(abs(p)), None, self
             while n:  # by squaring: x**8 is three multiplications
                 if n & 1:
                     y = x if y is None else y * x
                 n >>= 1
                 if n:
                     x = apply("square", x)
-            return y
+            return y if p > 0 else 1.0 / y  # (half the rounding error of (1/x)**n; 0 where x**n overflows)
         shown = repr(p) if len(repr(p)) <= 24 else repr(p)[:20] + "..."
         raise fail(f"x ** {shown} is not supported (integers up to 8 in magnitude, 0.5 and -0.5 are)",
                    "for x > 0: cd.exp(p * cd.log(x)); for any x and an odd integer p: cd.where(x < 0, -1.0, 1.0) * "

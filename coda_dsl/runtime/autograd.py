@@ -95,12 +95,11 @@ def _derived(uid: str, consts: tuple, no_grad: tuple[str, ...], reuse: tuple[str
     ep = Epilogue.by_uid(uid)
     back = derive(specialize(ep.program, dict(consts)), no_grad, reuse)
     p, forward = ep.program, ep
-    # the names of what the derivative reads: acc and saved_<statistic> outputs of the forward kernel, and the
-    # backward's saved_<output> operands (an output of that name would be taken for them by saved_operands)
-    taken = [name for name in ([ACC] if back.uses_acc else []) + [SAVED + o for o in back.saved] if p.output(name)]
+    taken = [name for name in ([ACC] if back.uses_acc else []) + [SAVED + o for o in back.unfinished]
+             if p.output(name)]
     if taken:
-        raise OperandError(f"epilogue '{ep.name}' has an output named '{taken[0]}', the name cd.linear gives a value "
-                           "its derivative reads: rename that output to differentiate it")
+        raise OperandError(f"epilogue '{ep.name}' has an output named '{taken[0]}', the name cd.linear's forward "
+                           "kernel gives a value its derivative reads: rename that output to differentiate it")
     extra = ((ir.Output(ACC, ir.acc(), None),) if back.uses_acc else ()) + tuple(
         ir.Output(SAVED + o, ir.reduction_of(p.output(o).node), None) for o in back.unfinished)
     if extra:
@@ -254,10 +253,14 @@ def forward_epilogue(epilogue: Epilogue, **consts) -> Epilogue:
     return _derive(epilogue, consts, _no_derivative(epilogue)).forward
 
 
-def _checked(api: str, epilogue, consts: dict) -> Epilogue:
-    """The epilogue a derivation entry point was given, with its cd.Const values checked."""
+def _checked(api: str, epilogue, consts: dict, options: tuple[str, ...] = ()) -> Epilogue:
+    """The epilogue a derivation entry point was given, with its cd.Const values checked (and none named like
+    one of the entry point's keyword options, which would take its value)."""
     epilogue = epilogue_of(api, epilogue, {})
-    check_consts(api, epilogue, consts)
+    if clash := [p.name for p in epilogue.params if p.kind == "const" and p.name in options]:
+        raise OperandError(f"{api}: epilogue '{epilogue.name}' has a cd.Const named '{clash[0]}', like an option of "
+                           f"{api} ({', '.join(options)}), so its value cannot be passed\n  fix: rename the constant")
+    check_consts(api, epilogue, consts, options)
     return epilogue
 
 
@@ -303,14 +306,13 @@ def backward_epilogue(epilogue: Epilogue, output: str = "D", split: bool = False
     SwiGLU's y, which W_down's gradient reads). cd.Const values go in `consts`. library.swiglu_backward is
     SwiGLU's."""
     names = lambda x: (x,) if isinstance(x, str) else tuple(x)  # noqa: E731  a single name, or several
-    epilogue = epilogue_of("cd.backward_epilogue", epilogue, {})
-    options = ("output", "split", "no_grad", "recompute")
-    if clash := [p.name for p in epilogue.params if p.kind == "const" and p.name in options]:
-        raise OperandError(f"cd.backward_epilogue: epilogue '{epilogue.name}' has a cd.Const named '{clash[0]}', "
-                           f"like an option of cd.backward_epilogue ({', '.join(options)}), so its value cannot be "
-                           "passed\n  fix: rename the constant")
-    check_consts("cd.backward_epilogue", epilogue, consts, options)
+    epilogue = _checked("cd.backward_epilogue", epilogue, consts, ("output", "split", "no_grad", "recompute"))
     frozen = _no_derivative(epilogue)
     saved = _derive(epilogue, consts, frozen).back.reused  # what the forward kernel keeps
     back = _derive(epilogue, consts, tuple(dict.fromkeys(names(no_grad) + frozen)), saved).back
+    # an output named saved_<an output the backward reads> would be taken for it by saved_operands
+    if clash := [SAVED + o for o in back.saved if epilogue.program.output(SAVED + o)]:
+        raise OperandError(f"cd.backward_epilogue: epilogue '{epilogue.name}' has an output named '{clash[0]}', the "
+                           f"operand its backward reads output '{clash[0][len(SAVED):]}' back as\n  fix: rename that "
+                           "output")
     return Epilogue.of_program(into_producer(back, output, split, names(recompute)))

@@ -78,11 +78,15 @@ def output(where: str, name: str, t: torch.Tensor) -> None:
 
 
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors' byte ranges meet (views of one buffer that do not, e.g. its rows, are apart)."""
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() or not a.numel() or not b.numel():
+    """Whether two tensors' byte ranges meet (views of one buffer that do not, e.g. its rows, are apart).
+    Nothing stored (an empty or meta tensor) meets nothing."""
+    storage = a.untyped_storage().data_ptr()
+    if not storage or storage != b.untyped_storage().data_ptr() or not a.numel() or not b.numel():
         return False
-    span = lambda t: (t.data_ptr(), t.data_ptr() + t.element_size() * (  # noqa: E731
-        1 + sum((d - 1) * abs(s) for d, s in zip(t.shape, t.stride()))))
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((d - 1) * s for d, s in zip(t.shape, t.stride()))  # the last element's offset
+        return t.data_ptr(), t.data_ptr() + t.element_size() * (last + 1)
     (a0, a1), (b0, b1) = span(a), span(b)
     return a0 < b1 and b0 < a1
 

@@ -882,7 +882,7 @@ def prebuild(what, /, *args, jobs: int | None = None, **kwargs) -> int:
     (e.g. a training step on a real batch, with its backward). Process-wide while it runs, backward
     threads included. Returns the number of kernels asked for (built or found in the cache)."""
     global _collected
-    if isinstance(what, Epilogue):  # callable, but not the function meant here
+    if isinstance(what, (Epilogue, CompiledOp)):  # callable, but not the function meant here
         what = [what]
     if callable(what):
         with _lock:
