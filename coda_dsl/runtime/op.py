@@ -17,7 +17,7 @@ from ..errors import EpilogueError, OperandError, UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import DTYPES, REDUCTIONS
 from ..passes import accumulate_into_d, specialize
-from ..passes.widths import infer as infer_widths, load_widths
+from ..passes.widths import infer as infer_widths, load_widths, width_text
 from ..passes.plan import OUTPUT_SHAPES, Config, Signature
 from . import checks, reference, tune as tuning, warm
 from .kernel import Kernel, remember
@@ -70,16 +70,20 @@ def _normalize(ep: Epilogue, a, b, operands: dict, out: dict | None = None) -> C
 def check_operands(ep: Epilogue, operands: dict) -> None:
     """The operands' names against the epilogue's, and its numbers (also while torch.compile traces)."""
     where = _where(ep)
-    expected = {p.name for p in ep.params}
-    unknown = sorted(set(operands) - expected)
-    missing = [p.name for p in ep.params if p.name not in operands]
-    if unknown or missing:
-        raise checks.fail(where, (f"unexpected operand(s) {unknown}" if unknown else "")
-                          + ("; " if unknown and missing else "") + (f"missing operand(s) {missing}" if missing else ""),
-                          f"the epilogue declares {[p.name for p in ep.params] or 'no operands'}")
+    _check_names(where, [p.name for p in ep.params], operands, "operand(s)", "operand(s)",
+                 f"the epilogue declares {[p.name for p in ep.params] or 'no operands'}")
     for p in ep.params:
         if p.kind not in ir.LOAD_KINDS:  # tensors: checked by _check_tensors
             _check_number(where, p, operands[p.name])
+
+
+def _check_names(where: str, declared: list[str], given: dict, extra: str, absent: str, fix: str) -> None:
+    """`given` holds every name `declared` and no other; else the error lists what is extra and what is absent."""
+    unknown = sorted(set(given) - set(declared))
+    missing = [n for n in declared if n not in given]
+    if unknown or missing:
+        raise checks.fail(where, "; ".join([f"unexpected {extra} {unknown}"] * bool(unknown)
+                                           + [f"missing {absent} {missing}"] * bool(missing)), fix)
 
 
 def _check_number(where: str, p: ir.Param, v) -> None:
@@ -104,13 +108,9 @@ def check_consts(api: str, ep: Epilogue, consts: dict, options: tuple[str, ...] 
     declares, a number, and nothing else (a misspelt option of api's lands here)."""
     where = f"{api} (epilogue '{ep.name}' from {ep.defined_at})"
     declared = [p for p in ep.params if p.kind == "const"]
-    unknown = sorted(set(consts) - {p.name for p in declared})
-    missing = [p.name for p in declared if p.name not in consts]
-    if unknown or missing:
-        raise checks.fail(where, (f"unexpected keyword(s) {unknown}" if unknown else "") + ("; " if unknown and missing
-                          else "") + (f"missing cd.Const value(s) {missing}" if missing else ""),
-                          f"the epilogue's cd.Const parameters are {[p.name for p in declared] or 'none'}"
-                          + (f"; {api}'s options are {list(options)}" if options else ""))
+    names = [p.name for p in declared]
+    _check_names(where, names, consts, "keyword(s)", "cd.Const value(s)", f"the epilogue's cd.Const parameters are "
+                 f"{names or 'none'}" + (f"; {api}'s options are {list(options)}" if options else ""))
     for p in declared:
         _check_number(where, p, consts[p.name])
 
@@ -183,7 +183,7 @@ def _meaning(kind: str, width) -> str:
     """What shape an operand of this kind has, read at `width` times N (a cd.pairs half: 1/2)."""
     if width == 1 or kind == "vec_m":
         return _MEANING[kind]
-    cols = f"N/{width.denominator}" if width.numerator == 1 else f"{width}*N" if width.denominator > 1 else f"{width}N"
+    cols = width_text(width)
     return (f"this one meets a value {cols} columns wide (cd.pairs / cd.interleave): shape "
             + (f"[M, {cols}] (or [L, M, {cols}])" if kind == "tensor" else f"[{cols}] (or [L, {cols}])"))
 
