@@ -591,4 +591,4 @@ def test_explain_and_emit_backward(capsys):
     assert rc == 0 and "epilogue bias_gelu_backward(bias: vec_n, grad_D: tensor)" in out
     assert "out acc:" in out and "out bias:" in out and "reduce[('sum', 'm')]" in out
     rc, out, _ = run(capsys, "emit", "coda_dsl.examples:bias_gelu", "--backward")
-    assert rc == 0 and "fusion::Sm90RowReduction<" in out and "Epilogue `bias_gelu_backward`" in out
+    assert rc == 0 and "coda::ColumnReduction<" in out and "Epilogue `bias_gelu_backward`" in out

@@ -339,15 +339,15 @@ def test_program_without_d_stores_no_d(make_plan):
 @pytest.mark.parametrize("kind", ["sum", "max", "min", "amax"])
 @pytest.mark.parametrize("axis", ["n", "m", None])
 def test_reductions_lower_to_their_cutlass_node(make_plan, kind, axis):
-    """Each kind and axis becomes one reduction node with its own CUTLASS type and reduce op (the
-    names are inverted: a statistic over n, one per row, is CUTLASS's ColReduction)."""
+    """Each kind and axis becomes one reduction node with its own type and reduce op (CUTLASS's names are
+    inverted: a statistic over n, one per row, is its ColReduction; one per column is coda's own node)."""
     def fn(acc, bias: cd.VecN):
         h = acc + bias
         return {"D": h, "r": getattr(cd, kind)(h * h, axis=axis)}
 
     [r] = [n for n in make_plan(cd.epilogue(fn)).nodes if isinstance(n, Reduce)]
     assert (r.kind, r.axis) == (kind, axis)
-    node = {"n": "fusion::Sm90ColReduction<", "m": "fusion::Sm90RowReduction<", None: "fusion::Sm90ScalarReduction<"}
+    node = {"n": "fusion::Sm90ColReduction<", "m": "coda::ColumnReduction<", None: "fusion::Sm90ScalarReduction<"}
     reduce_op = {"sum": "cutlass::plus", "max": "coda::maximum_nan", "min": "coda::minimum_nan", "amax": "coda::amax_reduce"}
     cpp_type = evt.node(r).type
     assert cpp_type.startswith(f"{node[axis]}{reduce_op[kind]}, "), cpp_type

@@ -73,6 +73,8 @@ def _reduction_type(r: p.Reduce) -> str:
     if r.axis is None and not r.deterministic:
         return (f"fusion::Sm90ScalarReduction<{reg}, {atomic}, float, float, {ROUND}, "
                 "cute::Stride<cute::_0, cute::_0, int64_t>>")
+    if r.axis == "m" and not r.deterministic:
+        return f"coda::ColumnReduction<{reg}, {shuffle}, {atomic}>"
     node, stride = ("Sm90RowReduction", "cute::_0, cute::_1") if r.axis == "m" else \
         ("Sm90ColReduction", "cute::_1, cute::_0")  # deterministic totals reduce per-row partials
     tail = ", 4, true, false" if r.deterministic else ""  # alignment, nullptr check, no final pass
@@ -81,6 +83,8 @@ def _reduction_type(r: p.Reduce) -> str:
 
 
 def _reduction_args(r: p.Reduce) -> str:
+    if r.axis == "m" and not r.deterministic:
+        return f"{{outputs[{r.output_index}].data_ptr<float>(), {identity(r)}, int64_t(N)}}"
     axis = "n" if r.axis is None and r.deterministic else r.axis
     stride, batch = {"n": ("cute::_1{}, cute::_0{}", "M"), "m": ("cute::_0{}, cute::_1{}", "N"),
                      None: ("cute::_0{}, cute::_0{}", "1")}[axis]

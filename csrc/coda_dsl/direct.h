@@ -64,21 +64,49 @@ CUTLASS_DEVICE bool tile_inside(cutlass::epilogue::fusion::ConsumerStoreArgs<Arg
   return (m + 1) * cute::size<0>(args.tile_shape_mnk) <= M && (n + 1) * cute::size<1>(args.tile_shape_mnk) <= N;
 }
 
-// Registers with one slot per row of this thread's values, indexed like those values (stride 0
-// along n): what a per-row statistic accumulates into.
-template <class T, bool ReferenceSrc, class... Args>
-CUTLASS_DEVICE auto per_row_registers(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
+// Registers with one slot per row (OverN: a per-row statistic) or per column of this thread's values,
+// indexed like those values (stride 0 along the reduced axis): what a statistic accumulates into.
+template <class T, bool ReferenceSrc, bool OverN, class... Args>
+CUTLASS_DEVICE auto statistic_registers(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
   auto [M, N, K, L] = args.problem_shape_mnkl;
-  auto rows = cute::make_tensor(cute::make_gmem_ptr(static_cast<T*>(nullptr)),  // a layout only: never read
-                                cute::make_layout(cute::make_shape(M, N, L), cute::make_stride(cute::_1{}, cute::_0{}, M)));
+  auto stride = [&] {
+    if constexpr (OverN) return cute::make_stride(cute::_1{}, cute::_0{}, M);
+    else return cute::make_stride(cute::_0{}, cute::_1{}, N);
+  }();
+  auto slots = cute::make_tensor(cute::make_gmem_ptr(static_cast<T*>(nullptr)),  // a layout only: never read
+                                 cute::make_layout(cute::make_shape(M, N, L), stride));
   return cute::make_tensor_like<T>(cutlass::epilogue::fusion::sm90_partition_for_epilogue<ReferenceSrc>(
-      rows, args.tile_shape_mnk, args.tile_coord_mnkl, args.epi_tile, args.tiled_copy, args.thread_idx));
+      slots, args.tile_shape_mnk, args.tile_coord_mnkl, args.epi_tile, args.tiled_copy, args.thread_idx));
 }
 
-// The coordinates of the distinct slots of `registers` (from per_row_registers): one per row.
+// The coordinates of the distinct slots of `registers` (from statistic_registers): for each, those of this
+// thread's first value in its row or column.
 template <class Registers, class Coords>
-CUTLASS_DEVICE auto row_coordinates(Registers const& registers, Coords const& coords) {
+CUTLASS_DEVICE auto slot_coordinates(Registers const& registers, Coords const& coords) {
   return cute::make_tensor(coords.data(), cute::make_layout(cute::filter_zeros(registers).shape(), coords.stride()));
+}
+
+// Which lanes of a warp hold the values of a tile's (m, n): the layout (lane along m, lane along n) -> lane
+// index, and this lane's (m, n) position in it, from the epilogue's thread-value layout. `Rows`: the values
+// of a tile row must lie in one warp (what a per-row statistic combines with shuffles alone).
+template <bool ReferenceSrc, bool Rows, class... Args>
+CUTLASS_DEVICE auto warp_lanes(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
+  using namespace cute;
+  auto tile_mn = shape(typename decltype(args.tiled_copy)::Tiler_MN{});
+  auto ref_layout = [&] {  // tile (m, n) -> thread-value index
+    if constexpr (ReferenceSrc) return right_inverse(args.tiled_copy.get_layoutS_TV()).with_shape(tile_mn);
+    else return right_inverse(args.tiled_copy.get_layoutD_TV()).with_shape(tile_mn);
+  }();
+  using Warps = Int<decltype(args.tiled_copy)::TiledNumThr::value / 32>;
+  auto to_lane = composition(Layout<Shape<_32, Warps, _1>, Stride<_1, _0, _0>>{}, ref_layout);
+  if constexpr (Rows) {
+    auto to_warp = composition(Layout<Shape<_32, Warps, _1>, Stride<_0, _1, _0>>{}, ref_layout);
+    static_assert(decltype(size(filter(get<1>(to_warp))))::value == 1,
+                  "a per-row statistic needs the values of a tile row in one warp (every coda_dsl tile has that)");
+  }
+  auto lanes = make_layout(filter(get<0>(to_lane)), filter(get<1>(to_lane)));
+  auto lane_mn = idx2crd(right_inverse(lanes)(cutlass::canonical_lane_idx()), lanes.shape());
+  return make_tuple(lanes, int(get<0>(lane_mn)), int(get<1>(lane_mn)));
 }
 
 }  // namespace coda

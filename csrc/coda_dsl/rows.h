@@ -120,7 +120,7 @@ struct RowLogSumExp : DirectNode<LogSumExpArguments> {
       }
       if (lane_n != 0) return;
       Partials p = coda::partials<TileShape>(cute::get<0>(shape), cute::get<1>(shape), true);
-      cute::Tensor c = row_coordinates(points, coords);  // a row's first column of this thread: its n tile
+      cute::Tensor c = slot_coordinates(points, coords);  // a row's first column of this thread: its n tile
       int tile_n = cute::size<1>(TileShape{});
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < cute::size(m); ++r) {
@@ -138,25 +138,13 @@ struct RowLogSumExp : DirectNode<LogSumExpArguments> {
   CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
     using namespace cute;
     auto [coords, shape_mnl] = thread_coordinates<ReferenceSrc>(args);
-    auto points = per_row_registers<float, ReferenceSrc>(args);
+    auto points = statistic_registers<float, ReferenceSrc, true>(args);
     auto sums = make_tensor_like(points);
     fill(points, -INFINITY);
     fill(sums, 0.f);
-    // Which lanes hold the values of one row, from the epilogue's thread-value layout.
-    auto tile_mn = shape(typename decltype(args.tiled_copy)::Tiler_MN{});
-    auto ref_layout = [&] {  // tile (m, n) -> thread-value index
-      if constexpr (ReferenceSrc) return right_inverse(args.tiled_copy.get_layoutS_TV()).with_shape(tile_mn);
-      else return right_inverse(args.tiled_copy.get_layoutD_TV()).with_shape(tile_mn);
-    }();
-    using Warps = Int<decltype(args.tiled_copy)::TiledNumThr::value / 32>;
-    auto to_lane = composition(Layout<Shape<_32, Warps, _1>, Stride<_1, _0, _0>>{}, ref_layout);
-    auto to_warp = composition(Layout<Shape<_32, Warps, _1>, Stride<_0, _1, _0>>{}, ref_layout);
-    static_assert(decltype(size(filter(get<1>(to_warp))))::value == 1,
-                  "cd.logsumexp needs the values of a tile row in one warp (every coda_dsl tile has that)");
-    auto lanes = make_layout(filter(get<0>(to_lane)), filter(get<1>(to_lane)));
-    auto lane_mn = idx2crd(right_inverse(lanes)(cutlass::canonical_lane_idx()), lanes.shape());
+    auto [lanes, lane_m, lane_n] = warp_lanes<ReferenceSrc, true>(args);
     return ConsumerStoreCallbacks<decltype(points), decltype(coords), decltype(shape_mnl), decltype(lanes)>(
-        points, sums, coords, shape_mnl, tile_inside(args), lanes, int(get<1>(lane_mn)), this->params_ptr->partials);
+        points, sums, coords, shape_mnl, tile_inside(args), lanes, lane_n, this->params_ptr->partials);
   }
 };
 
@@ -186,7 +174,7 @@ struct RowTake : DirectNode<TakeArguments> {
 
     CUTLASS_DEVICE void begin() {
       cute::Tensor t = cute::filter_zeros(targets);
-      cute::Tensor c = row_coordinates(targets, coords);
+      cute::Tensor c = slot_coordinates(targets, coords);
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < cute::size(t); ++r) {
         int row = cute::get<0>(c(r)), l = cute::get<2>(c(r));
@@ -223,7 +211,7 @@ struct RowTake : DirectNode<TakeArguments> {
   template <bool ReferenceSrc, class... Args>
   CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
     auto [coords, shape] = thread_coordinates<ReferenceSrc>(args);
-    auto targets = per_row_registers<int, ReferenceSrc>(args);
+    auto targets = statistic_registers<int, ReferenceSrc, true>(args);
     return ConsumerStoreCallbacks<decltype(targets), decltype(coords), decltype(shape)>(targets, coords, shape,
                                                                                         this->params_ptr);
   }

@@ -8,6 +8,7 @@
 #include "coda_dsl/finish.h"
 #include "coda_dsl/pairs.h"
 #include "coda_dsl/rows.h"
+#include "coda_dsl/columns.h"
 
 // A namespace unique to this specialization (not an anonymous one: nvcc's host stubs for the
 // finishing kernels cannot name anonymous-namespace types).
@@ -64,7 +65,7 @@ using Acc = fusion::Sm90AccFetch;  // [0] fp32 accumulator of A @ B^T
 using Region0 = fusion::Sm90Compute<Fn0, float, float, cutlass::FloatRoundStyle::round_to_nearest>;  // [1] Fn0: epilogues.py:26 <- 0
 using Reduce_amax = fusion::Sm90ScalarReduction<coda::amax_reduce, coda::atomic_maximum, float, float, cutlass::FloatRoundStyle::round_to_nearest, cute::Stride<cute::_0, cute::_0, int64_t>>;  // [2] output amax: amax over m and n, fp32, atomic <- 1
 using Reduce_row_max = fusion::Sm90ColReduction<coda::maximum_nan, coda::maximum_nan, coda::atomic_maximum, 0, TileShape, float, float, cutlass::FloatRoundStyle::round_to_nearest, cute::Stride<cute::_1, cute::_0, int64_t>>;  // [3] output row_max: max over n, fp32, atomic <- 1
-using Reduce_col_min = fusion::Sm90RowReduction<coda::minimum_nan, coda::minimum_nan, coda::atomic_minimum, 0, TileShape, float, float, cutlass::FloatRoundStyle::round_to_nearest, cute::Stride<cute::_0, cute::_1, int64_t>>;  // [4] output col_min: min over m, fp32, atomic <- 1
+using Reduce_col_min = coda::ColumnReduction<coda::minimum_nan, coda::minimum_nan, coda::atomic_minimum>;  // [4] output col_min: min over m, fp32, atomic <- 1
 
 using Visitor = fusion::Sm90TopologicalVisitor<
     float,
@@ -124,7 +125,7 @@ int64_t run(coda::Call const& call) {
       scalars,  // Region0
       {outputs[0].data_ptr<float>(), 0.f, {cute::_0{}, cute::_0{}, int64_t(1)}},  // Reduce_amax
       {outputs[1].data_ptr<float>(), -INFINITY, {cute::_1{}, cute::_0{}, int64_t(M)}},  // Reduce_row_max
-      {outputs[2].data_ptr<float>(), INFINITY, {cute::_0{}, cute::_1{}, int64_t(N)}}  // Reduce_col_min
+      {outputs[2].data_ptr<float>(), INFINITY, int64_t(N)}  // Reduce_col_min
   };
 
 

@@ -8,6 +8,7 @@
 #include "coda_dsl/finish.h"
 #include "coda_dsl/pairs.h"
 #include "coda_dsl/rows.h"
+#include "coda_dsl/columns.h"
 
 // A namespace unique to this specialization (not an anonymous one: nvcc's host stubs for the
 // finishing kernels cannot name anonymous-namespace types).
@@ -124,7 +125,7 @@ using Load_rstd = fusion::Sm90ColBroadcast<0, TileShape, cutlass::bfloat16_t, fl
 using Load_x = coda::AuxLoadFor<EpilogueDescriptor, cutlass::bfloat16_t>;  // [5] x: tensor, bf16
 using Region0 = fusion::Sm90Compute<Fn0, float, float, cutlass::FloatRoundStyle::round_to_nearest>;  // [6] Fn0: nn.py:108 <- 0, 1, 2, 3, 4, 5
 using Region1 = fusion::Sm90Compute<Fn1, float, float, cutlass::FloatRoundStyle::round_to_nearest>;  // [7] Fn1: nn.py:108 <- 0, 5
-using Reduce_dgamma = fusion::Sm90RowReduction<cutlass::plus, cutlass::plus, cutlass::atomic_add, 0, TileShape, float, float, cutlass::FloatRoundStyle::round_to_nearest, cute::Stride<cute::_0, cute::_1, int64_t>>;  // [8] output dgamma: sum over m, fp32, atomic <- 7
+using Reduce_dgamma = coda::ColumnReduction<cutlass::plus, cutlass::plus, cutlass::atomic_add>;  // [8] output dgamma: sum over m, fp32, atomic <- 7
 using Region2 = fusion::Sm90Compute<Fn2, float, float, cutlass::FloatRoundStyle::round_to_nearest>;  // [9] Fn2: D <- 6
 
 using Visitor = fusion::Sm90TopologicalVisitor<
@@ -189,7 +190,7 @@ int64_t run(coda::Call const& call) {
       coda::aux_load_args<Load_x>(inputs[4]),  // Load_x
       scalars,  // Region0
       scalars,  // Region1
-      {outputs[0].data_ptr<float>(), 0.f, {cute::_0{}, cute::_1{}, int64_t(N)}},  // Reduce_dgamma
+      {outputs[0].data_ptr<float>(), 0.f, int64_t(N)},  // Reduce_dgamma
       scalars  // Region2
   };
 

@@ -8,6 +8,7 @@
 #include "coda_dsl/finish.h"
 #include "coda_dsl/pairs.h"
 #include "coda_dsl/rows.h"
+#include "coda_dsl/columns.h"
 
 // A namespace unique to this specialization (not an anonymous one: nvcc's host stubs for the
 // finishing kernels cannot name anonymous-namespace types).
@@ -149,7 +150,7 @@ using Load_rstd = fusion::Sm90ColBroadcast<0, TileShape, cutlass::bfloat16_t, fl
 using Load_x = coda::AuxLoadFor<EpilogueDescriptor, cutlass::bfloat16_t>;  // [7] x: tensor, bf16
 using Region1 = fusion::Sm90Compute<Fn1, float, float, cutlass::FloatRoundStyle::round_to_nearest>;  // [8] Fn1: nn.py:108 <- 2, 3, 4, 5, 6, 7
 using Region2 = fusion::Sm90Compute<Fn2, float, float, cutlass::FloatRoundStyle::round_to_nearest>;  // [9] Fn2: nn.py:108 <- 2, 7
-using Reduce_dgamma = fusion::Sm90RowReduction<cutlass::plus, cutlass::plus, cutlass::atomic_add, 0, TileShape, float, float, cutlass::FloatRoundStyle::round_to_nearest, cute::Stride<cute::_0, cute::_1, int64_t>>;  // [10] output dgamma: sum over m, fp32, atomic <- 9
+using Reduce_dgamma = coda::ColumnReduction<cutlass::plus, cutlass::plus, cutlass::atomic_add>;  // [10] output dgamma: sum over m, fp32, atomic <- 9
 using Region3 = fusion::Sm90Compute<Fn3, float, float, cutlass::FloatRoundStyle::round_to_nearest>;  // [11] Fn3: D <- 8
 
 using Visitor = fusion::Sm90TopologicalVisitor<
@@ -216,7 +217,7 @@ int64_t run(coda::Call const& call) {
       coda::aux_load_args<Load_x>(inputs[5]),  // Load_x
       scalars,  // Region1
       scalars,  // Region2
-      {outputs[0].data_ptr<float>(), 0.f, {cute::_0{}, cute::_1{}, int64_t(N)}},  // Reduce_dgamma
+      {outputs[0].data_ptr<float>(), 0.f, int64_t(N)},  // Reduce_dgamma
       scalars  // Region3
   };
 

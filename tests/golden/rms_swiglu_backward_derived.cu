@@ -8,6 +8,7 @@
 #include "coda_dsl/finish.h"
 #include "coda_dsl/pairs.h"
 #include "coda_dsl/rows.h"
+#include "coda_dsl/columns.h"
 
 // A namespace unique to this specialization (not an anonymous one: nvcc's host stubs for the
 // finishing kernels cannot name anonymous-namespace types).

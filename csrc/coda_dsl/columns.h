@@ -1,0 +1,120 @@
+// Per-column statistics combined with atomics: cd.sum / max / min / amax(x, axis="m") into an [N] or
+// [L, N] output the runtime filled with the reduction's identity (a bias's gradient, a norm weight's).
+// CUTLASS's Sm90RowReduction does this, at two costs this node avoids. It checks every value against
+// (M, N); here only tiles that reach past them do. And on tiles 128 wide along n (pingpong 128x128 and
+// 128x192, cooperative 128x128) its final exchange indexes registers by lane: ptxas puts its state in
+// local memory (352-688 byte stack frames) and leaves the loop rolled.
+// Each thread adds its values into one register per column it holds. At the tile's end the lanes of a
+// warp that share columns halve their registers at each exchange (a lane keeps half of its columns and
+// sends the other half to its partner), so every lane ends holding the warp's totals of a few columns and
+// the atomics go out 32 lanes at a time: one per column and warp along m.
+#pragma once
+
+#include "coda_dsl/direct.h"
+
+namespace coda {
+
+// How many registers a lane still holds after `steps` exchanges, from `slots`: halved while even.
+constexpr int held_after(int slots, int steps) {
+  return steps == 0 ? slots : held_after(slots % 2 == 0 ? slots / 2 : slots, steps - 1);
+}
+
+struct ColumnReductionArguments {
+  float* out = nullptr;
+  float identity = 0.f;
+  int64_t batch = 0;  // batch stride of an [L, N] output
+};
+
+// Reduce: adds a value into a column's register; Combine: merges two registers; Atomic: into the output.
+template <template <class> class Reduce, template <class> class Combine, template <class> class Atomic>
+struct ColumnReduction : DirectNode<ColumnReductionArguments> {
+  using Base = DirectNode<ColumnReductionArguments>;
+  using Base::Base;
+
+  template <class Registers, class Coords, class Shape, class LaneLayout>
+  struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
+    CUTLASS_DEVICE ConsumerStoreCallbacks(Registers totals, Coords coords, Shape shape, bool inside, LaneLayout lanes,
+                                          int lane_m, int lane_n, ColumnReductionArguments const* args)
+        : totals(totals), coords(coords), shape(shape), inside(inside), lanes(lanes), lane_m(lane_m),
+          lane_n(lane_n), args(args) {}
+
+    Registers totals;   // one slot per column of this thread
+    Coords coords;      // (m, n, l) of this thread's values
+    Shape shape;        // (M, N, L)
+    bool inside;        // the whole tile is inside (M, N): no value needs its bounds check
+    LaneLayout lanes;   // (lane along m, lane along n) -> lane index
+    int lane_m, lane_n;  // this lane's place in it
+    ColumnReductionArguments const* args;
+
+    template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
+    CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m,
+                              int epi_n, cutlass::Array<ElementInput, FragmentSize> const& frg_input) {
+      if (inside) accumulate<false>(frg_input, epi_v, epi_m, epi_n);  // uniform per tile: no per-value checks
+      else accumulate<true>(frg_input, epi_v, epi_m, epi_n);
+      return frg_input;
+    }
+
+    template <bool Checked, typename ElementInput, int FragmentSize>
+    CUTLASS_DEVICE void accumulate(cutlass::Array<ElementInput, FragmentSize> const& frg_input, int epi_v,
+                                   int epi_m, int epi_n) {
+      cute::Tensor c = coords(cute::_, cute::_, cute::_, epi_m, epi_n);
+      cute::Tensor t = totals(cute::_, cute::_, cute::_, epi_m, epi_n);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < FragmentSize; ++i) {
+        int k = epi_v * FragmentSize + i;
+        if (!Checked || cute::elem_less(c(k), shape)) t(k) = Reduce<float>{}(t(k), float(frg_input[i]));
+      }
+    }
+
+    CUTLASS_DEVICE void end() {
+      constexpr int kSlots = decltype(cute::size(cute::filter_zeros(totals)))::value;
+      constexpr int kLanesM = decltype(cute::size<0>(lanes))::value;
+      cute::Tensor slots = cute::filter_zeros(totals);
+      float v[kSlots];
+      CUTLASS_PRAGMA_UNROLL
+      for (int s = 0; s < kSlots; ++s) v[s] = slots(s);
+      constexpr int kSteps = cute::log_2(uint32_t(kLanesM));
+      int first = 0;       // v[r] holds the totals of slot first + r
+      bool writer = true;  // false: a lane whose partner holds the same totals and writes them
+      cute::for_each(cute::make_int_sequence<kSteps>{}, [&](auto j) {
+        constexpr int step = kLanesM >> (decltype(j)::value + 1);  // the partner's distance along m
+        constexpr int held = held_after(kSlots, decltype(j)::value);
+        bool upper = lane_m & step;
+        int partner = lanes(lane_m ^ step, lane_n);
+        if constexpr (held % 2 == 0) {  // keep the upper or lower half, send the other
+          constexpr int half = held / 2;
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < half; ++r) {
+            float keep = upper ? v[r + half] : v[r], send = upper ? v[r] : v[r + half];
+            v[r] = Combine<float>{}(keep, __shfl_sync(0xFFFFFFFF, send, partner));
+          }
+          first += upper ? half : 0;
+        } else {  // an odd count: both exchange all, the lower one writes
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < held; ++r) v[r] = Combine<float>{}(v[r], __shfl_sync(0xFFFFFFFF, v[r], partner));
+          writer &= !upper;
+        }
+      });
+      if (!writer) return;
+      cute::Tensor c = slot_coordinates(totals, coords);
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < held_after(kSlots, kSteps); ++r) {
+        auto crd = c(first + r);
+        int n = cute::get<1>(crd), l = cute::get<2>(crd);
+        if (n < cute::get<1>(shape) && l < cute::get<2>(shape)) Atomic<float>{}(args->out + l * args->batch + n, v[r]);
+      }
+    }
+  };
+
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
+    auto [coords, shape] = thread_coordinates<ReferenceSrc>(args);
+    auto totals = statistic_registers<float, ReferenceSrc, false>(args);
+    cute::fill(totals, this->params_ptr->identity);
+    auto [lanes, lane_m, lane_n] = warp_lanes<ReferenceSrc, false>(args);
+    return ConsumerStoreCallbacks<decltype(totals), decltype(coords), decltype(shape), decltype(lanes)>(
+        totals, coords, shape, tile_inside(args), lanes, lane_m, lane_n, this->params_ptr);
+  }
+};
+
+}  // namespace coda
