@@ -14,7 +14,7 @@ import torch
 import coda_dsl as cd
 from coda_dsl import build
 from coda_dsl.codegen import op_name, render
-from coda_dsl.passes.plan import AuxLoad, AuxStore, ColBroadcast, RowBroadcast
+from coda_dsl.passes.plan import AuxLoad, AuxStore, ColBroadcast, Config, RowBroadcast
 from build_helpers import real_toolchain_or_skip
 from epilogues import double_width, rich_operands_and_ops, signature_for
 
@@ -120,3 +120,25 @@ def test_beyond_fp32_literal_compiles(toolchain, tmp_path):
     big_mask = cd.epilogue(lambda acc: cd.where(acc > 0, acc, -1e40))
     compile_functors(toolchain, tmp_path, big_mask)
     assert torch.tensor(-1e40, dtype=torch.float32).isinf()  # the reference semantics: fp32 -inf
+
+
+@cd.epilogue
+def column_statistics(acc, bias: cd.VecN):
+    h = acc + bias
+    return {"D": h, "colsum": cd.sum(h, axis="m"), "colamax": cd.amax(h, axis="m")}
+
+
+def test_column_statistics_stay_in_registers_on_a_pingpong_tile(toolchain, tmp_path, make_plan):
+    """On the H200 rule's pingpong 128x128 tile, CUTLASS's Sm90RowReduction kept its state in local memory
+    (ptxas: a 352-byte stack frame for one column sum); coda::ColumnReduction keeps none. The device pass
+    alone, as a build compiles it, with ptxas's report."""
+    from coda_dsl.build.tools import compile_command
+    plan = make_plan(column_statistics, config=Config.parse("128x128x64_c2x1_pingpong"))
+    tu = tmp_path / "kernel.cu"
+    tu.write_text(render(plan, "0" * 24, ""))
+    r = subprocess.run(compile_command(toolchain) + ["-cubin", "-DCODA_DEVICE_PASS", "-Xptxas", "-v", str(tu),
+                                                     "-o", str(tmp_path / "kernel.cubin")],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = r.stderr[r.stderr.index(f"Function properties for {op_name('0' * 24)}_gemm"):]
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report.splitlines()[1], report
