@@ -737,6 +737,20 @@ def test_folded_batch_writes_the_callers_out_tensors(fake_kernels):
         cd.gemm(a, b, column_statistics, backend="cutlass")
 
 
+def test_batched_statistics_into_padded_rows_are_refused(fake_kernels):
+    """A batched statistic is written at l * N (l * M) + its column (row): out= rows with padding between
+    them would get batch l's values in batch l - 1's padding. The error says so; a contiguous one is used."""
+    @cd.epilogue
+    def statistics(acc):
+        return {"D": acc, "cols": cd.sum(acc, axis="m"), "rows": cd.amax(acc, axis="n")}
+    a, b = torch.randn(3, M, K).bfloat16(), torch.randn(3, N, K).bfloat16()
+    for name, padded in (("cols", torch.empty(3, N + 8)[:, :N]), ("rows", torch.empty(3, M + 8)[:, :M])):
+        with pytest.raises(OperandError, match=rf"out\['{name}'\] must be contiguous: the kernel writes one batch"):
+            cd.gemm(a, b, statistics, backend="cutlass", out={name: padded})
+    cols = torch.empty(3, N)
+    assert cd.gemm(a, b, statistics, backend="cutlass", out={"cols": cols})["cols"] is cols
+
+
 def test_overlapping_views_alias(fake_kernels):
     a, b = ab()
     buf = torch.empty(M + 8, N).bfloat16()

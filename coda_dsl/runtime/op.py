@@ -503,6 +503,9 @@ def _check_out(where: str, name: str, t: torch.Tensor, shape, dtype, call: Call,
     checks.output(where, f"out['{name}']", t)
     if tma is not None:
         (checks.tma_layout if tma else checks.vector)(where, f"out['{name}']", t)
+    if tma is False and not t.is_contiguous():  # atomics and finishing kernels address a batch's row at l * M or N
+        raise checks.fail(where, f"out['{name}'] must be contiguous: the kernel writes one batch's statistics right "
+                          "after the other's", f"pass a contiguous tensor as out['{name}']")
 
 
 def _check_alias(where: str, name: str, t: torch.Tensor, call: Call) -> None:
