@@ -79,6 +79,15 @@ def col_and_total_stats(acc, scale: cd.Scalar):
 
 
 @cd.epilogue
+def column_mix(acc, x: cd.Tensor, scale: cd.Scalar):
+    """Every column statistic, one finished by .then and one of an fp16 operand, beside two row statistics."""
+    h = acc * scale
+    return {"D": h, "colsum": cd.sum(h, axis="m"), "colmax": cd.max(h, axis="m"), "colmin": cd.min(h, axis="m"),
+            "colamax": cd.amax(h, axis="m"), "colrsqrt": cd.sum(h * h, axis="m").then(lambda s: cd.rsqrt(s + 1.0)),
+            "xamax": cd.amax(x, axis="m"), "rowmax": cd.max(h, axis="n"), "lse": cd.logsumexp(h)}
+
+
+@cd.epilogue
 def no_d(acc, bias: cd.VecN):
     y = cd.silu(acc + bias)
     return {"y": y, "ysum": cd.sum(y, axis="n")}
@@ -128,6 +137,7 @@ def _operands(ep, m, n, dtype, batch=None):
         cd.identity: lambda: {},
         row_stats: lambda: dict(residual=_rand(*lead, m, n, dtype=dtype)),
         col_and_total_stats: lambda: dict(scale=0.5),
+        column_mix: lambda: dict(x=_rand(*lead, m, n, dtype=torch.float16), scale=0.5),
         no_d: lambda: dict(bias=_rand(n, dtype=dtype)),
         scaled_bias: lambda: dict(bias=_rand(n, dtype=dtype), alpha=0.5),
         rms_producer: lambda: dict(residual=_rand(*lead, m, n, dtype=dtype), gamma=_rand(n, dtype=dtype),
@@ -194,6 +204,11 @@ SCHEDULER_CONFIGS = [runtime.tuning.PINGPONG.text, runtime.tuning.PINGPONG_192.t
                      runtime.tuning.PINGPONG.text + "_rm_s4"]
 VARIANTS += [((ep, torch.bfloat16, "nk"), dict(config=c)) for c in SCHEDULER_CONFIGS
              for ep in (row_stats, col_and_total_stats, swiglu)]
+# coda::ColumnReduction where a thread's column count does not halve evenly over the 8 lanes along m (12, 4
+# and 20 columns: its odd branch), and on the H200 rule's pingpong tile
+COLUMN_CONFIGS = ["128x48x64_c1x1_cooperative", "64x16x64_c1x1_pingpong", "128x80x64_c2x1_pingpong",
+                  runtime.tuning.PINGPONG.text]
+VARIANTS += [((column_mix, torch.bfloat16, "nk"), dict(config=c)) for c in COLUMN_CONFIGS]
 # the cross-entropy library's kernels, with their A/B dtype: forward variants (smoothing, softcap),
 # statistics only or also storing the logits chunk (fp16 D, as cross_entropy._stats asks: stored_logits),
 # and the recompute backward ones
@@ -256,6 +271,7 @@ def _tol(t: torch.Tensor) -> float:
 # Sums that cancel: their rounding error scales with the sum of magnitudes, not with the sum itself
 # (an fp32 sum of 128 values of size ~1 that cancels to ~0.2 differs by ~1e-6 between two orders).
 MAGNITUDE = {("col_and_total_stats", "colsum"): lambda ref: ref["D"].float().abs().sum(-2),
+             ("column_mix", "colsum"): lambda ref: ref["D"].float().abs().sum(-2),
              ("col_and_total_stats", "total"): lambda ref: ref["D"].float().abs().sum()}
 
 
@@ -613,6 +629,25 @@ def test_scheduler_configs(kernels, ep, config):
         _check(ep, a, b, _operands(ep, m, n, torch.bfloat16), config=config)
     a, b = _ab(300, 264, 520, torch.bfloat16, "nk", batch=3)
     _check(ep, a, b, _operands(ep, 300, 264, torch.bfloat16, batch=3), config=config)
+
+
+@pytest.mark.parametrize("config", COLUMN_CONFIGS)
+def test_column_statistics_on_other_tiles(kernels, config):
+    """Column statistics beside row ones: ragged, tiny, batched and narrower than a tile. Then a NaN in row 5
+    of B, so column 5 of the accumulator is NaN: exactly column 5 of each column statistic is NaN (a lane
+    exchange that mixed columns would spread it), the others as the reference."""
+    for m, n, k, l in ((777, 4104, 256, None), (8, 16, 8, None), (300, 264, 64, 3), (2048, 48, 64, None)):
+        a, b = _ab(m, n, k, torch.bfloat16, "nk", batch=l)
+        _check(column_mix, a, b, _operands(column_mix, m, n, torch.bfloat16, batch=l), config=config)
+    a, b = _ab(777, 4104, 256, torch.bfloat16, "nk")
+    b[5, 3] = float("nan")
+    operands = _operands(column_mix, 777, 4104, torch.bfloat16)
+    ref = cd.gemm(a, b, column_mix, backend="reference", **operands)
+    got = cd.gemm(a, b, column_mix, backend="cutlass", config=config, **operands)
+    for name in ("colsum", "colmax", "colmin", "colamax", "colrsqrt"):
+        assert torch.isnan(got[name]).nonzero().flatten().tolist() == [5], name
+        keep = torch.arange(4104, device="cuda") != 5
+        assert _rel(got[name][keep], ref[name][keep]) <= 1e-4, name
 
 
 def test_rope_angle_accuracy(kernels):

@@ -338,9 +338,10 @@ def test_program_without_d_stores_no_d(make_plan):
 
 @pytest.mark.parametrize("kind", ["sum", "max", "min", "amax"])
 @pytest.mark.parametrize("axis", ["n", "m", None])
-def test_reductions_lower_to_their_cutlass_node(make_plan, kind, axis):
+def test_reductions_lower_to_their_node(make_plan, kind, axis):
     """Each kind and axis becomes one reduction node with its own type and reduce op (CUTLASS's names are
-    inverted: a statistic over n, one per row, is its ColReduction; one per column is coda's own node)."""
+    inverted: a statistic over n, one per row, is its ColReduction; one per column is coda's own node, whose
+    type names all three of its functors)."""
     def fn(acc, bias: cd.VecN):
         h = acc + bias
         return {"D": h, "r": getattr(cd, kind)(h * h, axis=axis)}
@@ -351,6 +352,11 @@ def test_reductions_lower_to_their_cutlass_node(make_plan, kind, axis):
     reduce_op = {"sum": "cutlass::plus", "max": "coda::maximum_nan", "min": "coda::minimum_nan", "amax": "coda::amax_reduce"}
     cpp_type = evt.node(r).type
     assert cpp_type.startswith(f"{node[axis]}{reduce_op[kind]}, "), cpp_type
+    if axis == "m":
+        combine, atomic = {"sum": ("cutlass::plus", "cutlass::atomic_add"), "max": ("coda::maximum_nan", "coda::atomic_maximum"),
+                           "min": ("coda::minimum_nan", "coda::atomic_minimum"),
+                           "amax": ("coda::maximum_nan", "coda::atomic_maximum")}[kind]
+        assert cpp_type == f"coda::ColumnReduction<{reduce_op[kind]}, {combine}, {atomic}>"
 
 
 def test_config_roundtrip_and_validation():

@@ -166,6 +166,8 @@ def test_deterministic_partials_and_combines(make_plan):
     assert "partial_0_shape = coda::partials<TileShape>(M, N, true)" in src  # mx: one partial per row
     assert "partial_1_shape = coda::partials<TileShape>(M, N, false)" in src  # mn: one per column
     assert "coda::finish<coda::Max" in src and "coda::finish<coda::Min" in src
+    # per-tile partials of a column statistic: CUTLASS's node (coda::ColumnReduction is atomic only)
+    assert "fusion::Sm90RowReduction<coda::minimum_nan" in src and "coda::ColumnReduction" not in src
 
 
 def test_accumulate_adds_before_the_one_rounding():

@@ -1,13 +1,14 @@
 // Per-column statistics combined with atomics: cd.sum / max / min / amax(x, axis="m") into an [N] or
 // [L, N] output the runtime filled with the reduction's identity (a bias's gradient, a norm weight's).
 // CUTLASS's Sm90RowReduction does this, at two costs this node avoids. It checks every value against
-// (M, N); here only tiles that reach past them do. And on tiles 128 wide along n (pingpong 128x128 and
-// 128x192, cooperative 128x128) its final exchange indexes registers by lane: ptxas puts its state in
-// local memory (352-688 byte stack frames) and leaves the loop rolled.
+// (M, N); here only tiles that reach past them do. And on the pingpong tiles (128x128, 128x192) and the
+// cooperative 128x128 one its end-of-tile exchange indexes registers by lane: ptxas put its state in
+// local memory (352-832 byte stack frames) and left the loop rolled. Here every index is a compile-time one.
 // Each thread adds its values into one register per column it holds. At the tile's end the lanes of a
 // warp that share columns halve their registers at each exchange (a lane keeps half of its columns and
-// sends the other half to its partner), so every lane ends holding the warp's totals of a few columns and
-// the atomics go out 32 lanes at a time: one per column and warp along m.
+// sends the other half to its partner; an odd count is exchanged whole), so each lane ends holding the
+// warp's totals of a few columns: one atomic per column and warp along m, 32 lanes at a time where a
+// thread's column count is a multiple of the lanes along m (8 on every GMMA tile).
 #pragma once
 
 #include "coda_dsl/direct.h"
@@ -32,7 +33,7 @@ struct ColumnReduction : DirectNode<ColumnReductionArguments> {
   using Base::Base;
 
   template <class Registers, class Coords, class Shape, class LaneLayout>
-  struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
+  struct ConsumerStoreCallbacks : TapCallbacks<ConsumerStoreCallbacks<Registers, Coords, Shape, LaneLayout>> {
     CUTLASS_DEVICE ConsumerStoreCallbacks(Registers totals, Coords coords, Shape shape, bool inside, LaneLayout lanes,
                                           int lane_m, int lane_n, ColumnReductionArguments const* args)
         : totals(totals), coords(coords), shape(shape), inside(inside), lanes(lanes), lane_m(lane_m),
@@ -45,14 +46,6 @@ struct ColumnReduction : DirectNode<ColumnReductionArguments> {
     LaneLayout lanes;   // (lane along m, lane along n) -> lane index
     int lane_m, lane_n;  // this lane's place in it
     ColumnReductionArguments const* args;
-
-    template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
-    CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m,
-                              int epi_n, cutlass::Array<ElementInput, FragmentSize> const& frg_input) {
-      if (inside) accumulate<false>(frg_input, epi_v, epi_m, epi_n);  // uniform per tile: no per-value checks
-      else accumulate<true>(frg_input, epi_v, epi_m, epi_n);
-      return frg_input;
-    }
 
     template <bool Checked, typename ElementInput, int FragmentSize>
     CUTLASS_DEVICE void accumulate(cutlass::Array<ElementInput, FragmentSize> const& frg_input, int epi_v,

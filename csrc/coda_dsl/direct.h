@@ -44,6 +44,21 @@ struct DirectNode : ConsumerOnlyNode {
   Params const* params_ptr = nullptr;
 };
 
+// The consumer callbacks of a tap, a node that observes the values it is given: visit() passes each fragment
+// to Derived::accumulate<Checked> and returns it unchanged. Derived::inside (uniform per tile): the tile lies
+// wholly inside (M, N), so no value needs its bounds check.
+template <class Derived>
+struct TapCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
+  template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
+  CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m, int epi_n,
+                            cutlass::Array<ElementInput, FragmentSize> const& frg_input) {
+    auto& self = static_cast<Derived&>(*this);
+    if (self.inside) self.template accumulate<false>(frg_input, epi_v, epi_m, epi_n);
+    else self.template accumulate<true>(frg_input, epi_v, epi_m, epi_n);
+    return frg_input;
+  }
+};
+
 // The (m, n, l) coordinates of this thread's values, (CPY, CPY_M, CPY_N, EPI_M, EPI_N) in the
 // order visit() sees them, and the problem's (M, N, L) to predicate with.
 template <bool ReferenceSrc, class... Args>

@@ -40,7 +40,7 @@ struct RowLogSumExp : DirectNode<LogSumExpArguments> {
   using Base::Base;
 
   template <class Registers, class Coords, class Shape, class LaneLayout>
-  struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
+  struct ConsumerStoreCallbacks : TapCallbacks<ConsumerStoreCallbacks<Registers, Coords, Shape, LaneLayout>> {
     CUTLASS_DEVICE ConsumerStoreCallbacks(Registers points, Registers sums, Coords coords, Shape shape,
                                           bool inside, LaneLayout lanes, int lane_n, float* tile_pairs)
         : points(points), sums(sums), coords(coords), shape(shape), inside(inside), lanes(lanes),
@@ -54,15 +54,7 @@ struct RowLogSumExp : DirectNode<LogSumExpArguments> {
     int lane_n;              // this lane's position along n
     float* tile_pairs;       // the partials: [2][L][tiles][rows_padded]
 
-    template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
-    CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m,
-                              int epi_n, cutlass::Array<ElementInput, FragmentSize> const& frg_input) {
-      if (inside) accumulate<false>(frg_input, epi_v, epi_m, epi_n);  // uniform per tile: no per-value checks
-      else accumulate<true>(frg_input, epi_v, epi_m, epi_n);
-      return frg_input;
-    }
-
-    // Adds the fragment's values to their rows' sums (the two paths above).
+    // Adds the fragment's values to their rows' sums (Checked: on a tile that reaches past (M, N)).
     template <bool Checked, typename ElementInput, int FragmentSize>
     CUTLASS_DEVICE void accumulate(cutlass::Array<ElementInput, FragmentSize> const& frg_input, int epi_v,
                                    int epi_m, int epi_n) {
