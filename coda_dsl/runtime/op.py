@@ -885,9 +885,7 @@ def prebuild(what, /, *args, jobs: int | None = None, **kwargs) -> int:
     (e.g. a training step on a real batch, with its backward). Process-wide while it runs, backward
     threads included. Returns the number of kernels asked for (built or found in the cache)."""
     global _collected
-    if isinstance(what, (Epilogue, CompiledOp)):  # callable, but not the function meant here
-        what = [what]
-    if callable(what):
+    if callable(what) and not isinstance(what, (Epilogue, CompiledOp)):  # those are callable too: taken as items
         with _lock:
             if _collected is not None:
                 raise RuntimeError("coda_dsl.prebuild(fn): already collecting kernels (another prebuild(fn) runs)")
