@@ -209,6 +209,7 @@ VARIANTS += [((ep, torch.bfloat16, "nk"), dict(config=c)) for c in SCHEDULER_CON
 COLUMN_CONFIGS = ["128x48x64_c1x1_cooperative", "64x16x64_c1x1_pingpong", "128x80x64_c2x1_pingpong",
                   runtime.tuning.PINGPONG.text]
 VARIANTS += [((column_mix, torch.bfloat16, "nk"), dict(config=c)) for c in COLUMN_CONFIGS]
+VARIANTS += [((column_mix, torch.bfloat16, "nk"), dict(config=runtime.tuning.PINGPONG.text, deterministic=True))]
 # the cross-entropy library's kernels, with their A/B dtype: forward variants (smoothing, softcap),
 # statistics only or also storing the logits chunk (fp16 D, as cross_entropy._stats asks: stored_logits),
 # and the recompute backward ones
@@ -395,6 +396,19 @@ def test_deterministic_reductions(kernels, ep):
     for name in runs[0]:
         for r in runs[1:]:
             assert torch.equal(r[name], runs[0][name]), f"{ep.name}.{name} differs between runs"
+
+
+def test_deterministic_column_statistics_on_pingpong(kernels):
+    """Deterministic column statistics on the H200 rule's tile, where each warp of a tile's one warp group
+    stores a row of partials (the cooperative tile's two share it: test_deterministic_reductions): as the
+    reference, batched too, and bit-identical run to run."""
+    config = runtime.tuning.PINGPONG.text
+    for m, n, k, l in ((777, 4104, 256, None), (300, 264, 64, 3)):
+        a, b = _ab(m, n, k, torch.bfloat16, "nk", batch=l)
+        ops = _operands(column_mix, m, n, torch.bfloat16, batch=l)
+        _check(column_mix, a, b, ops, config=config, deterministic=True)
+        runs = [cd.gemm(a, b, column_mix, config=config, deterministic=True, **ops) for _ in range(3)]
+        assert all(torch.equal(r[name], runs[0][name]) for r in runs[1:] for name in runs[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -155,7 +155,7 @@ def test_reduction_identities_atomics_and_strides(make_plan):
     assert cpp(red["max"]).fill.endswith(", -INFINITY}") and cpp(red["min"]).fill.endswith(", INFINITY}")
     assert "coda::atomic_maximum" in cpp(red["max"]).type and "coda::atomic_minimum" in cpp(red["min"]).type
     assert "{cute::_1{}, cute::_0{}, int64_t(M)}" in cpp(red["sum"]).args
-    assert cpp(red["min"]).args == "{outputs[1].data_ptr<float>(), INFINITY, int64_t(N)}"  # [L, N]: batch stride N
+    assert cpp(red["min"]).args == "{outputs[1].data_ptr<float>(), INFINITY, int64_t(N), 0}"  # [L, N]: batch stride N
     src = render(make_plan(extremes), "0" * 24)  # the three outputs filled by one launch, before the GEMM's
     assert src.count("coda::fill(") == 1 and src.count("coda::Fill{outputs[") == 3
     assert src.index("coda::fill(") < src.index("coda::launch<GemmKernel>")
@@ -164,10 +164,11 @@ def test_reduction_identities_atomics_and_strides(make_plan):
 def test_deterministic_partials_and_combines(make_plan):
     src = render(make_plan(extremes, deterministic=True), "0" * 24)
     assert "partial_0_shape = coda::partials<TileShape>(M, N, true)" in src  # mx: one partial per row
-    assert "partial_1_shape = coda::partials<TileShape>(M, N, false)" in src  # mn: one per column
+    # mn: one per column, per tile row and warp: coda's node stores each warp's totals (no atomics)
+    assert "partial_1_shape = coda::column_partials<TileShape>(M, N, coda::kTileWarps<KernelSchedule>)" in src
     assert "coda::finish<coda::Max" in src and "coda::finish<coda::Min" in src
-    # per-tile partials of a column statistic: CUTLASS's node (coda::ColumnReduction is atomic only)
-    assert "fusion::Sm90RowReduction<coda::minimum_nan" in src and "coda::ColumnReduction" not in src
+    assert ("coda::ColumnReduction<coda::minimum_nan, coda::minimum_nan, coda::store_value, "
+            "coda::kTileWarps<KernelSchedule>>") in src and "Sm90RowReduction" not in src
 
 
 def test_accumulate_adds_before_the_one_rounding():

@@ -73,21 +73,22 @@ def _reduction_type(r: p.Reduce) -> str:
     if r.axis is None and not r.deterministic:
         return (f"fusion::Sm90ScalarReduction<{reg}, {atomic}, float, float, {ROUND}, "
                 "cute::Stride<cute::_0, cute::_0, int64_t>>")
-    if r.axis == "m" and not r.deterministic:
-        return f"coda::ColumnReduction<{reg}, {shuffle}, {atomic}>"
-    node, stride = ("Sm90RowReduction", "cute::_0, cute::_1") if r.axis == "m" else \
-        ("Sm90ColReduction", "cute::_1, cute::_0")  # deterministic totals reduce per-row partials
+    if r.axis == "m":  # deterministic: a row of partials per tile row and warp
+        return (f"coda::ColumnReduction<{reg}, {shuffle}, coda::store_value, coda::kTileWarps<KernelSchedule>>"
+                if r.deterministic else f"coda::ColumnReduction<{reg}, {shuffle}, {atomic}>")
+    # per row, and deterministic totals (which reduce per-row partials)
     tail = ", 4, true, false" if r.deterministic else ""  # alignment, nullptr check, no final pass
-    return (f"fusion::{node}<{reg}, {shuffle}, {combine if r.deterministic else atomic}, 0, TileShape, "
-            f"float, float, {ROUND}, cute::Stride<{stride}, int64_t>{tail}>")
+    return (f"fusion::Sm90ColReduction<{reg}, {shuffle}, {combine if r.deterministic else atomic}, 0, TileShape, "
+            f"float, float, {ROUND}, cute::Stride<cute::_1, cute::_0, int64_t>{tail}>")
 
 
 def _reduction_args(r: p.Reduce) -> str:
-    if r.axis == "m" and not r.deterministic:
-        return f"{{outputs[{r.output_index}].data_ptr<float>(), {identity(r)}, int64_t(N)}}"
+    if r.axis == "m":
+        q = _partials(r)
+        return (f"{{{q}, {identity(r)}, {q}_shape.size(1), int64_t(N)}}" if r.deterministic else
+                f"{{outputs[{r.output_index}].data_ptr<float>(), {identity(r)}, int64_t(N), 0}}")
     axis = "n" if r.axis is None and r.deterministic else r.axis
-    stride, batch = {"n": ("cute::_1{}, cute::_0{}", "M"), "m": ("cute::_0{}, cute::_1{}", "N"),
-                     None: ("cute::_0{}, cute::_0{}", "1")}[axis]
+    stride, batch = {"n": ("cute::_1{}, cute::_0{}", "M"), None: ("cute::_0{}, cute::_0{}", "1")}[axis]
     ptr = _partials(r) if r.deterministic else f"outputs[{r.output_index}].data_ptr<float>()"
     return f"{{{ptr}, {identity(r)}, {{{stride}, int64_t({batch})}}}}"
 
@@ -98,8 +99,9 @@ def _reduction_init(r: p.Reduce) -> tuple[str, str]:
     if not r.deterministic:
         return "", _fill(r.output_index, identity(r))
     q = _partials(r)
-    return (f"auto {q}_shape = coda::partials<TileShape>(M, N, {'false' if r.axis == 'm' else 'true'});\n"
-            f"  float* {q} = ws.floats(int64_t(L) * {q}_shape.tiles * {q}_shape.rows_padded);"), ""
+    shape = "coda::column_partials<TileShape>(M, N, coda::kTileWarps<KernelSchedule>)" if r.axis == "m" else \
+        "coda::partials<TileShape>(M, N, true)"
+    return f"auto {q}_shape = {shape};\n  float* {q} = ws.floats({q}_shape.size(L));", ""
 
 
 def _fill(output_index: int, value: str) -> str:

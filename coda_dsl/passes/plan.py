@@ -327,9 +327,8 @@ class WideStore(_Store):
 class Reduce(EvtNode):
     """A statistic of its input over an output axis, in fp32.
 
-    axis "n" (per row, [M]) is CUTLASS's ColReduction, "m" (per column, [N]) coda::ColumnReduction with
-    atomics (columns.h) and CUTLASS's RowReduction when deterministic: CUTLASS names them after the shape of
-    the result, the opposite of the ML reading.
+    axis "n" (per row, [M]) is CUTLASS's ColReduction (CUTLASS names them after the shape of the result, the
+    opposite of the ML reading), "m" (per column, [N]) coda::ColumnReduction (columns.h).
     Default: tiles combine with global atomics into the output (filled with the identity first).
     deterministic: every tile writes its partial (FinalReduction=false) and a small finishing kernel
     combines them in a fixed order. `finish` (from `.then`) runs in that kernel too.

@@ -9,11 +9,26 @@
 // sends the other half to its partner; an odd count is exchanged whole), so each lane ends holding the
 // warp's totals of a few columns: one atomic per column and warp along m, 32 lanes at a time where a
 // thread's column count is a multiple of the lanes along m (8 on every GMMA tile).
+// Deterministic mode: the same, but each warp stores its totals into a row of per-tile partials of its own
+// (no atomics) and the finishing kernel combines the rows in a fixed order.
 #pragma once
 
+#include <type_traits>
+
+#include "cutlass/gemm/dispatch_policy.hpp"
 #include "coda_dsl/direct.h"
 
 namespace coda {
+
+// The warps that hold one tile's values in the epilogue: the cooperative kernel's two warp groups share a
+// tile, pingpong's each have their own.
+template <class KernelSchedule>
+constexpr int kTileWarps = std::is_same_v<KernelSchedule, cutlass::gemm::KernelTmaWarpSpecializedCooperative> ? 8 : 4;
+
+template <class T>
+struct store_value {  // a warp's totals into its own row of partials
+  CUTLASS_DEVICE void operator()(T* ptr, T value) const { *ptr = value; }
+};
 
 // How many registers a lane still holds after `steps` exchanges, from `slots`: halved while even.
 constexpr int held_after(int slots, int steps) {
@@ -23,11 +38,14 @@ constexpr int held_after(int slots, int steps) {
 struct ColumnReductionArguments {
   float* out = nullptr;
   float identity = 0.f;
-  int64_t batch = 0;  // batch stride of an [L, N] output
+  int64_t batch = 0;  // batch stride: of the [L, N] output, or of the [L, tiles * warps, N] partials
+  int64_t row = 0;    // stride of a (tile row, warp)'s row of partials; 0: every warp adds into the output
 };
 
-// Reduce: adds a value into a column's register; Combine: merges two registers; Atomic: into the output.
-template <template <class> class Reduce, template <class> class Combine, template <class> class Atomic>
+// Reduce: adds a value into a column's register; Combine: merges two registers; Write: a warp's totals into
+// the output (an atomic) or into its row of partials (store_value, with TileWarps = kTileWarps<schedule>).
+template <template <class> class Reduce, template <class> class Combine, template <class> class Write,
+          int TileWarps = 0>
 struct ColumnReduction : DirectNode<ColumnReductionArguments> {
   using Base = DirectNode<ColumnReductionArguments>;
   using Base::Base;
@@ -35,9 +53,10 @@ struct ColumnReduction : DirectNode<ColumnReductionArguments> {
   template <class Registers, class Coords, class Shape, class LaneLayout>
   struct ConsumerStoreCallbacks : TapCallbacks<ConsumerStoreCallbacks<Registers, Coords, Shape, LaneLayout>> {
     CUTLASS_DEVICE ConsumerStoreCallbacks(Registers totals, Coords coords, Shape shape, bool inside, LaneLayout lanes,
-                                          int lane_m, int lane_n, ColumnReductionArguments const* args)
+                                          int lane_m, int lane_n, int64_t partial_row, bool live,
+                                          ColumnReductionArguments const* args)
         : totals(totals), coords(coords), shape(shape), inside(inside), lanes(lanes), lane_m(lane_m),
-          lane_n(lane_n), args(args) {}
+          lane_n(lane_n), partial_row(partial_row), live(live), args(args) {}
 
     Registers totals;   // one slot per column of this thread
     Coords coords;      // (m, n, l) of this thread's values
@@ -45,6 +64,8 @@ struct ColumnReduction : DirectNode<ColumnReductionArguments> {
     bool inside;        // the whole tile is inside (M, N): no value needs its bounds check
     LaneLayout lanes;   // (lane along m, lane along n) -> lane index
     int lane_m, lane_n;  // this lane's place in it
+    int64_t partial_row;  // this warp's row of partials: tile row * TileWarps + warp (0 for atomics)
+    bool live;            // the tile has a row inside M (a cluster's other CTA may lie wholly past it)
     ColumnReductionArguments const* args;
 
     template <bool Checked, typename ElementInput, int FragmentSize>
@@ -60,6 +81,7 @@ struct ColumnReduction : DirectNode<ColumnReductionArguments> {
     }
 
     CUTLASS_DEVICE void end() {
+      if (!live) return;  // uniform per tile
       constexpr int kSlots = decltype(cute::size(cute::filter_zeros(totals)))::value;
       constexpr int kLanesM = decltype(cute::size<0>(lanes))::value;
       cute::Tensor slots = cute::filter_zeros(totals);
@@ -94,7 +116,7 @@ struct ColumnReduction : DirectNode<ColumnReductionArguments> {
       for (int r = 0; r < held_after(kSlots, kSteps); ++r) {
         auto crd = c(first + r);
         int n = cute::get<1>(crd), l = cute::get<2>(crd);
-        if (n < cute::get<1>(shape) && l < cute::get<2>(shape)) Atomic<float>{}(args->out + l * args->batch + n, v[r]);
+        if (n < cute::get<1>(shape)) Write<float>{}(args->out + l * args->batch + partial_row * args->row + n, v[r]);
       }
     }
   };
@@ -104,9 +126,13 @@ struct ColumnReduction : DirectNode<ColumnReductionArguments> {
     auto [coords, shape] = thread_coordinates<ReferenceSrc>(args);
     auto totals = statistic_registers<float, ReferenceSrc, false>(args);
     cute::fill(totals, this->params_ptr->identity);
-    auto [lanes, lane_m, lane_n] = warp_lanes<ReferenceSrc, false>(args);
+    // partials: every warp holds all of a tile's columns (each gets a full row), TileWarps of them per tile
+    auto [lanes, lane_m, lane_n] = warp_lanes<ReferenceSrc, TileWarps != 0>(args);
+    static_assert(TileWarps == 0 || TileWarps * 32 == decltype(args.tiled_copy)::TiledNumThr::value);
+    int64_t partial_row = TileWarps ? int64_t(cute::get<0>(args.tile_coord_mnkl)) * TileWarps + args.thread_idx / 32 : 0;
+    bool live = cute::get<0>(args.tile_coord_mnkl) * cute::size<0>(args.tile_shape_mnk) < cute::get<0>(shape);
     return ConsumerStoreCallbacks<decltype(totals), decltype(coords), decltype(shape), decltype(lanes)>(
-        totals, coords, shape, tile_inside(args), lanes, lane_m, lane_n, this->params_ptr);
+        totals, coords, shape, tile_inside(args), lanes, lane_m, lane_n, partial_row, live, this->params_ptr);
   }
 };
 

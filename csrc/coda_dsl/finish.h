@@ -141,6 +141,14 @@ CUTLASS_HOST_DEVICE Partials partials(int M, int N, bool over_n) {
   return {rows, (other + ot - 1) / ot, int64_t((rows + rt - 1) / rt) * rt};
 }
 
+// Per-column partials of coda::ColumnReduction (deterministic mode): a row of N per tile row and warp
+// holding that tile's values, [L, tiles * warps, N].
+template <class TileShape>
+CUTLASS_HOST_DEVICE Partials column_partials(int M, int N, int warps) {
+  int tm = cute::size<0>(TileShape{});
+  return {N, (M + tm - 1) / tm * warps, int64_t(N)};
+}
+
 // (m, s) <- the log-sum-exp pair of (m, s) and (mt, st), each a (reference point, sum of exp(x - point)),
 // the larger point kept: equal points (infinite ones too) need no scaling, and a -inf point never meets
 // exp(-inf - -inf).

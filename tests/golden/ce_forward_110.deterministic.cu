@@ -127,7 +127,7 @@ int64_t run(coda::Call const& call) {
   auto partial_0_shape = coda::partials<TileShape>(M, N, true);
   float* partial_0 = ws.floats(2 * partial_0_shape.size(L));  // Reduce_lse
   auto partial_2_shape = coda::partials<TileShape>(M, N, true);
-  float* partial_2 = ws.floats(int64_t(L) * partial_2_shape.tiles * partial_2_shape.rows_padded);  // Reduce_z_sum
+  float* partial_2 = ws.floats(partial_2_shape.size(L));  // Reduce_z_sum
   typename EVT::Arguments evt_args{
       {},  // Acc
       scalars,  // Region0

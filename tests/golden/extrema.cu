@@ -125,7 +125,7 @@ int64_t run(coda::Call const& call) {
       scalars,  // Region0
       {outputs[0].data_ptr<float>(), 0.f, {cute::_0{}, cute::_0{}, int64_t(1)}},  // Reduce_amax
       {outputs[1].data_ptr<float>(), -INFINITY, {cute::_1{}, cute::_0{}, int64_t(M)}},  // Reduce_row_max
-      {outputs[2].data_ptr<float>(), INFINITY, int64_t(N)}  // Reduce_col_min
+      {outputs[2].data_ptr<float>(), INFINITY, int64_t(N), 0}  // Reduce_col_min
   };
 
 

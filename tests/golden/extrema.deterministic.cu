@@ -65,7 +65,7 @@ using Acc = fusion::Sm90AccFetch;  // [0] fp32 accumulator of A @ B^T
 using Region0 = fusion::Sm90Compute<Fn0, float, float, cutlass::FloatRoundStyle::round_to_nearest>;  // [1] Fn0: epilogues.py:26 <- 0
 using Reduce_amax = fusion::Sm90ColReduction<coda::amax_reduce, coda::maximum_nan, coda::maximum_nan, 0, TileShape, float, float, cutlass::FloatRoundStyle::round_to_nearest, cute::Stride<cute::_1, cute::_0, int64_t>, 4, true, false>;  // [2] output amax: amax over m and n, fp32, deterministic <- 1
 using Reduce_row_max = fusion::Sm90ColReduction<coda::maximum_nan, coda::maximum_nan, coda::maximum_nan, 0, TileShape, float, float, cutlass::FloatRoundStyle::round_to_nearest, cute::Stride<cute::_1, cute::_0, int64_t>, 4, true, false>;  // [3] output row_max: max over n, fp32, deterministic <- 1
-using Reduce_col_min = fusion::Sm90RowReduction<coda::minimum_nan, coda::minimum_nan, coda::minimum_nan, 0, TileShape, float, float, cutlass::FloatRoundStyle::round_to_nearest, cute::Stride<cute::_0, cute::_1, int64_t>, 4, true, false>;  // [4] output col_min: min over m, fp32, deterministic <- 1
+using Reduce_col_min = coda::ColumnReduction<coda::minimum_nan, coda::minimum_nan, coda::store_value, coda::kTileWarps<KernelSchedule>>;  // [4] output col_min: min over m, fp32, deterministic <- 1
 
 using Visitor = fusion::Sm90TopologicalVisitor<
     float,
@@ -121,17 +121,17 @@ int64_t run(coda::Call const& call) {
   Scalars scalars{ float(call.scalars[0]) };
   coda::Workspace ws(call);  // the kernel's own buffers first, then CUTLASS's
   auto partial_0_shape = coda::partials<TileShape>(M, N, true);
-  float* partial_0 = ws.floats(int64_t(L) * partial_0_shape.tiles * partial_0_shape.rows_padded);  // Reduce_amax
+  float* partial_0 = ws.floats(partial_0_shape.size(L));  // Reduce_amax
   auto partial_1_shape = coda::partials<TileShape>(M, N, true);
-  float* partial_1 = ws.floats(int64_t(L) * partial_1_shape.tiles * partial_1_shape.rows_padded);  // Reduce_row_max
-  auto partial_2_shape = coda::partials<TileShape>(M, N, false);
-  float* partial_2 = ws.floats(int64_t(L) * partial_2_shape.tiles * partial_2_shape.rows_padded);  // Reduce_col_min
+  float* partial_1 = ws.floats(partial_1_shape.size(L));  // Reduce_row_max
+  auto partial_2_shape = coda::column_partials<TileShape>(M, N, coda::kTileWarps<KernelSchedule>);
+  float* partial_2 = ws.floats(partial_2_shape.size(L));  // Reduce_col_min
   typename EVT::Arguments evt_args{
       {},  // Acc
       scalars,  // Region0
       {partial_0, 0.f, {cute::_1{}, cute::_0{}, int64_t(M)}},  // Reduce_amax
       {partial_1, -INFINITY, {cute::_1{}, cute::_0{}, int64_t(M)}},  // Reduce_row_max
-      {partial_2, INFINITY, {cute::_0{}, cute::_1{}, int64_t(N)}}  // Reduce_col_min
+      {partial_2, INFINITY, partial_2_shape.size(1), int64_t(N)}  // Reduce_col_min
   };
 
 

@@ -190,7 +190,7 @@ int64_t run(coda::Call const& call) {
       coda::aux_load_args<Load_x>(inputs[4]),  // Load_x
       scalars,  // Region0
       scalars,  // Region1
-      {outputs[0].data_ptr<float>(), 0.f, int64_t(N)},  // Reduce_dgamma
+      {outputs[0].data_ptr<float>(), 0.f, int64_t(N), 0},  // Reduce_dgamma
       scalars  // Region2
   };
 

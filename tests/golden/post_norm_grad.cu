@@ -217,7 +217,7 @@ int64_t run(coda::Call const& call) {
       coda::aux_load_args<Load_x>(inputs[5]),  // Load_x
       scalars,  // Region1
       scalars,  // Region2
-      {outputs[0].data_ptr<float>(), 0.f, int64_t(N)},  // Reduce_dgamma
+      {outputs[0].data_ptr<float>(), 0.f, int64_t(N), 0},  // Reduce_dgamma
       scalars  // Region3
   };
 

@@ -217,7 +217,7 @@ int64_t run(coda::Call const& call) {
   Scalars scalars{ float(call.scalars[0]), float(call.scalars[1]) };
   coda::Workspace ws(call);  // the kernel's own buffers first, then CUTLASS's
   auto partial_1_shape = coda::partials<TileShape>(M, N, true);
-  float* partial_1 = ws.floats(int64_t(L) * partial_1_shape.tiles * partial_1_shape.rows_padded);  // Reduce_rstd
+  float* partial_1 = ws.floats(partial_1_shape.size(L));  // Reduce_rstd
   typename EVT::Arguments evt_args{
       {},  // Acc
       coda::aux_load_args<Load_residual>(inputs[0]),  // Load_residual
