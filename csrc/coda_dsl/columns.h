@@ -4,8 +4,8 @@
 // (M, N); here only tiles that reach past them do. And on the pingpong tiles (128x128, 128x192) and the
 // cooperative 128x128 one its end-of-tile exchange indexes registers by lane: ptxas put its state in
 // local memory (352-832 byte stack frames) and left the loop rolled. Here every index is a compile-time one.
-// Each thread adds its values into one register per column it holds. At the tile's end the lanes of a
-// warp that share columns halve their registers at each exchange (a lane keeps half of its columns and
+// Each thread adds its values into one register per column it holds in the current epilogue subtile.
+// Once a column of subtiles is done, the lanes of a warp that share columns halve their registers at each exchange (a lane keeps half of its columns and
 // sends the other half to its partner; an odd count is exchanged whole), so each lane ends holding the
 // warp's totals of a few columns: one atomic per column and warp along m, 32 lanes at a time where a
 // thread's column count is a multiple of the lanes along m (8 on every GMMA tile).
@@ -58,7 +58,7 @@ struct ColumnReduction : DirectNode<ColumnReductionArguments> {
         : totals(totals), coords(coords), shape(shape), inside(inside), lanes(lanes), lane_m(lane_m),
           lane_n(lane_n), partial_row(partial_row), live(live), args(args) {}
 
-    Registers totals;   // one slot per column of this thread
+    Registers totals;   // one slot per column of this thread in the current epilogue subtile
     Coords coords;      // (m, n, l) of this thread's values
     Shape shape;        // (M, N, L)
     bool inside;        // the whole tile is inside (M, N): no value needs its bounds check
@@ -72,22 +72,24 @@ struct ColumnReduction : DirectNode<ColumnReductionArguments> {
     CUTLASS_DEVICE void accumulate(cutlass::Array<ElementInput, FragmentSize> const& frg_input, int epi_v,
                                    int epi_m, int epi_n) {
       cute::Tensor c = coords(cute::_, cute::_, cute::_, epi_m, epi_n);
-      cute::Tensor t = totals(cute::_, cute::_, cute::_, epi_m, epi_n);
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < FragmentSize; ++i) {
         int k = epi_v * FragmentSize + i;
-        if (!Checked || cute::elem_less(c(k), shape)) t(k) = Reduce<float>{}(t(k), float(frg_input[i]));
+        if (!Checked || cute::elem_less(c(k), shape)) totals(k) = Reduce<float>{}(totals(k), float(frg_input[i]));
       }
     }
 
-    CUTLASS_DEVICE void end() {
-      if (!live) return;  // uniform per tile
+    // CUTLASS's collective walks the subtiles epi_m within epi_n (and, with its separate stream-K reduction
+    // disabled, every subtile in one call): a subtile column's totals are complete after its last epi_m.
+    CUTLASS_DEVICE void end_loop(int epi_m, int epi_n) {
+      if (epi_m != decltype(cute::size<3>(coords))::value - 1 || !live) return;  // uniform per tile
       constexpr int kSlots = decltype(cute::size(cute::filter_zeros(totals)))::value;
       constexpr int kLanesM = decltype(cute::size<0>(lanes))::value;
       cute::Tensor slots = cute::filter_zeros(totals);
       float v[kSlots];
       CUTLASS_PRAGMA_UNROLL
       for (int s = 0; s < kSlots; ++s) v[s] = slots(s);
+      cute::fill(totals, args->identity);  // for the next subtile column
       constexpr int kSteps = cute::log_2(uint32_t(kLanesM));
       int first = 0;       // v[r] holds the totals of slot first + r
       bool writer = true;  // false: a lane whose partner holds the same totals and writes them
@@ -111,7 +113,7 @@ struct ColumnReduction : DirectNode<ColumnReductionArguments> {
         }
       });
       if (!writer) return;
-      cute::Tensor c = slot_coordinates(totals, coords);
+      cute::Tensor c = slot_coordinates(totals, coords(cute::_, cute::_, cute::_, 0, epi_n));
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < held_after(kSlots, kSteps); ++r) {
         auto crd = c(first + r);
@@ -124,7 +126,8 @@ struct ColumnReduction : DirectNode<ColumnReductionArguments> {
   template <bool ReferenceSrc, class... Args>
   CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
     auto [coords, shape] = thread_coordinates<ReferenceSrc>(args);
-    auto totals = statistic_registers<float, ReferenceSrc, false>(args);
+    auto totals = cute::make_tensor_like(  // one subtile's: (CPY, CPY_M, CPY_N)
+        statistic_registers<float, ReferenceSrc, false>(args)(cute::_, cute::_, cute::_, 0, 0));
     cute::fill(totals, this->params_ptr->identity);
     // partials: every warp holds all of a tile's columns (each gets a full row), TileWarps of them per tile
     auto [lanes, lane_m, lane_n] = warp_lanes<ReferenceSrc, TileWarps != 0>(args);
