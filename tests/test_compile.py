@@ -129,14 +129,15 @@ def column_statistics(acc, bias: cd.VecN):
     return {"D": h, "colsum": cd.sum(h, axis="m"), "colamax": cd.amax(h, axis="m")}
 
 
-@pytest.mark.parametrize("config", ["128x128x64_c2x1_pingpong", "128x48x64_c1x1_cooperative"])
-def test_column_statistics_stay_in_registers(toolchain, tmp_path, make_plan, config):
+@pytest.mark.parametrize("config, deterministic", [("128x128x64_c2x1_pingpong", False), ("128x128x64_c2x1_pingpong", True),
+                                                   ("128x96x64_c1x1_pingpong_e64x48", False)])
+def test_column_statistics_stay_in_registers(toolchain, tmp_path, make_plan, config, deterministic):
     """On the H200 rule's pingpong 128x128 tile, CUTLASS's Sm90RowReduction kept its state in local memory
-    (ptxas: an 832-byte stack frame for this epilogue); coda::ColumnReduction keeps none, also where its
-    lanes' exchange takes the odd branch (128x48: 12 columns per thread over 8 lanes). The device pass
-    alone, as a build compiles it, with ptxas's report."""
+    (ptxas: an 832-byte stack frame for this epilogue, 784 deterministic); coda::ColumnReduction keeps none,
+    in both modes, and where its lanes' exchange takes the odd branch (a 64x48 epilogue subtile: 12 columns
+    per thread over 8 lanes: 12, 6, then 3). The device pass alone, as a build compiles it, with ptxas's report."""
     from coda_dsl.build.tools import compile_command
-    plan = make_plan(column_statistics, config=Config.parse(config))
+    plan = make_plan(column_statistics, config=Config.parse(config), deterministic=deterministic)
     tu = tmp_path / "kernel.cu"
     tu.write_text(render(plan, "0" * 24, ""))
     r = subprocess.run(compile_command(toolchain) + ["-cubin", "-DCODA_DEVICE_PASS", "-Xptxas", "-v", str(tu),

@@ -204,10 +204,10 @@ SCHEDULER_CONFIGS = [runtime.tuning.PINGPONG.text, runtime.tuning.PINGPONG_192.t
                      runtime.tuning.PINGPONG.text + "_rm_s4"]
 VARIANTS += [((ep, torch.bfloat16, "nk"), dict(config=c)) for c in SCHEDULER_CONFIGS
              for ep in (row_stats, col_and_total_stats, swiglu)]
-# coda::ColumnReduction where a thread's column count does not halve evenly over the 8 lanes along m (12, 4
-# and 20 columns: its odd branch), and on the H200 rule's pingpong tile
+# coda::ColumnReduction on narrow tiles (128x48, 64x16, 128x80), on a 64x48 epilogue subtile, whose 12 columns
+# per thread halve to 6, then 3 over the 8 lanes along m (the exchange's odd branch), and on the H200 rule's tile
 COLUMN_CONFIGS = ["128x48x64_c1x1_cooperative", "64x16x64_c1x1_pingpong", "128x80x64_c2x1_pingpong",
-                  runtime.tuning.PINGPONG.text]
+                  "128x96x64_c1x1_pingpong_e64x48", runtime.tuning.PINGPONG.text]
 VARIANTS += [((column_mix, torch.bfloat16, "nk"), dict(config=c)) for c in COLUMN_CONFIGS]
 VARIANTS += [((column_mix, torch.bfloat16, "nk"), dict(config=runtime.tuning.PINGPONG.text, deterministic=True))]
 # the cross-entropy library's kernels, with their A/B dtype: forward variants (smoothing, softcap),
