@@ -79,13 +79,13 @@ CUTLASS_DEVICE bool tile_inside(cutlass::epilogue::fusion::ConsumerStoreArgs<Arg
   return (m + 1) * cute::size<0>(args.tile_shape_mnk) <= M && (n + 1) * cute::size<1>(args.tile_shape_mnk) <= N;
 }
 
-// Registers with one slot per row (OverN: a per-row statistic) or per column of this thread's values,
+// Registers with one slot per row (PerRow: a statistic over n) or per column of this thread's values,
 // indexed like those values (stride 0 along the reduced axis): what a statistic accumulates into.
-template <class T, bool ReferenceSrc, bool OverN, class... Args>
+template <class T, bool ReferenceSrc, bool PerRow, class... Args>
 CUTLASS_DEVICE auto statistic_registers(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
   auto [M, N, K, L] = args.problem_shape_mnkl;
   auto stride = [&] {
-    if constexpr (OverN) return cute::make_stride(cute::_1{}, cute::_0{}, M);
+    if constexpr (PerRow) return cute::make_stride(cute::_1{}, cute::_0{}, M);
     else return cute::make_stride(cute::_0{}, cute::_1{}, N);
   }();
   auto slots = cute::make_tensor(cute::make_gmem_ptr(static_cast<T*>(nullptr)),  // a layout only: never read
@@ -102,9 +102,9 @@ CUTLASS_DEVICE auto slot_coordinates(Registers const& registers, Coords const& c
 }
 
 // Which lanes of a warp hold the values of a tile's (m, n): the layout (lane along m, lane along n) -> lane
-// index, and this lane's (m, n) position in it, from the epilogue's thread-value layout. `Rows`: the values
-// of a tile row must lie in one warp (what a per-row statistic combines with shuffles alone).
-template <bool ReferenceSrc, bool Rows, class... Args>
+// index, and this lane's (m, n) position in it, from the epilogue's thread-value layout. RowInOneWarp: assert
+// that the values of a tile row lie in one warp (what shuffles alone combine, and a warp's row of partials holds).
+template <bool ReferenceSrc, bool RowInOneWarp, class... Args>
 CUTLASS_DEVICE auto warp_lanes(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
   using namespace cute;
   auto tile_mn = shape(typename decltype(args.tiled_copy)::Tiler_MN{});
@@ -114,7 +114,7 @@ CUTLASS_DEVICE auto warp_lanes(cutlass::epilogue::fusion::ConsumerStoreArgs<Args
   }();
   using Warps = Int<decltype(args.tiled_copy)::TiledNumThr::value / 32>;
   auto to_lane = composition(Layout<Shape<_32, Warps, _1>, Stride<_1, _0, _0>>{}, ref_layout);
-  if constexpr (Rows) {
+  if constexpr (RowInOneWarp) {
     auto to_warp = composition(Layout<Shape<_32, Warps, _1>, Stride<_0, _1, _0>>{}, ref_layout);
     static_assert(decltype(size(filter(get<1>(to_warp))))::value == 1,
                   "a per-row statistic needs the values of a tile row in one warp (every coda_dsl tile has that)");
