@@ -133,7 +133,10 @@ def specialization_from_options(ep: Epilogue, ab_dtype: str = "bf16", b_layout: 
             raise CliError(f"--operand-dtype {name}: epilogue '{ep.name}' has no tensor/vector operand "
                            f"{name!r} (it has: {', '.join(loads) or 'none'})")
         if name in indices:
-            raise CliError(f"--operand-dtype {name}: '{name}' holds cd.take's column indices, always int64")
+            if dt == "int64":
+                continue
+            raise CliError(f"--operand-dtype {name}={dt}: '{name}' holds cd.take's column indices, which are int64 "
+                           f"(leave it out of --operand-dtype)")
         if dt not in DTYPES:
             raise CliError(f"--operand-dtype {name}={dt}: dtype must be one of {', '.join(DTYPES)}")
     dtypes = {n: INDEX_DTYPE if n in indices else operand_dtypes.get(n, ab_dtype)

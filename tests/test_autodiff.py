@@ -826,6 +826,43 @@ def test_outputs_that_do_not_depend_on_the_accumulator_give_zero_gradients():
     assert torch.equal(b.grad, torch.full_like(b, 4.0))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_gradients_never_share_memory_with_the_incoming_gradient(dtype):
+    """acc + r: r's gradient is dy itself. Handed to autograd as (a view of) dy, it became r.grad, and the next
+    backward added into it in place: the caller's dy changed and r.grad, W.grad came out wrong."""
+    @cd.epilogue
+    def res(acc, r: cd.Tensor):
+        return acc + r
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 4, dtype=dtype)
+    w, r = torch.randn(3, 4, dtype=dtype, requires_grad=True), torch.randn(5, 3, dtype=dtype, requires_grad=True)
+    w_ref, r_ref = w.detach().clone().requires_grad_(), r.detach().clone().requires_grad_()
+    g = torch.randn(5, 3, dtype=dtype)
+    g0 = g.clone()
+    for _ in range(3):  # one incoming gradient, three accumulated backwards
+        cd.linear(x, w, res, backend="reference", r=r)["D"].backward(g)
+        (x @ w_ref.t() + r_ref).backward(g)
+    assert torch.equal(g, g0)
+    assert r.grad.untyped_storage().data_ptr() != g.untyped_storage().data_ptr()
+    assert torch.allclose(r.grad, r_ref.grad) and torch.allclose(w.grad.float(), w_ref.grad.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_fp16_keeps_its_accumulator_in_fp32():
+    """fp16 ends at 65504, this accumulator at 102400: kept for sin's derivative in fp16 it was inf (NaN
+    gradients); cd.linear keeps it in fp32."""
+    @cd.epilogue
+    def scaled_sin(acc):
+        return cd.sin(acc * 1e-5)
+
+    x, w = torch.full((2, 64), 40.0, dtype=torch.float16), torch.full((3, 64), 40.0, dtype=torch.float16)
+    x.requires_grad_(), w.requires_grad_()
+    cd.linear(x, w, scaled_sin, backend="reference")["D"].float().sum().backward()
+    xd, wd = (t.detach().double().requires_grad_() for t in (x, w))
+    torch.sin((xd @ wd.t()) * 1e-5).sum().backward()
+    assert rel_err(x.grad, xd.grad) < 1e-2 and rel_err(w.grad, wd.grad) < 1e-2
+
+
 def test_fused_backward_step_equals_the_eager_one():
     """On CUDA the derived program runs through torch.compile (runtime/torch_compile.py); here compiled on the CPU,
     with the operand kinds, a statistic output and column pairs (widths under symbolic shapes)."""

@@ -887,6 +887,24 @@ def test_linear_derived_backward_matches_reference(kernels, ep, make):
         assert _rel(got, want) <= 2e-2
 
 
+def test_linear_fp16_keeps_its_accumulator_in_fp32(kernels):
+    """fp16 ends at 65504, the accumulator here near 2e5: the fused forward keeps it for sin's derivative in
+    fp32 (kept in fp16 it was inf, and the gradients NaN)."""
+    @cd.epilogue
+    def scaled_sin(acc):
+        return cd.sin(acc * 1e-5)
+
+    m, n, k = 300, 264, 128
+    x = (torch.rand(m, k, device="cuda") * 40 + 20).half().requires_grad_()
+    w = (torch.rand(n, k, device="cuda") * 40 + 20).half().requires_grad_()
+    y = cd.linear(x, w, scaled_sin, backend="cutlass")["D"]
+    y.float().square().sum().backward()
+    xd, wd = (t.detach().double().requires_grad_() for t in (x, w))
+    torch.sin((xd @ wd.t()) * 1e-5).square().sum().backward()
+    assert x.grad.isfinite().all() and w.grad.isfinite().all()
+    assert _rel(x.grad, xd.grad) <= 1e-2 and _rel(w.grad, wd.grad) <= 1e-2
+
+
 def test_backward_epilogue_reading_an_output_back(kernels):
     """residual_rms's derived backward in the GEMM that produces D's gradient reads h back from the forward's
     D (saved_D), not its accumulator and residual: the kernel against the reference backend, ragged shape."""

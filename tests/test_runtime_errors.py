@@ -938,6 +938,8 @@ def test_bad_arguments_are_operand_errors(fake_kernels, backend):
              residual=torch.randn(2, M, N).bfloat16())
     with pytest.raises(OperandError, match="sparse"):
         call(a, b, two_outputs, residual=r.to_sparse())
+    with pytest.raises(OperandError, match="nested"):  # torch's error was an internal one
+        call(a, b, two_outputs, residual=torch.nested.nested_tensor([r[:3], r[3:]]))
 
 
 def test_compile_refuses_cpu_tensors_at_once(fake_kernels, monkeypatch):

@@ -128,7 +128,11 @@ class _Linear(torch.autograd.Function):
         if learnt := [n for i, n in enumerate(names) if n in back.ungraded and ctx.needs_input_grad[6 + i]]:
             raise UnsupportedError(f"cd.linear: epilogue '{ep.name}' reads cd.Scalar '{learnt[0]}' inside .then(...), "
                                    "where its gradient is not derived\n  fix: pass it as a number (no gradient)")
-        outs = gemm(x, w, derived.forward, **options, **operands)
+        # fp16's range ends at 65504, where an accumulator may not (cd.sin(acc * 1e-5)): saved in fp32 instead of
+        # inf (bf16 has fp32's range)
+        keep = {ACC: x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32)} \
+            if back.uses_acc and x.dtype == torch.float16 else None
+        outs = gemm(x, w, derived.forward, **options, **operands, out=keep)
         acc = outs.pop(ACC) if back.uses_acc else None
         statistics = [outs.pop(SAVED + o) if o in back.unfinished else outs[o] for o in back.saved]
         ctx.ep, ctx.consts, ctx.derived, ctx.frozen = ep, consts, derived, frozen
@@ -175,8 +179,12 @@ class _Linear(torch.autograd.Function):
         # torch gives, so that optimizers and DDP see the parameter used)
         grad_x = (dacc @ w if dacc is not None else torch.zeros_like(x)) if need_x else None
         grad_w = (dacc.t() @ x if dacc is not None else torch.zeros_like(w)) if need_w else None
-        grad_ops = [_shaped(got[n], t) if n in got and ctx.needs_input_grad[6 + i] else None
-                    for i, (n, t) in enumerate(zip(names, tensors))]
+        # a gradient that is an operand of the derivative (acc + r: r's is dy) may come back as (a view of) that
+        # tensor: it gets memory of its own, else autograd keeps the view as .grad and adds the next backward's
+        # gradient into it in place, changing the caller's dy
+        loaded = {o.name for o in derived.back.program.outputs if o.node.op == "load"}
+        grad_ops = [_shaped(got[n].clone() if n in loaded else got[n], t) if n in got and ctx.needs_input_grad[6 + i]
+                    else None for i, (n, t) in enumerate(zip(names, tensors))]
         return (None, None, None, None, grad_x, grad_w, *grad_ops)
 
 
@@ -248,7 +256,8 @@ def linear(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, /
 
 def forward_epilogue(epilogue: Epilogue, **consts) -> Epilogue:
     """The epilogue cd.linear's forward kernel runs: `epilogue`, with its accumulator as one more output
-    when the derivative reads it (e.g. to build that kernel ahead of the first call)."""
+    when the derivative reads it (e.g. to build that kernel ahead of the first call). That output takes A's
+    dtype; cd.linear passes out={"acc": an fp32 tensor} for fp16 A, whose range ends at 65504."""
     epilogue = _checked("forward_epilogue", epilogue, consts)
     return _derive(epilogue, consts, _no_derivative(epilogue)).forward
 

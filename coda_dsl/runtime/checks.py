@@ -45,6 +45,9 @@ def dtype_of(t: torch.Tensor, where: str, name: str, index: bool = False, fp64: 
 
 def dense(where: str, name: str, t: torch.Tensor) -> None:
     """Strided (dense) tensors only: the checks and the kernel read strides and data pointers."""
+    if t.is_nested:  # (torch's older nested tensors say strided)
+        raise fail(where, f"{name} is a nested tensor; coda_dsl reads dense (strided) tensors only",
+                   f"pass one dense tensor (torch.nested.to_padded_tensor({name}, 0.0), or its parts in turn)")
     if t.layout != torch.strided:
         raise fail(where, f"{name} is a {t.layout} tensor; coda_dsl reads dense (strided) tensors only",
                    f"pass {name}.to_dense()")
