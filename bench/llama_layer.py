@@ -43,6 +43,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
@@ -351,7 +352,7 @@ def report(config_name: str, config, seq: int, rows: list[LayerRow], failed: lis
     for f in failed:
         print(f"- FAILED {f}")
     path = save(rows, "llama_layer", command, failed=failed, config=config_name, seq=seq)
-    if json_path:
+    if json_path and Path(json_path).resolve() != path.resolve():  # (--json $OUT/llama_layer.json is that file)
         shutil.copyfile(path, json_path)
         path = json_path
     progress(f"results: {path}")

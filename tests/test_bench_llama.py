@@ -180,8 +180,11 @@ def test_layer_bench_reports_a_failing_variant(host_timing, capsys):
 
         def forward(self, *a, **k):
             raise RuntimeError("boom")
-    assert ll.main(["--config", "tiny", "--tokens", "32", "--seq", "16", "--iters", "1"], device="cpu",
-                   backend="reference", compile_fn=Broken) == 1
+    # --json naming the file the bench writes anyway ($OUT/llama_layer.json): no copy onto itself
+    json_path = str(host_timing[0] / "llama_layer.json")
+    assert ll.main(["--config", "tiny", "--tokens", "32", "--seq", "16", "--iters", "1", "--json", json_path],
+                   device="cpu", backend="reference", compile_fn=Broken) == 1
+    assert json.loads(Path(json_path).read_text())["meta"]["failed"]
     out = capsys.readouterr().out
     assert "- FAILED 32 tokens HF torch.compile: RuntimeError: boom" in out
     assert "| 32 | coda_dsl |" in out and "| 32 | HF torch.compile |" not in out
