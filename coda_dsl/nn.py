@@ -145,8 +145,9 @@ def _gained_wgrad(dacc, x, gamma, dtype: torch.dtype, backend: str) -> torch.Ten
 def residual_rms_backward(dout, drstd, out, rstd, inv_n: float):
     """out = acc + residual, outputs (out, rstd(out)) -> d acc (= d residual), in out's dtype: dout plus the
     gradient through rstd = rsqrt(mean(out^2) + eps), d rstd/d out = -rstd^3 out / N, in fp32 (as
-    _norm_backward's)."""
-    return (dout.float() - (drstd * rstd ** 3 * inv_n)[:, None] * out.float()).to(out.dtype)
+    _norm_backward's; fp64 for fp64)."""
+    f = torch.promote_types(out.dtype, torch.float32)
+    return (dout.to(f) - (drstd * rstd ** 3 * inv_n)[:, None] * out.to(f)).to(out.dtype)
 
 
 # ---------------------------------------------------------------- one autograd.Function per fused GEMM
@@ -282,7 +283,8 @@ def _mlp_gemms(h, hg, rstd, w_gate, w_up, w_down, eps: float, backend: str, gate
 @on_cuda
 def _swiglu_of_acc(acc: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
     """rms_swiglu's y from its saved accumulator (its reference semantics; one fused kernel on CUDA)."""
-    return evaluate_on(rms_swiglu.program, acc.float(), {"rstd": rstd}, {"D": dtype_name(acc.dtype)})["D"]
+    return evaluate_on(rms_swiglu.program, acc.to(torch.promote_types(acc.dtype, torch.float32)), {"rstd": rstd},
+                       {"D": dtype_name(acc.dtype)})["D"]
 
 
 def _release(t: torch.Tensor) -> None:
@@ -435,8 +437,8 @@ def input_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float, rstd: torch.Ten
 
 @on_cuda
 def input_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """rstd = rsqrt(mean(x^2) + eps) per row, in fp32: what `residual_rms` emits for the next layer."""
-    return torch.rsqrt(x.float().pow(2).mean(-1) + eps)
+    """rstd = rsqrt(mean(x^2) + eps) per row, in fp32 (fp64 for fp64): what `residual_rms` emits for the next layer."""
+    return torch.rsqrt(x.to(torch.promote_types(x.dtype, torch.float32)).pow(2).mean(-1) + eps)
 
 
 # ---------------------------------------------------------------- modules (HF parameter names)
@@ -714,6 +716,10 @@ class LlamaDecoderLayer(nn.Module):
         """Load a transformers LlamaDecoderLayer's state dict (the names are the same; older transformers'
         rotary_emb.inv_freq buffer is skipped: the layer makes its own). Checked whole before anything is
         copied: a missing or unexpected key (with strict) or a wrong shape leaves the layer as it was."""
+        return self.load_state_dict(self._checked_hf_state_dict(state_dict, strict), strict=strict)
+
+    def _checked_hf_state_dict(self, state_dict, strict: bool) -> dict:
+        """load_hf_state_dict's checks: the state dict without the skipped buffer, or an OperandError."""
         sd = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
         own = self.state_dict()
         missing, unexpected = sorted(own.keys() - sd.keys()), sorted(sd.keys() - own.keys())
@@ -727,7 +733,7 @@ class LlamaDecoderLayer(nn.Module):
                  if sd[k].shape != own[k].shape]
         if wrong:
             raise OperandError(f"{where}: shapes differ from this layer's config ({'; '.join(wrong)}); nothing loaded")
-        return self.load_state_dict(sd, strict=strict)
+        return sd
 
     def to_hf(self):
         """A transformers LlamaDecoderLayer with these weights, made from this layer's config (the same

@@ -59,6 +59,11 @@ def fully_shard_stack(root: torch.nn.Module, layers: torch.nn.ModuleList, mesh: 
     checkpointing of each layer (recomputed in the backward, parameters re-gathered by FSDP).
     mp_policy: a MixedPrecisionPolicy, None, or "auto" (mixed_precision_policy of the mesh's device)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    for i, layer in enumerate(layers):  # before anything is wrapped: FSDP2 would fail halfway through the stack
+        if strided := [n for n, p in layer.named_parameters() if not p.is_contiguous()]:
+            raise UnsupportedError(f"coda_dsl.parallel.fully_shard_stack: layer {i}'s parameter '{strided[0]}' is not "
+                                   "contiguous (a view into memory it shares), which FSDP2 cannot shard; nothing was "
+                                   "wrapped\n  fix: untie it first (coda_dsl.nn layers: layer.mlp.untie_gate_up())")
     if mp_policy == "auto":
         mp_policy = mixed_precision_policy(mesh.device_type)
     kw = {"mp_policy": mp_policy} if mp_policy is not None else {}
@@ -148,27 +153,33 @@ class TPLlamaDecoderLayer(LlamaDecoderLayer):
         o = causal_attention(*split_qkv(qkv, nh, nkv, hd), b, hd, dropout)
         # row-parallel o_proj: reduce, then the residual add and the post-attention norm's statistics, from
         # the fp32 sum as the fused epilogue (rms_producer) takes them
-        h32 = self._row_parallel(o, attn.o_proj.weight, group) + xf.float()
+        h32 = self._row_parallel(o, attn.o_proj.weight, group, xf)
         h, norm2 = h32.to(x.dtype), self.post_attention_layernorm
         rstd2 = input_rms(h32, norm2.variance_epsilon)
         hg, rstd2 = _CopyToTP.apply(group, (h32 * _local(norm2.weight)).to(x.dtype), rstd2)
         # column-parallel gate/up (the same rows of both, interleaved here), rstd + SwiGLU fused
         w_gu = interleave_gate_up(_local(mlp.gate_proj.weight), _local(mlp.up_proj.weight))
         y = cd.linear(hg, w_gu, rms_swiglu, rstd=rstd2, backend=backend)["D"]
-        out32 = self._row_parallel(y, mlp.down_proj.weight, group) + h.float()
+        out32 = self._row_parallel(y, mlp.down_proj.weight, group, h)
         out = out32.to(x.dtype).view(b, s, d)
         return (out, input_rms(out32, eps).view(b, s)) if return_rstd else out
 
     def load_hf_state_dict(self, state_dict, strict: bool = True):
         """A whole (unsharded) transformers layer's state dict, the same on every rank: each rank keeps its
-        shards (plain load_state_dict cannot copy whole tensors into DTensors)."""
+        shards (plain load_state_dict cannot copy whole tensors into DTensors). Checked as the unsharded
+        layer's: nothing is copied unless every key and shape fits."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-        return set_model_state_dict(self, dict(state_dict), options=StateDictOptions(full_state_dict=True,
-                                                                                      strict=strict))
+        from torch.nn.modules.module import _IncompatibleKeys
+        sd, own = self._checked_hf_state_dict(state_dict, strict), self.state_dict()
+        set_model_state_dict(self, {k: v for k, v in sd.items() if k in own},
+                             options=StateDictOptions(full_state_dict=True, strict=False))
+        return _IncompatibleKeys(sorted(own.keys() - sd.keys()), sorted(sd.keys() - own.keys()))
 
-    def _row_parallel(self, a: torch.Tensor, w: torch.Tensor, group) -> torch.Tensor:
-        """sum over ranks of a @ w_local^T, fp32."""
-        return _ReduceFromTP.apply(group, cd.linear(a, _local(w), fp32_partial, backend=self.backend)["D"])
+    def _row_parallel(self, a: torch.Tensor, w: torch.Tensor, group, residual: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of a @ w_local^T, plus the residual, in fp32 (fp64 for fp64)."""
+        ep = cd.identity if a.dtype == torch.float64 else fp32_partial
+        total = _ReduceFromTP.apply(group, cd.linear(a, _local(w), ep, backend=self.backend)["D"])
+        return total + residual.to(total.dtype)
 
 
 def tensor_parallel(layer: LlamaDecoderLayer, mesh: DeviceMesh) -> TPLlamaDecoderLayer:
@@ -194,7 +205,8 @@ def tensor_parallel(layer: LlamaDecoderLayer, mesh: DeviceMesh) -> TPLlamaDecode
     parallelize_module(layer, mesh, {f"{block}.{name}": row if name in ("o_proj", "down_proj") else col
                                      for block, name in PROJECTIONS})
     for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-        norm.weight = torch.nn.Parameter(distribute_tensor(norm.weight.data, mesh, [Replicate()]))
+        norm.weight = torch.nn.Parameter(distribute_tensor(norm.weight.data, mesh, [Replicate()]),
+                                         requires_grad=norm.weight.requires_grad)
     layer.__class__ = TPLlamaDecoderLayer
     layer.tp_mesh = mesh
     layer._tp_heads, layer._tp_kv_heads = attn.num_heads // world, attn.num_kv_heads // world

@@ -23,16 +23,17 @@ def rope_backward_reference(dq, dk, dv, y, rstd, pos, freq):
     """Backward of y = rope(rstd[m] * acc) for a fused QKV output y = [q | k | v], [M, Nq + 2 Nkv]: q's and
     k's column pairs (2j, 2j+1) of each head rotate by pos[m] * freq[j] (freq: [head_dim / 2], the same for
     every head), v's pass through. From the three parts' gradients: (d acc in dq's dtype, d rstd in fp32).
-    The rotation is orthogonal, so d rstd = sum_n dy * y / rstd."""
-    dy = torch.cat((dq, dk, dv), dim=1).float()
+    The rotation is orthogonal, so d rstd = sum_n dy * y / rstd. In fp32 (fp64 for an fp64 layer, as its forward)."""
+    f = torch.promote_types(dq.dtype, torch.float32)
+    dy = torch.cat((dq, dk, dv), dim=1).to(f)
     rotated = dq.shape[1] + dk.shape[1]
-    angle = pos.float()[:, None] * freq.float()[None, :]
+    angle = pos.to(f)[:, None] * freq.to(f)[None, :]
     cos, sin = angle.cos()[:, None], angle.sin()[:, None]  # the same for every head
     pairs = dy[:, :rotated].unflatten(-1, (-1, freq.numel(), 2))
     d0, d1 = pairs[..., 0], pairs[..., 1]
     back = torch.stack((d0 * cos + d1 * sin, d1 * cos - d0 * sin), dim=-1).flatten(1)
-    dacc = (torch.cat((back, dy[:, rotated:]), dim=1) * rstd.float()[:, None]).to(dq.dtype)
-    return dacc, (dy * y.float()).sum(-1) / rstd.float()
+    dacc = (torch.cat((back, dy[:, rotated:]), dim=1) * rstd.to(f)[:, None]).to(dq.dtype)
+    return dacc, (dy * y.to(f)).sum(-1) / rstd.to(f)
 
 
 # rope_backward's rows and heads per program, and warps: at Llama-3-8B's 8192 tokens on an H100 (ncu), 0.120 ms

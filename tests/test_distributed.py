@@ -134,6 +134,12 @@ def _fsdp_rank(rank, mesh):
     ref_loss = sum(ref(*seq) for seq in batch) / total
     ref_loss.backward()
 
+    tied = copy.deepcopy(model)  # gate and up stored interleaved: views FSDP2 cannot shard, said before any wrap
+    tied.layers[1].mlp.tie_gate_up()
+    with pytest.raises(cd.UnsupportedError, match="layer 1's parameter 'mlp.gate_proj.weight' is not contiguous"):
+        fully_shard_stack(tied, tied.layers, mesh, checkpoint=True)
+    assert all(type(m) is cdnn.LlamaDecoderLayer for m in tied.layers) and not isinstance(tied, FSDPModule)
+
     fully_shard_stack(model, model.layers, mesh, checkpoint=True)
     assert isinstance(model.layers[0], FSDPModule) and isinstance(model, FSDPModule)
     w = model.layers[0].self_attn.q_proj.weight
@@ -206,7 +212,8 @@ def _tp_rank(rank, mesh):
     dy, dr = torch.randn_like(x), torch.randn(2, 11)
 
     def run(m, dtype=torch.float32):
-        xi, ri = x.to(dtype, copy=True).requires_grad_(), rstd_in.clone().requires_grad_()
+        xi = x.to(dtype, copy=True).requires_grad_()
+        ri = rstd_in.to(torch.promote_types(dtype, torch.float32), copy=True).requires_grad_()  # fp64 for fp64
         y, r = m(xi, position_ids=pid, input_rstd=ri, return_rstd=True)
         (y.float() * dy).sum().add((r * dr).sum()).backward()  # the output and its rstd both carry gradient
         return y.detach(), r.detach(), xi.grad, ri.grad
@@ -245,11 +252,30 @@ def _tp_rank(rank, mesh):
         single, sharded = rel_err(runs[1][i], runs[0][i]), rel_err(runs[2][i], runs[0][i])
         assert sharded < 2 * single + 2e-3, (what, sharded, single)
 
-    # a whole (HF) state dict loads into the sharded layer: each rank keeps its shards
+    # a whole (HF) state dict loads into the sharded layer: each rank keeps its shards; checked as the unsharded
+    # layer's (an old checkpoint's inv_freq skipped, nothing copied unless every shape fits, missing keys said)
     fresh = tensor_parallel(random_layer(config), mesh)
-    fresh.load_hf_state_dict(ref.state_dict())
+    before = {n: p.full_tensor().clone() for n, p in fresh.named_parameters()}
+    bad = {**ref.state_dict(), "mlp.down_proj.weight": torch.zeros(64, 80)}
+    with pytest.raises(cd.OperandError, match="nothing loaded"):
+        fresh.load_hf_state_dict(bad)
+    for n, p in fresh.named_parameters():
+        assert torch.equal(p.full_tensor(), before[n]), n
+    partial = {k: v for k, v in ref.state_dict().items() if k != "self_attn.q_proj.weight"}
+    assert fresh.load_hf_state_dict(partial, strict=False).missing_keys == ["self_attn.q_proj.weight"]
+    fresh.load_hf_state_dict({**ref.state_dict(), "self_attn.rotary_emb.inv_freq": torch.ones(8)})
     for n, p in fresh.named_parameters():
         assert_close(p.full_tensor(), ref.state_dict()[n], f"loaded {n}")
+
+    # frozen norms stay frozen; an fp64 layer computes (and hands the next layer its rstd) in fp64
+    frozen = random_layer(config).requires_grad_(False)
+    assert not any(p.requires_grad for p in tensor_parallel(frozen, mesh).parameters())
+    l64 = random_layer(config).double()
+    want64 = run(copy.deepcopy(l64), torch.float64)
+    got64 = run(tensor_parallel(l64, mesh), torch.float64)
+    assert got64[1].dtype == torch.float64
+    for a, b, what in zip(got64, want64, ("out", "rstd", "dx", "d input_rstd")):
+        assert rel_err(a, b) < 1e-12, what
     # attention dropout would draw one mask for every rank's heads: refused in training
     dropped = tensor_parallel(random_layer(llama_config(attention_dropout=0.1)), mesh).train()
     with pytest.raises(cd.UnsupportedError, match="same masks for every rank's heads"):
