@@ -22,8 +22,9 @@ except ImportError:  # a CPU-only torch: the twins run instead
 def rope_backward_reference(dq, dk, dv, y, rstd, pos, freq):
     """Backward of y = rope(rstd[m] * acc) for a fused QKV output y = [q | k | v], [M, Nq + 2 Nkv]: q's and
     k's column pairs (2j, 2j+1) of each head rotate by pos[m] * freq[j] (freq: [head_dim / 2], the same for
-    every head), v's pass through. From the three parts' gradients: (d acc in dq's dtype, d rstd in fp32).
-    The rotation is orthogonal, so d rstd = sum_n dy * y / rstd. In fp32 (fp64 for an fp64 layer, as its forward)."""
+    every head), v's pass through. From the three parts' gradients: (d acc in dq's dtype, d rstd in the math's);
+    the math in fp32 (fp64 for fp64, as the reference backend's forward). The rotation is orthogonal, so
+    d rstd = sum_n dy * y / rstd."""
     f = torch.promote_types(dq.dtype, torch.float32)
     dy = torch.cat((dq, dk, dv), dim=1).to(f)
     rotated = dq.shape[1] + dk.shape[1]

@@ -826,41 +826,60 @@ def test_outputs_that_do_not_depend_on_the_accumulator_give_zero_gradients():
     assert torch.equal(b.grad, torch.full_like(b, 4.0))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-def test_gradients_never_share_memory_with_the_incoming_gradient(dtype):
-    """acc + r: r's gradient is dy itself. Handed to autograd as (a view of) dy, it became r.grad, and the next
-    backward added into it in place: the caller's dy changed and r.grad, W.grad came out wrong."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("pairwise", [False, True], ids=["operand", "columns of it"])
+def test_gradients_never_share_memory_with_the_incoming_gradient(dtype, pairwise):
+    """acc + r: r's gradient is dy itself; acc + interleave(r, s): r's is dy's even columns (at M = 1 a
+    contiguous view). Handed to autograd as (a view of) dy, it became r.grad, and the next backward added into
+    it in place: the caller's dy changed and r.grad, W.grad came out wrong. (bf16 and fp16 gradients are
+    rounded from fp32 math: new tensors.)"""
     @cd.epilogue
     def res(acc, r: cd.Tensor):
         return acc + r
 
+    @cd.epilogue
+    def res_pairs(acc, r: cd.Tensor, s: cd.Tensor):
+        return acc + cd.interleave(r, s)
+
     torch.manual_seed(0)
-    x = torch.randn(5, 4, dtype=dtype)
-    w, r = torch.randn(3, 4, dtype=dtype, requires_grad=True), torch.randn(5, 3, dtype=dtype, requires_grad=True)
-    w_ref, r_ref = w.detach().clone().requires_grad_(), r.detach().clone().requires_grad_()
-    g = torch.randn(5, 3, dtype=dtype)
+    m, n = (1, 2) if pairwise else (5, 3)
+    x, w = torch.randn(m, 4, dtype=dtype), torch.randn(n, 4, dtype=dtype, requires_grad=True)
+    ops = {"r": torch.randn(m, n // 2, dtype=dtype), "s": torch.randn(m, n // 2, dtype=dtype)} if pairwise else \
+        {"r": torch.randn(m, n, dtype=dtype)}
+    ops = {k: v.requires_grad_() for k, v in ops.items()}
+    g = torch.randn(m, n, dtype=dtype)
     g0 = g.clone()
     for _ in range(3):  # one incoming gradient, three accumulated backwards
-        cd.linear(x, w, res, backend="reference", r=r)["D"].backward(g)
-        (x @ w_ref.t() + r_ref).backward(g)
+        cd.linear(x, w, res_pairs if pairwise else res, backend="reference", **ops)["D"].backward(g)
     assert torch.equal(g, g0)
-    assert r.grad.untyped_storage().data_ptr() != g.untyped_storage().data_ptr()
-    assert torch.allclose(r.grad, r_ref.grad) and torch.allclose(w.grad.float(), w_ref.grad.float(), rtol=2e-2, atol=2e-2)
+    for t in ops.values():
+        assert t.grad.untyped_storage().data_ptr() != g.untyped_storage().data_ptr()
+    want = g0[:, 0::2] if pairwise else g0
+    assert torch.allclose(ops["r"].grad, 3 * want) and torch.allclose(w.grad, 3 * g0.t() @ x)
 
 
 def test_fp16_keeps_its_accumulator_in_fp32():
     """fp16 ends at 65504, this accumulator at 102400: kept for sin's derivative in fp16 it was inf (NaN
     gradients); cd.linear keeps it in fp32."""
+    from coda_dsl.runtime.autograd import forward_epilogue
+
     @cd.epilogue
     def scaled_sin(acc):
         return cd.sin(acc * 1e-5)
 
-    x, w = torch.full((2, 64), 40.0, dtype=torch.float16), torch.full((3, 64), 40.0, dtype=torch.float16)
-    x.requires_grad_(), w.requires_grad_()
-    cd.linear(x, w, scaled_sin, backend="reference")["D"].float().sum().backward()
-    xd, wd = (t.detach().double().requires_grad_() for t in (x, w))
+    def loss(x, w):
+        return cd.linear(x, w, scaled_sin, backend="reference")["D"].float().sum()
+
+    xd, wd = torch.full((2, 64), 40.0, dtype=torch.float64), torch.full((3, 64), 40.0, dtype=torch.float64)
+    xd.requires_grad_(), wd.requires_grad_()
     torch.sin((xd @ wd.t()) * 1e-5).sum().backward()
-    assert rel_err(x.grad, xd.grad) < 1e-2 and rel_err(w.grad, wd.grad) < 1e-2
+    for run in (loss, torch.compile(loss, fullgraph=True, backend="aot_eager")):  # the kernel's output dtype
+        x, w = (t.detach().half().requires_grad_() for t in (xd, wd))           # is the traced one's too
+        run(x, w).backward()
+        assert rel_err(x.grad, xd.grad) < 1e-2 and rel_err(w.grad, wd.grad) < 1e-2
+    outputs = lambda ep: {o.name: o.dtype for o in ep.program.outputs}  # noqa: E731  what a prebuild builds
+    assert outputs(forward_epilogue(scaled_sin, dtype=torch.float16))["acc"] == "fp32"
+    assert outputs(forward_epilogue(scaled_sin))["acc"] is None  # A's dtype: bf16 has fp32's range
 
 
 def test_fused_backward_step_equals_the_eager_one():

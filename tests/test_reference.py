@@ -180,6 +180,25 @@ def rounding(acc):
             "r16": cd.cast(cd.cast(acc, cd.float16), cd.float32), "twice": cd.cast(acc, cd.bfloat16) * 2}
 
 
+def test_gelu_is_the_kernels_formula_at_every_size():
+    """F.gelu's vectorized CPU path gave NaN at inf and inf at 3.4e38 (where one value alone, and a folded
+    constant, did not); the reference is the kernels' 0.5 x (1 + erf(x / sqrt 2)) at any size."""
+    @cd.epilogue
+    def g(acc, x: cd.Tensor):
+        return cd.gelu(x)
+
+    @cd.epilogue
+    def folded(acc):
+        return cd.gelu(float("inf")) + acc * 0.0
+
+    x = torch.tensor([[float("inf"), 3.4e38, 1.0, -3.0]])
+    got = cd.gemm(torch.zeros(1, 8), torch.zeros(4, 8), g, x=x, backend="reference")["D"]
+    want = 0.5 * x.double() * (1 + torch.erf(x.double() / math.sqrt(2)))
+    assert got[0, 0] == math.inf and got[0, 1] == 3.4e38 and torch.allclose(got[0, 2:].double(), want[0, 2:], rtol=2e-4)
+    alone = cd.gemm(torch.zeros(1, 8), torch.zeros(1, 8), g, x=x[:, :1], backend="reference")["D"]
+    assert alone.item() == math.inf == cd.gemm(torch.zeros(1, 8), torch.zeros(2, 8), folded, backend="reference")["D"][0, 0]
+
+
 def test_cast_rounds(seed):
     a, w = torch.randn(M, K), torch.randn(N, K)
     out = gemm(a, w, rounding)

@@ -18,11 +18,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def rope_forward(acc, rstd, pos, freq, hq, hk):
     """y = rope(rstd[m] * acc): q's and k's column pairs of every head rotate by pos * freq (in fp32, as the
-    epilogue computes it), v's pass."""
+    epilogue computes it; in fp64 for fp64, as the reference backend does), v's pass."""
     x = rstd[:, None] * acc
     rotated = (hq + hk) * 2 * freq.numel()
     pairs = x[:, :rotated].unflatten(-1, (-1, freq.numel(), 2))
-    angle = (pos.float()[:, None, None] * freq.float()[None, None, :]).to(acc.dtype)
+    f = torch.promote_types(acc.dtype, torch.float32)
+    angle = (pos.to(f)[:, None, None] * freq.to(f)[None, None, :]).to(acc.dtype)
     c, s = angle.cos(), angle.sin()
     x0, x1 = pairs[..., 0], pairs[..., 1]
     turned = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(1)
@@ -42,7 +43,7 @@ def test_rope_backward_reference_is_autograd_of_the_rotation(hq, hk, d):
     want_acc, want_rstd = torch.autograd.grad(y, (acc, rstd), dy)
     dq, dk, dv = dy.split((hq * d, hk * d, hk * d), dim=1)
     dacc, drstd = rope_backward_reference(dq, dk, dv, y.detach(), rstd.detach(), pos, freq)
-    assert dacc.dtype == dq.dtype and drstd.dtype == torch.float32
+    assert dacc.dtype == dq.dtype and drstd.dtype == torch.float64  # fp64 inputs: fp64 math (fp32 for narrower)
     torch.testing.assert_close(dacc, want_acc, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(drstd.double(), want_rstd, rtol=1e-4, atol=1e-4)
 

@@ -43,7 +43,8 @@ def minimum(a, b) -> Value:
 def clamp(x, min=None, max=None) -> Value:  # noqa: A002  (torch.clamp's names)
     """x limited to [min, max] like torch.clamp (bounds: numbers or traced values; either may be None; a NaN
     x or bound gives NaN). The gradient passes to x where min < x < max, none at a number bound, as torch's;
-    where x equals a traced bound it goes to the bound (torch's clamp splits it, half to each)."""
+    where x equals a traced bound it goes to the bound (torch's clamp splits it, half to each). x equal to a
+    bound gives the bound (what carries no gradient): -0.0 at min=0.0 gives 0.0, where torch keeps -0.0."""
     if min is None and max is None:
         raise fail("cd.clamp(x) needs min, max or both", "e.g. cd.clamp(x, -448.0, 448.0)")
     y = Value(lift(x))

@@ -6,7 +6,8 @@ width follows from what it is combined with (a cos table combined with a pair ha
 operands combined with nothing of known width are N wide, unless the program declares theirs
 (ir.Param.width). Uniform values, the same in every column of
 a row (scalars, constants, VecM operands and elementwise math or pair halves of only those), fit any
-width and get none: one such value may meet values of several widths.
+width and get none: one such value may meet values of several widths. An interleave of two of them is N
+wide (the kernels' interleave parts are the accumulator's even and odd columns).
 """
 from __future__ import annotations
 
@@ -84,6 +85,8 @@ def infer(program: ir.Program) -> dict[int, Fraction]:
             if rule == "double":
                 if known:
                     changed |= unify(n, id(n), known[0] * 2)
+                elif not ins:  # of uniform values: N wide (its parts are the accumulator's even and odd columns)
+                    changed |= unify(n, id(n), Fraction(1))
                 elif id(n) in width:
                     known = [width[id(n)] / 2]
             elif id(n) in width:

@@ -2,7 +2,7 @@
 (passes/autodiff.py), then the two GEMMs of a linear layer.
 
 Forward: the fused GEMM, with the accumulator as one more output when the derivative reads it (in
-A's dtype: the pre-activation that training frameworks save), and, for a statistic finished by .then
+A's dtype: the pre-activation that training frameworks save; fp32 for fp16, whose range ends at 65504), and, for a statistic finished by .then
 whose derivative reads it, the statistic before .then (output saved_<name>); outputs the derivative
 reads back (a residual stream) are saved as they are. Backward: the derived epilogue on the
 saved accumulator gives dacc and the operands' gradients (its reference semantics as torch ops; on
@@ -88,10 +88,11 @@ class _Derived:
 
 
 @made_once  # for the process's life: one small entry per epilogue, consts and outputs left out
-def _derived(uid: str, consts: tuple, no_grad: tuple[str, ...], reuse: tuple[str, ...] | None) -> _Derived:
+def _derived(uid: str, consts: tuple, no_grad: tuple[str, ...], reuse: tuple[str, ...] | None,
+             acc_dtype: str | None) -> _Derived:
     """The derivation of the epilogue named uid with these (name, value) consts, leaving out no_grad's
-    outputs, reading back reuse's outputs (None: derive's choice). Inside torch.compile, Dynamo calls this
-    instead of tracing it (a pass over the IR)."""
+    outputs, reading back reuse's outputs (None: derive's choice), the forward keeping the accumulator in
+    acc_dtype (None: A's). Inside torch.compile, Dynamo calls this instead of tracing it (a pass over the IR)."""
     ep = Epilogue.by_uid(uid)
     back = derive(specialize(ep.program, dict(consts)), no_grad, reuse)
     p, forward = ep.program, ep
@@ -100,18 +101,22 @@ def _derived(uid: str, consts: tuple, no_grad: tuple[str, ...], reuse: tuple[str
     if taken:
         raise OperandError(f"epilogue '{ep.name}' has an output named '{taken[0]}', the name cd.linear's forward "
                            "kernel gives a value its derivative reads: rename that output to differentiate it")
-    extra = ((ir.Output(ACC, ir.acc(), None),) if back.uses_acc else ()) + tuple(
+    extra = ((ir.Output(ACC, ir.acc(), acc_dtype),) if back.uses_acc else ()) + tuple(
         ir.Output(SAVED + o, ir.reduction_of(p.output(o).node), None) for o in back.unfinished)
     if extra:
         forward = Epilogue.of_program(ir.Program(p.name, p.params, (*p.outputs, *extra), p.defined_at, p.locations))
     return _Derived(forward, back)
 
 
-def _derive(ep: Epilogue, consts: dict, no_grad: tuple[str, ...] = (), reuse: tuple[str, ...] | None = None) \
-        -> _Derived:
-    """The epilogue's derivation (made once), in a form torch.compile(fullgraph=True) traces."""
+def _derive(ep: Epilogue, consts: dict, no_grad: tuple[str, ...] = (), reuse: tuple[str, ...] | None = None,
+            a_dtype: torch.dtype | None = None) -> _Derived:
+    """The epilogue's derivation (made once), in a form torch.compile(fullgraph=True) traces. a_dtype: A's,
+    which picks the dtype the forward keeps the accumulator in."""
     consts = {k: torch_compile.constant(v) for k, v in consts.items()} if torch.compiler.is_compiling() else consts
-    return _derived(ep.uid, tuple(sorted(consts.items())), tuple(sorted(no_grad)), reuse)
+    # fp16's range ends at 65504, where an accumulator may not (cd.sin(acc * 1e-5)): kept in fp32 rather than inf
+    # (bf16 has fp32's range)
+    acc_dtype = "fp32" if a_dtype == torch.float16 else None
+    return _derived(ep.uid, tuple(sorted(consts.items())), tuple(sorted(no_grad)), reuse, acc_dtype)
 
 
 class _Linear(torch.autograd.Function):
@@ -123,16 +128,12 @@ class _Linear(torch.autograd.Function):
         # statistics with no derivative yet (cd.max/min/amax/take, e.g. an fp8 scale's amax) are computed, and
         # refused only if a gradient reaches them (inside torch.compile: refused by linear())
         frozen = _no_derivative(ep)
-        derived = _derive(ep, consts, frozen)
+        derived = _derive(ep, consts, frozen, a_dtype=x.dtype)
         back = derived.back
         if learnt := [n for i, n in enumerate(names) if n in back.ungraded and ctx.needs_input_grad[6 + i]]:
             raise UnsupportedError(f"cd.linear: epilogue '{ep.name}' reads cd.Scalar '{learnt[0]}' inside .then(...), "
                                    "where its gradient is not derived\n  fix: pass it as a number (no gradient)")
-        # fp16's range ends at 65504, where an accumulator may not (cd.sin(acc * 1e-5)): saved in fp32 instead of
-        # inf (bf16 has fp32's range)
-        keep = {ACC: x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32)} \
-            if back.uses_acc and x.dtype == torch.float16 else None
-        outs = gemm(x, w, derived.forward, **options, **operands, out=keep)
+        outs = gemm(x, w, derived.forward, **options, **operands)
         acc = outs.pop(ACC) if back.uses_acc else None
         statistics = [outs.pop(SAVED + o) if o in back.unfinished else outs[o] for o in back.saved]
         ctx.ep, ctx.consts, ctx.derived, ctx.frozen = ep, consts, derived, frozen
@@ -179,13 +180,24 @@ class _Linear(torch.autograd.Function):
         # torch gives, so that optimizers and DDP see the parameter used)
         grad_x = (dacc @ w if dacc is not None else torch.zeros_like(x)) if need_x else None
         grad_w = (dacc.t() @ x if dacc is not None else torch.zeros_like(w)) if need_w else None
-        # a gradient that is an operand of the derivative (acc + r: r's is dy) may come back as (a view of) that
-        # tensor: it gets memory of its own, else autograd keeps the view as .grad and adds the next backward's
-        # gradient into it in place, changing the caller's dy
-        loaded = {o.name for o in derived.back.program.outputs if o.node.op == "load"}
-        grad_ops = [_shaped(got[n].clone() if n in loaded else got[n], t) if n in got and ctx.needs_input_grad[6 + i]
+        read = {o.name for o in derived.back.program.outputs if _reads_an_operand(o.node)}
+        grad_ops = [_shaped(_own(got[n]) if n in read else got[n], t) if n in got and ctx.needs_input_grad[6 + i]
                     else None for i, (n, t) in enumerate(zip(names, tensors))]
         return (None, None, None, None, grad_x, grad_w, *grad_ops)
+
+
+def _reads_an_operand(node: ir.Node) -> bool:
+    """Whether the reference backend's value of node may be (a view of) an operand: a load, or columns of one."""
+    while node.op == "pair":
+        node = node.inputs[0]
+    return node.op == "load"
+
+
+def _own(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient that may be (a view of) one the derivative read (acc + r: r's is dy) in memory of its own:
+    autograd would keep a view as .grad and add the next backward's gradient into it in place, changing the
+    caller's dy. Only fp32 and fp64 values can be one: a narrower one was rounded from the math's fp32."""
+    return grad.clone() if grad.dtype in (torch.float32, torch.float64) else grad
 
 
 def _no_derivative(ep: Epilogue) -> tuple[str, ...]:
@@ -254,12 +266,12 @@ def linear(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, /
     return dict(zip(ep.output_names, outs))
 
 
-def forward_epilogue(epilogue: Epilogue, **consts) -> Epilogue:
-    """The epilogue cd.linear's forward kernel runs: `epilogue`, with its accumulator as one more output
-    when the derivative reads it (e.g. to build that kernel ahead of the first call). That output takes A's
-    dtype; cd.linear passes out={"acc": an fp32 tensor} for fp16 A, whose range ends at 65504."""
-    epilogue = _checked("forward_epilogue", epilogue, consts)
-    return _derive(epilogue, consts, _no_derivative(epilogue)).forward
+def forward_epilogue(epilogue: Epilogue, dtype: torch.dtype = torch.bfloat16, **consts) -> Epilogue:
+    """The epilogue cd.linear's forward kernel runs for A of this dtype: `epilogue`, with its accumulator
+    as one more output when the derivative reads it (in A's dtype; fp32 for fp16), e.g. to build that
+    kernel ahead of the first call."""
+    epilogue = _checked("forward_epilogue", epilogue, consts, ("dtype",))
+    return _derive(epilogue, consts, _no_derivative(epilogue), a_dtype=dtype).forward
 
 
 def _checked(api: str, epilogue, consts: dict, options: tuple[str, ...] = ()) -> Epilogue:
