@@ -85,7 +85,7 @@ def infer(program: ir.Program) -> dict[int, Fraction]:
             if rule == "double":
                 if known:
                     changed |= unify(n, id(n), known[0] * 2)
-                elif not ins:  # of uniform values: N wide (its parts are the accumulator's even and odd columns)
+                elif not ins:  # of uniform values: N wide (see above)
                     changed |= unify(n, id(n), Fraction(1))
                 elif id(n) in width:
                     known = [width[id(n)] / 2]

@@ -2,9 +2,9 @@
 (passes/autodiff.py), then the two GEMMs of a linear layer.
 
 Forward: the fused GEMM, with the accumulator as one more output when the derivative reads it (in
-A's dtype: the pre-activation that training frameworks save; fp32 for fp16, whose range ends at 65504), and, for a statistic finished by .then
-whose derivative reads it, the statistic before .then (output saved_<name>); outputs the derivative
-reads back (a residual stream) are saved as they are. Backward: the derived epilogue on the
+A's dtype: the pre-activation that training frameworks save; fp32 for fp16, whose range ends at 65504),
+and, for a statistic finished by .then whose derivative reads it, the statistic before .then (output
+saved_<name>); outputs the derivative reads back (a residual stream) are saved as they are. Backward: the derived epilogue on the
 saved accumulator gives dacc and the operands' gradients (its reference semantics as torch ops; on
 CUDA through torch.compile, which fuses them into a kernel or two instead of a pass per op), then
 grad_x = dacc @ W and grad_W = dacc^T x.
