@@ -716,10 +716,11 @@ class LlamaDecoderLayer(nn.Module):
         """Load a transformers LlamaDecoderLayer's state dict (the names are the same; older transformers'
         rotary_emb.inv_freq buffer is skipped: the layer makes its own). Checked whole before anything is
         copied: a missing or unexpected key (with strict) or a wrong shape leaves the layer as it was."""
-        return self.load_state_dict(self._checked_hf_state_dict(state_dict, strict), strict=strict)
+        return self.load_state_dict(self._checked_hf_state_dict(state_dict, strict)[0], strict=strict)
 
-    def _checked_hf_state_dict(self, state_dict, strict: bool) -> dict:
-        """load_hf_state_dict's checks: the state dict without the skipped buffer, or an OperandError."""
+    def _checked_hf_state_dict(self, state_dict, strict: bool) -> tuple[dict, list[str], list[str]]:
+        """load_hf_state_dict's checks: (the state dict without the skipped buffer, missing keys, unexpected
+        keys), or an OperandError."""
         sd = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
         own = self.state_dict()
         missing, unexpected = sorted(own.keys() - sd.keys()), sorted(sd.keys() - own.keys())
@@ -733,7 +734,7 @@ class LlamaDecoderLayer(nn.Module):
                  if sd[k].shape != own[k].shape]
         if wrong:
             raise OperandError(f"{where}: shapes differ from this layer's config ({'; '.join(wrong)}); nothing loaded")
-        return sd
+        return sd, missing, unexpected
 
     def to_hf(self):
         """A transformers LlamaDecoderLayer with these weights, made from this layer's config (the same

@@ -170,10 +170,10 @@ class TPLlamaDecoderLayer(LlamaDecoderLayer):
         layer's: nothing is copied unless every key and shape fits."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         from torch.nn.modules.module import _IncompatibleKeys
-        sd, own = self._checked_hf_state_dict(state_dict, strict), self.state_dict()
-        set_model_state_dict(self, {k: v for k, v in sd.items() if k in own},
+        sd, missing, unexpected = self._checked_hf_state_dict(state_dict, strict)
+        set_model_state_dict(self, {k: v for k, v in sd.items() if k not in unexpected},
                              options=StateDictOptions(full_state_dict=True, strict=False))
-        return _IncompatibleKeys(sorted(own.keys() - sd.keys()), sorted(sd.keys() - own.keys()))
+        return _IncompatibleKeys(missing, unexpected)
 
     def _row_parallel(self, a: torch.Tensor, w: torch.Tensor, group, residual: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of a @ w_local^T, plus the residual, in fp32 (fp64 for fp64)."""

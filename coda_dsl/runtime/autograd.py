@@ -4,10 +4,10 @@
 Forward: the fused GEMM, with the accumulator as one more output when the derivative reads it (in
 A's dtype: the pre-activation that training frameworks save; fp32 for fp16, whose range ends at 65504),
 and, for a statistic finished by .then whose derivative reads it, the statistic before .then (output
-saved_<name>); outputs the derivative reads back (a residual stream) are saved as they are. Backward: the derived epilogue on the
-saved accumulator gives dacc and the operands' gradients (its reference semantics as torch ops; on
-CUDA through torch.compile, which fuses them into a kernel or two instead of a pass per op), then
-grad_x = dacc @ W and grad_W = dacc^T x.
+saved_<name>); outputs the derivative reads back (a residual stream) are saved as they are. Backward:
+the derived epilogue on the saved accumulator gives dacc and the operands' gradients (its reference
+semantics as torch ops; on CUDA through torch.compile, which fuses them into a kernel or two instead of a
+pass per op), then grad_x = dacc @ W and grad_W = dacc^T x.
 """
 from __future__ import annotations
 
@@ -180,24 +180,9 @@ class _Linear(torch.autograd.Function):
         # torch gives, so that optimizers and DDP see the parameter used)
         grad_x = (dacc @ w if dacc is not None else torch.zeros_like(x)) if need_x else None
         grad_w = (dacc.t() @ x if dacc is not None else torch.zeros_like(w)) if need_w else None
-        read = {o.name for o in derived.back.program.outputs if _reads_an_operand(o.node)}
-        grad_ops = [_shaped(_own(got[n]) if n in read else got[n], t) if n in got and ctx.needs_input_grad[6 + i]
-                    else None for i, (n, t) in enumerate(zip(names, tensors))]
+        grad_ops = [_shaped(got[n], t) if n in got and ctx.needs_input_grad[6 + i] else None
+                    for i, (n, t) in enumerate(zip(names, tensors))]
         return (None, None, None, None, grad_x, grad_w, *grad_ops)
-
-
-def _reads_an_operand(node: ir.Node) -> bool:
-    """Whether the reference backend's value of node may be (a view of) an operand: a load, or columns of one."""
-    while node.op == "pair":
-        node = node.inputs[0]
-    return node.op == "load"
-
-
-def _own(grad: torch.Tensor) -> torch.Tensor:
-    """A gradient that may be (a view of) one the derivative read (acc + r: r's is dy) in memory of its own:
-    autograd would keep a view as .grad and add the next backward's gradient into it in place, changing the
-    caller's dy. Only fp32 and fp64 values can be one: a narrower one was rounded from the math's fp32."""
-    return grad.clone() if grad.dtype in (torch.float32, torch.float64) else grad
 
 
 def _no_derivative(ep: Epilogue) -> tuple[str, ...]:

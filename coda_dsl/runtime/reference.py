@@ -24,9 +24,21 @@ def accumulator(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.matmul(a.float(), b.float().transpose(-1, -2))
 
 
+def _math_dtype(acc: torch.Tensor) -> torch.dtype:
+    """The math's precision: fp32, or fp64 when the accumulator is (autodiff's checks)."""
+    return acc.dtype if acc.dtype == torch.float64 else torch.float32
+
+
 def _real(t: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
-    """A loaded value in the math's precision: fp32, or fp64 when the accumulator is (autodiff's checks)."""
-    return t.to(acc.dtype if acc.dtype == torch.float64 else torch.float32)
+    """A loaded value in the math's precision (the operand itself where it already is)."""
+    return t.to(_math_dtype(acc))
+
+
+def _operand_memory(node: ir.Node, operands: dict, acc: torch.Tensor) -> bool:
+    """Whether node's value may be (a view of) an operand tensor: a load that _real kept, or columns of one."""
+    while node.op == "pair":
+        node = node.inputs[0]
+    return node.op == "load" and operands[node.attr[1]].dtype == _math_dtype(acc)
 
 
 def _leaf(node: ir.Node, operands: dict, acc: torch.Tensor) -> torch.Tensor:
@@ -119,7 +131,8 @@ def evaluate_on(program: ir.Program, acc: torch.Tensor, operands: dict,
     """The program on a given accumulator: fp32 (the semantics), or fp64 for autodiff's checks, where the
     math stays in fp64 and is differentiable by torch.autograd. An out dtype None keeps the math's. share:
     outputs of one value and dtype are one tensor (a derived backward's dacc and a residual's gradient:
-    one store, not two)."""
+    one store, not two). No output shares memory with an operand (acc + r: r's gradient is dy itself, which
+    autograd would keep as .grad and add the next backward's gradient into, in place)."""
     widths = infer_widths(program)
     values = _evaluate(ir.walk(program), {}, operands, acc, widths)
     result, made = {}, {}
@@ -134,5 +147,7 @@ def evaluate_on(program: ir.Program, acc: torch.Tensor, operands: dict,
         elif o.node.op == "finish":  # constants in the expression must not shrink the statistic's shape
             v = torch.broadcast_to(v, values[id(o.node.inputs[0])].shape)
         dtype = out_dtypes.get(o.name)
-        result[o.name] = made[key] = (v.to(DTYPES[dtype][0]) if dtype else v).contiguous()
+        v = v.to(DTYPES[dtype][0]) if dtype else v
+        kept = v.dtype == _math_dtype(acc) and _operand_memory(o.node, operands, acc)  # decided on dtypes: traces
+        result[o.name] = made[key] = v.clone(memory_format=torch.contiguous_format) if kept else v.contiguous()
     return result

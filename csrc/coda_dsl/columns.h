@@ -5,8 +5,9 @@
 // cooperative 128x128 one its end-of-tile exchange indexes registers by lane: ptxas put its state in
 // local memory (352-832 byte stack frames) and left the loop rolled. Here every index is a compile-time one.
 // Each thread adds its values into one register per column it holds in the current epilogue subtile.
-// Once a column of subtiles is done, the lanes of a warp that share columns halve their registers at each exchange (a lane keeps half of its columns and
-// sends the other half to its partner; an odd count is exchanged whole), so each lane ends holding the
+// Once a column of subtiles is done, the lanes of a warp that share columns halve their registers at each
+// exchange (a lane keeps half of its columns and sends the other half to its partner; an odd count is
+// exchanged whole), so each lane ends holding the
 // warp's totals of a few columns: one atomic per column and warp along m, 32 lanes at a time where a
 // thread's column count is a multiple of the lanes along m (8 on every GMMA tile).
 // Deterministic mode: the same, but each warp stores its totals into a row of per-tile partials of its own
