@@ -164,6 +164,11 @@ class Program:
     def where(self, node: Node) -> str:
         return self.locations.get(id(node), self.defined_at)
 
+    @property
+    def title(self) -> str:
+        """How messages name the epilogue: "epilogue 'f' (file.py:line)"."""
+        return f"epilogue '{self.name}' ({self.defined_at})"
+
 
 def topo_order(roots, inputs: Callable[[Node], tuple] = lambda n: n.inputs) -> list[Node]:
     """Every node reachable from roots through inputs(n) (its inputs, unless the caller stops early or adds a

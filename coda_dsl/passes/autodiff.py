@@ -177,7 +177,7 @@ def derive(program: ir.Program, no_grad: tuple[str, ...] = (), reuse: tuple[str,
     incoming gradient is zero (e.g. a pre-activation stored for the backward): no grad_<name> for them.
     reuse: the [M, N] outputs it may read back (Backward.reused of the derivation whose saved values the
     caller holds); None: chosen here."""
-    where = f"epilogue '{program.name}' ({program.defined_at})"
+    where = program.title
     if unknown := set(no_grad) - {o.name for o in program.outputs}:
         raise UnsupportedError(f"{where}: no_grad names {sorted(unknown)}, which are not outputs of the epilogue "
                                f"({', '.join(o.name for o in program.outputs)})")
@@ -265,7 +265,7 @@ def into_producer(back: Backward, output: str = "D", split: bool = False, recomp
     forward outputs to compute again from saved_acc, as outputs recomputed_<name>, so that the forward
     need not keep them for the backward (e.g. SwiGLU's y, an operand of W_down's gradient)."""
     program = back.program
-    where = f"epilogue '{program.name}' ({program.defined_at})"
+    where = program.title
     if output not in back.grads:
         raise UnsupportedError(f"{where}: the forward has no output '{output}' with a gradient; those with one: "
                                f"{sorted(back.grads)}")

@@ -77,14 +77,14 @@ def accumulate_into_d(program: ir.Program) -> ir.Program:
     """D += value: the stored D becomes its prior contents plus what the epilogue computes."""
     d = program.output("D")
     if d is None:
-        raise EpilogueError(f"epilogue '{program.name}' ({program.defined_at}) has no D output to accumulate into")
+        raise EpilogueError(f"{program.title} has no D output to accumulate into")
     if ir.reduction_of(d.node) is not None:
-        raise EpilogueError(f"epilogue '{program.name}' ({program.defined_at}): its D is a reduction; accumulate=True "
+        raise EpilogueError(f"{program.title}: its D is a reduction; accumulate=True "
                             "adds an [M, N] D into out['D'] as the tiles store it\n  fix: add the reduction's result "
                             "yourself (t += cd.gemm(...)['D'])")
     width = infer(program).get(id(d.node), 1)
     if width != 1:  # stored by the pair store, not CUTLASS's D: no prior D to read
-        raise UnsupportedError(f"epilogue '{program.name}' ({program.defined_at}): accumulate=True needs an N-wide D; "
+        raise UnsupportedError(f"{program.title}: accumulate=True needs an N-wide D; "
                                f"this D is {width_text(width)} wide (a cd.pairs / cd.interleave result)\n  fix: "
                                "add it yourself (out['D'] += cd.gemm(...)['D'])")
     value = _unrounded(d)  # the sum is rounded once, when stored

@@ -44,7 +44,8 @@ class Call:
 
 
 def _where(ep: Epilogue) -> str:
-    return f"cd.gemm(epilogue '{ep.name}' from {ep.defined_at})"
+    """The prefix of a call's messages (cd.gemm's, a CompiledOp's, cd.linear's): the epilogue called."""
+    return ep.program.title
 
 
 def _normalize(ep: Epilogue, a, b, operands: dict, out: dict | None = None) -> Call:
@@ -106,7 +107,7 @@ def _check_number(where: str, p: ir.Param, v) -> None:
 def check_consts(api: str, ep: Epilogue, consts: dict, options: tuple[str, ...] = ()) -> None:
     """The cd.Const values given to `api` (a derivation: no operands but these): each one the epilogue
     declares, a number, and nothing else (a misspelt option of api's lands here)."""
-    where = f"{api} (epilogue '{ep.name}' from {ep.defined_at})"
+    where = f"{api} ({ep.program.title})"
     declared = [p for p in ep.params if p.kind == "const"]
     names = [p.name for p in declared]
     _check_names(where, names, consts, "keyword(s)", "cd.Const value(s)", f"the epilogue's cd.Const parameters are "
