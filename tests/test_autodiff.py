@@ -651,6 +651,8 @@ def test_linear_refuses_what_it_cannot_differentiate():
         cd.linear(torch.randn(2, 4, 8), torch.randn(8, 8), backend="reference")
     with pytest.raises(cd.OperandError, match="B must be a 2-D weight"):  # not cd.gemm's advice for batched B
         cd.linear(x, torch.randn(1, 8, 8), backend="reference")
+    with pytest.raises(cd.OperandError, match="B must be a 2-D weight"):  # both batched: flattening A cannot help
+        cd.linear(torch.randn(2, 4, 8), torch.randn(2, 8, 8), backend="reference")
     for option in ({"out": {"D": torch.empty(4, 8)}}, {"accumulate": True}):
         with pytest.raises(cd.OperandError, match="autograd cannot record"):
             cd.linear(x, torch.randn(8, 8), backend="reference", **option)

@@ -345,7 +345,8 @@ def test_compile_only_build_keeps_the_kernel_and_export_skips_an_edited_source(c
 
 def test_cache_import_rejects_what_is_not_a_checked_entry(capsys, tmp_path, monkeypatch):
     """A member outside <key>/{kernel.so,kernel.cu,meta.json}, a link, a kernel.so that does not match its
-    meta.json: reported and not added; the good entry beside them is added. A broken file: a clear error."""
+    meta.json: reported and not added; the good entry beside them is added (its folder's own member passes
+    unreported). A broken file: a clear error."""
     import io
     import json
     import tarfile
@@ -354,6 +355,9 @@ def test_cache_import_rejects_what_is_not_a_checked_entry(capsys, tmp_path, monk
     _entry(tmp_path, bad, b"bad!")
     path = tmp_path / "x.tar.gz"
     with tarfile.open(path, "w:gz") as tar:
+        folder = tarfile.TarInfo(good)  # an entry's folder, as `tar czf x.tar.gz <key>` adds it: not rejected
+        folder.type = tarfile.DIRTYPE
+        tar.addfile(folder)
         for k in (good, bad):
             for name in ("kernel.so", "meta.json"):
                 data = (cache.entry_dir(k) / name).read_bytes()

@@ -489,6 +489,8 @@ def _commit_members(tar: tarfile.TarFile, tmp: Path, result: Imported) -> None:
     got: dict[str, dict[str, Path]] = {}
     for m in tar.getmembers():
         key, _, name = m.name.partition("/")
+        if m.isdir() and KEY_RE.fullmatch(m.name.rstrip("/")):  # an entry's folder, as plain `tar` adds it
+            continue
         if not (KEY_RE.fullmatch(key) and name in PORTABLE and m.isreg()):
             result.rejected.append(f"{m.name}: not <key>/{{{','.join(PORTABLE)}}} as a regular file")
             continue

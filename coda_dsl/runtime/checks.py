@@ -47,10 +47,10 @@ def dense(where: str, name: str, t: torch.Tensor) -> None:
     """Strided (dense) tensors only: the checks and the kernel read strides and data pointers."""
     if t.is_nested:  # (torch's older nested tensors say strided)
         raise fail(where, f"{name} is a nested tensor; coda_dsl reads dense (strided) tensors only",
-                   f"pass one dense tensor (torch.nested.to_padded_tensor({name}, 0.0), or its parts in turn)")
+                   f"pass one dense tensor (torch.nested.to_padded_tensor({_bare(name)}, 0.0), or its parts in turn)")
     if t.layout != torch.strided:
         raise fail(where, f"{name} is a {t.layout} tensor; coda_dsl reads dense (strided) tensors only",
-                   f"pass {name}.to_dense()")
+                   f"pass {_bare(name)}.to_dense()")
 
 
 def tensor(where: str, name: str, t, shape: tuple, device: torch.device | None = None, meaning: str = "",
@@ -74,10 +74,10 @@ def output(where: str, name: str, t: torch.Tensor) -> None:
     if any(s == 0 and d > 1 for s, d in zip(t.stride(), t.shape)):
         raise fail(where, f"{name} has stride 0 along a dimension (strides {list(t.stride())}, an expand()ed "
                    "view?): several output elements would share one memory location", f"pass a new tensor, e.g. "
-                   f"torch.empty_like({name}, memory_format=torch.contiguous_format)")
+                   f"torch.empty_like({_bare(name)}, memory_format=torch.contiguous_format)")
     if t.requires_grad:
         raise fail(where, f"{name} requires grad: outputs are written in place, which autograd cannot record",
-                   f"pass {name}.detach() (same memory), or a tensor without requires_grad")
+                   f"pass {_bare(name)}.detach() (same memory), or a tensor without requires_grad")
 
 
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
