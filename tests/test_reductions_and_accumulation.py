@@ -163,7 +163,7 @@ def test_reduction_identities_atomics_and_strides(make_plan):
 
 def test_deterministic_partials_and_combines(make_plan):
     src = render(make_plan(extremes, deterministic=True), "0" * 24)
-    assert "partial_0_shape = coda::partials<TileShape>(M, N, true)" in src  # mx: one partial per row
+    assert "partial_0_shape = coda::row_partials<TileShape>(M, N)" in src  # mx: one partial per row
     # mn: one per column, per tile row and warp: coda's node stores each warp's totals (no atomics)
     assert "partial_1_shape = coda::column_partials<TileShape>(M, N, coda::kTileWarps<KernelSchedule>)" in src
     assert "coda::finish<coda::Max" in src and "coda::finish<coda::Min" in src

@@ -100,7 +100,7 @@ def _reduction_init(r: p.Reduce) -> tuple[str, str]:
         return "", _fill(r.output_index, identity(r))
     q = _partials(r)
     shape = "coda::column_partials<TileShape>(M, N, coda::kTileWarps<KernelSchedule>)" if r.axis == "m" else \
-        "coda::partials<TileShape>(M, N, true)"
+        "coda::row_partials<TileShape>(M, N)"
     return f"auto {q}_shape = {shape};\n  float* {q} = ws.floats({q}_shape.size(L));", ""
 
 
@@ -127,7 +127,7 @@ def _reduction_finish(r: p.Reduce) -> str:
 def _logsumexp(r: p.LogSumExp) -> tuple[str, str, str, str, str]:
     """cd.logsumexp: always per-tile partials (reference point, sum of exp), combined by the finishing kernel."""
     q = _partials(r)
-    init = (f"auto {q}_shape = coda::partials<TileShape>(M, N, true);\n"
+    init = (f"auto {q}_shape = coda::row_partials<TileShape>(M, N);\n"
             f"  float* {q} = ws.floats(2 * {q}_shape.size(L));")
     finish = (f"coda::finish_logsumexp<{_finish_fn(r)}>({q}, outputs[{r.output_index}].data_ptr<float>(), "
               f"{q}_shape, L, scalars, call, op_name);")

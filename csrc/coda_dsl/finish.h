@@ -134,11 +134,11 @@ struct Partials {
   int64_t rows_padded;
   CUTLASS_HOST_DEVICE int64_t size(int L) const { return int64_t(L) * tiles * rows_padded; }
 };
+// Per-row partials (a statistic over n): one per row and tile column, [L, N tiles, M padded to the tile].
 template <class TileShape>
-CUTLASS_HOST_DEVICE Partials partials(int M, int N, bool over_n) {
+CUTLASS_HOST_DEVICE Partials row_partials(int M, int N) {
   int tm = cute::size<0>(TileShape{}), tn = cute::size<1>(TileShape{});
-  int rows = over_n ? M : N, rt = over_n ? tm : tn, other = over_n ? N : M, ot = over_n ? tn : tm;
-  return {rows, (other + ot - 1) / ot, int64_t((rows + rt - 1) / rt) * rt};
+  return {M, (N + tn - 1) / tn, int64_t((M + tm - 1) / tm) * tm};
 }
 
 // Per-column partials of coda::ColumnReduction (deterministic mode): a row of N per tile row and warp

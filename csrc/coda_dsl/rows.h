@@ -111,7 +111,7 @@ struct RowLogSumExp : DirectNode<LogSumExpArguments> {
         }
       }
       if (lane_n != 0) return;
-      Partials p = coda::partials<TileShape>(cute::get<0>(shape), cute::get<1>(shape), true);
+      Partials p = coda::row_partials<TileShape>(cute::get<0>(shape), cute::get<1>(shape));
       cute::Tensor c = slot_coordinates(points, coords);  // a row's first column of this thread: its n tile
       int tile_n = cute::size<1>(TileShape{});
       CUTLASS_PRAGMA_UNROLL

@@ -99,7 +99,7 @@ int64_t run(coda::Call const& call) {
 
   Scalars scalars{  };
   coda::Workspace ws(call);  // the kernel's own buffers first, then CUTLASS's
-  auto partial_0_shape = coda::partials<TileShape>(M, N, true);
+  auto partial_0_shape = coda::row_partials<TileShape>(M, N);
   float* partial_0 = ws.floats(2 * partial_0_shape.size(L));  // Reduce_lse
   typename EVT::Arguments evt_args{
       {},  // Acc

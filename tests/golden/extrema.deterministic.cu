@@ -120,9 +120,9 @@ int64_t run(coda::Call const& call) {
 
   Scalars scalars{ float(call.scalars[0]) };
   coda::Workspace ws(call);  // the kernel's own buffers first, then CUTLASS's
-  auto partial_0_shape = coda::partials<TileShape>(M, N, true);
+  auto partial_0_shape = coda::row_partials<TileShape>(M, N);
   float* partial_0 = ws.floats(partial_0_shape.size(L));  // Reduce_amax
-  auto partial_1_shape = coda::partials<TileShape>(M, N, true);
+  auto partial_1_shape = coda::row_partials<TileShape>(M, N);
   float* partial_1 = ws.floats(partial_1_shape.size(L));  // Reduce_row_max
   auto partial_2_shape = coda::column_partials<TileShape>(M, N, coda::kTileWarps<KernelSchedule>);
   float* partial_2 = ws.floats(partial_2_shape.size(L));  // Reduce_col_min

@@ -216,7 +216,7 @@ int64_t run(coda::Call const& call) {
 
   Scalars scalars{ float(call.scalars[0]), float(call.scalars[1]) };
   coda::Workspace ws(call);  // the kernel's own buffers first, then CUTLASS's
-  auto partial_1_shape = coda::partials<TileShape>(M, N, true);
+  auto partial_1_shape = coda::row_partials<TileShape>(M, N);
   float* partial_1 = ws.floats(partial_1_shape.size(L));  // Reduce_rstd
   typename EVT::Arguments evt_args{
       {},  // Acc
