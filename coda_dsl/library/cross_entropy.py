@@ -196,7 +196,7 @@ def _chunked_stats(x, w, safe, smoothing, cap, backend, config, chunk: int) -> d
     yet timed chunked: a chunk's x tiles stay in L2 while W streams past them, where one GEMM over all rows
     reads them from memory again and again. At M = 8192, d = 4096, V = 128256 on an H100 the forward (one
     GEMM) took 16.86 ms, while the gradient path's two 4096-row GEMMs, which also store the logits, took
-    13.3 ms of GPU time under the profiler (README, Results: cross-entropy). The chunk is the gradient
+    13.3 ms of GPU time under the profiler (README, "Library": linear_cross_entropy). The chunk is the gradient
     path's (sized by its logits buffer, not by L2): at V = 32000 a single one up to 16768 rows."""
     if x.shape[0] <= chunk:
         return _stats(x, w, safe, smoothing, cap, backend, config)
