@@ -374,6 +374,8 @@ def test_config_roundtrip_and_validation():
         Config((0, 0, 0), (1, 1), "pingpong")
     with pytest.raises(ValueError, match="bad config"):
         Config.parse("128x128")
+    with pytest.raises(cd.OperandError):  # coda_dsl's own error (a ValueError too): `except cd.CodaError` catches it
+        Config((64, 64, 64), (1, 1), "cooperative")
 
 
 @pytest.mark.parametrize("text", ["128x256x64_c2x1_cooperative_rm", "128x256x64_c2x1_cooperative_s1",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass, field
 
+from ..errors import OperandError
 from ..ir.ops import to_fp32
 
 
@@ -42,7 +43,7 @@ class Config:
         def ints(name: str, value, count: int) -> tuple[int, ...]:
             if not (isinstance(value, (tuple, list)) and len(value) == count
                     and all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
-                raise ValueError(f"{name} must be {count} integers, not {value!r}")
+                raise OperandError(f"{name} must be {count} integers, not {value!r}")
             return tuple(value)
         object.__setattr__(self, "tile", ints("tile", self.tile, 3))  # a list is taken as its tuple
         object.__setattr__(self, "cluster", ints("cluster", self.cluster, 2))
@@ -50,25 +51,25 @@ class Config:
             object.__setattr__(self, "epilogue_tile", ints("epilogue_tile", self.epilogue_tile, 2))
         m, n, k = self.tile
         if self.schedule not in ("cooperative", "pingpong"):
-            raise ValueError(f"schedule must be 'cooperative' or 'pingpong', not {self.schedule!r}")
+            raise OperandError(f"schedule must be 'cooperative' or 'pingpong', not {self.schedule!r}")
         if self.schedule == "cooperative" and m < 128:
-            raise ValueError(f"the cooperative schedule needs tile M >= 128 (got {m}); use schedule='pingpong'")
+            raise OperandError(f"the cooperative schedule needs tile M >= 128 (got {m}); use schedule='pingpong'")
         if n % 16 or k % 16 or m % 64 or min(self.tile) <= 0:
-            raise ValueError(f"tile {self.tile}: M must be a positive multiple of 64, N and K of 16")
+            raise OperandError(f"tile {self.tile}: M must be a positive multiple of 64, N and K of 16")
         if any(c not in (1, 2, 4) for c in self.cluster) or self.cluster[0] * self.cluster[1] > 4:
             # (a side of 3 splits no tile into the multicast slices CUTLASS's TMA loads need)
-            raise ValueError(f"cluster {self.cluster}: 1 to 4 CTAs, each side 1, 2 or 4")
+            raise OperandError(f"cluster {self.cluster}: 1 to 4 CTAs, each side 1, 2 or 4")
         if self.epilogue_tile is not None:
             em, en = self.epilogue_tile
             if em != (128 if self.schedule == "cooperative" else 64) or en <= 0 or en % 16 or n % en:
-                raise ValueError(f"epilogue tile {self.epilogue_tile}: M must be 128 (cooperative) or 64 "
+                raise OperandError(f"epilogue tile {self.epilogue_tile}: M must be 128 (cooperative) or 64 "
                                  f"(pingpong), N a multiple of 16 dividing the tile's {n}")
         if self.raster not in ("auto", "m", "n"):
-            raise ValueError(f"raster must be 'auto', 'm' or 'n', not {self.raster!r}")
+            raise OperandError(f"raster must be 'auto', 'm' or 'n', not {self.raster!r}")
         if not isinstance(self.swizzle, numbers.Integral) or isinstance(self.swizzle, bool) or self.swizzle not in (1, 2, 4, 8):
-            raise ValueError(f"swizzle must be 1, 2, 4 or 8, not {self.swizzle!r}")
+            raise OperandError(f"swizzle must be 1, 2, 4 or 8, not {self.swizzle!r}")
         if self.scheduler not in ("persistent", "streamk"):
-            raise ValueError(f"scheduler must be 'persistent' or 'streamk', not {self.scheduler!r}")
+            raise OperandError(f"scheduler must be 'persistent' or 'streamk', not {self.scheduler!r}")
 
     @property
     def text(self) -> str:
@@ -89,15 +90,15 @@ class Config:
         """'128x256x64_c2x1_cooperative[_e128x64][_rm|_rn][_s1|_s2|_s4][_streamk]' -> Config (the inverse of .text)."""
         try:
             if not isinstance(text, str):
-                raise ValueError(f"a config text is a string, not {type(text).__name__}")
+                raise OperandError(f"a config text is a string, not {type(text).__name__}")
             tile, cluster, schedule, *rest = text.split("_")
 
             def ints(s: str) -> tuple[int, ...]:
                 if not all(x.isdigit() for x in s.split("x")):
-                    raise ValueError(f"{s!r} is not numbers joined by x")
+                    raise OperandError(f"{s!r} is not numbers joined by x")
                 return tuple(int(x) for x in s.split("x"))
             if cluster[:1] != "c":
-                raise ValueError(f"the cluster part is c<M>x<N>, not {cluster!r}")
+                raise OperandError(f"the cluster part is c<M>x<N>, not {cluster!r}")
             extra: dict = {}
             for part in rest:
                 if part == "streamk":
@@ -109,13 +110,13 @@ class Config:
                 elif part[:1] == "s" and part[1:].isdigit():
                     key, value = "swizzle", int(part[1:])
                 else:
-                    raise ValueError(f"unknown part {part!r}")
+                    raise OperandError(f"unknown part {part!r}")
                 if key in extra:
-                    raise ValueError(f"two {key} parts")
+                    raise OperandError(f"two {key} parts")
                 extra[key] = value
             return Config(ints(tile), ints(cluster[1:]), schedule, **extra)  # type: ignore[arg-type]
         except (ValueError, TypeError, IndexError) as e:
-            raise ValueError(f"bad config {text!r}: expected e.g. 128x256x64_c2x1_cooperative or "
+            raise OperandError(f"bad config {text!r}: expected e.g. 128x256x64_c2x1_cooperative or "
                              f"128x256x64_c2x1_cooperative_e128x64_rm_s4 ({e})") from None
 
 
