@@ -209,6 +209,21 @@ def _spec_from_args(args, epilogue: tuple[Epilogue, dict, dict] | None = None) -
     return ep, specialization_from_options(ep, args.dtype, args.b_layout, dtypes, consts, config, args.a_layout)
 
 
+def _shape_notes(ep: Epilogue, spec: CompiledOp, shape: tuple[int, int, int]) -> list[str]:
+    """Why no call, or no kernel, runs this shape (what cd.gemm checks of a shape before launching)."""
+    from .runtime.op import n_multiple
+    notes = []
+    if shape[1] % (q := n_multiple(ep)):
+        notes.append(f"no call has this shape: N = {shape[1]} is not a multiple of {q}, the epilogue's column "
+                     f"{'pairs' if q == 2 else f'groups of {q}'} (cd.pairs); cd.gemm refuses it on every backend")
+    try:  # TMA's 16-byte groups
+        spec.check_widths(_meta_call(shape, spec.plan.signature))
+    except UnsupportedError as e:
+        notes.append("no kernel runs this shape (backend='auto' falls back to the reference backend): "
+                     + str(e).splitlines()[0])
+    return notes
+
+
 def _meta_call(shape: tuple[int, int, int], sig):
     """A call of this shape and signature's dtypes and layouts, on no device (what checks of shapes read)."""
     import torch
@@ -228,7 +243,9 @@ BACKWARD_HELP = "the backward cd.linear derives for the epilogue (run as torch o
 
 
 def cmd_emit(args) -> int:
-    _, spec = _spec_from_args(args)
+    ep, spec = _spec_from_args(args)
+    for note in _shape_notes(ep, spec, args.shape) if args.shape else ():
+        _err(f"note: {note}")  # stderr: stdout may be the .cu itself
     if args.output:
         try:
             Path(args.output).write_text(spec.cu_text)
@@ -287,15 +304,8 @@ def cmd_explain(args) -> int:
         from .runtime.tune import default
         print(f"  config for M x N x K = {' x '.join(map(str, args.shape))}: " +
               (f"{args.config} (--config)" if args.config else default(*args.shape, gpu=args.gpu)[1]))
-        from .runtime.op import n_multiple
-        if args.shape[1] % (q := n_multiple(ep)):
-            print(f"  note: no call has this shape: N = {args.shape[1]} is not a multiple of {q}, the epilogue's "
-                  f"column {'pairs' if q == 2 else f'groups of {q}'} (cd.pairs); cd.gemm refuses it on every backend")
-        try:  # what cd.gemm checks of a shape before launching: TMA's 16-byte groups
-            spec.check_widths(_meta_call(args.shape, sig))
-        except UnsupportedError as e:
-            print(f"  note: no kernel runs this shape (backend='auto' falls back to the reference backend): "
-                  f"{str(e).splitlines()[0]}")
+        for note in _shape_notes(ep, spec, args.shape):
+            print(f"  note: {note}")
     print(f"  key {spec.key}  (op coda_dsl::{spec.op_name})")
     try:  # the cache entry also depends on the toolchain; explaining needs none
         print(f"  build key {build.build_key(spec.key)}  (its cache entry with this toolchain)")

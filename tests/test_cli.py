@@ -98,6 +98,10 @@ def test_explain_shape_says_when_no_kernel_runs_it(capsys):
     assert rc == 0 and "note:" not in out
     rc, out, _ = run(capsys, "explain", "coda_dsl.examples:bias_gelu", "--shape", "77x100x40", "--b-layout", "kn")
     assert "B is read along N" in out and "N = 100 must be a multiple of 8" in out
+    rc, out, err = run(capsys, "emit", "coda_dsl.examples:bias_gelu", "--shape", "77x104x36")  # emit says so too
+    assert rc == 0 and "note: no kernel runs this shape" in err and "K = 36" in err and "note" not in out
+    rc, _, err = run(capsys, "emit", "coda_dsl.examples:bias_gelu", "--shape", "77x104x40")
+    assert rc == 0 and "note" not in err
     rc, out, _ = run(capsys, "explain", "coda_dsl.library:swiglu", "--shape", "4096x4097x4096")  # no call at all
     assert rc == 0 and "note: no call has this shape: N = 4097 is not a multiple of 2" in out
     assert "note: no call" not in run(capsys, "explain", "coda_dsl.library:swiglu", "--shape", "4096x4098x4096")[1]
