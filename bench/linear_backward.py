@@ -4,7 +4,7 @@ two backward GEMMs), against the same PyTorch layer in eager and under torch.com
 floor: the three bare cuBLAS GEMMs (x @ W^T, dacc @ W, dacc^T @ x).
 
     python -m bench.linear_backward [--only bias_gelu,swiglu,residual_sumsq] [--shapes 8192x14336x4096]
-                                    [--with-dy] [--iters 30] [--dry-run]
+                                    [--with-dy [--configs CFG,...]] [--iters 30] [--dry-run]
 
 Each timed call is forward + backward (torch.autograd.grad of every output, with fixed random incoming
 gradients, for x, W and the tensor operands). Ratios are time / the three GEMMs' time: lower is better.
@@ -12,6 +12,8 @@ gradients, for x, W and the tensor operands). Ratios are time / the three GEMMs'
 --with-dy: also each step with the GEMM that produces D's incoming gradient, dY = G @ V^T (as the layer
 above's backward does), against four bare GEMMs. There coda_dsl has the choice cd.linear lacks: the
 derived backward epilogue (cd.backward_epilogue) runs in dY's GEMM, so dacc costs no pass of its own.
+--configs: that variant again with the forward kernel and dY's GEMM on each of these tile configurations
+("coda_dsl, dacc in dY's GEMM [CFG]"), in the same rounds as the default's (a rule's choice, measured).
 """
 from __future__ import annotations
 
@@ -28,8 +30,8 @@ from coda_dsl.passes.autodiff import GRAD
 from coda_dsl.runtime.autograd import forward_epilogue, saved_operands
 
 from .epilogues import bias_gelu, residual_sumsq
-from .harness import (Row, fmt, markdown, no_gpu, parser, positive, progress, results_only_on_stdout, rotation,
-                      round_robin, save, shapes, subset)
+from .harness import (Row, config_texts, fmt, markdown, no_gpu, parser, positive, progress, results_only_on_stdout,
+                      rotation, round_robin, save, shapes, subset)
 from .harness import command as command_line
 
 SHAPES = [(8192, 14336, 4096)]  # the issue's target shape: Llama-3-8B's MLP width
@@ -97,23 +99,23 @@ def _with_dy(step: Callable) -> Callable:
     return lambda x, w, operands, dys, g, v: step(x, w, operands, {**dys, "D": g @ v.t()})
 
 
-def _in_dy(case: Case) -> Callable:
+def _in_dy(case: Case, config: str | None = None) -> Callable:
     """Forward + backward with the derived backward epilogue in dY's GEMM: the forward kernel keeps what the
     derivative reads (the accumulator, or outputs it reads back); dY's GEMM then outputs dacc (its D) and
-    the operands' gradients; then dacc @ W, dacc^T x."""
+    the operands' gradients; then dacc @ W, dacc^T x. config: both fused kernels' (None: cd.gemm's pick)."""
     forward, backward = forward_epilogue(case.epilogue), cd.backward_epilogue(case.epilogue)
 
     @torch.no_grad()  # as inside a layer's autograd.Function: cd.gemm is not recorded
     def step(x, w, operands, dys, g, v):
-        outs = cd.gemm(x, w, forward, **operands)
-        grads = cd.gemm(g, v, backward, **saved_operands(backward, outs), **operands,
+        outs = cd.gemm(x, w, forward, config=config, **operands)
+        grads = cd.gemm(g, v, backward, config=config, **saved_operands(backward, outs), **operands,
                         **{GRAD + o: dy for o, dy in dys.items() if o != "D"})
         dacc = grads["D"]
         return (dacc @ w, dacc.t() @ x, *(grads[k] for k in operands))
     return step
 
 
-def measure(name: str, shape: tuple, iters: int, with_dy: bool = False) -> list[Row]:
+def measure(name: str, shape: tuple, iters: int, with_dy: bool = False, configs=()) -> list[Row]:
     case, (m, n, k) = CASES[name], shape
     gemm_inputs = (2 if with_dy else 1) * (m * k + n * k)  # x, W (and G, V)
     sets = rotation(lambda: _inputs(case, m, n, k, with_dy), 2 * (gemm_inputs + 2 * m * n))
@@ -124,7 +126,8 @@ def measure(name: str, shape: tuple, iters: int, with_dy: bool = False) -> list[
     floor = FLOOR
     if with_dy:
         variants = {FLOOR_DY: lambda x, w, operands, dys, g, v: (g @ v.t(), *_gemms(x, w, operands, dys)),
-                    IN_DY: _in_dy(case), **{label: _with_dy(fn) for label, fn in variants.items() if label != FLOOR}}
+                    IN_DY: _in_dy(case), **{f"{IN_DY} [{c}]": _in_dy(case, c) for c in configs},
+                    **{label: _with_dy(fn) for label, fn in variants.items() if label != FLOOR}}
         floor = FLOOR_DY
     ref = variants["eager"](*sets[0])
     for label, fn in variants.items():
@@ -140,10 +143,10 @@ def measure(name: str, shape: tuple, iters: int, with_dy: bool = False) -> list[
     return [Row(bench, fmt(shape), label, us, flops / us / 1e6, us / times[floor]) for label, us in times.items()]
 
 
-def prebuild(todo: list[tuple[str, tuple]], with_dy: bool = False) -> None:
+def prebuild(todo: list[tuple[str, tuple]], with_dy: bool = False, configs=()) -> None:
     """cd.linear's forward kernels (the epilogue plus its saved accumulator), with the configs cd.gemm
-    picks at each shape, and with_dy the backward epilogues in dY's GEMM, in one parallel ninja run
-    instead of one by one at their first calls."""
+    picks at each shape, and with_dy the backward epilogues in dY's GEMM (both also on each of
+    `configs`), in one parallel ninja run instead of one by one at their first calls."""
     from coda_dsl.runtime import op as runtime
     from coda_dsl.runtime.tune import default
     ops = []
@@ -158,8 +161,12 @@ def prebuild(todo: list[tuple[str, tuple]], with_dy: bool = False) -> None:
             backward = cd.backward_epilogue(case.epilogue)
             outs = cd.gemm(x.detach(), w.detach(), forward, backend="reference", **operands)
             n_d = dys["D"].shape[1] * n // 64  # the real problem's dY width
+            grads = {GRAD + o: dy for o, dy in dys.items() if o != "D"}
             ops.append(cd.compile(backward, g, v, config=default(m, n_d, k)[0], **saved_operands(backward, outs),
-                                  **operands, **{GRAD + o: dy for o, dy in dys.items() if o != "D"}))
+                                  **operands, **grads))
+            for c in configs:
+                ops += [cd.compile(forward, x.detach(), w.detach(), config=c, **operands),
+                        cd.compile(backward, g, v, config=c, **saved_operands(backward, outs), **operands, **grads)]
     runtime.prebuild(ops)
 
 
@@ -170,24 +177,29 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=positive, default=30)
     p.add_argument("--with-dy", action="store_true",
                    help="also with dY's GEMM, where the derived backward epilogue can run (against 4 GEMMs)")
+    p.add_argument("--configs", type=config_texts, default=[], metavar="CFG,...",
+                   help="with --with-dy: also the fused kernels on each of these configurations")
     p.add_argument("--dry-run", action="store_true", help="print what would be measured, then exit")
     args = p.parse_args(argv)
+    if args.configs and not args.with_dy:
+        p.error("--configs times the fused kernels in dY's GEMM: give --with-dy too")
     todo = [(name, s) for name in args.only for s in args.shapes]
     if args.dry_run:
         print(markdown(["epilogue", "shape (M×N×K)", "variants"],
                        [[name, fmt(s), f"{FLOOR}, coda_dsl cd.linear, eager, torch.compile"
-                         + (f"; {FLOOR_DY}, {IN_DY}, the same with dY's GEMM" if args.with_dy else "")]
+                         + (f"; {FLOOR_DY}, {IN_DY}" + "".join(f", {IN_DY} [{c}]" for c in args.configs)
+                            + ", the same with dY's GEMM" if args.with_dy else "")]
                         for name, s in todo]))
         return 0
     if no_gpu():
         return 1
     rows = []
     with results_only_on_stdout():
-        prebuild(todo, args.with_dy)
+        prebuild(todo, args.with_dy, args.configs)
         for name, s in todo:
             rows += measure(name, s, args.iters)
             if args.with_dy:
-                rows += measure(name, s, args.iters, with_dy=True)
+                rows += measure(name, s, args.iters, with_dy=True, configs=args.configs)
     print(markdown(["epilogue", "shape (M×N×K)", "variant", "fwd+bwd (µs)", "TFLOP/s", "× floor"],
                    [[r.bench.split("/")[1], r.shape, r.variant, f"{r.us:.0f}", f"{r.tflops:.0f}", f"{r.vs_gemm:.3f}"]
                     for r in rows], numeric=3))

@@ -255,7 +255,7 @@ def fake_gpu(monkeypatch, tmp_path):
         monkeypatch.setattr(mod, "round_robin", lambda variants, sets, iters, warmup=2:
                             {name: time_us(fn, sets) for name, fn in variants.items()})
     monkeypatch.setattr(linear_backward, "no_gpu", lambda: False)
-    monkeypatch.setattr(linear_backward, "prebuild", lambda todo, with_dy=False: None)
+    monkeypatch.setattr(linear_backward, "prebuild", lambda todo, with_dy=False, configs=(): None)
     monkeypatch.setattr(linear_backward, "rotation", lambda make, nbytes: [make(), make()])
     monkeypatch.setattr(linear_backward, "_r", lambda *s, grad=True: torch.randn(*s).bfloat16().requires_grad_(grad))
     monkeypatch.setattr(epilogues, "rotation", lambda make, nbytes: [make(), make()])
@@ -468,6 +468,11 @@ def test_linear_backward_on_fake_gpu(fake_gpu, capsys):
     assert "differ" not in err
     rows = json.loads((fake_gpu / "linear_backward.json").read_text())["rows"]
     assert len(rows) == 12 + 15 and all(r["vs_gemm"] > 0 for r in rows)
+    cfg = "128x128x64_c1x2_pingpong"  # --configs: the fused kernels in dY's GEMM again, on that config
+    assert linear_backward.main(["--only", "bias_gelu", "--shapes", "64x128x32", "--iters", "2", "--with-dy",
+                                 "--configs", cfg]) == 0
+    out, err = capsys.readouterr()
+    assert f"| bias_gelu +dY | 64×128×32 | {linear_backward.IN_DY} [{cfg}] |" in out and "differ" not in err
 
 
 def test_linear_backward_prebuild_compiles_what_the_steps_call(monkeypatch):
@@ -485,6 +490,10 @@ def test_linear_backward_prebuild_compiles_what_the_steps_call(monkeypatch):
     assert len(compiled) == 2 * len(linear_backward.CASES) and len(built) == 1
     assert {name for name, _ in compiled} == {f"{c}{suffix}" for c in linear_backward.CASES
                                               for suffix in ("", "_backward_fused")}
+    compiled.clear()  # --configs: both kernels on each config too, in the same ninja run
+    linear_backward.prebuild([("swiglu", (8192, 14336, 4096))], with_dy=True, configs=["128x128x64_c1x2_pingpong"])
+    assert len(compiled) == 4 and compiled[2:] == [("swiglu", "128x128x64_c1x2_pingpong"),
+                                                   ("swiglu_backward_fused", "128x128x64_c1x2_pingpong")]
 
 
 def test_mlp_on_fake_gpu(fake_gpu, capsys, monkeypatch):
