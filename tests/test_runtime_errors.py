@@ -422,7 +422,7 @@ def test_layout_operand_not_contiguous_in_last_dim():
     ops = operands()
     ops["residual"] = ops["residual"].t().contiguous().t()
     msg = layout_error(a, b, **ops)
-    assert "operand 'residual' must be contiguous" in msg and "fix:" in msg
+    assert "operand 'residual' must be contiguous" in msg and "fix: pass residual.contiguous()" in msg  # as code
 
 
 def test_layout_vector_not_contiguous():

@@ -460,7 +460,8 @@ class Imported:
 def import_cache(paths: list[Path]) -> Imported:
     """Add the entries of export_cache's files to this cache. Each member must be <key>/<kernel.so,
     kernel.cu or meta.json>, a regular file, and each kernel.so must match the size and SHA-256 its
-    meta.json records; anything else is rejected and reported, never extracted. An entry the cache
+    meta.json records; anything else is rejected and reported, never extracted (a <key> folder's own member,
+    which plain `tar` adds, is skipped). An entry the cache
     already has complete is left as it is. The cache still looks entries up by build key, so one
     built with another nvcc or CUTLASS is stored but never loaded."""
     for path in paths:  # all of them before the first is read: a typo imports nothing

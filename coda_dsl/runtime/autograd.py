@@ -224,7 +224,7 @@ def linear(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, /
     # B first: with a batch of weights, flattening A (the advice for A alone) would not help
     if not isinstance(B, torch.Tensor) or B.dim() != 2:
         raise OperandError("cd.linear: B must be a 2-D weight [N, K] (an nn.Linear's); batched GEMMs have no "
-                           "derivative here: call cd.linear per batch, or flatten a batch of A into rows")
+                           "derivative here: call cd.linear per batch")
     if not isinstance(A, torch.Tensor) or A.dim() != 2:
         raise OperandError("cd.linear: A must be a 2-D tensor [M, K]; flatten a batch into rows: A.flatten(0, -2)")
     names = tuple(k for k, v in operands.items() if isinstance(v, torch.Tensor))

@@ -105,10 +105,10 @@ def tma_layout(where: str, name: str, t: torch.Tensor) -> None:
     per16 = 16 // es
     if t.stride(-1) != 1:
         raise fail(where, f"{name} must be contiguous in its last dimension (strides {list(t.stride())})",
-                   f"pass {name}.contiguous()")
+                   f"pass {_bare(name)}.contiguous()")
     if t.data_ptr() % 16:
         raise fail(where, f"{name}'s data pointer is not 16-byte aligned (a sliced view?)",
-                   f"pass {name}.clone()")
+                   f"pass {_bare(name)}.clone()")
     bad = [s for s in t.stride()[:-1] if (s * es) % 16]
     if bad:
         raise fail(where, f"{name}'s row stride {bad[0]} is not a multiple of {per16} elements "
@@ -118,9 +118,9 @@ def tma_layout(where: str, name: str, t: torch.Tensor) -> None:
 
 def vector(where: str, name: str, t: torch.Tensor) -> None:
     if t.dim() and t.stride(-1) != 1:  # a 0-d tensor (a whole-tensor statistic) has no stride
-        raise fail(where, f"{name} must be contiguous", f"pass {name}.contiguous()")
+        raise fail(where, f"{name} must be contiguous", f"pass {_bare(name)}.contiguous()")
     if t.data_ptr() % 16:
-        raise fail(where, f"{name}'s data pointer is not 16-byte aligned", f"pass {name}.clone()")
+        raise fail(where, f"{name}'s data pointer is not 16-byte aligned", f"pass {_bare(name)}.clone()")
 
 
 @functools.cache

@@ -107,7 +107,7 @@ def _check_number(where: str, p: ir.Param, v) -> None:
 def check_consts(api: str, ep: Epilogue, consts: dict, options: tuple[str, ...] = ()) -> None:
     """The cd.Const values given to `api` (a derivation: no operands but these): each one the epilogue
     declares, a number, and nothing else (a misspelt option of api's lands here)."""
-    where = f"{api} ({ep.program.title})"
+    where = f"{api}: {ep.program.title}"
     declared = [p for p in ep.params if p.kind == "const"]
     names = [p.name for p in declared]
     _check_names(where, names, consts, "keyword(s)", "cd.Const value(s)", f"the epilogue's cd.Const parameters are "
