@@ -209,11 +209,11 @@ def _spec_from_args(args, epilogue: tuple[Epilogue, dict, dict] | None = None) -
     return ep, specialization_from_options(ep, args.dtype, args.b_layout, dtypes, consts, config, args.a_layout)
 
 
-def _shape_notes(ep: Epilogue, spec: CompiledOp, shape: tuple[int, int, int]) -> list[str]:
+def _shape_notes(spec: CompiledOp, shape: tuple[int, int, int]) -> list[str]:
     """Why no call, or no kernel, runs this shape (what cd.gemm checks of a shape before launching)."""
     from .runtime.op import n_multiple
     notes = []
-    if shape[1] % (q := n_multiple(ep)):
+    if shape[1] % (q := n_multiple(spec.epilogue)):
         notes.append(f"no call has this shape: N = {shape[1]} is not a multiple of {q}, the epilogue's column "
                      f"{'pairs' if q == 2 else f'groups of {q}'} (cd.pairs); cd.gemm refuses it on every backend")
     try:  # TMA's 16-byte groups
@@ -243,8 +243,8 @@ BACKWARD_HELP = "the backward cd.linear derives for the epilogue (run as torch o
 
 
 def cmd_emit(args) -> int:
-    ep, spec = _spec_from_args(args)
-    for note in _shape_notes(ep, spec, args.shape) if args.shape else ():
+    _, spec = _spec_from_args(args)
+    for note in _shape_notes(spec, args.shape) if args.shape else ():
         _err(f"note: {note}")  # stderr: stdout may be the .cu itself
     if args.output:
         try:
@@ -304,7 +304,7 @@ def cmd_explain(args) -> int:
         from .runtime.tune import default
         print(f"  config for M x N x K = {' x '.join(map(str, args.shape))}: " +
               (f"{args.config} (--config)" if args.config else default(*args.shape, gpu=args.gpu)[1]))
-        for note in _shape_notes(ep, spec, args.shape):
+        for note in _shape_notes(spec, args.shape):
             print(f"  note: {note}")
     print(f"  key {spec.key}  (op coda_dsl::{spec.op_name})")
     try:  # the cache entry also depends on the toolchain; explaining needs none

@@ -56,7 +56,7 @@ import coda_dsl as cd
 from .errors import OperandError, UnsupportedError
 from .library import gain_wgrad, interleave_gate_up, rms_producer
 from .library.rope import neox_to_interleaved, rotate
-from .ir.ops import dtype_name
+from .ir.ops import dtype_name, math_dtype
 from .runtime import checks
 from .runtime.autograd import first_order, forward_epilogue
 from .runtime.op import BACKENDS
@@ -146,7 +146,7 @@ def residual_rms_backward(dout, drstd, out, rstd, inv_n: float):
     """out = acc + residual, outputs (out, rstd(out)) -> d acc (= d residual), in out's dtype: dout plus the
     gradient through rstd = rsqrt(mean(out^2) + eps), d rstd/d out = -rstd^3 out / N, in fp32 (as
     _norm_backward's; fp64 for fp64)."""
-    f = torch.promote_types(out.dtype, torch.float32)
+    f = math_dtype(out.dtype)
     return (dout.to(f) - (drstd * rstd ** 3 * inv_n)[:, None] * out.to(f)).to(out.dtype)
 
 
@@ -283,7 +283,7 @@ def _mlp_gemms(h, hg, rstd, w_gate, w_up, w_down, eps: float, backend: str, gate
 @on_cuda
 def _swiglu_of_acc(acc: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
     """rms_swiglu's y from its saved accumulator (its reference semantics; one fused kernel on CUDA)."""
-    return evaluate_on(rms_swiglu.program, acc.to(torch.promote_types(acc.dtype, torch.float32)), {"rstd": rstd},
+    return evaluate_on(rms_swiglu.program, acc.to(math_dtype(acc.dtype)), {"rstd": rstd},
                        {"D": dtype_name(acc.dtype)})["D"]
 
 
@@ -327,7 +327,7 @@ def _check_inputs(x, hidden_size: int, dtype: torch.dtype, position_ids, input_r
                            f"{position_ids.dtype}")
     if input_rstd is None:
         return
-    want = torch.promote_types(dtype, torch.float32)  # what return_rstd=True gives
+    want = math_dtype(dtype)  # what return_rstd=True gives
     if not isinstance(input_rstd, torch.Tensor) or tuple(input_rstd.shape) != (b, s) or input_rstd.dtype != want:
         got = (f"{list(input_rstd.shape)} {input_rstd.dtype}" if isinstance(input_rstd, torch.Tensor)
                else type(input_rstd).__name__)
@@ -438,7 +438,7 @@ def input_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float, rstd: torch.Ten
 @on_cuda
 def input_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """rstd = rsqrt(mean(x^2) + eps) per row, in fp32 (fp64 for fp64): what `residual_rms` emits for the next layer."""
-    return torch.rsqrt(x.to(torch.promote_types(x.dtype, torch.float32)).pow(2).mean(-1) + eps)
+    return torch.rsqrt(x.to(math_dtype(x.dtype)).pow(2).mean(-1) + eps)
 
 
 # ---------------------------------------------------------------- modules (HF parameter names)

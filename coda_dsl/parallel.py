@@ -34,6 +34,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import coda_dsl as cd
 from .errors import UnsupportedError
+from .ir.ops import math_dtype
 from .library import interleave_gate_up
 from .library.cross_entropy import (check_args, combine_vocab_shards, default_chunk_rows, recomputed_grads,
                                     vocab_shard_stats)
@@ -241,7 +242,7 @@ class _VocabParallelCE(torch.autograd.Function):
         vocab_start, vocab_size, group, ignore_index, reduction, smoothing, backend = ctx.cfg
         m, v = x.shape[0], w.shape[0]
         valid = target != ignore_index
-        scale = grad.to(torch.promote_types(x.dtype, torch.float32))
+        scale = grad.to(math_dtype(x.dtype))
         scale = scale if reduction == "none" else scale.expand(m)
         if reduction == "mean":
             scale = scale / valid.sum().clamp_min(1)

@@ -12,6 +12,8 @@ import contextlib
 
 import torch
 
+from .ir.ops import math_dtype
+
 try:
     import triton
     import triton.language as tl
@@ -25,7 +27,7 @@ def rope_backward_reference(dq, dk, dv, y, rstd, pos, freq):
     every head), v's pass through. From the three parts' gradients: (d acc in dq's dtype, d rstd in the math's);
     the math in fp32 (fp64 for fp64, as the reference backend's forward). The rotation is orthogonal, so
     d rstd = sum_n dy * y / rstd."""
-    f = torch.promote_types(dq.dtype, torch.float32)
+    f = math_dtype(dq.dtype)
     dy = torch.cat((dq, dk, dv), dim=1).to(f)
     rotated = dq.shape[1] + dk.shape[1]
     angle = pos.to(f)[:, None] * freq.to(f)[None, :]

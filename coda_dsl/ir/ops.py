@@ -282,6 +282,12 @@ TORCH_TO_DTYPE = {t: name for name, (t, _) in DTYPES.items()}
 INDEX_DTYPE = "i64"  # cd.take's per-row column indices: read, never computed with or stored
 
 
+def math_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision the reference semantics compute values of `dtype` in: fp32, or fp64 for fp64 (autodiff's
+    checks, torch.autograd.gradcheck)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def dtype_name(dtype) -> str:
     """Accept 'bf16' / torch.bfloat16 / cd.bfloat16 and return the canonical name."""
     if isinstance(dtype, str) and dtype in DTYPES:

@@ -12,7 +12,7 @@ from fractions import Fraction
 import torch
 
 from ..ir import graph as ir
-from ..ir.ops import DTYPES, REDUCTIONS
+from ..ir.ops import DTYPES, REDUCTIONS, math_dtype
 from ..passes.widths import WIDTH_SCALE, infer as infer_widths
 
 PRIOR_D_OPERAND = "<D>"  # the operands key the leaf `prior_d` (D before the kernel) is read from (never an identifier)
@@ -24,21 +24,16 @@ def accumulator(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.matmul(a.float(), b.float().transpose(-1, -2))
 
 
-def _math_dtype(acc: torch.Tensor) -> torch.dtype:
-    """The math's precision: fp32, or fp64 when the accumulator is (autodiff's checks)."""
-    return acc.dtype if acc.dtype == torch.float64 else torch.float32
-
-
 def _real(t: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
     """A loaded value in the math's precision (the operand itself where it already is)."""
-    return t.to(_math_dtype(acc))
+    return t.to(math_dtype(acc.dtype))
 
 
 def _operand_memory(node: ir.Node, operands: dict, acc: torch.Tensor) -> bool:
     """Whether node's value may be (a view of) an operand tensor: a load that _real kept, or columns of one."""
     while node.op == "pair":
         node = node.inputs[0]
-    return node.op == "load" and operands[node.attr[1]].dtype == _math_dtype(acc)
+    return node.op == "load" and operands[node.attr[1]].dtype == math_dtype(acc.dtype)
 
 
 def _leaf(node: ir.Node, operands: dict, acc: torch.Tensor) -> torch.Tensor:
@@ -148,6 +143,6 @@ def evaluate_on(program: ir.Program, acc: torch.Tensor, operands: dict,
             v = torch.broadcast_to(v, values[id(o.node.inputs[0])].shape)
         dtype = out_dtypes.get(o.name)
         v = v.to(DTYPES[dtype][0]) if dtype else v
-        kept = v.dtype == _math_dtype(acc) and _operand_memory(o.node, operands, acc)  # decided on dtypes: traces
+        kept = v.dtype == math_dtype(acc.dtype) and _operand_memory(o.node, operands, acc)  # decided on dtypes: traces
         result[o.name] = made[key] = v.clone(memory_format=torch.contiguous_format) if kept else v.contiguous()
     return result
