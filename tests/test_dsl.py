@@ -450,10 +450,11 @@ def test_help_coda_dsl_lists_every_dsl_function():
 
 
 def assert_epilogue_error(fn, needles, where):
-    """Tracing fn fails with a message naming the function, the line `where`, and every needle."""
+    """Tracing fn fails with a message naming the function, the line `where`, a fix, and every needle."""
     with pytest.raises(EpilogueError) as info:
         cd.epilogue(fn)
     msg = str(info.value)
+    assert "\n  fix: " in msg, msg  # README: every EpilogueError suggests one
     assert f"'{fn.__name__}'" in msg, msg
     assert where in msg, msg
     for needle in needles:
@@ -572,7 +573,7 @@ SIG_ERRORS = [
     (s_varargs, ["*args", "'rest'"]),
     (s_no_params, ["accumulator", "(acc, ...)"]),
     (r_number, ["must return a traced value", "{'D': ...", "got float"]),
-    (r_list, ["must return a traced value", "got list"]),
+    (r_list, ["must return a traced value", "got list", "{'D': first, 'aux': second}"]),
     (r_empty, ["non-empty dict"]),
     (r_nonvalue, ["output 'c'", "not a traced value", "cd.where(acc == acc, c, c)"]),
     (r_space_name, ["'my out'", "Python identifier"]),

@@ -105,6 +105,16 @@ def test_accumulate_into_a_half_width_d_is_refused():
         cd.gemm(a, b, swiglu_d, out={"D": torch.zeros(8, 16, dtype=torch.bfloat16)}, accumulate=True)
 
 
+def test_accumulate_without_a_d_output_says_so():
+    """An epilogue with outputs but no D: out={'D': ...} would be refused as unknown, so the fix is another."""
+    @cd.epilogue
+    def stats_only(acc):
+        return {"s": cd.sum(acc, axis="n")}
+    a, b = _ab()
+    with pytest.raises(cd.OperandError, match="this epilogue has no D output.*\n  fix: return a D"):
+        cd.gemm(a, b, stats_only, accumulate=True, backend="reference")
+
+
 def test_accumulate_into_a_reduction_as_d_is_refused():
     @cd.epilogue
     def row_sum(acc):

@@ -66,6 +66,15 @@ def test_missing_and_unexpected_together():
     assert "unexpected operand(s) ['Bias']" in msg and "missing operand(s) ['bias']" in msg
 
 
+def test_misspelt_keyword_is_named_in_the_fix():
+    """cd.gemm's keywords and the operands share the call's keyword arguments: a misspelt backend= is an
+    unknown operand, whose fix names the keyword it looks like."""
+    a, b = ab()
+    msg = error_of(OperandError, a, b, ep_all, backnd="reference", **operands())
+    assert "unexpected operand(s) ['backnd']" in msg and "backnd= looks like the keyword backend=" in msg
+    assert "looks like" not in error_of(OperandError, a, b, cd.identity, bias=torch.randn(N))
+
+
 def test_epilogue_passed_by_keyword_is_explained():
     a, b = ab()
     with pytest.raises(OperandError, match=r"the epilogue is positional: cd.gemm\(A, B, ep_all, ...\), "
@@ -73,6 +82,17 @@ def test_epilogue_passed_by_keyword_is_explained():
         cd.gemm(a, b, epilogue=ep_all, **operands())
     with pytest.raises(OperandError, match=r"the epilogue is positional: cd.linear\(A, B, ep_all, ...\)"):
         cd.linear(a, b, epilogue=ep_all, **operands())
+
+
+def test_epilogue_in_another_arguments_place_is_explained():
+    """cd.compile takes the epilogue first, cd.gemm and cd.linear third: either mix-up names the order
+    (a tensor in the epilogue's place was once asked for its truth value)."""
+    a, b = ab()
+    for call, order in ((lambda: cd.gemm(ep_all, a, b), r"cd.gemm\(A, B, epilogue, ...\)"),
+                        (lambda: cd.linear(ep_all, a, b), r"cd.linear\(A, B, epilogue, ...\)"),
+                        (lambda: cd.compile(a, b, ep_all), r"cd.compile\(epilogue, A, B, ...\)")):
+        with pytest.raises(OperandError, match="a tensor was passed where the epilogue goes: the order is " + order):
+            call()
 
 
 def test_operands_to_an_epilogue_without_any():

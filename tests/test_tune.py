@@ -93,7 +93,8 @@ def test_default_config_elsewhere_is_the_h200_shape_rule(gpu, mnk, expected):
 
 
 def test_gpu_name_off_cuda_is_empty():
-    assert tuning.gpu_name(torch.device("cpu")) == ""
+    assert tuning.gpu_name(torch.device("cpu")) == "" and tuning.gpu_name("cpu") == ""
+    assert not cd.is_gpu("H100", "cpu")  # a device string, as torch's own functions take
 
 
 @pytest.mark.parametrize("gpu, h100", [(H100, True), ("NVIDIA H100 PCIe", True), ("H100-SXM5-80GB", True), ("h100", True),

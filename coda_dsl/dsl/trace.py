@@ -397,17 +397,21 @@ def _outputs(result: Any, name: str, defined_at: str) -> tuple[ir.Output, ...]:
     if not isinstance(result, dict) or not result:
         raise EpilogueError(
             f"epilogue '{name}' ({defined_at}) must return a traced value (stored as D) or a non-empty dict "
-            f"{{'D': ..., 'other': ...}}, got {type(result).__name__}"
+            f"{{'D': ..., 'other': ...}}, got {type(result).__name__}\n  fix: "
+            + ("name each output: return {'D': first, 'aux': second}" if isinstance(result, (tuple, list))
+               else "return acc, or a value computed from it")
         )
     outs = []
     for key, v in result.items():
         if not isinstance(key, str) or not key.isidentifier():
-            raise EpilogueError(f"epilogue '{name}' ({defined_at}): output name {key!r} must be a Python identifier")
+            raise EpilogueError(f"epilogue '{name}' ({defined_at}): output name {key!r} must be a Python identifier"
+                                "\n  fix: a name such as 'D', 'aux' or 'row_sum' (it becomes the result's key and out='s)")
         if not isinstance(v, Value):
             raise EpilogueError(
                 f"epilogue '{name}' ({defined_at}): output '{key}' is a {type(v).__name__}, not a traced value; "
                 "an output must depend on the operands (a constant of the tile's shape: cd.where(acc == acc, c, "
-                "c), which NaN and inf in acc do not reach)"
+                "c), which NaN and inf in acc do not reach)\n  fix: compute it from acc or an operand, or fold the "
+                "constant into a later step"
             )
         node = v.node
         outs.append(ir.Output(key, node, node.attr if node.op == "cast" else None))  # reductions: fp32
@@ -417,8 +421,9 @@ def _outputs(result: Any, name: str, defined_at: str) -> tuple[ir.Output, ...]:
 def cast(x: Any, dtype) -> Value:
     try:
         name = dtype_name(dtype)
-    except ValueError as e:
-        raise fail(str(e)) from None
+    except ValueError:
+        raise fail(f"cd.cast to {dtype!r}: not a dtype an epilogue computes or stores",
+                   "cast to torch.bfloat16, torch.float16 or torch.float32 (or 'bf16', 'fp16', 'fp32')") from None
     return Value(ir.cast(lift(x), name))
 
 
@@ -459,8 +464,8 @@ def signature_params(fn: Callable, reserved: set[str]) -> tuple[str, tuple[ir.Pa
         ann = dict(getattr(fn, "__annotations__", {}))
     names = list(sig.parameters)
     if not names:
-        raise EpilogueError(f"epilogue '{fn.__name__}' ({defined_at}) needs at least the accumulator parameter: "
-                            f"def {fn.__name__}(acc, ...)")
+        raise EpilogueError(f"epilogue '{fn.__name__}' ({defined_at}) needs at least the accumulator parameter"
+                            f"\n  fix: def {fn.__name__}(acc, ...)")
     first = names[0]
     if kind := types.kind_of(ann.get(first, inspect.Parameter.empty)):  # an operand kind where acc goes
         raise EpilogueError(f"epilogue '{fn.__name__}' ({defined_at}): the first parameter, '{first}', is the "
@@ -471,7 +476,8 @@ def signature_params(fn: Callable, reserved: set[str]) -> tuple[str, tuple[ir.Pa
         p = sig.parameters[pname]
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             raise EpilogueError(f"epilogue '{fn.__name__}' ({defined_at}): *args/**kwargs are not supported "
-                                f"('{pname}')")
+                                f"('{pname}'): each operand is a named, annotated parameter\n  fix: list the operands, "
+                                f"e.g. def {fn.__name__}(acc, bias: cd.VecN, scale: cd.Scalar)")
         if p.kind == p.KEYWORD_ONLY:
             raise EpilogueError(f"epilogue '{fn.__name__}' ({defined_at}): keyword-only parameter '{pname}' "
                                 f"is not supported\n  fix: list it before the '*', as an ordinary parameter")
@@ -490,6 +496,6 @@ def signature_params(fn: Callable, reserved: set[str]) -> tuple[str, tuple[ir.Pa
             )
         if pname in reserved:
             raise EpilogueError(f"epilogue '{fn.__name__}' ({defined_at}): parameter name '{pname}' is reserved by "
-                                f"cd.gemm ({', '.join(sorted(reserved))}); rename it")
+                                f"cd.gemm ({', '.join(sorted(reserved))})\n  fix: rename it")
         params.append(ir.Param(pname, kind))
     return defined_at, tuple(params)

@@ -91,6 +91,8 @@ class Config:
         try:
             if not isinstance(text, str):
                 raise OperandError(f"a config text is a string, not {type(text).__name__}")
+            if text.count("_") < 2:
+                raise OperandError("it needs at least three parts: tile, cluster and schedule, joined by _")
             tile, cluster, schedule, *rest = text.split("_")
 
             def ints(s: str) -> tuple[int, ...]:

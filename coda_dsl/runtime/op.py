@@ -1,6 +1,7 @@
 """The callable ops: cd.gemm, cd.compile and CompiledOp (the cached, ready-to-launch specialization)."""
 from __future__ import annotations
 
+import difflib
 import numbers
 import os
 import threading
@@ -12,7 +13,7 @@ from fractions import Fraction
 import torch
 
 from .. import build, pipeline
-from ..dsl import Epilogue, identity
+from ..dsl import RESERVED, Epilogue, identity
 from ..errors import EpilogueError, OperandError, UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import DTYPES, REDUCTIONS
@@ -71,8 +72,12 @@ def _normalize(ep: Epilogue, a, b, operands: dict, out: dict | None = None) -> C
 def check_operands(ep: Epilogue, operands: dict) -> None:
     """The operands' names against the epilogue's, and its numbers (also while torch.compile traces)."""
     where = _where(ep)
-    _check_names(where, [p.name for p in ep.params], operands, "operand(s)", "operand(s)",
-                 f"the epilogue declares {[p.name for p in ep.params] or 'no operands'}")
+    declared = [p.name for p in ep.params]
+    unknown = [n for n in operands if n not in declared]  # a misspelt keyword of cd.gemm lands here
+    typos = {n: k for n in unknown for k in difflib.get_close_matches(n, sorted(RESERVED), 1)} if unknown else {}
+    _check_names(where, declared, operands, "operand(s)", "operand(s)",
+                 f"the epilogue declares {declared or 'no operands'}"
+                 + "".join(f"; {n}= looks like the keyword {k}=" for n, k in typos.items()))
     for p in ep.params:
         if p.kind not in ir.LOAD_KINDS:  # tensors: checked by _check_tensors
             _check_number(where, p, operands[p.name])
@@ -250,6 +255,9 @@ def _check_call(ep: Epilogue, call: Call, out: dict | None, cutlass: bool, accum
                 instead: str = "pass backend='reference'") -> dict[str, str]:
     """The checks of a normalized call (cd.gemm's, cd.compile's, a CompiledOp's); returns operand dtypes."""
     if accumulate and not (out and isinstance(out.get("D"), torch.Tensor)):
+        if "D" not in {o.name for o in ep.program.outputs}:
+            raise checks.fail(_where(ep), "accumulate=True adds into D, and this epilogue has no D output",
+                              "return a D (or the value to add, as {'D': value}), or call without accumulate=True")
         raise checks.fail(_where(ep), "accumulate=True adds into an existing D", "pass it as out={'D': tensor}")
     if cutlass:
         checks.require_cutlass(_where(ep), call.a.device, instead)
@@ -528,12 +536,16 @@ def _check_distinct(where: str, out: dict) -> None:
 
 
 def epilogue_of(api: str, epilogue, operands: dict) -> Epilogue:
-    """The epilogue a call of `api` (cd.gemm, cd.linear) runs: identity if none; an epilogue passed by
-    keyword, or anything not an @cd.epilogue, is explained."""
+    """The epilogue a call of `api` (cd.gemm, cd.linear, cd.compile) runs: identity if none; an epilogue
+    passed by keyword or in another argument's place, or anything not an @cd.epilogue, is explained."""
+    def usage(name: str = "epilogue") -> str:
+        return f"{api}({name}, A, B, ...)" if api == "cd.compile" else f"{api}(A, B, {name}, ...)"
     if epilogue is None and "epilogue" in operands:  # cd.gemm(x, w, epilogue=fn)
         name = getattr(operands["epilogue"], "name", "fn")
-        raise OperandError(f"{api}: the epilogue is positional: {api}(A, B, {name}, ...), not epilogue={name}")
-    ep = epilogue or identity
+        raise OperandError(f"{api}: the epilogue is positional: {usage(name)}, not epilogue={name}")
+    if isinstance(epilogue, torch.Tensor):  # cd.gemm(fn, x, w) or cd.compile(x, w, fn)
+        raise OperandError(f"{api}: a tensor was passed where the epilogue goes: the order is {usage()}")
+    ep = identity if epilogue is None else epilogue
     if not isinstance(ep, Epilogue):
         raise EpilogueError(f"{api}: the epilogue must be a function decorated with @cd.epilogue, got {ep!r}\n  fix: "
                             "put @cd.epilogue above its def (or pass cd.epilogue(fn))")

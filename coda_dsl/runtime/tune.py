@@ -76,8 +76,11 @@ def _model(gpu: str, model: str) -> bool:
     return re.search(rf"(?<![A-Za-z0-9]){model}(?![0-9])", gpu, re.IGNORECASE) is not None
 
 
-def gpu_name(device: torch.device | None = None) -> str:
-    """The name default() reads its rule by: the CUDA device's (None, or no index: the current one), "" for none."""
+def gpu_name(device: torch.device | str | int | None = None) -> str:
+    """The name default() reads its rule by: the CUDA device's (None, or no index: the current one), "" for none.
+    `device` as torch takes it: a torch.device, "cuda:1", "cpu", or a CUDA index."""
+    if isinstance(device, (str, int)):
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     if device is not None and device.type != "cuda":
         return ""
     if device is None or device.index is None:
@@ -93,7 +96,7 @@ def _cuda_name(index: int) -> str:
 
 
 @constant_under_compile
-def is_gpu(model: str, device: torch.device | None = None) -> bool:
+def is_gpu(model: str, device: torch.device | str | int | None = None) -> bool:
     """Whether `device` (None: the current CUDA device) is a GPU of that model ("H100", "H200"; "GH200" is not
     an H200), for a choice measured per model, such as the library's tile configurations. A constant under
     torch.compile."""
