@@ -41,7 +41,7 @@ Library: cd.linear_cross_entropy (more in coda_dsl.library). Errors: cd.CodaErro
 cd.EpilogueError, cd.OperandError, cd.UnsupportedError (cd.SharedMemoryError), cd.KernelError. The
 README's DSL reference has the details.
 """
-import importlib
+from importlib import import_module as _import_module
 
 from .errors import CodaError, EpilogueError, KernelError, OperandError, SharedMemoryError, UnsupportedError
 
@@ -69,7 +69,7 @@ __all__ = [name for names in _LAZY.values() for name in names] + list(_DTYPES) +
 def __getattr__(name: str):
     for module, names in _LAZY.items():
         if name in names:
-            value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+            value = getattr(_import_module(f"{__name__}.{module}"), name)
             break
     else:
         if name not in _DTYPES:

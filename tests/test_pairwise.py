@@ -155,18 +155,16 @@ def test_rope_passes_v_through_and_neox_permutation_keeps_scores():
 
 
 def test_width_errors_and_odd_n():
-    with pytest.raises(cd.EpilogueError, match="wide"):
+    with pytest.raises(cd.EpilogueError, match="wide"):  # at definition, as the DSL's other errors
         @cd.epilogue
         def mixed(acc):
             g, u = cd.pairs(acc)
             return g + acc
-        cd.gemm(_w(8, 16), _w(8, 16), mixed, backend="reference")
     with pytest.raises(cd.EpilogueError, match="a value N wide meets one N/2 wide"):
         @cd.epilogue
         def uniform_pattern_beside_a_half(acc, r: cd.VecM):  # the kernel's interleave parts are N's even and
             g, u = cd.pairs(acc)                            # odd columns: it stored g * u + r in every column
             return g * u + cd.interleave(r, 0.0)
-        cd.gemm(_w(8, 16), _w(8, 16), uniform_pattern_beside_a_half, r=torch.randn(8), backend="reference")
     with pytest.raises(cd.OperandError, match="a multiple of 2"):
         cd.gemm(_w(8, 16), _w(7, 16), reglu, backend="reference")
     with pytest.raises(cd.OperandError, match=r"expected \[8, 4\](.|\n)*fix: .*shape \[M, N/2\]"):  # [M, N/2]

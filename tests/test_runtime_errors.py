@@ -66,6 +66,12 @@ def test_missing_and_unexpected_together():
     assert "unexpected operand(s) ['Bias']" in msg and "missing operand(s) ['bias']" in msg
 
 
+def test_bool_scalar_is_refused():
+    a, b = ab()
+    msg = error_of(OperandError, a, b, ep_all, **{**operands(), "alpha": True})
+    assert "'alpha' (scalar) must be a number, got True" in msg and "fix: pass 1.0" in msg
+
+
 def test_misspelt_keyword_is_named_in_the_fix():
     """cd.gemm's keywords and the operands share the call's keyword arguments: a misspelt backend= is an
     unknown operand, whose fix names the keyword it looks like."""
@@ -208,6 +214,9 @@ def test_unsupported_ab_dtype():
     msg = error_of(OperandError, torch.ones(M, K, dtype=torch.int32), torch.ones(N, K, dtype=torch.int32), ep_all,
                    **operands())
     assert "A has dtype torch.int32" in msg and "fix:" in msg
+    a, b = ab()  # an integer operand (positions, say): fp32 keeps its values, bf16 would round them past 256
+    msg = error_of(OperandError, a, b, ep_all, **{**operands(), "scale": torch.arange(M)})
+    assert "operand 'scale' has dtype torch.int64" in msg and "fix: pass scale.float()" in msg
 
 
 def test_tensor_for_scalar():

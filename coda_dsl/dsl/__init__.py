@@ -9,6 +9,7 @@ from typing import Callable
 
 from ..errors import EpilogueError, UnsupportedError
 from ..ir import graph as ir
+from ..passes.widths import infer as infer_widths
 from . import ops
 from .trace import Reduction, Value, signature_params, trace
 from .types import Acc, Const, Scalar, Tensor, VecM, VecN
@@ -27,7 +28,9 @@ class Epilogue:
         self.fn = fn
         name = name or fn.__name__
         defined_at, params = signature_params(fn, RESERVED)
-        self._adopt(trace(fn, params, name, defined_at))
+        program = trace(fn, params, name, defined_at)
+        infer_widths(program)  # values of two widths meeting: an error at definition, like the rest
+        self._adopt(program)
         self.__doc__ = fn.__doc__
 
     @classmethod

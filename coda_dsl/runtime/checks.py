@@ -38,6 +38,9 @@ def dtype_of(t: torch.Tensor, where: str, name: str, index: bool = False, fp64: 
                    "cast it to torch.float32, or pass A and B in fp64 with backend='reference'")
     d = TORCH_TO_DTYPE.get(t.dtype)
     if d is None:
+        if name.startswith("operand") and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool:
+            raise fail(where, f"{name} has dtype {t.dtype}; operands are floating point", f"pass {_bare(name)}.float() "
+                       "(fp32 holds integers exactly up to 2^24; bf16 only up to 256)")
         raise fail(where, f"{name} has dtype {t.dtype}", "use torch.bfloat16, torch.float16 or torch.float32 "
                    "(torch.float64 with A and B in fp64 on the reference backend)")
     return d

@@ -97,7 +97,9 @@ def _check_number(where: str, p: ir.Param, v) -> None:
         raise checks.fail(where, f"scalar '{p.name}' was given as a tensor",
                           f"pass a Python number (float({p.name})), or declare it cd.VecM/VecN (cd.linear "
                           "learns a cd.Scalar given as a 0-d tensor)")
-    if not isinstance(v, numbers.Real):  # int, float, numpy's scalars (not its bool: no number to numbers)
+    if isinstance(v, bool):  # a flag passed where a number goes (numpy's bool is no number to numbers either)
+        raise checks.fail(where, f"'{p.name}' ({p.kind}) must be a number, got {v}", f"pass {float(v)} if that was meant")
+    if not isinstance(v, numbers.Real):  # int, float, numpy's scalars
         t = type(v)
         raise checks.fail(where, f"'{p.name}' ({p.kind}) must be a number, got "
                           f"{t.__name__ if t.__module__ == 'builtins' else t.__module__ + '.' + t.__name__}",
