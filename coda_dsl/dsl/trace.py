@@ -405,7 +405,7 @@ def _outputs(result: Any, name: str, defined_at: str) -> tuple[ir.Output, ...]:
     for key, v in result.items():
         if not isinstance(key, str) or not key.isidentifier():
             raise EpilogueError(f"epilogue '{name}' ({defined_at}): output name {key!r} must be a Python identifier"
-                                "\n  fix: a name such as 'D', 'aux' or 'row_sum' (it becomes the result's key and out='s)")
+                                "\n  fix: a name such as 'D', 'aux' or 'row_sum' (the key of its result, and of out=)")
         if not isinstance(v, Value):
             raise EpilogueError(
                 f"epilogue '{name}' ({defined_at}): output '{key}' is a {type(v).__name__}, not a traced value; "

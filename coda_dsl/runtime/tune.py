@@ -80,7 +80,7 @@ def gpu_name(device: torch.device | str | int | None = None) -> str:
     """The name default() reads its rule by: the CUDA device's (None, or no index: the current one), "" for none.
     `device` as torch takes it: a torch.device, "cuda:1", "cpu", or a CUDA index."""
     if isinstance(device, (str, int)):
-        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        device = torch.device(device)  # an int: that CUDA device
     if device is not None and device.type != "cuda":
         return ""
     if device is None or device.index is None:
