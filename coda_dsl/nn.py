@@ -299,8 +299,9 @@ def _release(t: torch.Tensor) -> None:
 def _check_unreleased(where: str, *saved: torch.Tensor) -> None:
     """A second backward through the same forward (retain_graph) would read memory _release freed."""
     if not torch.compiler.is_compiling() and any(t.untyped_storage().nbytes() == 0 < t.numel() for t in saved):
-        raise RuntimeError(f"coda_dsl.nn.{where}: backward ran twice through the same forward (retain_graph); the "
-                           "first one freed the activations it saved. Run the forward again for a second backward")
+        raise UnsupportedError(f"coda_dsl.nn.{where}: backward ran twice through the same forward (retain_graph); "
+                               "the first one freed the activations it saved\n  fix: run the forward again for a "
+                               "second backward")
 
 
 def _check_inputs(x, hidden_size: int, dtype: torch.dtype, position_ids, input_rstd) -> None:

@@ -340,7 +340,7 @@ def test_operand_names_that_clash_are_refused():
     @cd.epilogue
     def f(acc, grad_D: cd.Tensor):
         return acc * grad_D
-    with pytest.raises(UnsupportedError, match="clashes"):
+    with pytest.raises(cd.OperandError, match="clashes(.|\n)*fix: rename it"):
         derive(f.program)
 
 
@@ -449,6 +449,9 @@ def test_learnt_scalars_are_0d_tensors_of_any_float_dtype():
     assert s.grad.dtype == torch.float64 and torch.allclose(s.grad.float(), (x @ w.t()).sum().detach())
     with pytest.raises(cd.OperandError, match="scalar 's' was given as a tensor"):
         cd.linear(x, w, f, backend="reference", s=torch.tensor([0.5], requires_grad=True))
+    for bad in (torch.tensor(True), torch.tensor(2), torch.tensor(1j)):  # was used as 1.0 / an internal error
+        with pytest.raises(cd.OperandError, match=f"cd.Scalar 's' given as a 0-d tensor of dtype {bad.dtype}"):
+            cd.linear(x, w, f, backend="reference", s=bad)
 
 
 def test_a_scalar_read_by_then_is_not_learnt_silently():
@@ -724,6 +727,12 @@ def test_second_order_gradients_raise():
         torch.autograd.grad(gx.square().sum(), w)
     with pytest.raises(cd.UnsupportedError, match="cd.linear has no second derivative"):
         (y.sum() + gx.square().sum()).backward()
+    # a head's parameter that reaches cd.linear's backward only through the incoming gradient (an input-
+    # gradient penalty): its second derivative came back None, as if unused
+    p = torch.randn(4, 6, requires_grad=True)
+    gx, = torch.autograd.grad((cd.linear(x, w, gelu, backend="reference")["D"].tanh() * p).sum(), x, create_graph=True)
+    with pytest.raises(cd.UnsupportedError, match="cd.linear has no second derivative"):
+        torch.autograd.grad(gx.square().sum(), p, allow_unused=True)
 
 
 def test_half_width_operands_whose_gradient_comes_from_a_row_statistic():
@@ -884,6 +893,17 @@ def test_fp16_keeps_its_accumulator_in_fp32():
     outputs = lambda ep: {o.name: o.dtype for o in ep.program.outputs}  # noqa: E731  what a prebuild builds
     assert outputs(forward_epilogue(scaled_sin, dtype=torch.float16))["acc"] == "fp32"
     assert outputs(forward_epilogue(scaled_sin))["acc"] is None  # A's dtype: bf16 has fp32's range
+    with pytest.raises(cd.OperandError, match="dtype is A's, a torch floating dtype, not 'int8'"):
+        forward_epilogue(scaled_sin, "int8")
+
+    @cd.epilogue
+    def sin_and_d(acc):  # D = acc is inf in fp16: the derivative read it back as saved_D (NaN gradients)
+        return {"D": acc, "s": cd.sin(acc * 1e-5)}
+    x, w = (t.detach().half().requires_grad_() for t in (xd, wd))
+    cd.linear(x, w, sin_and_d, backend="reference")["s"].float().sum().backward()
+    assert rel_err(x.grad, xd.grad) < 1e-2 and rel_err(w.grad, wd.grad) < 1e-2
+    assert outputs(forward_epilogue(sin_and_d, dtype=torch.float16))["acc"] == "fp32"
+    assert "acc" not in outputs(forward_epilogue(sin_and_d))  # bf16: D read back instead
 
 
 def test_fused_backward_step_equals_the_eager_one():
@@ -949,7 +969,7 @@ def test_backward_epilogue_fuses_into_the_producer_gemm():
     got = cd.gemm(dout, w_next.t(), cd.backward_epilogue(bias_gelu), saved_acc=acc.detach(), bias=bias.detach(),
                   backend="reference")
     assert rel_err(got["D"], acc.grad) < 1e-5 and rel_err(got["bias"], bias.grad) < 1e-5
-    with pytest.raises(UnsupportedError, match=r"no output 'nope' with a gradient; those with one: \['D'\]"):
+    with pytest.raises(cd.OperandError, match=r"no output 'nope' with a gradient\n  fix: output= one of \['D'\]"):
         cd.backward_epilogue(bias_gelu, output="nope")
 
     @cd.epilogue
@@ -981,7 +1001,7 @@ def test_outputs_without_a_gradient():
     got = cd.gemm(dy, torch.eye(6), bw, saved_pre=acc, backend="reference")["D"]
     assert torch.equal(got, want)
     assert cd.backward_epilogue(swiglu_keep_preactivation, no_grad="pre").output_names == ("D",)  # one name
-    with pytest.raises(UnsupportedError, match=r"no_grad names \['y'\], which are not outputs"):
+    with pytest.raises(cd.OperandError, match=r"no_grad names \['y'\], which are not outputs(.|\n)*fix: name"):
         cd.backward_epilogue(swiglu_keep_preactivation, no_grad=("y",))
     with pytest.raises(UnsupportedError, match="recompute names 'pre', which is not a computed"):
         cd.backward_epilogue(swiglu_keep_preactivation, no_grad="pre", recompute="pre")  # saved_acc itself
@@ -990,7 +1010,7 @@ def test_outputs_without_a_gradient():
     def gated_by(acc, D_even: cd.VecN):  # its gradient would be an output named D_even too
         g, u = cd.pairs(acc)
         return cd.silu(g) * u * D_even
-    with pytest.raises(UnsupportedError, match=r"two outputs named \['D_even'\]"):
+    with pytest.raises(cd.OperandError, match=r"two outputs named \['D_even'\](.|\n)*fix: rename"):
         cd.backward_epilogue(gated_by, split=True)
 
 
@@ -1042,8 +1062,8 @@ def test_backward_epilogue_narrows_a_pairwise_forward_with_a_row_operand():
         g, u = cd.pairs(acc)
         y = cd.silu(g) * u
         return {"D": y, "ss": cd.sum(y * y, axis="n")}
-    for name in ("ss", "nope"):
-        with pytest.raises(UnsupportedError, match=f"recompute names '{name}'"):
+    for name, error in (("ss", UnsupportedError), ("nope", cd.OperandError)):  # a statistic; a typo
+        with pytest.raises(error, match=f"recompute names '{name}'(.|\n)*fix: recompute one of \\['D'\\]"):
             cd.backward_epilogue(with_statistic, recompute=(name,), no_grad=("ss",))
 
     @cd.epilogue

@@ -44,3 +44,8 @@ def kind_of(annotation) -> str | None:
     if isinstance(annotation, type) and issubclass(annotation, _Kind) and annotation is not Acc:
         return annotation.kind
     return None
+
+
+def annotation_of(kind: str) -> str:
+    """The annotation that declares an operand kind: "vec_n" -> "cd.VecN"."""
+    return next(f"cd.{name}" for name, c in _BY_NAME.items() if c.kind == kind)

@@ -266,7 +266,7 @@ def _out_of_range(target: torch.Tensor, v: int, ignore_index: int) -> torch.Tens
     so does this on CPU, where the check costs no GPU synchronization)."""
     bad = (target != ignore_index) & ((target < 0) | (target >= v))
     if not target.is_cuda and not torch.compiler.is_compiling() and bool(bad.any()):
-        raise ValueError(f"target {int(target[bad][0])} is out of range: targets are class indices in "
+        raise cd.OperandError(f"target {int(target[bad][0])} is out of range: targets are class indices in "
                          f"[0, {v}) or ignore_index ({ignore_index})")
     return bad
 
@@ -360,9 +360,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         if hasattr(ctx, "grads"):
             if ctx.grads is None:
-                raise RuntimeError("linear_cross_entropy: backward ran twice through the same forward (retain_graph); "
-                                   "its gradients were computed in the forward and handed out by the first backward. "
-                                   "Call linear_cross_entropy again for a second backward")
+                raise cd.UnsupportedError("linear_cross_entropy: backward ran twice through the same forward "
+                                          "(retain_graph); its gradients were computed in the forward and handed out "
+                                          "by the first backward\n  fix: call linear_cross_entropy again for a "
+                                          "second backward")
             gx, gw, peak, alpha = ctx.grads
             ctx.grads = None  # the only reference left is ours: autograd takes the tensors without a copy
             _scale_(gx, gw, grad * peak, alpha)
@@ -424,11 +425,11 @@ def _is_int(x) -> bool:
 
 def _check_options(reduction, label_smoothing, ignore_index):
     if not _is_int(ignore_index):
-        raise ValueError(f"ignore_index must be an int (a target value whose rows are left out), not {ignore_index!r}")
+        raise cd.OperandError(f"ignore_index must be an int (a target value whose rows are left out), not {ignore_index!r}")
     if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', not {reduction!r}")
+        raise cd.OperandError(f"reduction must be 'mean', 'sum' or 'none', not {reduction!r}")
     if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+        raise cd.OperandError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
 
 
 def _cap(softcap) -> float | None:
@@ -438,7 +439,7 @@ def _cap(softcap) -> float | None:
     if isinstance(softcap, torch.Tensor) and softcap.dim() == 0:  # e.g. a config value kept as a tensor
         softcap = softcap.item()
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not 0 < softcap < math.inf:
-        raise ValueError(f"softcap must be a positive finite number (logits become softcap * tanh(logits / softcap)), "
+        raise cd.OperandError(f"softcap must be a positive finite number (logits become softcap * tanh(logits / softcap)), "
                          f"or None for no cap; got {softcap!r}")
     return float(softcap)
 
@@ -446,14 +447,14 @@ def _cap(softcap) -> float | None:
 def check_args(x, w, target, reduction, label_smoothing, ignore_index):
     _check_options(reduction, label_smoothing, ignore_index)
     if x.dim() != 2:
-        raise ValueError(f"x must be [M, d] (flatten a batch: x.flatten(0, -2), target.flatten()), got "
+        raise cd.OperandError(f"x must be [M, d] (flatten a batch: x.flatten(0, -2), target.flatten()), got "
                          f"{list(x.shape)}")
     if w.dim() != 2 or w.shape[1] != x.shape[1]:
-        raise ValueError(f"w must be the head's weight [V, {x.shape[1]}] (V rows of x's width d), got {list(w.shape)}")
+        raise cd.OperandError(f"w must be the head's weight [V, {x.shape[1]}] (V rows of x's width d), got {list(w.shape)}")
     if target.dtype != torch.int64 or target.shape != x.shape[:1]:
-        raise ValueError(f"target must be int64 of shape [{x.shape[0]}], got {target.dtype} {list(target.shape)}")
+        raise cd.OperandError(f"target must be int64 of shape [{x.shape[0]}], got {target.dtype} {list(target.shape)}")
     if target.device != x.device:
-        raise ValueError(f"target is on {target.device}, x on {x.device}: put them on one device")
+        raise cd.OperandError(f"target is on {target.device}, x on {x.device}: put them on one device")
 
 
 def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
@@ -472,14 +473,14 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
     """
     check_args(x, w, target, reduction, label_smoothing, ignore_index)
     if w.shape[0] == 0:
-        raise ValueError("w has no rows: the vocabulary is empty (a shard of a vocabulary-parallel head may be; "
+        raise cd.OperandError("w has no rows: the vocabulary is empty (a shard of a vocabulary-parallel head may be; "
                          "see vocab_shard_stats)")
     if backend not in cd.BACKENDS:
-        raise ValueError(f"backend must be {', '.join(map(repr, cd.BACKENDS[:-1]))} or {cd.BACKENDS[-1]!r}, "
+        raise cd.OperandError(f"backend must be {', '.join(map(repr, cd.BACKENDS[:-1]))} or {cd.BACKENDS[-1]!r}, "
                          f"not {backend!r}")
     if chunk_rows is not None and (isinstance(chunk_rows, bool) or not (isinstance(chunk_rows, numbers.Integral)
                                                                        and chunk_rows > 0)):
-        raise ValueError(f"chunk_rows must be a positive int (rounded up to a multiple of 8), got {chunk_rows!r}")
+        raise cd.OperandError(f"chunk_rows must be a positive int (rounded up to a multiple of 8), got {chunk_rows!r}")
     grad = torch.is_grad_enabled()  # Function.forward runs without grad mode: decide here
     return _LinearCrossEntropy.apply(x, w, target, operator.index(ignore_index), reduction, float(label_smoothing),
                                      _cap(softcap), backend, config or default_config(x.device),
@@ -512,9 +513,9 @@ def combine_vocab_shards(stats: Sequence[dict[str, torch.Tensor]], target: torch
     vocabulary (vocab_size columns) would give it; the same max / sum-exp steps as the all-reduces."""
     _check_options(reduction, label_smoothing, ignore_index)
     if not stats:
-        raise ValueError("stats: one vocab_shard_stats result per shard, got none")
+        raise cd.OperandError("stats: one vocab_shard_stats result per shard, got none")
     if label_smoothing and any("z_sum" not in s for s in stats):
-        raise ValueError(f"label_smoothing={label_smoothing}: every shard's stats need 'z_sum'; pass the same "
+        raise cd.OperandError(f"label_smoothing={label_smoothing}: every shard's stats need 'z_sum'; pass the same "
                          "label_smoothing to vocab_shard_stats")
     lse = torch.stack([s["lse"] for s in stats])
     top = lse.amax(0)

@@ -36,7 +36,7 @@ swiglu_backward = cd.backward_epilogue(swiglu, recompute="D")
 def interleave_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
     """[F, d] gate and up weights -> one [2F, d] weight with rows gate0, up0, gate1, up1, ..."""
     if w_gate.shape != w_up.shape:
-        raise ValueError(f"gate {list(w_gate.shape)} and up {list(w_up.shape)} weights must have one shape")
+        raise cd.OperandError(f"gate {list(w_gate.shape)} and up {list(w_up.shape)} weights must have one shape")
     return torch.stack((w_gate, w_up), dim=1).reshape(-1, w_gate.shape[-1])
 
 

@@ -40,7 +40,7 @@ _ACTIVATIONS = {None: lambda x: x, "relu": cd.relu, "silu": cd.silu, "gelu": cd.
 def rms_consumer(activation: str | None = None) -> cd.Epilogue:
     """D = activation(rstd[m] * acc)."""
     if activation not in _ACTIVATIONS:
-        raise ValueError(f"activation must be one of {list(_ACTIVATIONS)}, not {activation!r}")
+        raise cd.OperandError(f"activation must be one of {list(_ACTIVATIONS)}, not {activation!r}")
     act = _ACTIVATIONS[activation]
 
     def rms_scaled(acc, rstd: cd.VecM):

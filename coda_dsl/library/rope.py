@@ -36,7 +36,7 @@ def rope_positions(acc, pos: cd.VecM, inv_freq: cd.VecN):
 
 def _check_head_dim(head_dim: int) -> None:
     if not (isinstance(head_dim, numbers.Integral) and head_dim > 0 and head_dim % 2 == 0):
-        raise ValueError(f"head_dim must be a positive even number (it holds rotation pairs), got {head_dim!r}")
+        raise cd.OperandError(f"head_dim must be a positive even number (it holds rotation pairs), got {head_dim!r}")
 
 
 def neox_to_interleaved(w: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -45,7 +45,7 @@ def neox_to_interleaved(w: torch.Tensor, head_dim: int) -> torch.Tensor:
     the NeoX/Llama rotation (up to the same permutation of q and k)."""
     _check_head_dim(head_dim)
     if w.shape[0] % head_dim:
-        raise ValueError(f"w has {w.shape[0]} rows, not a whole number of heads of head_dim {head_dim}")
+        raise cd.OperandError(f"w has {w.shape[0]} rows, not a whole number of heads of head_dim {head_dim}")
     return w.unflatten(0, (-1, 2, head_dim // 2)).transpose(1, 2)
 
 
@@ -60,7 +60,7 @@ def rope_frequencies(n_cols: int, head_dim: int, base: float = 10000.0, rotate_c
     _check_head_dim(head_dim)
     for name, cols in (("n_cols", n_cols), ("rotate_cols", rotate_cols)):
         if cols is not None and cols % 2:
-            raise ValueError(f"{name} = {cols} is odd: RoPE turns column pairs")
+            raise cd.OperandError(f"{name} = {cols} is odd: RoPE turns column pairs")
     i = torch.arange(n_cols // 2) % (head_dim // 2)
     inv = 1.0 / base ** (2.0 * i / head_dim)
     if rotate_cols is not None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
-from ..errors import UnsupportedError
+from ..errors import OperandError, UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import REDUCTIONS
 from .widths import WIDTH_SCALE, infer as infer_widths, uniform
@@ -179,13 +179,13 @@ def derive(program: ir.Program, no_grad: tuple[str, ...] = (), reuse: tuple[str,
     caller holds); None: chosen here."""
     where = program.title
     if unknown := set(no_grad) - {o.name for o in program.outputs}:
-        raise UnsupportedError(f"{where}: no_grad names {sorted(unknown)}, which are not outputs of the epilogue "
-                               f"({', '.join(o.name for o in program.outputs)})")
+        raise OperandError(f"{where}: no_grad names {sorted(unknown)}, which are not outputs of the epilogue\n  fix: "
+                           f"name some of its outputs ({', '.join(o.name for o in program.outputs)})")
     kinds = {p.name: p.kind for p in program.params}
     for name in kinds:
         if name.startswith((GRAD, SAVED)) or name == ACC:
-            raise UnsupportedError(f"{where}: operand '{name}' clashes with the backward's names "
-                                   f"('{ACC}', '{GRAD}*', '{SAVED}*'): rename it to differentiate the epilogue")
+            raise OperandError(f"{where}: operand '{name}' clashes with the backward's names ('{ACC}', '{GRAD}*', "
+                               f"'{SAVED}*')\n  fix: rename it to differentiate the epilogue")
     adjoint: dict[int, ir.Node] = {}
     params, grads, saved, unfinished, finishing_scalars = [], [], [], [], set()
     # Each incoming gradient is as wide as its output (a column statistic's: as its input): declared, since
@@ -267,8 +267,9 @@ def into_producer(back: Backward, output: str = "D", split: bool = False, recomp
     program = back.program
     where = program.title
     if output not in back.grads:
-        raise UnsupportedError(f"{where}: the forward has no output '{output}' with a gradient; those with one: "
-                               f"{sorted(back.grads)}")
+        error = UnsupportedError if back.forward.output(output) else OperandError  # no_grad's, or a typo
+        raise error(f"{where}: the forward has no output '{output}' with a gradient\n  fix: output= one of "
+                    f"{sorted(back.grads)}")
     if program.output(ACC) is None:
         raise UnsupportedError(f"{where}: nothing to fuse: the forward's outputs do not depend on the accumulator")
     if ir.reduction_of(back.forward.output(output).node) is not None:
@@ -291,12 +292,15 @@ def into_producer(back: Backward, output: str = "D", split: bool = False, recomp
                    else replace(p, width=width(p) / w) if width(p) is not None else p for p in program.params
                    if p.name != SAVED_ACC)  # (an output named acc that is the accumulator, read back: the same)
     swapped = tuple(ir.Output("D" if o.name == ACC else o.name, swap(o.node), o.dtype) for o in program.outputs)
+    computed = [o.name for o in back.forward.outputs  # what recompute may name
+                if ir.reduction_of(o.node) is None and not o.node.is_leaf and o.name not in back.reused]
     for name in dict.fromkeys(recompute):
         o = back.forward.output(name)
-        if o is None or ir.reduction_of(o.node) is not None or o.node.is_leaf or name in back.reused:
-            raise UnsupportedError(f"{where}: recompute names '{name}', which is not a computed elementwise output "
-                                   "of the forward (a statistic needs every tile; an operand, the accumulator or "
-                                   "an output the derivative reads back the caller has already)")
+        if name not in computed:
+            error = OperandError if o is None else UnsupportedError  # a typo, or an output it cannot recompute
+            raise error(f"{where}: recompute names '{name}', which is not a computed elementwise output of the "
+                        "forward (a statistic needs every tile; an operand, the accumulator or an output the "
+                        f"derivative reads back the caller has already)\n  fix: recompute one of {computed}, or none")
         swapped += (ir.Output(RECOMPUTED + name, swap(o.node), o.dtype),)
     narrow = _narrower(infer_widths(ir.Program(program.name, params, swapped, program.defined_at, {})))
     outputs = []
@@ -311,8 +315,8 @@ def into_producer(back: Backward, output: str = "D", split: bool = False, recomp
             outputs.append(ir.Output(o.name, node, o.dtype))
     names = [o.name for o in outputs]
     if clash := sorted({n for n in names if names.count(n) > 1}):
-        raise UnsupportedError(f"{where}: the fused backward would have two outputs named {clash} (an operand's "
-                               "gradient is named like the operand): rename that operand")
+        raise OperandError(f"{where}: the fused backward would have two outputs named {clash} (an operand's "
+                           "gradient is named like the operand)\n  fix: rename that operand")
     if not any(n.op == "load" and n.attr[1] == SAVED_ACC for n in ir.topo_order([o.node for o in outputs])):
         params = tuple(p for p in params if p.name != SAVED_ACC)  # the derivative reads saved outputs instead
     return ir.Program(f"{program.name}_fused", params, tuple(outputs), program.defined_at, {})

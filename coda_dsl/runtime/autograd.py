@@ -47,8 +47,9 @@ def first_order(what: str):
                 return out
             outs = out if isinstance(out, tuple) else (out,)
             at = [i for i, g in enumerate(outs) if isinstance(g, torch.Tensor) and g.is_floating_point()]
-            # tied to the saved inputs too: a gradient of the gradients with respect to them reaches the node
-            inputs = [t for t in ctx.saved_tensors if t is not None and t.requires_grad]
+            # tied to the saved inputs and the incoming gradients too: a gradient of the gradients with respect to
+            # them (a parameter that reaches this op only through its incoming gradient) reaches the node
+            inputs = [t for t in (*ctx.saved_tensors, *grads) if isinstance(t, torch.Tensor) and t.requires_grad]
             tied = _NoSecondDerivative.apply(what, len(at), *(outs[i].detach().requires_grad_() for i in at), *inputs)
             outs = list(outs)
             for i, g in zip(at, tied):
@@ -94,7 +95,8 @@ def _derived(uid: str, consts: tuple, no_grad: tuple[str, ...], reuse: tuple[str
     outputs, reading back reuse's outputs (None: derive's choice), the forward keeping the accumulator in
     acc_dtype (None: A's). Inside torch.compile, Dynamo calls this instead of tracing it (a pass over the IR)."""
     ep = Epilogue.by_uid(uid)
-    back = derive(specialize(ep.program, dict(consts)), no_grad, reuse)
+    # an accumulator kept in fp32 (A in fp16) is read rather than an output stored in fp16, which may be inf
+    back = derive(specialize(ep.program, dict(consts)), no_grad, () if acc_dtype == "fp32" else reuse)
     p, forward = ep.program, ep
     taken = [name for name in ([ACC] if back.uses_acc else []) + [SAVED + o for o in back.unfinished]
              if p.output(name)]
@@ -229,8 +231,13 @@ def linear(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, /
         raise OperandError("cd.linear: A must be a 2-D tensor [M, K]; flatten a batch into rows: A.flatten(0, -2)")
     names = tuple(k for k, v in operands.items() if isinstance(v, torch.Tensor))
     # a cd.Scalar given as a 0-d tensor (to learn it): the kernel takes its value, the tensor its gradient
-    values = {p.name: float(operands[p.name].detach()) for p in ep.params if p.kind == "scalar"
-              and isinstance(operands.get(p.name), torch.Tensor) and operands[p.name].dim() == 0}
+    learnt = [p.name for p in ep.params if p.kind == "scalar"
+              and isinstance(operands.get(p.name), torch.Tensor) and operands[p.name].dim() == 0]
+    if bad := [n for n in learnt if not operands[n].is_floating_point()]:
+        raise OperandError(f"cd.linear: {ep.program.title}: cd.Scalar '{bad[0]}' given as a 0-d tensor of dtype "
+                           f"{operands[bad[0]].dtype}: a learnt scalar is floating point\n  fix: pass "
+                           f"{bad[0]}.float(), or a number")
+    values = {n: float(operands[n].detach()) for n in learnt}
     if values and torch.compiler.is_compiling():
         raise OperandError(f"cd.linear: cd.Scalar {sorted(values)} given as a tensor inside torch.compile: the "
                            "kernel needs its value as a number, which a traced tensor is not\n  fix: pass a number, "
@@ -257,6 +264,9 @@ def forward_epilogue(epilogue: Epilogue, dtype: torch.dtype = torch.bfloat16, **
     as one more output when the derivative reads it (in A's dtype; fp32 for fp16), e.g. to build that
     kernel ahead of the first call."""
     epilogue = _checked("forward_epilogue", epilogue, consts, ("dtype",))
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        raise OperandError(f"forward_epilogue: dtype is A's, a torch floating dtype, not {dtype!r}\n  fix: "
+                           "dtype=torch.bfloat16 (or torch.float16)")
     return _derive(epilogue, consts, _no_derivative(epilogue), a_dtype=dtype).forward
 
 

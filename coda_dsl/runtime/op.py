@@ -556,7 +556,8 @@ def epilogue_of(api: str, epilogue, operands: dict) -> Epilogue:
 
 def _flag(ep: Epilogue, name: str, value) -> None:
     if not isinstance(value, bool):  # 1 or "yes" would pass `in (True, False)` or truthiness
-        raise OperandError(f"{_where(ep)}: {name} must be True or False, not {value!r}")
+        raise checks.fail(_where(ep), f"{name} must be True or False, not {value!r}", f"{name}={bool(value)!r} if that "
+                          "was meant" if isinstance(value, (int, float)) else f"{name}=True or {name}=False")
 
 
 def _config(ep: Epilogue, config) -> Config | None:
@@ -701,7 +702,8 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
                 return outs
     ep = epilogue_of("cd.gemm", epilogue, operands)
     if backend not in BACKENDS:
-        raise OperandError(f"{_where(ep)}: backend must be one of {BACKENDS}, not {backend!r}")
+        raise checks.fail(_where(ep), f"backend must be one of {BACKENDS}, not {backend!r}",
+                          "backend='auto' (the kernel where an sm_90 GPU runs it, else the reference semantics)")
     if torch.compiler.is_compiling():
         if accumulate:
             raise UnsupportedError(f"{_where(ep)}: accumulate=True inside torch.compile is not supported yet; "
