@@ -159,8 +159,9 @@ def _const_values(ep: Epilogue, consts: dict[str, str | float]) -> dict[str, flo
     for name, v in consts.items():
         if kinds.get(name) != "const":
             declared = [n for n, k in kinds.items() if k == "const"]
-            from .dsl.types import annotation_of
-            kind = f"; {name!r} is a {annotation_of(kinds[name])}, given at each call" if name in kinds else ""
+            from .dsl.types import annotation_of  # (here: the dsl package imports torch, which --help must not)
+            kind = f"; {name!r} is a {annotation_of(kinds[name])}, given at each call: drop --const {name}" \
+                if name in kinds else ""
             raise CliError(f"--const {name}: epilogue '{ep.name}' has no cd.Const parameter {name!r} "
                            f"(it has: {', '.join(declared) or 'none'}){kind}")
         try:

@@ -161,6 +161,7 @@ def test_bad_target(capsys, eps, target, words):
     ((), "pass --const c=VALUE"),
     (("--const", "c=x"), "not a number"),
     (("--const", "c=1", "--const", "z=1"), "no cd.Const parameter 'z'"),
+    (("--const", "c=1", "--const", "s=1"), "'s' is a cd.VecM, given at each call: drop --const s"),
     (("--const", "c=1", "--operand-dtype", "res=int8"), "dtype must be one of"),
     (("--const", "c=1", "--operand-dtype", "q=fp32"), "no tensor/vector operand 'q'"),
     (("--const", "c=1", "--config", "big"), "bad config"),

@@ -111,17 +111,17 @@ def test_a_cast_interleave_is_the_interleave_of_casts():
 
 
 def test_rope_helpers_refuse_odd_heads_and_partial_heads():
-    with pytest.raises(ValueError, match="even"):
+    with pytest.raises(cd.OperandError, match="even"):
         neox_to_interleaved(torch.zeros(24, 4), 5)
-    with pytest.raises(ValueError, match="whole number of heads"):
+    with pytest.raises(cd.OperandError, match="whole number of heads"):
         neox_to_interleaved(torch.zeros(24, 4), 16)
-    with pytest.raises(ValueError, match="even"):
+    with pytest.raises(cd.OperandError, match="even"):
         neox_to_interleaved_rows(3, 7)
-    with pytest.raises(ValueError, match="even"):
+    with pytest.raises(cd.OperandError, match="even"):
         rope_frequencies(24, 7)
-    with pytest.raises(ValueError, match="n_cols = 23 is odd"):
+    with pytest.raises(cd.OperandError, match="n_cols = 23 is odd"):
         rope_frequencies(23, 8)
-    with pytest.raises(ValueError, match="rotate_cols = 129 is odd"):  # it was rounded down to 128
+    with pytest.raises(cd.OperandError, match="rotate_cols = 129 is odd"):  # it was rounded down to 128
         rope_frequencies(256, 64, rotate_cols=129)
     assert rope_frequencies(24, np.int64(8)).shape == (12,)  # NumPy integers are integers
 

@@ -66,10 +66,20 @@ def test_missing_and_unexpected_together():
     assert "unexpected operand(s) ['Bias']" in msg and "missing operand(s) ['bias']" in msg
 
 
+def test_misspelt_backend_is_named():
+    a, b = ab()
+    assert "fix: backend='reference'" in error_of(OperandError, a, b, ep_all, backend="referenc", **operands())
+
+
 def test_bool_scalar_is_refused():
     a, b = ab()
     msg = error_of(OperandError, a, b, ep_all, **{**operands(), "alpha": True})
     assert "'alpha' (scalar) must be a number, got True" in msg and "fix: pass 1.0" in msg
+
+    @cd.epilogue
+    def switched(acc, on: cd.Const):  # a cd.Const may select, as a flag
+        return acc * on
+    torch.testing.assert_close(cd.gemm(a, b, switched, on=True, backend="reference")["D"], cd.gemm(a, b)["D"])
 
 
 def test_misspelt_keyword_is_named_in_the_fix():
@@ -948,10 +958,10 @@ def test_bad_arguments_are_operand_errors(fake_kernels, backend):
     call(a, b, two_outputs, out=good, residual=r)  # valid: this layout is now warm
     cases = [
         (dict(deterministic=[1]), "deterministic must be True or False"),
-        (dict(deterministic=1), "deterministic must be True or False"),
-        (dict(accumulate="yes"), "accumulate must be True or False"),
+        (dict(deterministic=1), "deterministic must be True or False, not 1\n  fix: deterministic=True if that"),
+        (dict(accumulate="yes"), "accumulate must be True or False(.|\n)*fix: accumulate=True or accumulate=False"),
         (dict(tune="x"), "tune must be True or False"),
-        (dict(config="garbage"), "bad config 'garbage'"),
+        (dict(config="garbage"), "bad config 'garbage'(.|\n)*at least three parts"),
         (dict(config="128x256x64_c2x1_bogus"), "schedule must be"),
         (dict(out={"D": torch.empty(N, dtype=torch.bfloat16).expand(M, N)}), "stride 0"),
         (dict(out={**good, "D": good["D"].clone().requires_grad_()}), "requires grad"),  # warm layout otherwise

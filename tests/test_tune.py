@@ -97,6 +97,11 @@ def test_gpu_name_off_cuda_is_empty():
     assert not cd.is_gpu("H100", "cpu")  # a device string, as torch's own functions take
 
 
+def test_gpu_name_takes_an_index(monkeypatch):
+    monkeypatch.setattr(tuning, "_cuda_name", lambda index: f"NVIDIA H100 #{index}")
+    assert tuning.gpu_name(1) == tuning.gpu_name("cuda:1") == "NVIDIA H100 #1"
+
+
 @pytest.mark.parametrize("gpu, h100", [(H100, True), ("NVIDIA H100 PCIe", True), ("H100-SXM5-80GB", True), ("h100", True),
                                        ("NVIDIA H1000", False), ("NVIDIA GH100X", False), (H200, False)])
 def test_the_h100_rule_goes_to_h100_names_only(gpu, h100):

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from ..errors import EpilogueError
 from ..ir import graph as ir
-from ..ir.ops import REDUCTIONS, dtype_name
+from ..ir.ops import DTYPE_SPELLINGS, REDUCTIONS, dtype_name
 
 _DSL_DIR = os.path.dirname(os.path.abspath(__file__))  # frames in here are the tracer, not the user
 
@@ -423,7 +423,7 @@ def cast(x: Any, dtype) -> Value:
         name = dtype_name(dtype)
     except ValueError:
         raise fail(f"cd.cast to {dtype!r}: not a dtype an epilogue computes or stores",
-                   "cast to torch.bfloat16, torch.float16 or torch.float32 (or 'bf16', 'fp16', 'fp32')") from None
+                   f"cast to {DTYPE_SPELLINGS}") from None
     return Value(ir.cast(lift(x), name))
 
 

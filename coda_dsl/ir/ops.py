@@ -2,7 +2,7 @@
 
 An OpDef says what kind of node the op makes (`kind`), how many inputs it takes, what it means
 (for elementwise ops: a torch function on fp32 tensors, the reference semantics), how its width
-follows from its inputs' (`width_rule`, see passes/widths.py) and how it folds when its inputs are
+follows from its inputs' (`width_rule`, see ir/widths.py) and how it folds when its inputs are
 constants (`fold`). Passes dispatch on these attributes, not on op names. The C++ spelling of each
 elementwise op lives in codegen/cpp.py (one table, keyed by op name; helpers in
 csrc/coda_dsl/functional.h). Adding an elementwise op: one line here, one there, one cd. function.
@@ -294,8 +294,10 @@ def dtype_name(dtype) -> str:
         return dtype
     if dtype in TORCH_TO_DTYPE:
         return TORCH_TO_DTYPE[dtype]
-    raise ValueError(f"unsupported dtype {dtype!r}: use one of torch.bfloat16, torch.float16, torch.float32 "
-                     "(or 'bf16', 'fp16', 'fp32')")
+    raise ValueError(f"unsupported dtype {dtype!r}: use {DTYPE_SPELLINGS}")
+
+
+DTYPE_SPELLINGS = "torch.bfloat16, torch.float16 or torch.float32 (or 'bf16', 'fp16', 'fp32')"  # dtype_name's
 
 
 def evaluate(op: str, attr, values: list[float]) -> float:

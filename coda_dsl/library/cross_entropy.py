@@ -267,7 +267,7 @@ def _out_of_range(target: torch.Tensor, v: int, ignore_index: int) -> torch.Tens
     bad = (target != ignore_index) & ((target < 0) | (target >= v))
     if not target.is_cuda and not torch.compiler.is_compiling() and bool(bad.any()):
         raise cd.OperandError(f"target {int(target[bad][0])} is out of range: targets are class indices in "
-                         f"[0, {v}) or ignore_index ({ignore_index})")
+                              f"[0, {v}) or ignore_index ({ignore_index})")
     return bad
 
 
@@ -425,7 +425,8 @@ def _is_int(x) -> bool:
 
 def _check_options(reduction, label_smoothing, ignore_index):
     if not _is_int(ignore_index):
-        raise cd.OperandError(f"ignore_index must be an int (a target value whose rows are left out), not {ignore_index!r}")
+        raise cd.OperandError(f"ignore_index must be an int (a target value whose rows are left out), "
+                              f"not {ignore_index!r}")
     if reduction not in ("mean", "sum", "none"):
         raise cd.OperandError(f"reduction must be 'mean', 'sum' or 'none', not {reduction!r}")
     if not 0.0 <= label_smoothing <= 1.0:
@@ -439,8 +440,8 @@ def _cap(softcap) -> float | None:
     if isinstance(softcap, torch.Tensor) and softcap.dim() == 0:  # e.g. a config value kept as a tensor
         softcap = softcap.item()
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not 0 < softcap < math.inf:
-        raise cd.OperandError(f"softcap must be a positive finite number (logits become softcap * tanh(logits / softcap)), "
-                         f"or None for no cap; got {softcap!r}")
+        raise cd.OperandError("softcap must be a positive finite number (logits become softcap * tanh(logits / "
+                              f"softcap)), or None for no cap; got {softcap!r}")
     return float(softcap)
 
 
@@ -448,9 +449,10 @@ def check_args(x, w, target, reduction, label_smoothing, ignore_index):
     _check_options(reduction, label_smoothing, ignore_index)
     if x.dim() != 2:
         raise cd.OperandError(f"x must be [M, d] (flatten a batch: x.flatten(0, -2), target.flatten()), got "
-                         f"{list(x.shape)}")
+                              f"{list(x.shape)}")
     if w.dim() != 2 or w.shape[1] != x.shape[1]:
-        raise cd.OperandError(f"w must be the head's weight [V, {x.shape[1]}] (V rows of x's width d), got {list(w.shape)}")
+        raise cd.OperandError(f"w must be the head's weight [V, {x.shape[1]}] (V rows of x's width d), "
+                              f"got {list(w.shape)}")
     if target.dtype != torch.int64 or target.shape != x.shape[:1]:
         raise cd.OperandError(f"target must be int64 of shape [{x.shape[0]}], got {target.dtype} {list(target.shape)}")
     if target.device != x.device:
@@ -474,10 +476,10 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
     check_args(x, w, target, reduction, label_smoothing, ignore_index)
     if w.shape[0] == 0:
         raise cd.OperandError("w has no rows: the vocabulary is empty (a shard of a vocabulary-parallel head may be; "
-                         "see vocab_shard_stats)")
+                              "see vocab_shard_stats)")
     if backend not in cd.BACKENDS:
         raise cd.OperandError(f"backend must be {', '.join(map(repr, cd.BACKENDS[:-1]))} or {cd.BACKENDS[-1]!r}, "
-                         f"not {backend!r}")
+                              f"not {backend!r}")
     if chunk_rows is not None and (isinstance(chunk_rows, bool) or not (isinstance(chunk_rows, numbers.Integral)
                                                                        and chunk_rows > 0)):
         raise cd.OperandError(f"chunk_rows must be a positive int (rounded up to a multiple of 8), got {chunk_rows!r}")
@@ -516,7 +518,7 @@ def combine_vocab_shards(stats: Sequence[dict[str, torch.Tensor]], target: torch
         raise cd.OperandError("stats: one vocab_shard_stats result per shard, got none")
     if label_smoothing and any("z_sum" not in s for s in stats):
         raise cd.OperandError(f"label_smoothing={label_smoothing}: every shard's stats need 'z_sum'; pass the same "
-                         "label_smoothing to vocab_shard_stats")
+                              "label_smoothing to vocab_shard_stats")
     lse = torch.stack([s["lse"] for s in stats])
     top = lse.amax(0)
     total = {"lse": top + torch.log(torch.exp(lse - top).sum(0)),

@@ -95,8 +95,7 @@ def _derived(uid: str, consts: tuple, no_grad: tuple[str, ...], reuse: tuple[str
     outputs, reading back reuse's outputs (None: derive's choice), the forward keeping the accumulator in
     acc_dtype (None: A's). Inside torch.compile, Dynamo calls this instead of tracing it (a pass over the IR)."""
     ep = Epilogue.by_uid(uid)
-    # an accumulator kept in fp32 (A in fp16) is read rather than an output stored in fp16, which may be inf
-    back = derive(specialize(ep.program, dict(consts)), no_grad, () if acc_dtype == "fp32" else reuse)
+    back = derive(specialize(ep.program, dict(consts)), no_grad, reuse)
     p, forward = ep.program, ep
     taken = [name for name in ([ACC] if back.uses_acc else []) + [SAVED + o for o in back.unfinished]
              if p.output(name)]
@@ -233,10 +232,10 @@ def linear(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, /
     # a cd.Scalar given as a 0-d tensor (to learn it): the kernel takes its value, the tensor its gradient
     learnt = [p.name for p in ep.params if p.kind == "scalar"
               and isinstance(operands.get(p.name), torch.Tensor) and operands[p.name].dim() == 0]
-    if bad := [n for n in learnt if not operands[n].is_floating_point()]:
+    if bad := [n for n in learnt if operands[n].is_complex() or operands[n].dtype == torch.bool]:
         raise OperandError(f"cd.linear: {ep.program.title}: cd.Scalar '{bad[0]}' given as a 0-d tensor of dtype "
-                           f"{operands[bad[0]].dtype}: a learnt scalar is floating point\n  fix: pass "
-                           f"{bad[0]}.float(), or a number")
+                           f"{operands[bad[0]].dtype}, which is no real number\n  fix: pass a real number (a float "
+                           "0-d tensor to learn it)")
     values = {n: float(operands[n].detach()) for n in learnt}
     if values and torch.compiler.is_compiling():
         raise OperandError(f"cd.linear: cd.Scalar {sorted(values)} given as a tensor inside torch.compile: the "

@@ -23,8 +23,10 @@ def _bare(name: str) -> str:
     return name.split()[-1].strip("'")
 
 
-def dtype_of(t: torch.Tensor, where: str, name: str, index: bool = False, fp64: bool = False) -> str:
-    """The dtype name of a tensor the call reads; fp64 (REFERENCE_FP64) where the reference backend runs."""
+def dtype_of(t: torch.Tensor, where: str, name: str, index: bool = False, fp64: bool = False,
+             operand: bool = False) -> str:
+    """The dtype name of a tensor the call reads; fp64 (REFERENCE_FP64) where the reference backend runs.
+    index: cd.take's column indices (int64); operand: an epilogue operand, whose integers a cast keeps."""
     if index:
         if t.dtype != torch.int64:
             raise fail(where, f"{name} holds column indices for cd.take and must be torch.int64, not {t.dtype}",
@@ -38,7 +40,7 @@ def dtype_of(t: torch.Tensor, where: str, name: str, index: bool = False, fp64: 
                    "cast it to torch.float32, or pass A and B in fp64 with backend='reference'")
     d = TORCH_TO_DTYPE.get(t.dtype)
     if d is None:
-        if name.startswith("operand") and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool:
+        if operand and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool:
             raise fail(where, f"{name} has dtype {t.dtype}; operands are floating point", f"pass {_bare(name)}.float() "
                        "(fp32 holds integers exactly up to 2^24; bf16 only up to 256)")
         raise fail(where, f"{name} has dtype {t.dtype}", "use torch.bfloat16, torch.float16 or torch.float32 "

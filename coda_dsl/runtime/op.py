@@ -9,6 +9,7 @@ import warnings
 import weakref
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Callable
 
 import torch
 
@@ -18,7 +19,7 @@ from ..errors import EpilogueError, OperandError, UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import DTYPES, REDUCTIONS
 from ..passes import accumulate_into_d, specialize
-from ..passes.widths import infer as infer_widths, load_widths, width_text
+from ..ir.widths import infer as infer_widths, load_widths, width_text
 from ..passes.plan import OUTPUT_SHAPES, Config, Signature
 from . import checks, reference, tune as tuning, warm
 from .kernel import Kernel, remember
@@ -73,23 +74,28 @@ def check_operands(ep: Epilogue, operands: dict) -> None:
     """The operands' names against the epilogue's, and its numbers (also while torch.compile traces)."""
     where = _where(ep)
     declared = [p.name for p in ep.params]
-    unknown = [n for n in operands if n not in declared]  # a misspelt keyword of cd.gemm lands here
-    typos = {n: k for n in unknown for k in difflib.get_close_matches(n, sorted(RESERVED), 1)} if unknown else {}
-    _check_names(where, declared, operands, "operand(s)", "operand(s)",
-                 f"the epilogue declares {declared or 'no operands'}"
-                 + "".join(f"; {n}= looks like the keyword {k}=" for n, k in typos.items()))
+    _check_names(where, declared, operands, "operand(s)", "operand(s)",  # (a misspelt keyword of cd.gemm lands here)
+                 lambda unknown: f"the epilogue declares {declared or 'no operands'}{_lookalikes(unknown, RESERVED)}")
     for p in ep.params:
         if p.kind not in ir.LOAD_KINDS:  # tensors: checked by _check_tensors
             _check_number(where, p, operands[p.name])
 
 
-def _check_names(where: str, declared: list[str], given: dict, extra: str, absent: str, fix: str) -> None:
-    """`given` holds every name `declared` and no other; else the error lists what is extra and what is absent."""
+def _lookalikes(unknown: list[str], keywords) -> str:
+    """'; backnd= looks like the keyword backend=' for each unknown name close to one of the keywords."""
+    return "".join(f"; {n}= looks like the keyword {k}=" for n in unknown
+                   for k in difflib.get_close_matches(n, sorted(keywords), 1))
+
+
+def _check_names(where: str, declared: list[str], given: dict, extra: str, absent: str,
+                 fix: Callable[[list[str]], str]) -> None:
+    """`given` holds every name `declared` and no other; else the error lists what is extra and what is absent,
+    with fix(the names not declared)."""
     unknown = sorted(set(given) - set(declared))
     missing = [n for n in declared if n not in given]
     if unknown or missing:
         raise checks.fail(where, "; ".join([f"unexpected {extra} {unknown}"] * bool(unknown)
-                                           + [f"missing {absent} {missing}"] * bool(missing)), fix)
+                                           + [f"missing {absent} {missing}"] * bool(missing)), fix(unknown))
 
 
 def _check_number(where: str, p: ir.Param, v) -> None:
@@ -97,8 +103,8 @@ def _check_number(where: str, p: ir.Param, v) -> None:
         raise checks.fail(where, f"scalar '{p.name}' was given as a tensor",
                           f"pass a Python number (float({p.name})), or declare it cd.VecM/VecN (cd.linear "
                           "learns a cd.Scalar given as a 0-d tensor)")
-    if isinstance(v, bool):  # a flag passed where a number goes (numpy's bool is no number to numbers either)
-        raise checks.fail(where, f"'{p.name}' ({p.kind}) must be a number, got {v}", f"pass {float(v)} if that was meant")
+    if isinstance(v, bool) and p.kind == "scalar":  # a flag where a runtime number goes (a cd.Const may select)
+        raise checks.fail(where, f"'{p.name}' (scalar) must be a number, got {v}", f"pass {float(v)} if that was meant")
     if not isinstance(v, numbers.Real):  # int, float, numpy's scalars
         t = type(v)
         raise checks.fail(where, f"'{p.name}' ({p.kind}) must be a number, got "
@@ -117,8 +123,9 @@ def check_consts(api: str, ep: Epilogue, consts: dict, options: tuple[str, ...] 
     where = f"{api}: {ep.program.title}"
     declared = [p for p in ep.params if p.kind == "const"]
     names = [p.name for p in declared]
-    _check_names(where, names, consts, "keyword(s)", "cd.Const value(s)", f"the epilogue's cd.Const parameters are "
-                 f"{names or 'none'}" + (f"; {api}'s options are {list(options)}" if options else ""))
+    _check_names(where, names, consts, "keyword(s)", "cd.Const value(s)", lambda unknown: f"the epilogue's cd.Const "
+                 f"parameters are {names or 'none'}" + (f"; {api}'s options are {list(options)}" if options else "")
+                 + _lookalikes(unknown, options))
     for p in declared:
         _check_number(where, p, consts[p.name])
 
@@ -227,7 +234,7 @@ def _check_tensors(ep: Epilogue, call: Call, cutlass: bool) -> dict[str, str]:
         shape = {"tensor": (m, wn), "vec_n": (wn,), "vec_m": (m,)}[kinds[name]]
         checks.tensor(where, f"operand '{name}'", t, shape, dev, _meaning(kinds[name], widths.get(name, 1)), batch)
         dtypes[name] = checks.dtype_of(t, where, f"operand '{name}'", index=name in facts.indices,
-                                       fp64=ab == checks.REFERENCE_FP64)
+                                       fp64=ab == checks.REFERENCE_FP64, operand=True)
         if not cutlass:
             continue
         if kinds[name] == "tensor" and t.dim() == 2 and call.b.dim() == 3:
@@ -257,7 +264,7 @@ def _check_call(ep: Epilogue, call: Call, out: dict | None, cutlass: bool, accum
                 instead: str = "pass backend='reference'") -> dict[str, str]:
     """The checks of a normalized call (cd.gemm's, cd.compile's, a CompiledOp's); returns operand dtypes."""
     if accumulate and not (out and isinstance(out.get("D"), torch.Tensor)):
-        if "D" not in {o.name for o in ep.program.outputs}:
+        if ep.program.output("D") is None:
             raise checks.fail(_where(ep), "accumulate=True adds into D, and this epilogue has no D output",
                               "return a D (or the value to add, as {'D': value}), or call without accumulate=True")
         raise checks.fail(_where(ep), "accumulate=True adds into an existing D", "pass it as out={'D': tensor}")
@@ -271,7 +278,7 @@ class _Facts:
     """What every call of an epilogue needs to know about it, derived once (not on the call path)."""
 
     kinds: dict[str, str]  # operand name -> kind
-    widths: dict[str, Fraction]  # load operands not N wide -> their width over N (passes/widths.py)
+    widths: dict[str, Fraction]  # load operands not N wide -> their width over N (ir/widths.py)
     pairs: int  # N must be a multiple of this: 2 if some value is N/2 wide (cd.pairs of the accumulator), ...
     indices: frozenset[str]  # operands cd.take reads as int64 column indices
     cross_batch: tuple[str, ...]  # outputs reduced over m or everything: they cannot fold a batch into M
@@ -556,8 +563,9 @@ def epilogue_of(api: str, epilogue, operands: dict) -> Epilogue:
 
 def _flag(ep: Epilogue, name: str, value) -> None:
     if not isinstance(value, bool):  # 1 or "yes" would pass `in (True, False)` or truthiness
-        raise checks.fail(_where(ep), f"{name} must be True or False, not {value!r}", f"{name}={bool(value)!r} if that "
-                          "was meant" if isinstance(value, (int, float)) else f"{name}=True or {name}=False")
+        meant = isinstance(value, (int, float)) and value in (0, 1)
+        raise checks.fail(_where(ep), f"{name} must be True or False, not {value!r}",
+                          f"{name}={bool(value)!r} if that was meant" if meant else f"{name}=True or {name}=False")
 
 
 def _config(ep: Epilogue, config) -> Config | None:
@@ -702,8 +710,10 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
                 return outs
     ep = epilogue_of("cd.gemm", epilogue, operands)
     if backend not in BACKENDS:
-        raise checks.fail(_where(ep), f"backend must be one of {BACKENDS}, not {backend!r}",
-                          "backend='auto' (the kernel where an sm_90 GPU runs it, else the reference semantics)")
+        close = difflib.get_close_matches(str(backend), BACKENDS, 1)
+        raise checks.fail(_where(ep), f"backend must be one of {BACKENDS}, not {backend!r}", f"backend={close[0]!r}"
+                          if close else "backend='auto' (the kernel where an sm_90 GPU runs it, else the reference "
+                          "semantics)")
     if torch.compiler.is_compiling():
         if accumulate:
             raise UnsupportedError(f"{_where(ep)}: accumulate=True inside torch.compile is not supported yet; "
