@@ -332,8 +332,12 @@ def _check_inputs(x, hidden_size: int, dtype: torch.dtype, position_ids, input_r
     if not isinstance(input_rstd, torch.Tensor) or tuple(input_rstd.shape) != (b, s) or input_rstd.dtype != want:
         got = (f"{list(input_rstd.shape)} {input_rstd.dtype}" if isinstance(input_rstd, torch.Tensor)
                else type(input_rstd).__name__)
+        cast = isinstance(input_rstd, torch.Tensor) and input_rstd.dtype in (torch.bfloat16, torch.float16)
         raise OperandError(f"{where}: input_rstd must be a [{b}, {s}] {want} tensor, as the previous layer returns it "
-                           f"with return_rstd=True, got {got}")
+                           f"with return_rstd=True, got {got}" + (
+                               "\n  fix: pass it on as it came (under FSDP2, a MixedPrecisionPolicy casts forward "
+                               "inputs unless cast_forward_inputs=False, as parallel.mixed_precision_policy has it)"
+                               if cast else ""))
 
 
 PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
@@ -349,12 +353,15 @@ def _check_weights(layer: nn.Module) -> None:
     blocks = layer._modules
     projections = [blocks[b]._modules[n] for b, n in PROJECTIONS]
     where = f"coda_dsl.nn.{type(layer).__name__}"
-    for (block, name), p in zip(PROJECTIONS, projections):
-        if what := _not_plain_linear(p):
-            raise UnsupportedError(f"{where}: {block}.{name} {what}, but the layer reads the projections' weights directly "
-                                   "(fused GEMMs), so that would be ignored; only plain bias-free nn.Linear "
-                                   "projections are supported\n  fix: merge adapters into the weights first (PEFT: "
-                                   "model.merge_and_unload()), or train adapters on transformers' own layer")
+    norms = [(None, n) for n in ("input_layernorm", "post_attention_layernorm")]
+    for (block, name), p in [*zip(PROJECTIONS, projections), *((key, blocks[key[1]]) for key in norms)]:
+        if what := _not_plain_linear(p) if block else _unread(p):
+            name = f"{block}.{name}" if block else name
+            raise UnsupportedError(f"{where}: {name} {what}, but the layer reads the projections' and norms' weights "
+                                   "directly (fused GEMMs), so that would be ignored; only plain bias-free nn.Linear "
+                                   "projections without hooks are supported\n  fix: merge adapters into the weights "
+                                   "first (PEFT: model.merge_and_unload()), remove the hooks or parametrizations, or "
+                                   "use transformers' own layer")
     dtype = projections[0]._parameters["weight"].dtype
     if all(p._parameters["weight"].dtype == dtype for p in projections) and all(
             blocks[n]._parameters["weight"].dtype == dtype for n in ("input_layernorm", "post_attention_layernorm")):
@@ -369,9 +376,18 @@ def _not_plain_linear(p: nn.Module) -> str | None:
     """What keeps a projection from being a plain bias-free nn.Linear without hooks, or None."""
     if type(p) is not nn.Linear:
         return f"is a {type(p).__module__}.{type(p).__name__}"
-    if p._parameters["bias"] is not None:
+    if p._parameters.get("bias") is not None:
         return "has a bias"
-    return "has forward hooks" if p._forward_hooks or p._forward_pre_hooks else None
+    return _unread(p)
+
+
+def _unread(m: nn.Module) -> str | None:
+    """What the layer would skip of a module whose weight it reads directly (never calling the module): its
+    hooks, a weight that is not its own Parameter (a parametrization; FSDP1's flat parameters), or None."""
+    if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+        return "has hooks"
+    return None if isinstance(m._parameters.get("weight"), nn.Parameter) else \
+        "has no weight Parameter of its own (a parametrization, or FSDP1 with use_orig_params=False)"
 
 
 def _check_training_call(where: str, config, attention_mask, cache, use_cache, position_ids, position_embeddings,
@@ -393,7 +409,9 @@ def _check_training_call(where: str, config, attention_mask, cache, use_cache, p
         raise UnsupportedError(f"coda_dsl: {where}: attention is causal only; pass attention_mask=None (no padding or "
                                "packed-sequence masks yet). In a transformers model, use attn_implementation='sdpa' "
                                "(its default), which passes None for a causal batch; 'eager' passes the causal mask "
-                               "as a tensor")
+                               "as a tensor, and so does 'sdpa' inside a torch.compile of the whole model (where it "
+                               "cannot check for packed sequences): compile each layer instead (for layer in "
+                               "model.layers: layer.compile())")
     if collected := _collected_outputs():
         raise UnsupportedError(f"coda_dsl: {where}: the transformers model around it collects {' and '.join(collected)} "
                                "(output_hidden_states / output_attentions) with hooks on its own layer classes, "
@@ -523,6 +541,10 @@ class LlamaAttention(nn.Module):
         if getattr(config, "attention_bias", False):
             raise UnsupportedError("coda_dsl.nn.LlamaAttention: attention_bias is not supported; use a config "
                                    "without it (as Llama's)")
+        if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+            raise UnsupportedError(f"coda_dsl.nn.LlamaAttention: sliding-window attention (sliding_window = "
+                                   f"{config.sliding_window}, Mistral's) is not supported: the layer attends causally "
+                                   "over whole rows; use a config without it (as Llama's)")
         self.layer_idx, self.head_dim = layer_idx, head_dim_of(config)
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.attention_dropout = float(getattr(config, "attention_dropout", 0.0))
@@ -535,6 +557,14 @@ class LlamaAttention(nn.Module):
             qkv_inv = qkv_inv_freq(rope_inv_freq(config), self.num_heads, self.num_kv_heads)
         self._qkv_inv_freq_fp32 = qkv_inv
         self.register_buffer("qkv_inv_freq", qkv_inv.to(device or torch.empty(()).device), persistent=False)
+        self.register_load_state_dict_post_hook(LlamaAttention._rope_follows_weights)
+
+    @staticmethod
+    def _rope_follows_weights(module: "LlamaAttention", incompatible_keys) -> None:
+        # load_state_dict(assign=True) into a module made on "meta" moves the weights, not this unsaved buffer
+        device = module.q_proj.weight.device
+        if module.qkv_inv_freq.device != device and not module.q_proj.weight.is_meta:
+            module.qkv_inv_freq = module._qkv_inv_freq_fp32.to(device)
 
     def _apply(self, fn, recurse=True):
         # module.to(torch.bfloat16) casts float buffers too; RoPE angles need the fp32 frequencies

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import coda_dsl as cd
-from .errors import UnsupportedError
+from .errors import OperandError, UnsupportedError
 from .ir.ops import math_dtype
 from .library import interleave_gate_up
 from .library.cross_entropy import (check_args, combine_vocab_shards, default_chunk_rows, recomputed_grads,
@@ -60,6 +60,11 @@ def fully_shard_stack(root: torch.nn.Module, layers: torch.nn.ModuleList, mesh: 
     checkpointing of each layer (recomputed in the backward, parameters re-gathered by FSDP).
     mp_policy: a MixedPrecisionPolicy, None, or "auto" (mixed_precision_policy of the mesh's device)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    if not isinstance(layers, torch.nn.ModuleList) or not any(m is layers for m in root.modules()):
+        raise OperandError("coda_dsl.parallel.fully_shard_stack: layers must be the ModuleList inside root (e.g. "
+                           f"model.layers), not a {type(layers).__name__} apart from it: checkpointing puts its "
+                           "wrappers in the list's places (a slice or a list is a copy, and root would keep the "
+                           "unwrapped layers); nothing was wrapped\n  fix: pass model.layers")
     for i, layer in enumerate(layers):  # before anything is wrapped: FSDP2 would fail halfway through the stack
         if strided := [n for n, p in layer.named_parameters() if not p.is_contiguous()]:
             raise UnsupportedError(f"coda_dsl.parallel.fully_shard_stack: layer {i}'s parameter '{strided[0]}' is not "

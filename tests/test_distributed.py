@@ -139,6 +139,10 @@ def _fsdp_rank(rank, mesh):
     with pytest.raises(cd.UnsupportedError, match="layer 1's parameter 'mlp.gate_proj.weight' is not contiguous"):
         fully_shard_stack(tied, tied.layers, mesh, checkpoint=True)
     assert all(type(m) is cdnn.LlamaDecoderLayer for m in tied.layers) and not isinstance(tied, FSDPModule)
+    sliced = copy.deepcopy(model)  # a copy of the list: the wrappers went into it, and the root's wrap failed
+    with pytest.raises(cd.OperandError, match="layers must be the ModuleList inside root"):
+        fully_shard_stack(sliced, sliced.layers[1:], mesh, checkpoint=True)
+    assert all(type(m) is cdnn.LlamaDecoderLayer for m in sliced.layers) and not isinstance(sliced, FSDPModule)
 
     fully_shard_stack(model, model.layers, mesh, checkpoint=True)
     assert isinstance(model.layers[0], FSDPModule) and isinstance(model, FSDPModule)

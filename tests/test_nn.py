@@ -447,6 +447,10 @@ def test_refusals():
         ours(x, use_cache=True)
     with pytest.raises(cd.UnsupportedError, match="attention_bias"):
         cdnn.LlamaDecoderLayer(llama_config(attention_bias=True))
+    from transformers import MistralConfig  # from_hf of a Mistral layer ignored its window (full causal attention)
+    with pytest.raises(cd.UnsupportedError, match="sliding-window attention"):
+        cdnn.LlamaDecoderLayer(MistralConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                             num_key_value_heads=2, sliding_window=4))
     with pytest.raises(cd.UnsupportedError, match="hidden_act"):
         cdnn.LlamaDecoderLayer(llama_config(hidden_act="gelu"))
     d = config.hidden_size
@@ -469,7 +473,8 @@ def test_input_rstd_of_another_dtype_or_kind_is_refused():
     assert rstd.dtype == torch.float32 and layer.double()(x.double(), return_rstd=True)[1].dtype == torch.float64
     layer.float()
     layer(x, input_rstd=rstd)
-    for bad, got in ((rstd.bfloat16(), r"got \[1, 4\] torch.bfloat16"), (rstd.tolist(), "got list")):
+    for bad, got in ((rstd.bfloat16(), r"got \[1, 4\] torch.bfloat16\n  fix: .*cast_forward_inputs=False"),
+                     (rstd.tolist(), "got list")):
         with pytest.raises(cd.OperandError, match=r"input_rstd must be a \[1, 4\] torch.float32 tensor.*" + got):
             layer(x, input_rstd=bad)
 
@@ -497,8 +502,16 @@ def test_what_the_layer_would_ignore_is_refused():
     biased.mlp.down_proj = torch.nn.Linear(96, 64)
     hooked = layer()
     hooked.self_attn.o_proj.register_forward_hook(lambda m, i, o: o * 2)
+    # hooks on a norm and backward hooks were skipped silently (the layer calls neither module)
+    norm_hooked, grad_hooked, parametrized = layer(), layer(), layer()
+    norm_hooked.input_layernorm.register_forward_pre_hook(lambda m, i: None)
+    grad_hooked.mlp.up_proj.register_full_backward_hook(lambda m, gi, go: None)
+    torch.nn.utils.parametrize.register_parametrization(parametrized.post_attention_layernorm, "weight",
+                                                        torch.nn.Identity())
     for ours, what in ((wrapped, "(?s)self_attn.q_proj is a .*Adapter.*merge_and_unload"), (biased, "mlp.down_proj has a bias"),
-                       (hooked, "self_attn.o_proj has forward hooks")):
+                       (hooked, "self_attn.o_proj has hooks"), (norm_hooked, "input_layernorm has hooks"),
+                       (grad_hooked, "mlp.up_proj has hooks"),
+                       (parametrized, "post_attention_layernorm has no weight Parameter of its own")):
         with pytest.raises(cd.UnsupportedError, match=what):
             ours(x)
     mixed = layer()
@@ -567,6 +580,10 @@ def test_made_on_the_meta_device_then_loaded():
     ours.to_empty(device="cpu").load_hf_state_dict(hf.state_dict())
     x, pid = torch.randn(2, 9, config.hidden_size), positions(2, 9, packed=False)
     assert rel_err(ours(x, position_ids=pid), hf_forward(hf, config, x, pid)) < 1e-5
+    with torch.device("meta"):  # or load_state_dict(assign=True): the frequencies stayed on meta
+        assigned = cdnn.LlamaDecoderLayer(config, backend="reference")
+    assigned.load_state_dict(hf.state_dict(), assign=True)
+    assert rel_err(assigned(x, position_ids=pid), hf_forward(hf, config, x, pid)) < 1e-5
 
 
 def test_transformers_gradient_checkpointing_enable_checkpoints_the_layer(monkeypatch):
