@@ -757,10 +757,17 @@ class LlamaDecoderLayer(nn.Module):
         missing, unexpected = sorted(own.keys() - sd.keys()), sorted(sd.keys() - own.keys())
         where = f"coda_dsl.nn.{type(self).__name__}.load_hf_state_dict"
         if strict and (missing or unexpected):
-            prefixes = {k[: -len(o)] for k in unexpected for o in own if k.endswith("." + o)}
-            p = prefixes.pop() if len(prefixes) == 1 and not sd.keys() & own.keys() else None
-            hint = f"\n  fix: strip the model's prefix {p!r}: {{k.removeprefix({p!r}): v for k, v in sd.items()}}" if p else ""
-            raise OperandError(f"{where}: missing keys {missing}, unexpected keys {unexpected}; nothing loaded{hint}")
+            prefixes = sorted({k[: -len(o)] for k in unexpected for o in own if k.endswith("." + o)})
+            p = prefixes[0] if prefixes and not sd.keys() & own.keys() else None
+            if p is None:
+                hint = ""
+            elif len(prefixes) == 1:
+                hint = f"\n  fix: strip the model's prefix {p!r}: {{k.removeprefix({p!r}): v for k, v in sd.items()}}"
+            else:  # a whole model's
+                hint = (f"\n  fix: this holds {len(prefixes)} layers' weights: take one's, "
+                        f"{{k.removeprefix(p): v for k, v in sd.items() if k.startswith(p)}} with p = {p!r}")
+            shown = unexpected[:8] + [f"... {len(unexpected) - 8} more"] * (len(unexpected) > 8)
+            raise OperandError(f"{where}: missing keys {missing}, unexpected keys {shown}; nothing loaded{hint}")
         wrong = [f"{k}: {list(sd[k].shape)} for {list(own[k].shape)}" for k in sorted(sd.keys() & own.keys())
                  if sd[k].shape != own[k].shape]
         if wrong:

@@ -279,7 +279,9 @@ def test_load_hf_state_dict_checks_everything_before_copying():
     sd = hf.state_dict()
     for bad, what in (({**sd, "mlp.down_proj.weight": torch.zeros(64, 95)}, r"mlp.down_proj.weight: \[64, 95\]"),
                       ({k: v for k, v in sd.items() if k != "mlp.up_proj.weight"}, "missing keys.*mlp.up_proj"),
-                      ({f"model.layers.0.{k}": v for k, v in sd.items()}, "prefix.*'model.layers.0.'")):
+                      ({f"model.layers.0.{k}": v for k, v in sd.items()}, "prefix.*'model.layers.0.'"),
+                      ({f"model.layers.{i}.{k}": v for i in range(3) for k, v in sd.items()},  # a whole model's
+                       r"'\.\.\. 19 more'\]; nothing loaded\n  fix: this holds 3 layers' weights: take one's")):
         with pytest.raises(cd.OperandError, match=what):
             ours.load_hf_state_dict(bad)
         assert all(torch.equal(v, before[k]) for k, v in ours.state_dict().items())
