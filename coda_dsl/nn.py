@@ -562,14 +562,17 @@ class LlamaAttention(nn.Module):
     @staticmethod
     def _rope_follows_weights(module: "LlamaAttention", incompatible_keys) -> None:
         # load_state_dict(assign=True) into a module made on "meta" moves the weights, not this unsaved buffer
-        device = module.q_proj.weight.device
-        if module.qkv_inv_freq.device != device and not module.q_proj.weight.is_meta:
-            module.qkv_inv_freq = module._qkv_inv_freq_fp32.to(device)
+        if not module.q_proj.weight.is_meta:
+            module._rope_on(module.q_proj.weight.device)
+
+    def _rope_on(self, device: torch.device) -> None:
+        """The RoPE frequencies on `device`, from the fp32 master (never cast with the module's dtype)."""
+        self.qkv_inv_freq = self._qkv_inv_freq_fp32.to(device)
 
     def _apply(self, fn, recurse=True):
         # module.to(torch.bfloat16) casts float buffers too; RoPE angles need the fp32 frequencies
         super()._apply(fn, recurse)
-        self.qkv_inv_freq = self._qkv_inv_freq_fp32.to(self.qkv_inv_freq.device)
+        self._rope_on(self.qkv_inv_freq.device)
         return self
 
     def forward(self, x, norm: "RMSNorm", rstd, pos, batch: int, backend: str):

@@ -8,8 +8,7 @@ import torch
 import coda_dsl as cd
 from coda_dsl import SharedMemoryError, examples
 from coda_dsl.library import cross_entropy, gated, rmsnorm, rope
-from coda_dsl.ir import widths
-from coda_dsl.passes import Config, accumulate_into_d, smem, specialize
+from coda_dsl.passes import Config, accumulate_into_d, smem, specialize, widths
 from coda_dsl.runtime import tune as tuning
 from epilogues import signature_for
 

@@ -9,7 +9,7 @@ from typing import Callable
 
 from ..errors import EpilogueError, UnsupportedError
 from ..ir import graph as ir
-from ..ir.widths import infer as infer_widths
+from ..passes.widths import infer as infer_widths
 from . import ops
 from .trace import Reduction, Value, signature_params, trace
 from .types import Acc, Const, Scalar, Tensor, VecM, VecN

@@ -144,7 +144,7 @@ class Param:
     name: str
     kind: str  # tensor | vec_m | vec_n | scalar | const
     # a tensor's or VecN's columns over N, where the program declares it (a derived backward's incoming
-    # gradients have their outputs' widths); None: inferred from what it meets (ir/widths.py)
+    # gradients have their outputs' widths); None: inferred from what it meets (passes/widths.py)
     width: Fraction | None = None
 
 

@@ -2,7 +2,7 @@
 
 An OpDef says what kind of node the op makes (`kind`), how many inputs it takes, what it means
 (for elementwise ops: a torch function on fp32 tensors, the reference semantics), how its width
-follows from its inputs' (`width_rule`, see ir/widths.py) and how it folds when its inputs are
+follows from its inputs' (`width_rule`, see passes/widths.py) and how it folds when its inputs are
 constants (`fold`). Passes dispatch on these attributes, not on op names. The C++ spelling of each
 elementwise op lives in codegen/cpp.py (one table, keyed by op name; helpers in
 csrc/coda_dsl/functional.h). Adding an elementwise op: one line here, one there, one cd. function.
@@ -288,6 +288,9 @@ def math_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+DTYPE_SPELLINGS = "torch.bfloat16, torch.float16 or torch.float32 (or 'bf16', 'fp16', 'fp32')"  # dtype_name's
+
+
 def dtype_name(dtype) -> str:
     """Accept 'bf16' / torch.bfloat16 / cd.bfloat16 and return the canonical name."""
     if isinstance(dtype, str) and dtype in DTYPES:
@@ -295,9 +298,6 @@ def dtype_name(dtype) -> str:
     if dtype in TORCH_TO_DTYPE:
         return TORCH_TO_DTYPE[dtype]
     raise ValueError(f"unsupported dtype {dtype!r}: use {DTYPE_SPELLINGS}")
-
-
-DTYPE_SPELLINGS = "torch.bfloat16, torch.float16 or torch.float32 (or 'bf16', 'fp16', 'fp32')"  # dtype_name's
 
 
 def evaluate(op: str, attr, values: list[float]) -> float:

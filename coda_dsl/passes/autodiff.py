@@ -27,7 +27,7 @@ from fractions import Fraction
 from ..errors import OperandError, UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import REDUCTIONS
-from ..ir.widths import WIDTH_SCALE, infer as infer_widths, uniform
+from .widths import WIDTH_SCALE, infer as infer_widths, uniform
 
 GRAD, SAVED = "grad_", "saved_"  # parameter names of the incoming gradients and of saved statistics
 ACC = "acc"  # the backward's output dL/dacc; cd.linear's forward kernel outputs its accumulator by this name
@@ -75,7 +75,7 @@ def _add(a: ir.Node | None, b: ir.Node) -> ir.Node:
 
 def _into_uniform(program: ir.Program):
     """(node, input, its adjoint by the rule, node's adjoint) -> the adjoint the input receives. A uniform
-    input (ir/widths.py: a scalar, constant or VecM value, the same in every column) has no width: its
+    input (passes/widths.py: a scalar, constant or VecM value, the same in every column) has no width: its
     adjoints from values of several widths are summed, and a VecM or Scalar operand's gradient is their
     sum over N columns. So an adjoint entering it where it is read w·N wide is put in N-column form
     first, with the same column sum: a uniform one times w, an N/2-wide one interleaved with zeros, a

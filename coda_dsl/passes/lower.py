@@ -19,9 +19,9 @@ from collections import Counter
 from fractions import Fraction
 
 from ..errors import EpilogueError, UnsupportedError
-from ..ir import graph as ir, widths
+from ..ir import graph as ir
 from ..ir.ops import DTYPES, REDUCTIONS
-from . import smem
+from . import smem, widths
 from .plan import (KIND_OF_AXIS, AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, EvtNode, Functor, LogSumExp,
                    Pack, PairLoad, PairStore, Plan, Reduce, Ref, RowBroadcast, Signature, SrcFetch, Step, Take, Unpack,
                    WideLoad, WideStore)

@@ -63,7 +63,7 @@ class Config:
             em, en = self.epilogue_tile
             if em != (128 if self.schedule == "cooperative" else 64) or en <= 0 or en % 16 or n % en:
                 raise OperandError(f"epilogue tile {self.epilogue_tile}: M must be 128 (cooperative) or 64 "
-                                 f"(pingpong), N a multiple of 16 dividing the tile's {n}")
+                                   f"(pingpong), N a multiple of 16 dividing the tile's {n}")
         if self.raster not in ("auto", "m", "n"):
             raise OperandError(f"raster must be 'auto', 'm' or 'n', not {self.raster!r}")
         if not isinstance(self.swizzle, numbers.Integral) or isinstance(self.swizzle, bool) or self.swizzle not in (1, 2, 4, 8):

@@ -8,7 +8,7 @@ from __future__ import annotations
 from ..errors import EpilogueError, UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import FoldError
-from ..ir.widths import infer, width_text
+from .widths import infer, width_text
 
 
 def _fold(root: ir.Node, memo: dict[int, ir.Node], consts: dict[str, float], program: ir.Program) -> ir.Node:

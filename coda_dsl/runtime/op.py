@@ -19,7 +19,7 @@ from ..errors import EpilogueError, OperandError, UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import DTYPES, REDUCTIONS
 from ..passes import accumulate_into_d, specialize
-from ..ir.widths import infer as infer_widths, load_widths, width_text
+from ..passes.widths import infer as infer_widths, load_widths, width_text
 from ..passes.plan import OUTPUT_SHAPES, Config, Signature
 from . import checks, reference, tune as tuning, warm
 from .kernel import Kernel, remember
@@ -278,7 +278,7 @@ class _Facts:
     """What every call of an epilogue needs to know about it, derived once (not on the call path)."""
 
     kinds: dict[str, str]  # operand name -> kind
-    widths: dict[str, Fraction]  # load operands not N wide -> their width over N (ir/widths.py)
+    widths: dict[str, Fraction]  # load operands not N wide -> their width over N (passes/widths.py)
     pairs: int  # N must be a multiple of this: 2 if some value is N/2 wide (cd.pairs of the accumulator), ...
     indices: frozenset[str]  # operands cd.take reads as int64 column indices
     cross_batch: tuple[str, ...]  # outputs reduced over m or everything: they cannot fold a batch into M

@@ -13,7 +13,7 @@ import torch
 
 from ..ir import graph as ir
 from ..ir.ops import DTYPES, REDUCTIONS, math_dtype
-from ..ir.widths import WIDTH_SCALE, infer as infer_widths
+from ..passes.widths import WIDTH_SCALE, infer as infer_widths
 
 PRIOR_D_OPERAND = "<D>"  # the operands key the leaf `prior_d` (D before the kernel) is read from (never an identifier)
 
@@ -88,7 +88,7 @@ def _evaluate(nodes, values: dict, operands: dict, acc: torch.Tensor, widths: di
         elif node.op == "finish":  # the finishing expression, with `reduced` bound to the statistic
             done = _evaluate(ir.topo_order([node.attr]), {id(_REDUCED): args[0]}, operands, acc, widths)
             v = done[id(node.attr)]
-        elif node.op == "pair" and id(node) not in widths:  # of a uniform value (ir/widths.py):
+        elif node.op == "pair" and id(node) not in widths:  # of a uniform value (passes/widths.py):
             v = args[0]  # the value itself, still broadcast to whatever width it meets
         elif node.kind == "structural":  # on operands expanded to their widths (constants and vectors)
             here = widths.get(id(node), Fraction(1))  # an interleave of uniform values: N wide

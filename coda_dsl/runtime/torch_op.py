@@ -11,7 +11,7 @@ from ..errors import OperandError, UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import DTYPES
 from ..passes.plan import KIND_OF_AXIS, OUTPUT_SHAPES
-from ..ir.widths import infer as infer_widths
+from ..passes.widths import infer as infer_widths
 
 
 # cd.gemm's eager path, which the custom op runs: runtime/op.py registers it when it imports this

@@ -14,7 +14,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from ..errors import EpilogueError
-from . import graph as ir
+from ..ir import graph as ir
 
 WIDTH_SCALE = {"same": 1, "half": Fraction(1, 2), "double": 2}  # a value's width over its inputs', per rule
 
