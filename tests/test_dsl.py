@@ -110,7 +110,7 @@ def test_operator_aliases(spell, op, inputs):
 
 
 @pytest.mark.parametrize("dtype, name", [(cd.bfloat16, "bf16"), (torch.float16, "fp16"), (cd.float32, "fp32"),
-                                         ("bf16", "bf16")])
+                                         ("bf16", "bf16"), ("float32", "fp32"), ("torch.bfloat16", "bf16")])
 def test_cast(dtype, name):
     ep = _trace_with(lambda x, y, z: cd.cast(x, dtype))
     node = D(ep)
@@ -331,6 +331,30 @@ def e_string(acc):
     return acc + "1"  # <-
 
 
+def e_contains(acc):
+    return cd.where(1.0 in acc, acc, 0.0)  # <-
+
+
+def e_gelu_traced_form(acc, form: cd.Const):
+    return cd.gelu(acc, approximate=form)  # <-
+
+
+def e_axis_const(acc, axis: cd.Const):
+    return {"D": acc, "s": cd.sum(acc, axis=axis)}  # <-
+
+
+def e_then_interleave(acc):
+    return {"D": acc, "s": cd.sum(acc, axis="n").then(lambda s: cd.interleave(s, 1.0))}  # <-
+
+
+def e_then_pairs(acc):
+    return {"D": acc, "s": cd.sum(acc, axis="n").then(lambda s: cd.pairs(s)[0])}  # <-
+
+
+def e_then_two_arguments(acc):
+    return {"D": acc, "s": cd.sum(acc, axis="n").then(lambda s, t: s)}  # <-
+
+
 def e_math_exp(acc):
     return math.exp(acc)  # <-
 
@@ -420,6 +444,13 @@ BODY_ERRORS = [
     (e_pow, ["** 1.5", "integers up to 8", "cd.exp(p * cd.log(x))"]),
     (e_iter, ["not iterable", "per element"]),
     (e_string, ["str"]),
+    (e_contains, ["not iterable"]),
+    (e_gelu_traced_form, ["is not a GELU form", '"tanh"']),
+    (e_axis_const, ["not a traced value", "a Python string"]),
+    # a finishing expression maps the statistic alone: a pair or an interleave of it has no columns
+    (e_then_interleave, ["finishing expression", "cd.interleave"]),
+    (e_then_pairs, ["finishing expression", "cd.pairs"]),
+    (e_then_two_arguments, [".then() calls its function with the statistic alone", "one argument"]),
 ]
 
 
@@ -624,6 +655,11 @@ def test_first_parameter_annotated_as_an_operand_is_refused():
     with pytest.raises(cd.EpilogueError, match="first parameter, 'residual', is the accumulator(.|\n)*fix: put the "
                        "accumulator first"):
         cd.epilogue(add_residual)
+
+    def named_acc(acc: cd.Tensor):  # the fix must not suggest def named_acc(acc, acc: ...)
+        return acc
+    with pytest.raises(cd.EpilogueError, match=re.escape("def named_acc(acc, x: cd.Tensor, ...)")):
+        cd.epilogue(named_acc)
     assert cd.epilogue(lambda acc: acc).params == () and cd.epilogue(_annotated_acc).params == ()
 
 

@@ -121,7 +121,7 @@ def test_accumulate_into_a_reduction_as_d_is_refused():
         return cd.sum(acc, axis="n")
     a, b = _ab()
     t = torch.ones(37)
-    with pytest.raises(cd.EpilogueError, match="D is a reduction.*\n  fix:"):
+    with pytest.raises(cd.OperandError, match="D is a reduction.*\n  fix:"):  # a call's misuse, as without a D
         cd.gemm(a, b, row_sum, out={"D": t}, accumulate=True, backend="reference")
     assert torch.equal(t, torch.ones(37))  # refused before anything was written
 

@@ -81,7 +81,7 @@ def ceil(x) -> Value: return apply("ceil", x)
 
 def gelu(x, approximate: str = "none") -> Value:
     """GELU like torch.nn.functional.gelu: approximate="none" (erf form) or "tanh"."""
-    if approximate not in ("none", "tanh"):
+    if not isinstance(approximate, str) or approximate not in ("none", "tanh"):  # a traced value would compare
         raise fail(f"gelu(approximate={approximate!r}) is not a GELU form", 'use approximate="none" or "tanh"')
     return apply("gelu" if approximate == "none" else "gelu_tanh", x)
 

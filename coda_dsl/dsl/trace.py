@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from ..errors import EpilogueError
 from ..ir import graph as ir
-from ..ir.ops import DTYPE_SPELLINGS, REDUCTIONS, dtype_name
+from ..ir.ops import DTYPE_SPELLINGS, REDUCTIONS, dtype_name, op_def
 
 _DSL_DIR = os.path.dirname(os.path.abspath(__file__))  # frames in here are the tracer, not the user
 
@@ -251,6 +251,9 @@ class Value:
         raise fail("a traced value is not iterable",
                    "write the math per element; g, u = cd.pairs(x) splits adjacent column pairs")
 
+    def __contains__(self, _):  # `v in x` would otherwise iterate
+        self.__iter__()
+
     def __len__(self):  # torch.tensor(x), np.asarray(x), ... probe it
         called = _called_function()
         if called:
@@ -318,12 +321,20 @@ class Reduction(Value):
         if not callable(fn):
             raise fail(f".then() takes a function of the statistic, not {fn!r}",
                        "e.g. .then(lambda s: cd.rsqrt(s * inv_n + eps))")
-        result = fn(Value(ir.reduced()))
-        node = lift(result)
-        bad = [n.op for n in ir.topo_order([node]) if n.op in ("acc", "load", "reduce")]
+        try:
+            inspect.signature(fn).bind(None)
+        except TypeError as e:
+            raise fail(f".then() calls its function with the statistic alone: {e}",
+                       "pass a function of one argument, e.g. .then(lambda s: cd.rsqrt(s * inv_n + eps))") from None
+        except ValueError:  # a builtin without a signature: let the call say
+            pass
+        node = lift(fn(Value(ir.reduced())))
+        bad = [n.op for n in ir.topo_order([node]) if n.op == "reduce"  # per-element values, pairs, reductions
+               or op_def(n.op).kind == "structural" or op_def(n.op).leaf_value == "fetched"]
         if bad:
-            raise fail(f"a finishing expression sees only the statistic, scalars and constants, but it uses "
-                       f"{'the accumulator' if bad[0] == 'acc' else 'an operand' if bad[0] == 'load' else 'a reduction'}",
+            what = {"acc": "the accumulator", "load": "an operand", "prior_d": "D's prior value",
+                    "reduce": "a reduction", "pair": "cd.pairs"}.get(bad[0], f"cd.{bad[0]}")
+            raise fail(f"a finishing expression sees only the statistic, scalars and constants, but it uses {what}",
                        "move that math into the epilogue body (before the reduction) or the next GEMM")
         return Reduction(ir.finish(self.node, node))
 
@@ -433,7 +444,8 @@ def reduce(kind: str, x: Any, axis, index: Any = None) -> Reduction:
             kind, "cd.maximum, cd.minimum or the operators")
         raise fail(f"cd.{kind}(x, axis) reduces x over an output axis; its second argument is the axis "
                    '("n", "m" or None), not a traced value',
-                   f"for the elementwise result of two values use {elementwise}")
+                   f"pass the axis as a Python string (a cd.Const is a number); for the elementwise "
+                   f"result of two values use {elementwise}")
     if axis not in ir.REDUCE_AXES:
         elementwise = {"max": "; cd.maximum(x, y) for the larger of two values",
                        "min": "; cd.minimum(x, y) for the smaller of two values"}.get(kind, "")
@@ -469,8 +481,9 @@ def signature_params(fn: Callable, reserved: set[str]) -> tuple[str, tuple[ir.Pa
     first = names[0]
     if kind := types.kind_of(ann.get(first, inspect.Parameter.empty)):  # an operand kind where acc goes
         raise EpilogueError(f"epilogue '{fn.__name__}' ({defined_at}): the first parameter, '{first}', is the "
-                            f"accumulator A @ B^T, but it is annotated as an operand ({kind})\n  fix: put the "
-                            f"accumulator first: def {fn.__name__}(acc, {first}: ..., ...) (cd.Acc, or no annotation)")
+                            f"accumulator A @ B^T, but it is annotated as an operand ({types.annotation_of(kind)})\n  fix: put the "
+                            f"accumulator first, unannotated (or cd.Acc): def {fn.__name__}(acc, "
+                            f"{first if first != 'acc' else 'x'}: {types.annotation_of(kind)}, ...)")
     params = []
     for pname in names[1:]:
         p = sig.parameters[pname]

@@ -288,13 +288,15 @@ def math_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-DTYPE_SPELLINGS = "torch.bfloat16, torch.float16 or torch.float32 (or 'bf16', 'fp16', 'fp32')"  # dtype_name's
+DTYPE_SPELLINGS = "torch.bfloat16, torch.float16 or torch.float32, or a name: 'bf16', 'fp16', 'fp32', 'float32', ..."  # dtype_name's
 
 
 def dtype_name(dtype) -> str:
     """Accept 'bf16' / torch.bfloat16 / cd.bfloat16 and return the canonical name."""
     if isinstance(dtype, str) and dtype in DTYPES:
         return dtype
+    if isinstance(dtype, str):  # torch's names: "float32", "torch.bfloat16"
+        dtype = getattr(torch, dtype.removeprefix("torch."), dtype)
     if dtype in TORCH_TO_DTYPE:
         return TORCH_TO_DTYPE[dtype]
     raise ValueError(f"unsupported dtype {dtype!r}: use {DTYPE_SPELLINGS}")

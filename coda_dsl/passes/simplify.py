@@ -5,7 +5,7 @@ Common subexpressions need no pass: IR nodes are hash-consed (ir/graph.py).
 """
 from __future__ import annotations
 
-from ..errors import EpilogueError, UnsupportedError
+from ..errors import EpilogueError, OperandError, UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import FoldError
 from .widths import infer, width_text
@@ -77,9 +77,9 @@ def accumulate_into_d(program: ir.Program) -> ir.Program:
     """D += value: the stored D becomes its prior contents plus what the epilogue computes."""
     d = program.output("D")
     if d is None:
-        raise EpilogueError(f"{program.title} has no D output to accumulate into")
+        raise OperandError(f"{program.title} has no D output to accumulate into")
     if ir.reduction_of(d.node) is not None:
-        raise EpilogueError(f"{program.title}: its D is a reduction; accumulate=True "
+        raise OperandError(f"{program.title}: its D is a reduction; accumulate=True "
                             "adds an [M, N] D into out['D'] as the tiles store it\n  fix: add the reduction's result "
                             "yourself (t += cd.gemm(...)['D'])")
     width = infer(program).get(id(d.node), 1)
