@@ -53,7 +53,7 @@ def _import(where: str):
         return importlib.import_module(where)
     path = Path(where).expanduser().resolve()
     if not path.is_file():
-        raise CliError(f"no such file: {where}")
+        raise CliError(f"{where} is a directory: name a .py file" if path.is_dir() else f"no such file: {where}")
     # The file's directory on sys.path, as `python FILE.py` would have it, so its own imports work.
     sys.path.insert(0, str(path.parent))
     name = f"_coda_dsl_target_{path.stem}"  # never shadows a real module (e.g. a user's test.py)
@@ -78,6 +78,9 @@ def load_epilogue(target: str) -> Epilogue:
         if e.name and where.startswith(e.name):
             raise CliError(f"no module named {where!r} (a file needs its path: {where.replace('.', '/')}.py)") from None
         raise CliError(f"cannot import {where}: {e}") from None
+    except SystemExit as e:
+        raise CliError(f"importing {where} called sys.exit({e.code!r}): guard its script part with "
+                       "`if __name__ == \"__main__\":`") from None
     except Exception as e:  # the user's module failed: say where, without a traceback
         tb = traceback.extract_tb(e.__traceback__)
         file, line = (e.filename, e.lineno) if isinstance(e, SyntaxError) else \
@@ -92,7 +95,7 @@ def load_epilogue(target: str) -> Epilogue:
     have = f"; its epilogues: {', '.join(found)}" if found else "; it defines no epilogue"
     if obj is None:
         raise CliError(f"{where} has no {attr!r}{have}")
-    raise CliError(f"{attr!r} in {where} is a {type(obj).__name__}, not an epilogue: decorate it with "
+    raise CliError(f"{attr!r} in {where} is of type {type(obj).__name__}, not an epilogue: decorate it with "
                    f"@cd.epilogue{have}")
 
 
@@ -250,6 +253,9 @@ def cmd_emit(args) -> int:
     for note in _shape_notes(spec, args.shape) if args.shape else ():
         _err(f"note: {note}")  # stderr: stdout may be the .cu itself
     if args.output:
+        source = Path(args.target.rpartition(":")[0])
+        if source.is_file() and Path(args.output).exists() and os.path.samefile(source, args.output):
+            raise CliError(f"-o {args.output} is the epilogue's own source file: name another file")
         try:
             Path(args.output).write_text(spec.cu_text)
         except OSError as e:
@@ -489,10 +495,14 @@ def cmd_demo(args) -> int:
 
     m, n, k = args.m, args.n, args.k
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(m, k, generator=gen, dtype=torch.bfloat16)
-    w = torch.randn(n, k, generator=gen, dtype=torch.bfloat16) / k ** 0.5
-    r = torch.randn(m, n, generator=gen, dtype=torch.bfloat16)
-    g = torch.rand(n, generator=gen, dtype=torch.bfloat16) + 0.5
+    try:
+        x = torch.randn(m, k, generator=gen, dtype=torch.bfloat16)
+        w = torch.randn(n, k, generator=gen, dtype=torch.bfloat16) / k ** 0.5
+        r = torch.randn(m, n, generator=gen, dtype=torch.bfloat16)
+        g = torch.rand(n, generator=gen, dtype=torch.bfloat16) + 0.5
+    except RuntimeError as e:  # the CPU allocator's "can't allocate memory"
+        raise CliError(f"cannot make the inputs of M={m}, N={n}, K={k} in this machine's memory ({str(e)[:200]}): "
+                       "pass smaller --m/--n/--k") from None
     print(f"residual_rms: D = x @ w.T + residual, h_gamma = D * gamma   (M={m}, N={n}, K={k}, bf16)")
 
     hopper = [i for i in range(torch.cuda.device_count()) if torch.cuda.get_device_capability(i) == (9, 0)] \
@@ -676,6 +686,7 @@ def main(argv: list[str] | None = None) -> int:
         _err(f"coda-dsl {args.command}: error: {e}")
         return 2
     except KeyboardInterrupt:
+        _err(f"coda-dsl {args.command}: interrupted")
         return 130
     except BrokenPipeError:  # e.g. `coda-dsl emit ... | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

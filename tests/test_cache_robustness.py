@@ -312,10 +312,20 @@ def test_waiting_is_announced_and_times_out(fake, monkeypatch):
     assert fake.calls() == []
 
 
+def test_empty_cxx_is_unset(monkeypatch):
+    """CXX= (set, empty) links with c++, as make does; it was an IndexError in `coda-dsl doctor`."""
+    monkeypatch.setenv("CXX", "")
+    assert tcmod.linker() == ["c++"]
+    monkeypatch.setenv("CXX", "ccache g++")
+    assert tcmod.linker() == ["ccache", "g++"]
+
+
 def test_bad_lock_timeout(fake, monkeypatch):
     monkeypatch.setenv("CODA_DSL_LOCK_TIMEOUT", "soon")
     with pytest.raises(b.CacheError, match="CODA_DSL_LOCK_TIMEOUT=soon: expected a positive number"):
         b.build_units([unit()], log=quiet)
+    monkeypatch.setenv("CODA_DSL_LOCK_TIMEOUT", "")  # empty is unset, as for CODA_DSL_CACHE
+    assert cache.lock_timeout() == 1800
 
 
 def test_clear_during_a_build_keeps_it_and_says_so(fake, capsys):

@@ -70,6 +70,9 @@ def test_emit_stdout_and_file(capsys, tmp_path):
 def test_emit_from_file(capsys, eps):
     rc, out, _ = run(capsys, "emit", f"{eps}:scaled", "--const", "c=2")
     assert rc == 0 and "Sm90TopologicalVisitor" in out and "extern \"C\" int coda_launch" in out and "2.0f" in out
+    source = eps.read_text()
+    rc, _, err = run(capsys, "emit", f"{eps}:scaled", "--const", "c=2", "-o", eps)  # would overwrite the epilogue
+    assert rc == 2 and "the epilogue's own source file" in err and eps.read_text() == source
 
 
 def test_explain(capsys):
@@ -148,11 +151,16 @@ def test_key_matches_cd_compile(capsys, monkeypatch):
     ("missing_file.py:f", "no such file"),
     ("coda_dsl.no_such_module:f", "no module named"),
     ("{bad}:f", "NameError"),
+    ("{exits}:f", "called sys.exit(3)"),
+    ("{folder}:f", "is a directory: name a .py file"),
 ])
 def test_bad_target(capsys, eps, target, words):
     bad = eps.with_name("bad_eps.py")
     bad.write_text("import coda_dsl as cd\nundefined_name\n")
-    rc, out, err = run(capsys, "emit", target.format(eps=eps, bad=bad))
+    exits = eps.with_name("exits.py")
+    exits.write_text("import sys\nsys.exit(3)\n")  # a script run at import: one message, not a silent exit 3
+    target = target.format(eps=eps, bad=bad, exits=exits, folder=eps.parent, **{})
+    rc, out, err = run(capsys, "emit", target)
     assert rc == 2 and out == ""
     assert words in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
@@ -273,8 +281,12 @@ def test_cache_list_clear(capsys, tmp_path):
     cache.commit_entry(key, {"kernel.so": staged}, {"op_name": "k0"})
     rc, out, _ = run(capsys, "cache", "list")
     assert rc == 0 and str(tmp_path / "cache") in out and key in out and " KB" in out and "yes" in out
+    failed = tmp_path / "cache" / "failed"
+    (failed / key).mkdir(parents=True)
+    (failed / "notes.txt").write_text("mine")  # not a failed build's: clear leaves it
     rc, out, _ = run(capsys, "cache", "clear")
     assert rc == 0 and "removed 1 cache entry" in out
+    assert not (failed / key).exists() and (failed / "notes.txt").read_text() == "mine"
     rc, out, _ = run(capsys, "cache", "list")
     assert rc == 0 and key not in out and "0 entries" in out
 
@@ -410,6 +422,9 @@ def test_cache_import_rejects_what_is_not_a_checked_entry(capsys, tmp_path, monk
         assert exited.value.code == 2 and "usage: coda-dsl" in capsys.readouterr().err
     rc, _, err = run(capsys, "cache", "export", str(tmp_path / "no" / "dir" / "k.tar.gz"))
     assert rc == 2 and "cannot write" in err and not list((tmp_path / "no").parent.glob(".k.tar.gz.tmp"))
+    for folder in (str(tmp_path), "", "/"):  # a directory is not a file name: said, not a ValueError
+        rc, _, err = run(capsys, "cache", "export", folder)
+        assert rc == 2 and "is a directory: name the file to write" in err and "Traceback" not in err
 
 
 def test_every_command_and_option_has_help():

@@ -645,6 +645,9 @@ def test_prebuild_of_a_function_builds_what_its_calls_need(fake_kernels, monkeyp
     torch.testing.assert_close(got[0], want)
     step()
     assert [op.epilogue.name for op, _ in fake_kernels] == ["ep_all", "ep_all", "identity"]
+    with pytest.warns(UserWarning, match="no kernel to build(.|\n)*coda-dsl build"):  # all loaded: says so
+        assert cd.prebuild(step) == 0
+    assert len(builds) == 1
 
     def fails():
         cd.gemm(a, b, cd.identity, backend="cutlass")

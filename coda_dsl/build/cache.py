@@ -298,7 +298,7 @@ def commit_entry(key: str, files: dict[str, Path], meta: dict) -> Path:
 # ---- locks ------------------------------------------------------------------------------------------
 
 def lock_timeout() -> float:
-    text = os.environ.get("CODA_DSL_LOCK_TIMEOUT", "1800")
+    text = os.environ.get("CODA_DSL_LOCK_TIMEOUT") or "1800"  # empty: unset, as for CODA_DSL_CACHE
     try:
         value = float(text)
     except ValueError:
@@ -415,10 +415,14 @@ def export_cache(path: Path, part_bytes: int | None = None) -> list[Path]:
     gzip'd tar files, e.g. to fill the cache of a GPU node that has no compiler, or of the next run on
     a machine whose disk does not persist: `path`, or with part_bytes, path.part1.tar.gz, ... of at
     most about part_bytes each (an entry is never split). Entries being built are skipped."""
+    if path.is_dir() or not path.name:  # "", ".", "/": no file name to write
+        raise CacheError(f"{path} is a directory: name the file to write, e.g. "
+                         f"{path.absolute() / 'kernels.tar.gz'}")
     keys = [k for k in _entry_keys() if check_output(k)[0] is not None]
     if not keys:
-        raise CacheError(f"no built kernel to export in {cache_dir()} (a compile-only build has none: it links "
-                         "no kernel.so)")
+        raise CacheError(f"no built kernel to export in {cache_dir()} (an entry counts once its kernel.so is "
+                         "complete and matches its meta.json: not while it is being built, nor after a "
+                         "compile-only build, which links none)")
     # each entry's files as recorded: a kernel.cu edited by hand in the cache stays behind (with it the
     # importer would reject the whole entry)
     packed = {k: [n for n in PORTABLE if n == META or check_output(k, n)[0] is not None] for k in keys}
@@ -477,6 +481,8 @@ def import_cache(paths: list[Path]) -> Imported:
         except (tarfile.TarError, EOFError) as e:  # the other files' entries still count
             result.rejected.append(f"{path}: not a whole gzip'd tar file of `coda-dsl cache export` ({e})")
         except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):  # writing its members into the cache
+                raise cache_error(e, cache_dir()) from e
             result.rejected.append(f"{path}: cannot read it ({e.strerror or e})")
     return result
 
@@ -562,7 +568,15 @@ def clear_cache() -> Cleared:
                 result.removed += key in entries
             finally:
                 os.close(fd)
-        _remove(root / "failed")
+        failed = root / "failed"
+        if failed.is_dir() and not failed.is_symlink():  # its <key> folders only: nothing else of the user's
+            for d in failed.iterdir():
+                if KEY_RE.fullmatch(d.name):
+                    _remove(d)
+            with contextlib.suppress(OSError):
+                failed.rmdir()
+        else:  # debris of the wrong type
+            _remove(failed)
         staging = root / ".staging"
         if staging.exists() and not staging.is_dir():
             _remove(staging)

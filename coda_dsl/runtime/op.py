@@ -922,6 +922,11 @@ def prebuild(what, /, *args, jobs: int | None = None, **kwargs) -> int:
         finally:
             with _lock:
                 ops, _collected = list(_collected.values()), None
+        if not ops:
+            warnings.warn("coda_dsl.prebuild: no kernel to build: every cd.gemm in the function found its kernel "
+                          "loaded, or ran where no kernel runs (CPU tensors, no sm_90 GPU, backend='reference'). "
+                          "On a machine without a GPU, `coda-dsl build` builds a kernel", stacklevel=2)
+            return 0
     else:
         ops = list(what) if hasattr(what, "__iter__") and not isinstance(what, str) else [what]
         if wrong := [o for o in ops if not isinstance(o, CompiledOp)]:
