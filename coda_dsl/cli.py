@@ -356,6 +356,9 @@ def cmd_cache(args) -> int:
         parts = build.export_cache(Path(args.file), max(1, int(args.part_mb * 2**20)) if args.part_mb else None)
         for p in parts:
             print(f"wrote {p} ({_size(p.stat().st_size)})")
+        for e in build.cache_entries(verify=True):  # hashes checked by the export already: no second read
+            if e["so_problem"]:
+                print(f"  skipped {e['key']}: its {e['so_problem']}")
         return 0
     if args.action == "import":
         got = build.import_cache([Path(f) for f in args.files])
@@ -370,7 +373,7 @@ def cmd_cache(args) -> int:
         for busy in cleared.busy:
             print(f"  kept {busy}: it is being built now; clear again once that build is done")
         return 0
-    entries = build.cache_entries()
+    entries = build.cache_entries(verify=True)
     print(f"cache {root}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, "
           f"{_size(sum(e['size'] for e in entries))}")
     if entries:
@@ -380,8 +383,13 @@ def cmd_cache(args) -> int:
         print(f"  {'key':<24}  {'epilogue':<{width}}  {'size':>9}  {'age':>4}  .so  config")
         now = time.time()
         for e, name, config in rows:
+            so = "yes" if e["has_so"] else "bad" if e["so_problem"] else "no"
             print(f"  {e['key']:<24}  {name:<{width}}  {_size(e['size']):>9}  {_age(now - e['mtime']):>4}  "
-                  f"{'yes' if e['has_so'] else 'no':<3}  {config}")
+                  f"{so:<3}  {config}")
+        for e in entries:
+            if e["so_problem"]:
+                print(f"  bad {e['key']}: its {e['so_problem']} (rebuilt at its next use; `coda-dsl cache clear` "
+                      "removes it)")
     return 0
 
 

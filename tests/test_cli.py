@@ -339,6 +339,19 @@ def test_cache_export_import_round_trip(capsys, tmp_path, monkeypatch):
     assert rc == 0 and "added 3, already present 0, rejected 0" in out
 
 
+def test_a_damaged_kernel_is_listed_as_bad_and_said_skipped_by_export(capsys, tmp_path):
+    good, bad = f"{1:024x}", f"{2:024x}"
+    for k in (good, bad):
+        _entry(tmp_path, k, b"kernel")
+    (cache.entry_dir(bad) / "kernel.so").write_bytes(b"KERNEL")  # same size, other content
+    rc, out, _ = run(capsys, "cache", "list")
+    assert rc == 0 and f"bad {bad}: its kernel.so does not match its recorded SHA-256" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip().startswith(("0" * 20))}
+    assert "yes" in rows[good] and "bad" in rows[bad]
+    rc, out, _ = run(capsys, "cache", "export", str(tmp_path / "k.tar.gz"))
+    assert rc == 0 and f"skipped {bad}: its kernel.so does not match" in out and good not in out
+
+
 def test_compile_only_build_keeps_the_kernel_and_export_skips_an_edited_source(capsys, tmp_path, monkeypatch):
     """An imported entry (kernel.so, no kernel.o) that `build --compile-only` then compiles keeps its
     kernel.so (the new meta.json used to list the object alone: the next load rebuilt the kernel); a

@@ -390,7 +390,9 @@ def _entry_keys() -> list[str]:
         return sorted(p.name for p in cache_dir().iterdir() if KEY_RE.fullmatch(p.name) and p.is_dir())
 
 
-def cache_entries() -> list[dict]:
+def cache_entries(verify: bool = False) -> list[dict]:
+    """Each entry's key, size, age, source and kernel.so state: has_so, and so_problem (what is wrong with a
+    damaged one; verify: its content hash checked too, else only its size)."""
     out = []
     for key in _entry_keys():
         d = entry_dir(key)
@@ -400,9 +402,14 @@ def cache_entries() -> list[dict]:
             src = d / "kernel.cu"
             out.append({"key": key, "size": sum(p.stat().st_size for p in files),
                         "mtime": max((p.stat().st_mtime for p in files), default=d.stat().st_mtime),
-                        "has_so": valid_output(key) is not None,
+                        **dict(zip(("has_so", "so_problem"), _so_state(key, verify))),
                         "cu_path": str(src) if src.exists() else None, "op_name": meta.get("op_name")})
     return out
+
+
+def _so_state(key: str, verify: bool) -> tuple[bool, str | None]:
+    so, problem = check_output(key, verify=verify)
+    return so is not None, problem
 
 
 # ---- export and import ------------------------------------------------------------------------------
