@@ -400,16 +400,12 @@ def cache_entries(verify: bool = False) -> list[dict]:
             files = [p for p in d.iterdir() if p.is_file()]
             meta = read_meta(key) or {}
             src = d / "kernel.cu"
+            so, problem = check_output(key, verify=verify)
             out.append({"key": key, "size": sum(p.stat().st_size for p in files),
                         "mtime": max((p.stat().st_mtime for p in files), default=d.stat().st_mtime),
-                        **dict(zip(("has_so", "so_problem"), _so_state(key, verify))),
+                        "has_so": so is not None, "so_problem": problem,
                         "cu_path": str(src) if src.exists() else None, "op_name": meta.get("op_name")})
     return out
-
-
-def _so_state(key: str, verify: bool) -> tuple[bool, str | None]:
-    so, problem = check_output(key, verify=verify)
-    return so is not None, problem
 
 
 # ---- export and import ------------------------------------------------------------------------------

@@ -480,10 +480,11 @@ def signature_params(fn: Callable, reserved: set[str]) -> tuple[str, tuple[ir.Pa
                             f"\n  fix: def {fn.__name__}(acc, ...)")
     first = names[0]
     if kind := types.kind_of(ann.get(first, inspect.Parameter.empty)):  # an operand kind where acc goes
+        annotation = types.annotation_of(kind)
         raise EpilogueError(f"epilogue '{fn.__name__}' ({defined_at}): the first parameter, '{first}', is the "
-                            f"accumulator A @ B^T, but it is annotated as an operand ({types.annotation_of(kind)})\n  fix: put the "
+                            f"accumulator A @ B^T, but it is annotated as an operand ({annotation})\n  fix: put the "
                             f"accumulator first, unannotated (or cd.Acc): def {fn.__name__}(acc, "
-                            f"{first if first != 'acc' else 'x'}: {types.annotation_of(kind)}, ...)")
+                            f"{first if first != 'acc' else 'x'}: {annotation}, ...)")
     params = []
     for pname in names[1:]:
         p = sig.parameters[pname]

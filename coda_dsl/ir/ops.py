@@ -288,7 +288,8 @@ def math_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-DTYPE_SPELLINGS = "torch.bfloat16, torch.float16 or torch.float32, or a name: 'bf16', 'fp16', 'fp32', 'float32', ..."  # dtype_name's
+# dtype_name's
+DTYPE_SPELLINGS = "torch.bfloat16, torch.float16 or torch.float32, or a name: 'bf16', 'fp16', 'fp32', 'float32', ..."
 
 
 def dtype_name(dtype) -> str:
