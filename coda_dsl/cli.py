@@ -353,12 +353,11 @@ def _age(seconds: float) -> str:
 def cmd_cache(args) -> int:
     root = build.cache_dir()
     if args.action == "export":
-        parts = build.export_cache(Path(args.file), max(1, int(args.part_mb * 2**20)) if args.part_mb else None)
-        for p in parts:
+        done = build.export_cache(Path(args.file), max(1, int(args.part_mb * 2**20)) if args.part_mb else None)
+        for p in done.parts:
             print(f"wrote {p} ({_size(p.stat().st_size)})")
-        for e in build.cache_entries(verify=True):  # hashes checked by the export already: no second read
-            if e["so_problem"]:
-                print(f"  skipped {e['key']}: its {e['so_problem']}")
+        for why in done.skipped:
+            print(f"  skipped {why}")
         return 0
     if args.action == "import":
         got = build.import_cache([Path(f) for f in args.files])

@@ -413,7 +413,13 @@ def cache_entries(verify: bool = False) -> list[dict]:
 PORTABLE = ("kernel.so", "kernel.cu", META)  # what an exported entry carries (no objects, no logs)
 
 
-def export_cache(path: Path, part_bytes: int | None = None) -> list[Path]:
+@dataclass
+class Exported:
+    parts: list[Path]  # the files written
+    skipped: list[str]  # "<key>: its kernel.so ..." for each entry left out for a damaged kernel.so
+
+
+def export_cache(path: Path, part_bytes: int | None = None) -> Exported:
     """Pack every entry that has a complete kernel.so (its kernel.cu and meta.json with it) into
     gzip'd tar files, e.g. to fill the cache of a GPU node that has no compiler, or of the next run on
     a machine whose disk does not persist: `path`, or with part_bytes, path.part1.tar.gz, ... of at
@@ -421,7 +427,9 @@ def export_cache(path: Path, part_bytes: int | None = None) -> list[Path]:
     if path.is_dir() or not path.name:  # "", ".", "/": no file name to write
         raise CacheError(f"{path} is a directory: name the file to write, e.g. "
                          f"{path.absolute() / 'kernels.tar.gz'}")
-    keys = [k for k in _entry_keys() if check_output(k)[0] is not None]
+    states = {k: check_output(k) for k in _entry_keys()}
+    keys = [k for k, (so, _) in states.items() if so is not None]
+    skipped = [f"{k}: its {why}" for k, (so, why) in states.items() if so is None and why]
     if not keys:
         raise CacheError(f"no built kernel to export in {cache_dir()} (an entry counts once its kernel.so is "
                          "complete and matches its meta.json: not while it is being built, nor after a "
@@ -454,7 +462,7 @@ def export_cache(path: Path, part_bytes: int | None = None) -> list[Path]:
             if isinstance(e, OSError):
                 raise CacheError(f"cannot write {dest}: {e.strerror or e}") from None
             raise
-    return out
+    return Exported(out, skipped)
 
 
 @dataclass

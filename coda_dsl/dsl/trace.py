@@ -329,8 +329,7 @@ class Reduction(Value):
         except ValueError:  # a builtin without a signature: let the call say
             pass
         node = lift(fn(Value(ir.reduced())))
-        bad = [n.op for n in ir.topo_order([node]) if n.op == "reduce"  # per-element values, pairs, reductions
-               or op_def(n.op).kind == "structural" or op_def(n.op).leaf_value == "fetched"]
+        bad = [n.op for n in ir.topo_order([node]) if _per_element(n.op)]
         if bad:
             what = {"acc": "the accumulator", "load": "an operand", "prior_d": "D's prior value",
                     "reduce": "a reduction", "pair": "cd.pairs"}.get(bad[0], f"cd.{bad[0]}")
@@ -342,6 +341,12 @@ class Reduction(Value):
     __truediv__ = __rtruediv__ = __neg__ = __abs__ = __pow__ = _misuse
     __lt__ = __le__ = __gt__ = __ge__ = __eq__ = __ne__ = _misuse  # type: ignore[assignment]
     __hash__ = object.__hash__
+
+
+def _per_element(op: str) -> bool:
+    """A node a finishing expression cannot hold: a tile's values (fetched, paired) or another reduction."""
+    d = op_def(op)
+    return op == "reduce" or d.kind == "structural" or d.leaf_value == "fetched"
 
 
 def lift(x: Any) -> ir.Node:
