@@ -383,11 +383,12 @@ def _not_plain_linear(p: nn.Module) -> str | None:
 
 def _unread(m: nn.Module) -> str | None:
     """What the layer would skip of a module whose weight it reads directly (never calling the module): its
-    hooks, a weight that is not its own Parameter (a parametrization; FSDP1's flat parameters), or None."""
+    hooks, a weight that is not its own (a parametrization; FSDP1's flat parameters), or None. A plain tensor
+    in its parameters (torch.func.functional_call's) is read like a Parameter."""
     if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
         return "has hooks"
-    return None if isinstance(m._parameters.get("weight"), nn.Parameter) else \
-        "has no weight Parameter of its own (a parametrization, or FSDP1 with use_orig_params=False)"
+    return None if isinstance(m._parameters.get("weight"), torch.Tensor) else \
+        "has no weight of its own (a parametrization, or FSDP1 with use_orig_params=False)"
 
 
 def _check_training_call(where: str, config, attention_mask, cache, use_cache, position_ids, position_embeddings,

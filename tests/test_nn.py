@@ -513,13 +513,31 @@ def test_what_the_layer_would_ignore_is_refused():
     for ours, what in ((wrapped, "(?s)self_attn.q_proj is a .*Adapter.*merge_and_unload"), (biased, "mlp.down_proj has a bias"),
                        (hooked, "self_attn.o_proj has hooks"), (norm_hooked, "input_layernorm has hooks"),
                        (grad_hooked, "mlp.up_proj has hooks"),
-                       (parametrized, "post_attention_layernorm has no weight Parameter of its own")):
+                       (parametrized, "post_attention_layernorm has no weight of its own")):
         with pytest.raises(cd.UnsupportedError, match=what):
             ours(x)
     mixed = layer()
     mixed.mlp.down_proj.double()
     with pytest.raises(cd.OperandError, match=r"mlp.down_proj.weight is torch.float64, but the layer computes in torch.float32"):
         mixed(x)
+
+
+def test_functional_call_with_plain_tensors():
+    """torch.func.functional_call puts plain tensors where the parameters were: the layer reads those (it was
+    refused as if they were a parametrization), and their gradients are the layer's own."""
+    ours = cdnn.LlamaDecoderLayer.from_hf(random_hf_layer(llama_config()), backend="reference")
+    x = torch.randn(2, 5, 64)
+    params = {k: (v.detach() * 1.5).requires_grad_() for k, v in ours.named_parameters()}
+    y = torch.func.functional_call(ours, params, (x,))
+    with torch.no_grad():
+        for k, v in ours.named_parameters():
+            v.mul_(1.5)
+    want = ours(x)
+    torch.testing.assert_close(y, want)
+    y.square().sum().backward()
+    want.square().sum().backward()
+    for k, v in ours.named_parameters():
+        torch.testing.assert_close(params[k].grad, v.grad, msg=k)
 
 
 def test_hidden_states_a_transformers_model_collects_are_refused():
