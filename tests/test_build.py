@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import shutil
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -420,3 +421,16 @@ def test_swizzle_per_launch(tmp_path):
                    check=True, capture_output=True)
     got = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()
     assert [int(g) for g in got] == [want for _, want in SWIZZLE_CASES]
+
+
+@needs_nvcc
+def test_gpu_suite_kernels_found_without_a_gpu(tmp_path):
+    """tests/prebuild_without_gpu.py (kernels built here, imported on a GPU machine) finds the GPU suite's kernels
+    under each GPU model's rule: one key each, the H100's and H200's differing only in the cross-entropy's."""
+    repo = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "tests/prebuild_without_gpu.py", "--sets", "gpu", "--dry-run"], cwd=repo,
+                       env={**os.environ, "CODA_DSL_CACHE": str(tmp_path)}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line.split() for line in r.stdout.splitlines() if len(line.split()) == 3 and len(line.split()[0]) == 24]
+    assert len(rows) == len({k for k, _, _ in rows}) > 60
+    assert {ep for _, _, ep in rows[-12:]} <= {ep for _, _, ep in rows if ep.startswith(("ce_", "lse_"))}
