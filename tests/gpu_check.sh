@@ -5,7 +5,8 @@
 # 1. environment report, 2. every kernel of the GPU suite built in parallel (one ninja run),
 # 3. GPU tests, 4. a smoke benchmark. Logs and JSON go to $OUT (default /tmp/coda_out).
 # A machine whose disk does not persist can start from an earlier run's kernels and pass its own on:
-#   CODA_KERNELS="k.part1.tar.gz k.part2.tar.gz": imported first (coda-dsl cache import);
+#   CODA_KERNELS="k.part1.tar.gz k.part2.tar.gz": imported first (coda-dsl cache import; made by an earlier
+#   run, or without a GPU by tests/prebuild_without_gpu.py);
 #   CODA_EXPORT=$OUT/k.tar.gz: every built kernel exported at the end, in parts of 50 MB of kernel files
 #   (about 13 MB gzipped: the whole suite's kernels in 3 parts, for callers that take few files back).
 set -uo pipefail
