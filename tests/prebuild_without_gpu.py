@@ -5,8 +5,8 @@ on an sm_90 GPU, under the same cache keys, so that a GPU machine imports them i
     CODA_DSL_CACHE=/tmp/kc python -m coda_dsl cache export k.tar.gz     # here
     python -m coda_dsl cache import k.tar.gz                            # there (or CODA_KERNELS=k.tar.gz
                                                                         #   bash tests/gpu_check.sh)
-Sets: gpu (tests/test_gpu.py's `kernels` fixture), nn (tests/test_gpu_nn.py's fixture and the calls of its
-tests), llama_layer (`python -m bench.llama_layer --tokens 8192,16384`), linear_backward (`python -m
+Sets: gpu (tests/test_gpu.py's `build_kernels`), nn (tests/test_gpu_nn.py's `build_kernels` and the calls of
+its tests), llama_layer (`python -m bench.llama_layer --tokens 8192,16384`), linear_backward (`python -m
 bench.linear_backward --with-dy --configs 128x128x64_c1x2_pingpong`). A key is a hash of the rendered kernel
 and the nvcc and CUTLASS versions: the same here and there when both have the same nvcc and CUTLASS, and
 the configurations are the GPU's. This script runs the code as it is, with what would run on "cuda" on the
@@ -82,24 +82,16 @@ def as_gpu(name: str, collected: list):
         runtime.clear()
 
 
-def _fixture(fx):
-    """The function under a @pytest.fixture."""
-    for get in (lambda: fx._get_wrapped_function(), lambda: fx.__pytest_wrapped__.obj, lambda: fx.__wrapped__):
-        with contextlib.suppress(AttributeError):
-            return get()
-    return fx
-
-
 def gpu_suite() -> None:
     import test_gpu
     with OnDevice("cpu"):
-        _fixture(test_gpu.kernels)()
+        test_gpu.build_kernels()
 
 
 def nn_suite() -> None:
     import test_gpu_nn
     with OnDevice("cpu"):
-        _fixture(test_gpu_nn.kernels)()
+        test_gpu_nn.build_kernels()
         for tied in (False, True):
             runtime.prebuild(test_gpu_nn.test_cutlass_matches_reference_bf16, tied)
         runtime.prebuild(test_gpu_nn.test_cutlass_within_hf_bf16_error)

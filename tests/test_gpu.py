@@ -233,6 +233,10 @@ def _ab(m, n, k, dtype, layout, batch=None):
 
 @pytest.fixture(scope="session")
 def kernels():
+    return build_kernels()
+
+
+def build_kernels() -> list:
     """Build every kernel of the suite in one parallel ninja run."""
     ops = []
     only = os.environ.get("CODA_PREBUILD")  # name prefixes, e.g. "rope,ce_": build just these up front

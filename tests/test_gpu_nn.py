@@ -16,11 +16,15 @@ pytestmark = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU;
 B, S = 2, 300  # M = 600: ragged against every tile size
 
 
-@pytest.fixture(scope="module", autouse=True)
-def kernels():
+def build_kernels():
     """The layer's kernels in one parallel build (LlamaDecoderLayer.prebuild), as tests/test_gpu.py
     builds its own; one it misses only costs a build on first use."""
     cdnn.LlamaDecoderLayer(gpu_config(), dtype=torch.bfloat16, device="cuda").prebuild(B * S)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    build_kernels()
 
 
 def gpu_config():
