@@ -84,7 +84,7 @@ def kernels(configs=(None,)) -> list:
     logits = torch.empty(128, 128, device="cuda", dtype=ce.logits_buffer_dtype(x.dtype))
     ops = []
     for config in configs:
-        config = config or ce.CONFIG
+        config = config or ce.default_config(x.device)
         make = {"forward": lambda: cd.compile(ce._forward_epilogue(False, None), x, x, target=target, config=config),
                 "forward with logits": lambda: cd.compile(ce._forward_epilogue(False, None, ce.stored_logits(x.dtype)),
                                                           x, x, target=target, out={"D": logits}, config=config)}

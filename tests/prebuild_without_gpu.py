@@ -7,7 +7,9 @@ on an sm_90 GPU, under the same cache keys, so that a GPU machine imports them i
                                                                         #   bash tests/gpu_check.sh)
 Sets: gpu (tests/test_gpu.py's `build_kernels`), nn (tests/test_gpu_nn.py's `build_kernels` and the calls of
 its tests), llama_layer (`python -m bench.llama_layer --tokens 8192,16384`), linear_backward (`python -m
-bench.linear_backward --with-dy --configs 128x128x64_c1x2_pingpong`). A key is a hash of the rendered kernel
+bench.linear_backward --with-dy --configs 128x128x64_c1x2_pingpong`), epilogues (`python -m bench`'s epilogue
+cases at their default shapes), cross_entropy (`python -m bench.cross_entropy`'s default kernels), train_llama
+(`python -m bench.train_llama`'s model). A key is a hash of the rendered kernel
 and the nvcc and CUTLASS versions: the same here and there when both have the same nvcc and CUTLASS, and
 the configurations are the GPU's. This script runs the code as it is, with what would run on "cuda" on the
 CPU or on the meta device (shapes only), and answers as the GPU machine would: the CUTLASS path is taken,
@@ -116,7 +118,29 @@ def linear_backward() -> None:
                     [Config((128, 128, 64), (1, 2), "pingpong")])
 
 
-SETS = {"gpu": gpu_suite, "nn": nn_suite, "llama_layer": llama_layer, "linear_backward": linear_backward}
+def epilogues() -> None:
+    from bench import epilogues as ep
+    with OnDevice("cpu"):
+        runtime.prebuild(list(ep.kernels(ep.plan(list(ep.CASES.values()))).values()))
+
+
+def cross_entropy() -> None:
+    from bench import cross_entropy as ce
+    with OnDevice("cpu"):
+        runtime.prebuild(ce.kernels())
+
+
+def train_llama() -> None:
+    from bench import train_llama as tl
+    args = tl.parse([])
+    with OnDevice("cpu"):
+        init = tl.initial_model(args.layers, "cuda", torch.bfloat16, args.seed)
+        batch = tl.markov_batches(init.model.config.vocab_size, 1, args.batch, args.seq, args.seed)[0].cuda()
+        tl.prebuilt(tl.CodaLM(init, args.backend), batch)
+
+
+SETS = {"gpu": gpu_suite, "nn": nn_suite, "llama_layer": llama_layer, "linear_backward": linear_backward,
+        "epilogues": epilogues, "cross_entropy": cross_entropy, "train_llama": train_llama}
 
 
 def collect(sets: list[str], gpus: list[str]) -> dict[str, cbuild.BuildUnit]:

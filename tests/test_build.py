@@ -436,3 +436,19 @@ def test_gpu_suite_kernels_found_without_a_gpu(tmp_path):
     assert len(rows) == len({k for k, _, _ in rows}) > 60
     h100 = int(re.search(r"as NVIDIA H100.*, (\d+) new", r.stdout)[1])  # listed last
     assert 0 < h100 < len(rows) and all(ep.startswith("ce_") for _, _, ep in rows[-h100:])
+
+
+@needs_nvcc
+def test_benchmark_kernels_found_without_a_gpu(tmp_path):
+    """The benchmarks' sets find kernels under each GPU's rule; the cross-entropy bench's default kernels are the
+    ones cd.linear_cross_entropy launches on that GPU (its own tile on H100s), not the H200's on both."""
+    repo = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "tests/prebuild_without_gpu.py", "--sets", "epilogues,cross_entropy,train_llama",
+                        "--dry-run"], cwd=repo, env={**os.environ, "CODA_DSL_CACHE": str(tmp_path)},
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    found = {(s, g): (int(n), int(new)) for s, g, n, new in
+             re.findall(r"^(\w+) as NVIDIA (H\d00).*: (\d+) kernels, (\d+) new", r.stdout, re.MULTILINE)}
+    assert len(found) == 6 and all(n > 0 for n, _ in found.values()), r.stdout
+    assert found["cross_entropy", "H100"] == (2, 2)
+    assert found["epilogues", "H200"][0] >= 7 * 2  # the H200's rule: more than one configuration per epilogue
