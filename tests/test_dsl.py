@@ -229,6 +229,30 @@ def test_named_epilogue():
     assert ep.name == "my_name" and "my_name" in repr(ep)
 
 
+@cd.epilogue_factory
+def _scaled_by(c: float):
+    return cd.epilogue(lambda acc: acc * c, name="scaled")
+
+
+def test_epilogues_copy_and_pickle_by_reference():
+    """An epilogue is immutable: copies of a model holding one share it (EMA copies, torch.save of a module);
+    pickled by its importable name, or by the factory call that made it, as functions are."""
+    import copy
+    import pickle
+    from coda_dsl.examples import bias_gelu
+    model = torch.nn.Linear(2, 2)
+    model.ep, model.made = bias_gelu, _scaled_by(3.0)
+    for ep in (bias_gelu, cd.identity, model.made):
+        assert copy.copy(ep) is ep and copy.deepcopy(ep) is ep and pickle.loads(pickle.dumps(ep)) is ep
+    again = pickle.loads(pickle.dumps(copy.deepcopy(model)))
+    assert again.ep is bias_gelu and again.made is _scaled_by(3.0)
+    node = bias_gelu.program.outputs[0].node
+    assert copy.deepcopy(node) is node and pickle.loads(pickle.dumps(node)) is node  # interned
+    local = cd.epilogue(lambda acc: acc, name="local")
+    with pytest.raises(TypeError, match="cannot be pickled.*\n  fix: define it at the top level"):
+        pickle.dumps(local)
+
+
 # ---------------------------------------------------------------------------------------------
 # Errors inside the function body: message names the epilogue and the user's line, with a fix
 # ---------------------------------------------------------------------------------------------
@@ -279,6 +303,21 @@ def e_captured_left(acc):
 
 def e_captured_in_fn(acc):
     return cd.maximum(acc, CAPTURED)  # <-
+
+
+LEARNT = torch.nn.Parameter(torch.tensor(2.0))
+
+
+def e_captured_parameter(acc):
+    return acc * LEARNT  # <-
+
+
+def e_format(acc):
+    return acc * float(f"{acc:.2f}")  # <-
+
+
+def e_complex(acc):
+    return acc * complex(acc).real  # <-
 
 
 def e_reduction_in_math(acc):
@@ -432,6 +471,9 @@ BODY_ERRORS = [
     (e_captured_right, ["captured from outside", "cd.Tensor"]),
     (e_captured_left, ["captured from outside", "cd.Tensor"]),
     (e_captured_in_fn, ["captured from outside", "cd.Tensor"]),
+    (e_captured_parameter, ["0-d tensor that requires grad", "no gradient", "cd.Scalar", "x.detach()"]),
+    (e_format, ["cannot be formatted", "outside the epilogue"]),
+    (e_complex, ["complex() of a traced value"]),
     (e_reduction_in_math, ["reduction", "tile", "NEXT GEMM", "cd.VecM", ".then(cd.log)"]),
     (e_reduction_in_fn, ["reduction", "tile", "NEXT GEMM"]),
     (e_reduction_of_reduction, ["reduction", "tile", "NEXT GEMM"]),

@@ -60,12 +60,47 @@ class Epilogue:
                                    "longer holds): graphs that call coda_dsl ops (torch.export'ed programs among them) "
                                    "run in the process that made them, with the epilogue still referenced") from None
 
+    # An epilogue is immutable: copy.deepcopy of a model holding one shares it. Pickled by reference, as
+    # functions are: its module and name, or the cd.epilogue_factory and arguments that made it
+    # (made_by, set by the factory).
+    made_by: tuple | None = None
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        if self.made_by is not None:
+            return _made, self.made_by
+        module = getattr(self.fn, "__module__", None)
+        for qualname in (getattr(self.fn, "__qualname__", ""), self.name):  # a decorated def; a named lambda
+            if module and "<" not in qualname and _named(module, qualname) is self:
+                return _named, (module, qualname)
+        raise TypeError(f"epilogue '{self.name}' ({self.defined_at}) cannot be pickled: it is pickled by reference, "
+                        "and nothing importable names it\n  fix: define it at the top level of a module (or make it "
+                        "with a cd.epilogue_factory defined there)")
+
     def __call__(self, *args, **kwargs):
         raise TypeError(f"epilogue '{self.name}' is not called directly: use cd.gemm(A, B, {self.name}, "
                         f"{', '.join(p.name + '=...' for p in self.params)})")
 
     def __repr__(self) -> str:
         return f"<coda_dsl epilogue {self.name} ({self.defined_at})>"
+
+
+def _named(module: str, qualname: str):
+    """What `module.qualname` names (an unpickled epilogue), or None."""
+    import importlib
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _made(factory: Callable, args: tuple, kwargs: dict) -> "Epilogue":
+    return factory(*args, **dict(kwargs))
 
 
 def epilogue(fn: Callable | None = None, *, name: str | None = None):

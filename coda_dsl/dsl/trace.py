@@ -241,6 +241,13 @@ class Value:
     def __float__(self):
         self._number("float() of a traced value")
 
+    def __complex__(self):
+        self._number("complex() of a traced value")
+
+    def __format__(self, spec):  # f"{x:.2f}": a Python string made once while tracing
+        raise fail("a traced value cannot be formatted (f-string, format()): it has no value while tracing",
+                   "format the operands or the results outside the epilogue")
+
     def __int__(self):
         self._number("int() of a traced value")
 
@@ -361,6 +368,11 @@ def lift(x: Any) -> ir.Node:
         return ir.const(_number(x))
     if type(x).__module__.startswith("torch") or type(x).__module__.startswith("numpy"):
         if getattr(x, "ndim", 1) == 0 or getattr(x, "shape", None) == ():
+            if getattr(x, "requires_grad", False):  # a parameter baked in as a constant would never learn
+                raise fail("a 0-d tensor that requires grad is captured from outside the epilogue: it would "
+                           "become a constant (its value now), with no gradient and blind to later updates",
+                           "declare it an operand (x: cd.Scalar) and pass the tensor (cd.linear learns it); "
+                           "for a constant, capture float(x) or x.detach()")
             return ir.const(_number(x))
         raise fail(
             f"a {type(x).__name__} captured from outside the epilogue cannot be used in traced math",

@@ -38,6 +38,15 @@ class Node:
             cls._interned[key] = node
         return node
 
+    def __reduce__(self):  # interned again where unpickled
+        return Node, (self.op, self.inputs, self.attr)
+
+    def __copy__(self):  # immutable and interned: a copy is the node itself
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
     def __repr__(self) -> str:
         return f"Node({self.op}, {self.attr!r}, {len(self.inputs)} inputs)"
 

@@ -82,6 +82,8 @@ def epilogue_factory(fn: Callable) -> Callable:
         if not isinstance(ep, Epilogue):
             raise TypeError(f"{fn.__qualname__} is a cd.epilogue_factory but returned {type(ep).__name__}, "
                             "not an epilogue")
+        if ep.made_by is None:  # pickled as this call (the epilogue's own function may be a closure)
+            ep.made_by = (get, args, tuple(kwargs.items()))
         return ep
 
     @functools.wraps(fn)
