@@ -193,9 +193,10 @@ def plot(curves: list[Curve], path, title: str):
              CODA_COMPILED: ((0, (1, 3)), "C4")}  # in both panels
     for c in curves:
         style, color = looks[c.variant]
-        ax.plot(steps, c.losses, style, color=color, label=c.variant)
+        ax.plot(steps, c.losses, linestyle=style, color=color, label=c.variant)
         if c is not curves[0]:  # the curves overlap: their difference shows the agreement
-            dax.plot(steps, [a - b for a, b in zip(c.losses, curves[0].losses)], style, color=color, label=c.variant)
+            dax.plot(steps, [a - b for a, b in zip(c.losses, curves[0].losses)], linestyle=style, color=color,
+                     label=c.variant)
     ax.axhline(math.log(SUCCESSORS), color="gray", lw=0.8, ls="-.", label=f"ln {SUCCESSORS} (best reachable)")
     ax.set(ylabel="loss (next-token cross-entropy)", title=title)
     ax.legend()

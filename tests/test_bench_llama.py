@@ -285,6 +285,14 @@ def test_train_table_measures_each_variant_against_fp32_when_there_is_one():
     assert "HF eager fp32" not in tl.table(curves[::2]).splitlines()[0]  # fp32 training: no such column
 
 
+def test_train_plot_draws_every_variant(tmp_path):
+    """The PNG of a GPU run's five curves (a dash pattern among their styles: it failed on the H100 once)."""
+    pytest.importorskip("matplotlib")
+    names = (tl.HF, tl.FP32, tl.COMPILED, tl.CODA, tl.CODA_COMPILED)
+    curves = [tl.Curve(name, [3.0 - i / 10, 2.0], 100.0, 0.0) for i, name in enumerate(names)]
+    assert tl.plot(curves, tmp_path / "t.png", "title") == tmp_path / "t.png" and (tmp_path / "t.png").stat().st_size
+
+
 def test_bf16_gradients_are_as_close_to_fp32_as_hfs():
     """The README's claim about train_llama's bf16 curves: at the first step, every parameter's bf16
     gradient of the coda_dsl model (reference backend: the kernels' fp32 epilogue math and roundings) is
