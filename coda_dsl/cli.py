@@ -53,7 +53,8 @@ def _import(where: str):
         return importlib.import_module(where)
     path = Path(where).expanduser().resolve()
     if not path.is_file():
-        raise CliError(f"{where} is a directory: name a .py file" if path.is_dir() else f"no such file: {where}")
+        raise CliError(f"{where} is a directory: name a .py file" if path.is_dir() else
+                       f"{where} is not a regular file: name a .py file" if path.exists() else f"no such file: {where}")
     # The file's directory on sys.path, as `python FILE.py` would have it, so its own imports work.
     sys.path.insert(0, str(path.parent))
     name = f"_coda_dsl_target_{path.stem}"  # never shadows a real module (e.g. a user's test.py)

@@ -153,6 +153,7 @@ def test_key_matches_cd_compile(capsys, monkeypatch):
     ("{bad}:f", "NameError"),
     ("{exits}:f", "called sys.exit(3)"),
     ("{folder}:f", "is a directory: name a .py file"),
+    ("/dev/null:f", "/dev/null is not a regular file: name a .py file"),
 ])
 def test_bad_target(capsys, eps, target, words):
     bad = eps.with_name("bad_eps.py")

@@ -523,6 +523,9 @@ def test_epilogue_factory_is_cached_and_runs_under_torch_compile(seed, rel):
         not_one(1)
     with pytest.raises(TypeError, match="takes constants, not tensors"):  # cached per tensor object otherwise
         scaled(torch.tensor(2.0), "relu")
+    with pytest.raises(cd.EpilogueError, match="takes hashable constants.*\n  fix: pass a tuple"):
+        scaled([2.0], "relu")
+    assert scaled(float("nan"), "relu") is scaled(float("nan"), "relu")  # made once, though NaN equals no NaN
 
 
 def test_torch_compile_statistics_of_half_and_double_width_values(seed, rel):

@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from ..dsl import Epilogue
+from ..errors import EpilogueError
 
 
 def on_cuda(fn: Callable) -> Callable:
@@ -56,7 +57,8 @@ def made_once(make: Callable) -> Callable:
     @constant_under_compile
     def name(*args, **kwargs) -> str:
         kw = tuple(sorted(kwargs.items()))
-        key = (repr((args, kw)), args, kw)  # repr: 0.0 and -0.0 apart; the values: equal reprs apart
+        nan = lambda v: "nan" if isinstance(v, float) and v != v else v  # noqa: E731 (NaN equals no NaN)
+        key = (repr((args, kw)), tuple(map(nan, args)), tuple((k, nan(v)) for k, v in kw))  # repr: 0.0, -0.0 apart
         if key not in names:
             value = make(*args, **kwargs)  # first: make may itself make another (the names must not shift)
             with lock:
@@ -80,8 +82,8 @@ def epilogue_factory(fn: Callable) -> Callable:
     def made(*args, **kwargs) -> Epilogue:
         ep = fn(*args, **kwargs)
         if not isinstance(ep, Epilogue):
-            raise TypeError(f"{fn.__qualname__} is a cd.epilogue_factory but returned {type(ep).__name__}, "
-                            "not an epilogue")
+            raise EpilogueError(f"{fn.__qualname__} is a cd.epilogue_factory but returned {type(ep).__name__}, "
+                                "not an epilogue\n  fix: return the epilogue it makes (cd.epilogue(f))")
         if ep.made_by is None:  # pickled as this call (the epilogue's own function may be a closure)
             ep.made_by = (get, args, tuple(kwargs.items()))
         return ep
@@ -89,9 +91,15 @@ def epilogue_factory(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def get(*args, **kwargs) -> Epilogue:
         if any(isinstance(v, torch.Tensor) for v in (*args, *kwargs.values())):
-            raise TypeError(f"{fn.__qualname__} (a cd.epilogue_factory) takes constants, not tensors: its epilogue "
-                            "is made once per argument values\n  fix: pass a Python number (float(t)), or make the "
-                            "value an operand of the epilogue (cd.Scalar)")
+            raise EpilogueError(f"{fn.__qualname__} (a cd.epilogue_factory) takes constants, not tensors: its "
+                                "epilogue is made once per argument values\n  fix: pass a Python number (float(t)), "
+                                "or make the value an operand of the epilogue (cd.Scalar)")
+        try:
+            hash((args, tuple(kwargs.items())))
+        except TypeError:
+            raise EpilogueError(f"{fn.__qualname__} (a cd.epilogue_factory) takes hashable constants (numbers, "
+                                "strings, tuples): its epilogue is made once per argument values\n  fix: pass a "
+                                "tuple instead of a list") from None
         if torch.compiler.is_compiling():
             args, kwargs = tuple(map(constant, args)), {k: constant(v) for k, v in kwargs.items()}
         return made(*args, **kwargs)
