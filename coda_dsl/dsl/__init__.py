@@ -76,8 +76,11 @@ class Epilogue:
             return _made, self.made_by
         module = getattr(self.fn, "__module__", None)
         for qualname in (getattr(self.fn, "__qualname__", ""), self.name):  # a decorated def; a named lambda
-            if module and "<" not in qualname and _named(module, qualname) is self:
-                return _named, (module, qualname)
+            try:
+                if module and "<" not in qualname and _named(module, qualname) is self:
+                    return _named, (module, qualname)
+            except ImportError:  # a file run as a script under another name (the CLI's targets)
+                pass
         raise TypeError(f"epilogue '{self.name}' ({self.defined_at}) cannot be pickled: it is pickled by reference, "
                         "and nothing importable names it\n  fix: define it at the top level of a module (or make it "
                         "with a cd.epilogue_factory defined there)")
@@ -91,7 +94,7 @@ class Epilogue:
 
 
 def _named(module: str, qualname: str):
-    """What `module.qualname` names (an unpickled epilogue), or None."""
+    """What `module.qualname` names (an unpickled epilogue), or None where an attribute is missing."""
     import importlib
     obj = importlib.import_module(module)
     for part in qualname.split("."):
@@ -99,7 +102,8 @@ def _named(module: str, qualname: str):
     return obj
 
 
-def _made(factory: Callable, args: tuple, kwargs: dict) -> "Epilogue":
+def _made(factory: Callable, args: tuple, kwargs: tuple) -> "Epilogue":
+    """An unpickled epilogue of a cd.epilogue_factory: the same call (kwargs as (name, value) pairs)."""
     return factory(*args, **dict(kwargs))
 
 
