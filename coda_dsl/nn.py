@@ -283,8 +283,8 @@ def _mlp_gemms(h, hg, rstd, w_gate, w_up, w_down, eps: float, backend: str, gate
 @on_cuda
 def _swiglu_of_acc(acc: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
     """rms_swiglu's y from its saved accumulator (its reference semantics; one fused kernel on CUDA)."""
-    return evaluate_on(rms_swiglu.program, acc.to(math_dtype(acc.dtype)), {"rstd": rstd},
-                       {"D": dtype_name(acc.dtype)})["D"]
+    return evaluate_on(rms_swiglu.program, acc.to(math_dtype(acc.dtype)), {"rstd": rstd},  # fp64: its math's
+                       {"D": None if acc.dtype == torch.float64 else dtype_name(acc.dtype)})["D"]
 
 
 def _release(t: torch.Tensor) -> None:

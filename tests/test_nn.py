@@ -217,6 +217,11 @@ def test_mlp_without_y_gives_the_same_gradients(monkeypatch):
         layer(x).backward(dy)
     assert not fused
     torch.testing.assert_close(recomputed.mlp.down_proj.weight.grad, kept.mlp.down_proj.weight.grad)
+    for layer in (kept, recomputed):  # in fp64 too (y from the accumulator in the reference's fp64 math)
+        layer.double().zero_grad()
+        layer(x.double()).backward(dy.double())
+    assert recomputed.mlp.down_proj.weight.grad.dtype == torch.float64
+    torch.testing.assert_close(recomputed.mlp.down_proj.weight.grad, kept.mlp.down_proj.weight.grad)
 
 
 def test_stack_trains_like_hf():
