@@ -115,6 +115,20 @@ def test_accumulate_without_a_d_output_says_so():
         cd.gemm(a, b, stats_only, accumulate=True, backend="reference")
 
 
+@pytest.mark.parametrize("d, words", [
+    (torch.zeros(37, 57), r"out\['D'\] is \[37, 57\] torch.float32, expected \[37, 56\]"),
+    (torch.zeros(2, 37, 56), r"out\['D'\] is \[2, 37, 56\] torch.float32, expected \[37, 56\]"),
+    (torch.zeros(37, 56, device="meta"), r"out\['D'\] is on meta, A on cpu"),
+    ([[0.0] * 56] * 37, r"out\['D'\] is list: accumulate=True adds into a tensor.*\n  fix:"),
+])
+def test_accumulate_into_a_bad_d_is_refused_before_it_is_read(d, words):
+    """The reference backend reads D before it computes: its shape, device and type are checked first (torch's
+    own broadcasting errors came instead, or a broadcast D was added into)."""
+    a, b = _ab()
+    with pytest.raises(cd.OperandError, match=words):
+        cd.gemm(a, b, out={"D": d}, accumulate=True, backend="reference")
+
+
 def test_accumulate_into_a_reduction_as_d_is_refused():
     @cd.epilogue
     def row_sum(acc):

@@ -267,6 +267,9 @@ def _check_call(ep: Epilogue, call: Call, out: dict | None, cutlass: bool, accum
         if ep.program.output("D") is None:
             raise checks.fail(_where(ep), "accumulate=True adds into D, and this epilogue has no D output",
                               "return a D (or the value to add, as {'D': value}), or call without accumulate=True")
+        if out and "D" in out:
+            raise checks.fail(_where(ep), f"out['D'] is {type(out['D']).__name__}: accumulate=True adds into a "
+                              "tensor", "pass out={'D': tensor}")
         raise checks.fail(_where(ep), "accumulate=True adds into an existing D", "pass it as out={'D': tensor}")
     if cutlass:
         checks.require_cutlass(_where(ep), call.a.device, instead)
@@ -959,9 +962,12 @@ def run_reference(ep: Epilogue, call: Call, out: dict | None, accumulate: bool =
     out_dtypes = {o.name: None for o in ep.program.outputs} if ab == checks.REFERENCE_FP64 else \
         dict(_output_dtypes(ep, ab, out))
     operands = {**call.tensors, **call.scalars}
-    if accumulate:
+    if accumulate:  # D (an [M, N] one: accumulate_into_d refuses others) is read before the outputs' checks
         program = accumulate_into_d(program)
-        operands[reference.PRIOR_D_OPERAND] = out["D"]
+        d, (m, n, _, _) = out["D"], call.mnkl
+        shape = (*torch.broadcast_shapes(call.a.shape[:-2], call.b.shape[:-2]), m, n)
+        _check_out(_where(ep), "D", d, shape, d.dtype, call, tma=None)
+        operands[reference.PRIOR_D_OPERAND] = d
     res = reference.evaluate(program, call.a, call.b, operands, out_dtypes)
     # each output a tensor of its own, as the kernel's are: not an operand returned as is, not the storage of
     # another output (one value stored twice), not a view (of a broadcast, say: torch forbids changing a
