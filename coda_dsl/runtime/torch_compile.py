@@ -94,14 +94,15 @@ def epilogue_factory(fn: Callable) -> Callable:
             raise EpilogueError(f"{fn.__qualname__} (a cd.epilogue_factory) takes constants, not tensors: its "
                                 "epilogue is made once per argument values\n  fix: pass a Python number (float(t)), "
                                 "or make the value an operand of the epilogue (cd.Scalar)")
-        try:
-            hash((args, tuple(kwargs.items())))
-        except TypeError:
-            raise EpilogueError(f"{fn.__qualname__} (a cd.epilogue_factory) takes hashable constants (numbers, "
-                                "strings, tuples): its epilogue is made once per argument values\n  fix: pass a "
-                                "tuple instead of a list") from None
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():  # (Dynamo traces this function: no hash() of symbolic numbers)
             args, kwargs = tuple(map(constant, args)), {k: constant(v) for k, v in kwargs.items()}
+        else:
+            try:
+                hash((args, tuple(kwargs.items())))
+            except TypeError:
+                raise EpilogueError(f"{fn.__qualname__} (a cd.epilogue_factory) takes hashable constants (numbers, "
+                                    "strings, tuples): its epilogue is made once per argument values\n  fix: pass "
+                                    "a tuple instead of a list") from None
         return made(*args, **kwargs)
     return get
 
