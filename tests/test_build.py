@@ -424,17 +424,23 @@ def test_swizzle_per_launch(tmp_path):
     assert [int(g) for g in got] == [want for _, want in SWIZZLE_CASES]
 
 
+def _prebuild_dry_run(cache, sets: str) -> str:
+    """tests/prebuild_without_gpu.py --dry-run's output for these sets (a fresh cache: nothing built)."""
+    r = subprocess.run([sys.executable, "tests/prebuild_without_gpu.py", "--sets", sets, "--dry-run"],
+                       cwd=Path(__file__).resolve().parents[1], env={**os.environ, "CODA_DSL_CACHE": str(cache)},
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
 @needs_nvcc
 def test_gpu_suite_kernels_found_without_a_gpu(tmp_path):
     """tests/prebuild_without_gpu.py (kernels built here, imported on a GPU machine) finds the GPU suite's kernels
     under each GPU model's rule: one key each, the H100's and H200's differing only in the cross-entropy's."""
-    repo = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, "tests/prebuild_without_gpu.py", "--sets", "gpu", "--dry-run"], cwd=repo,
-                       env={**os.environ, "CODA_DSL_CACHE": str(tmp_path)}, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = [line.split() for line in r.stdout.splitlines() if len(line.split()) == 3 and len(line.split()[0]) == 24]
+    out = _prebuild_dry_run(tmp_path, "gpu")
+    rows = [line.split() for line in out.splitlines() if len(line.split()) == 3 and len(line.split()[0]) == 24]
     assert len(rows) == len({k for k, _, _ in rows}) > 60
-    h100 = int(re.search(r"as NVIDIA H100.*, (\d+) new", r.stdout)[1])  # listed last
+    h100 = int(re.search(r"as NVIDIA H100.*, (\d+) new", out)[1])  # listed last
     assert 0 < h100 < len(rows) and all(ep.startswith("ce_") for _, _, ep in rows[-h100:])
 
 
@@ -442,13 +448,9 @@ def test_gpu_suite_kernels_found_without_a_gpu(tmp_path):
 def test_benchmark_kernels_found_without_a_gpu(tmp_path):
     """The benchmarks' sets find kernels under each GPU's rule; the cross-entropy bench's default kernels are the
     ones cd.linear_cross_entropy launches on that GPU (its own tile on H100s), not the H200's on both."""
-    repo = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, "tests/prebuild_without_gpu.py", "--sets", "epilogues,cross_entropy,train_llama",
-                        "--dry-run"], cwd=repo, env={**os.environ, "CODA_DSL_CACHE": str(tmp_path)},
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    out = _prebuild_dry_run(tmp_path, "epilogues,cross_entropy,train_llama")
     found = {(s, g): (int(n), int(new)) for s, g, n, new in
-             re.findall(r"^(\w+) as NVIDIA (H\d00).*: (\d+) kernels, (\d+) new", r.stdout, re.MULTILINE)}
-    assert len(found) == 6 and all(n > 0 for n, _ in found.values()), r.stdout
+             re.findall(r"^(\w+) as NVIDIA (H\d00).*: (\d+) kernels, (\d+) new", out, re.MULTILINE)}
+    assert len(found) == 6 and all(n > 0 for n, _ in found.values()), out
     assert found["cross_entropy", "H100"] == (2, 2)
     assert found["epilogues", "H200"][0] >= 7 * 2  # the H200's rule: more than one configuration per epilogue

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib
 import inspect
 import itertools
 import weakref
@@ -95,7 +96,6 @@ class Epilogue:
 
 def _named(module: str, qualname: str):
     """What `module.qualname` names (an unpickled epilogue), or None where an attribute is missing."""
-    import importlib
     obj = importlib.import_module(module)
     for part in qualname.split("."):
         obj = getattr(obj, part, None)

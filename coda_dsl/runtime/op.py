@@ -965,8 +965,8 @@ def run_reference(ep: Epilogue, call: Call, out: dict | None, accumulate: bool =
     if accumulate:  # D (an [M, N] one: accumulate_into_d refuses others) is read before the outputs' checks
         program = accumulate_into_d(program)
         d, (m, n, _, _) = out["D"], call.mnkl
-        shape = (*torch.broadcast_shapes(call.a.shape[:-2], call.b.shape[:-2]), m, n)
-        _check_out(_where(ep), "D", d, shape, d.dtype, call, tma=None)
+        lead = torch.broadcast_shapes(call.a.shape[:-2], call.b.shape[:-2])
+        _check_out(_where(ep), "D", d, OUTPUT_SHAPES["mn"][1](lead, m, n), d.dtype, call, tma=None)
         operands[reference.PRIOR_D_OPERAND] = d
     res = reference.evaluate(program, call.a, call.b, operands, out_dtypes)
     # each output a tensor of its own, as the kernel's are: not an operand returned as is, not the storage of

@@ -44,6 +44,11 @@ def constant_under_compile(fn: Callable) -> Callable:
     return fn
 
 
+def _nan_free(v):
+    """A value as made_once's key holds it: NaN (which equals no NaN) as one marker."""
+    return "nan" if isinstance(v, float) and v != v else v
+
+
 def made_once(make: Callable) -> Callable:
     """make(*args, **kwargs), called once per argument values (told apart by repr: 0.0 and -0.0 too) and
     kept for the process's life; callable inside torch.compile(fullgraph=True), which then calls make
@@ -57,8 +62,7 @@ def made_once(make: Callable) -> Callable:
     @constant_under_compile
     def name(*args, **kwargs) -> str:
         kw = tuple(sorted(kwargs.items()))
-        nan = lambda v: "nan" if isinstance(v, float) and v != v else v  # noqa: E731 (NaN equals no NaN)
-        key = (repr((args, kw)), tuple(map(nan, args)), tuple((k, nan(v)) for k, v in kw))  # repr: 0.0, -0.0 apart
+        key = (repr((args, kw)), tuple(map(_nan_free, args)), tuple((k, _nan_free(v)) for k, v in kw))  # repr: ±0.0
         if key not in names:
             value = make(*args, **kwargs)  # first: make may itself make another (the names must not shift)
             with lock:
