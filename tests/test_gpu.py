@@ -26,6 +26,7 @@ from epilogues import (bias_gelu, double_width, pairs_with_full_width_operands, 
                        wide_only)
 
 swiglu_derived_backward = cd.backward_epilogue(swiglu)  # swiglu_backward without recomputing y
+residual_rms_backward = cd.backward_epilogue(residual_rms)  # reads h back from the forward's D (saved_D)
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU; none visible to torch")
@@ -143,6 +144,8 @@ def _operands(ep, m, n, dtype, batch=None):
         rms_producer: lambda: dict(residual=_rand(*lead, m, n, dtype=dtype), gamma=_rand(n, dtype=dtype),
                                    inv_n=1.0 / n, eps=1e-6),
         rms_consumer(None): lambda: dict(rstd=_rand(*lead, m, dtype=torch.float32).abs() + 0.5),
+        residual_rms_backward: lambda: dict(saved_D=_rand(*lead, m, n, dtype=dtype), residual=_rand(*lead, m, n, dtype=dtype),
+                                            gamma=_rand(n, dtype=dtype), grad_h_gamma=_rand(*lead, m, n, dtype=dtype)),
         swiglu: lambda: {},
         swiglu_keep_preactivation: lambda: {},
         rope_tables: lambda: dict(cos=_rand(*lead, m, n // 2, dtype=dtype), sin=_rand(*lead, m, n // 2, dtype=dtype)),
@@ -182,7 +185,8 @@ CASES = [
 ]
 CASES += [(ep, torch.bfloat16, "nk") for ep in (swiglu, swiglu_keep_preactivation, rope_tables, rope_positions,
                                                  lse_and_take, pairs_with_full_width_operands, sin_cos,
-                                                 swiglu_backward, swiglu_derived_backward, double_width)]
+                                                 swiglu_backward, swiglu_derived_backward, residual_rms_backward,
+                                                 double_width)]
 # the row nodes under other thread layouts: one warp group per 64-row tile; the cooperative tile, whose
 # epilogue no mainloop hides (the cross-entropy's cost there)
 LSE_CONFIGS = ("64x256x64_c1x1_pingpong", "256x128x64_c1x2_cooperative")
@@ -912,11 +916,11 @@ def test_linear_fp16_keeps_its_accumulator_in_fp32(kernels):
 def test_backward_epilogue_reading_an_output_back(kernels):
     """residual_rms's derived backward in the GEMM that produces D's gradient reads h back from the forward's
     D (saved_D), not its accumulator and residual: the kernel against the reference backend, ragged shape."""
-    m, n, k = 777, 4104, 1000
-    bw = cd.backward_epilogue(residual_rms)
+    m, n, k = RAGGED
+    bw = residual_rms_backward
     assert "saved_acc" not in {p.name for p in bw.params}
     g, v = _rand(m, k), _rand(n, k) * k ** -0.5
-    operands = dict(saved_D=_rand(m, n), residual=_rand(m, n), gamma=_rand(n), grad_h_gamma=_rand(m, n))
+    operands = _operands(bw, m, n, torch.bfloat16)
     got, want = cd.gemm(g, v, bw, **operands), cd.gemm(g, v, bw, backend="reference", **operands)
     assert set(got) == set(want) == {"D", "residual", "gamma"}
     for name in want:
