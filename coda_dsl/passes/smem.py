@@ -67,18 +67,21 @@ def usage(plan: Plan, config: Config | None = None) -> Usage:
     tm, tn, tk = cfg.tile
     em, en = epilogue_tile(cfg)
     tiles = (tm // em) * (tn // en)
-    # EpilogueDescriptor (ElementC void): what AuxLoad / AuxStore nodes are staged with
-    stages_c, stages_d = min(tiles, 4), min(tiles, 2)
+    # EpilogueDescriptor (sm90_get_tma_dispatch_policy): the stages of C, which AuxLoad nodes share, and of D.
+    # A C of D's dtype (the prior D, or an operand: lower.py) reuses its buffer for D, with StagesC >= StagesD + 1.
+    stages_d = min(tiles, 2)
+    stages_c = max(min(tiles, 4), stages_d + 1) if plan.source else min(tiles, 4)
     sub = em * en
     d_bytes = _bytes(plan.d_dtype) if plan.d_dtype else 4  # no D: CUTLASS sizes the buffer from ElementAux = float
-    if plan.reads_d:  # C = D: the collective reuses C's buffer for D, with StagesC >= StagesD + 1 stages
-        coll_stages = max(stages_c, stages_d + 1)
-        parts = [(f"D ({plan.d_dtype}, read and written in place)", _round(coll_stages * sub * d_bytes))]
+    if plan.reads_d:
+        parts = [(f"D ({plan.d_dtype}, read and written in place)", _round(stages_c * sub * d_bytes))]
+    elif plan.source:
+        parts = [(f"operand '{plan.inputs[plan.source.input_index]}' as C, and D ({plan.d_dtype})",
+                  _round(stages_c * sub * d_bytes))]
     else:
-        coll_stages = stages_c
         parts = [(f"D ({plan.d_dtype})" if plan.d_dtype else "the D staging buffer (fp32, no D stored)",
                   _round(stages_d * sub * d_bytes))]
-    pipeline = 16 * coll_stages  # the C load pipeline's full and empty barriers
+    pipeline = 16 * stages_c  # the C load pipeline's full and empty barriers
     names = dict(enumerate(plan.inputs))
     for n in plan.nodes:
         if isinstance(n, AuxLoad):

@@ -23,6 +23,7 @@ using LayoutB = cutlass::layout::ColumnMajor;
 using ElementD = cutlass::bfloat16_t;
 constexpr int AlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
 constexpr int AlignAB = 128 / cutlass::sizeof_bits<ElementAB>::value;  // 16 bytes: TMA
+using ElementC = ElementD;  // C = D itself: accumulate in place
 
 using TileShape = Shape<_128, _256, _64>;
 using ClusterShape = Shape<_2, _1, _1>;
@@ -30,7 +31,7 @@ using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
 using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
 using EpilogueTile = cutlass::epilogue::collective::EpilogueTileAuto;
 using EpilogueDescriptor =
-    cutlass::epilogue::collective::detail::EpilogueDescriptor<TileShape, EpilogueTile, void, ElementD, EpilogueSchedule>;
+    cutlass::epilogue::collective::detail::EpilogueDescriptor<TileShape, EpilogueTile, ElementC, ElementD, EpilogueSchedule>;
 
 // Runtime scalars: every fused functor receives them as its Arguments.
 struct Scalars {
@@ -131,7 +132,7 @@ struct Fn3<cutlass::Array<T, N>> {
 using Acc = fusion::Sm90AccFetch;  // [0] fp32 accumulator of A @ B^T
 using Load_residual = coda::AuxLoadFor<EpilogueDescriptor, cutlass::bfloat16_t>;  // [1] residual: tensor, bf16
 using Region0 = fusion::Sm90Compute<Fn0, float, float, cutlass::FloatRoundStyle::round_to_nearest>;  // [2] Fn0: examples.py:11 <- 0, 1
-using Source = fusion::Sm90SrcFetch<ElementD>;  // [3] current D (accumulate: D += ...)
+using Source = fusion::Sm90SrcFetch<ElementC>;  // [3] current D (accumulate: D += ...)
 using Region1 = fusion::Sm90Compute<Fn1, float, float, cutlass::FloatRoundStyle::round_to_nearest>;  // [4] Fn1: examples.py:9 <- 3, 2
 using Load_gamma = fusion::Sm90RowBroadcast<0, TileShape, cutlass::bfloat16_t, float, cute::Stride<cute::_0, cute::_1, int64_t>>;  // [5] gamma: vec_n, bf16
 using Region2 = fusion::Sm90Compute<Fn2, float, float, cutlass::FloatRoundStyle::round_to_nearest>;  // [6] Fn2: examples.py:12 <- 2, 5
@@ -148,7 +149,7 @@ using EVT = Visitor;
 using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape, EpilogueTile,
     float, float,
-    ElementD, cutlass::layout::RowMajor, AlignD,  // C = D itself: accumulate in place
+    ElementC, cutlass::layout::RowMajor, AlignD,  // as EpilogueDescriptor's: AuxLoad nodes index C's stages
     ElementD, cutlass::layout::RowMajor, AlignD,
     EpilogueSchedule, EVT>::CollectiveOp;
 
@@ -211,12 +212,14 @@ int64_t run(coda::Call const& call) {
   auto dB = coda::make_stride<StrideB>(b.stride(-2), b.stride(-1), coda::batch_stride(b));
   auto dD = coda::make_stride<StrideD>(d.stride(-2), d.stride(-1), coda::batch_stride(d));
   auto* ptr_D = reinterpret_cast<ElementD*>(d.data_ptr());
+  auto dC = dD;
+  ElementC const* ptr_C = ptr_D;
 
   typename GemmKernel::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGemm,
       {M, N, K, L},
       {reinterpret_cast<ElementAB const*>(a.data_ptr()), dA, reinterpret_cast<ElementAB const*>(b.data_ptr()), dB},
-      {evt_args, ptr_D, dD, ptr_D, dD}};
+      {evt_args, ptr_C, dC, ptr_D, dD}};
   args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::Heuristic;
   args.scheduler.max_swizzle_size = coda::swizzle_for<TileShape, ClusterShape>(M, N, 8);
   size_t gemm_ws_size = coda::prepare<GemmKernel>(args, call, op_name, gemm_entry);
