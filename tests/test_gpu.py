@@ -100,6 +100,11 @@ def scaled_bias(acc, bias: cd.VecN, alpha: cd.Scalar):
 
 
 @cd.epilogue
+def scaled_residual(acc, residual: cd.Tensor, alpha: cd.Scalar):
+    return alpha * acc + residual
+
+
+@cd.epilogue
 def lse_and_take(acc, target: cd.VecM, shift: cd.Scalar):
     z = acc * 8.0 + shift  # shift -1000: every exp underflows unless taken relative to the running max
     masked = cd.where(acc < -1.0, float("-inf"), z)  # -inf logits
@@ -141,6 +146,7 @@ def _operands(ep, m, n, dtype, batch=None):
         column_mix: lambda: dict(x=_rand(*lead, m, n, dtype=torch.float16), scale=0.5),
         no_d: lambda: dict(bias=_rand(n, dtype=dtype)),
         scaled_bias: lambda: dict(bias=_rand(n, dtype=dtype), alpha=0.5),
+        scaled_residual: lambda: dict(residual=_rand(*lead, m, n, dtype=dtype), alpha=0.5),
         rms_producer: lambda: dict(residual=_rand(*lead, m, n, dtype=dtype), gamma=_rand(n, dtype=dtype),
                                    inv_n=1.0 / n, eps=1e-6),
         rms_consumer(None): lambda: dict(rstd=_rand(*lead, m, dtype=torch.float32).abs() + 0.5),
@@ -190,6 +196,9 @@ CASES += [(ep, torch.bfloat16, "nk") for ep in (swiglu, swiglu_keep_preactivatio
 # the row nodes under other thread layouts: one warp group per 64-row tile; the cooperative tile, whose
 # epilogue no mainloop hides (the cross-entropy's cost there)
 LSE_CONFIGS = ("64x256x64_c1x1_pingpong", "256x128x64_c1x2_cooperative")
+# two epilogue subtiles per tile: C (D itself, accumulating) has one stage more than AuxLoad nodes would have
+# had from a descriptor without C
+NARROW = "128x64x64_c1x1_cooperative"
 # further specializations: (case, compile options)
 VARIANTS = [
     ((row_stats, torch.bfloat16, "nk"), dict(deterministic=True)),
@@ -197,6 +206,7 @@ VARIANTS = [
     ((rms_producer, torch.bfloat16, "nk"), dict(deterministic=True)),
     ((scaled_bias, torch.bfloat16, "nk"), dict(accumulate=True, out_dtype=torch.float32)),
     ((scaled_bias, torch.bfloat16, "nk"), dict(accumulate=True, out_dtype=torch.bfloat16)),
+    ((scaled_residual, torch.bfloat16, "nk"), dict(accumulate=True, out_dtype=torch.bfloat16, config=NARROW)),
     *(((lse_and_take, torch.bfloat16, "nk"), dict(config=c)) for c in LSE_CONFIGS),
     ((double_width, torch.bfloat16, "nk"), dict(config=runtime.tuning.PINGPONG.text)),
 ]
@@ -431,6 +441,19 @@ def test_accumulate_in_place(kernels, dtype):
     got = cd.gemm(a, b, scaled_bias, out={"D": target}, accumulate=True, **ops)["D"]
     assert got.data_ptr() == before
     assert _rel(target, expected) <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_accumulate_with_a_full_size_operand_on_a_narrow_tile(kernels):
+    """D += alpha acc + residual at NARROW: D comes through C, the residual through an AuxLoad that must use C's
+    stage count (three here)."""
+    m, n, k = RAGGED
+    a, b = _ab(m, n, k, torch.bfloat16, "nk")
+    ops = _operands(scaled_residual, m, n, torch.bfloat16)
+    target = _rand(m, n)
+    expected = target.clone()
+    cd.gemm(a, b, scaled_residual, out={"D": expected}, accumulate=True, backend="reference", **ops)
+    cd.gemm(a, b, scaled_residual, out={"D": target}, accumulate=True, config=NARROW, **ops)
+    assert _rel(target, expected) <= 1e-2
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
