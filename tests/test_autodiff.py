@@ -1168,3 +1168,32 @@ def test_fused_backward_of_a_pairwise_forward_keeps_full_width_operands():
     torch.testing.assert_close(got["r"], r.grad)
     from coda_dsl import cli
     assert cli.specialization_from_options(bw, "bf16").cu_text
+
+
+@cd.epilogue
+def _half_read_by_a_row_sum(acc, t: cd.Tensor, s: cd.VecM):
+    g, u = cd.pairs(acc)
+    return {"D": g * u + cd.floor(t), "r": cd.sum(t * s, axis="n")}
+
+
+@cd.epilogue
+def _wide_read_by_a_row_sum(acc, t: cd.Tensor, s: cd.VecM):
+    return {"D": cd.interleave(acc, acc) * t, "r": cd.sum(t * t * s, axis="n")}
+
+
+@pytest.mark.parametrize("ep, t_cols", [(_half_read_by_a_row_sum, lambda n: n // 2),
+                                        (_wide_read_by_a_row_sum, lambda n: 2 * n)], ids=["half", "wide"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_an_operand_the_backward_reads_only_through_a_row_statistic_keeps_its_width(ep, t_cols, n):
+    """There the backward reads t only as dy_r * t (floor has no derivative; or D's gradient is not asked for),
+    which ties no width: t keeps the forward's (N/2, 2N), not N (was: a gradient off by a factor of 2, or a
+    shape error inside the reference backend)."""
+    x = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(n, 2, dtype=torch.float64)
+    t = torch.randn(3, t_cols(n), dtype=torch.float64, requires_grad=True)
+    s = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    out = cd.linear(x, w, ep, backend="reference", t=t, s=s)
+    out["r"].sum().backward()
+    r = t * t if ep is _wide_read_by_a_row_sum else t
+    torch.testing.assert_close(s.grad, r.sum(1))
+    torch.testing.assert_close(t.grad, (2 * t if ep is _wide_read_by_a_row_sum else torch.ones_like(t)) * s[:, None])

@@ -15,7 +15,7 @@ import torch
 import coda_dsl as cd
 from coda_dsl import build
 from coda_dsl.codegen import op_name, render
-from coda_dsl.passes.plan import AuxLoad, AuxStore, ColBroadcast, Config, RowBroadcast
+from coda_dsl.passes.plan import AuxLoad, AuxStore, ColBroadcast, Config, RowBroadcast, SrcFetch
 from build_helpers import real_toolchain_or_skip
 from epilogues import double_width, rich_operands_and_ops, signature_for
 
@@ -39,11 +39,18 @@ def accumulate_with_stats(acc, alpha: cd.Scalar):
             "total": cd.sum(x, axis=None)}
 
 
+@cd.epilogue
+def residual_into_d(acc, r: cd.Tensor):
+    return acc + r
+
+
 def test_rich_kernel_compiles(toolchain, cache_root, make_plan):
     plan = make_plan(rich_operands_and_ops, consts={"c": 0.5}, operand_dtypes={"rstd": "fp32"})
-    # the plan really is rich: every operand kind, two aux outputs of different dtypes, a shared value
+    # the plan really is rich: every operand kind (the residual as CUTLASS's C), two aux outputs of different
+    # dtypes, a shared value
     kinds = Counter(type(n) for n in plan.nodes)
-    assert kinds[AuxLoad] == kinds[RowBroadcast] == kinds[ColBroadcast] == 1 and kinds[AuxStore] == 2
+    assert kinds[SrcFetch] == kinds[RowBroadcast] == kinds[ColBroadcast] == 1 and kinds[AuxStore] == 2
+    assert plan.source.input_index is not None
     assert sorted(d for _, d, _ in plan.outputs) == ["fp16", "fp32"] and plan.scalars == ["alpha", "beta"]
     parents = Counter(c for n in plan.nodes for c in n.children)
     assert any(parents[i] >= 3 for i, n in enumerate(plan.nodes) if n.children)
@@ -55,13 +62,16 @@ def test_rich_kernel_compiles(toolchain, cache_root, make_plan):
     # A pairwise kernel: pair-loop functors, a half-width D stored per pair, no D tile. And the
     # cross-entropy forward: online log-sum-exp and target gather (coda::RowLogSumExp / RowTake).
     # Double width: a [M, 2N] operand split in two (WideLoad), an interleaved [M, 2N] output (WideStore).
+    # An AuxLoad beside C = D on a tile of two epilogue subtiles (C's stages: 3).
     from coda_dsl.library import swiglu_keep_preactivation
     from coda_dsl.library.cross_entropy import _forward_epilogue
     others = [make_plan(statistics_only, deterministic=True), make_plan(accumulate_with_stats, accumulate=True),
               make_plan(swiglu_keep_preactivation),
               make_plan(_forward_epilogue(True, 30.0), operand_dtypes={"target": "i64"}),
-              make_plan(double_width, operand_dtypes={"rs": "fp32"})]
+              make_plan(double_width, operand_dtypes={"rs": "fp32"}),
+              make_plan(residual_into_d, accumulate=True, config=Config((128, 64, 64), (1, 1), "cooperative"))]
     assert others[0].d_dtype is None and others[1].reads_d and others[2].d_dtype is None
+    assert others[-1].reads_d and any(isinstance(n, AuxLoad) for n in others[-1].nodes)
     units = [build.BuildUnit(key, cu_text, op_name(key))]
     for p in others:
         k = build.specialization_key(p.canonical)

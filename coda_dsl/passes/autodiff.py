@@ -240,7 +240,12 @@ def derive(program: ir.Program, no_grad: tuple[str, ...] = (), reuse: tuple[str,
     saved += reused
     params += [ir.Param(SAVED + o, "tensor", Fraction(1)) for o in reused]
     uses = {n.op for n in ir.topo_order([o.node for o in outputs])}
-    backward = ir.Program(f"{program.name}_backward", tuple(p for p in program.params if p.kind != "const")
+    def as_read(p: ir.Param) -> ir.Param:
+        """An operand with the width the forward reads it at: the backward may read it only where nothing ties its
+        width (dy_r * t for a row statistic r), which would otherwise default to N."""
+        w = forward_widths.get(id(ir.load(p.kind, p.name))) if p.width is None and p.kind in ir.LOAD_KINDS else None
+        return p if w is None or w == 1 else replace(p, width=w)
+    backward = ir.Program(f"{program.name}_backward", tuple(as_read(p) for p in program.params if p.kind != "const")
                           + tuple(params), tuple(outputs), program.defined_at, program.locations)
     ungraded = tuple(p.name for p in program.params if p.name in finishing_scalars)
     return Backward(backward, tuple(grads), tuple(saved), tuple(unfinished), "acc" in uses, program, ungraded, reused)
@@ -280,16 +285,11 @@ def into_producer(back: Backward, output: str = "D", split: bool = False, recomp
     read_back = {id(back.forward.output(r).node): ir.load("tensor", SAVED + r) for r in back.reused}
     swap = _rebuilder({id(ir.acc()): ir.load("tensor", SAVED_ACC), **read_back, id(grad): ir.acc()})
     # widths are over the accumulator's: now dy's, which is the forward's times dy's width; the forward's
-    # operands keep the widths they had there (a 2N-wide residual of a pairwise forward stays 2N wide)
+    # operands keep the widths they had there (derive declared them: a 2N-wide residual of a pairwise forward
+    # stays 2N wide)
     w = next(p.width for p in program.params if p.name == GRAD + output)
-    forward_widths = infer_widths(back.forward)
-
-    def width(p: ir.Param) -> Fraction | None:
-        if p.width is not None or p.kind not in ir.LOAD_KINDS:
-            return p.width
-        return forward_widths.get(id(ir.load(p.kind, p.name)))
     params = tuple(ir.Param(SAVED_ACC, "tensor", 1 / w) if p.name == GRAD + output
-                   else replace(p, width=width(p) / w) if width(p) is not None else p for p in program.params
+                   else replace(p, width=p.width / w) if p.width is not None else p for p in program.params
                    if p.name != SAVED_ACC)  # (an output named acc that is the accumulator, read back: the same)
     swapped = tuple(ir.Output("D" if o.name == ACC else o.name, swap(o.node), o.dtype) for o in program.outputs)
     computed = [o.name for o in back.forward.outputs  # what recompute may name
