@@ -240,7 +240,10 @@ def _meta_call(shape: tuple[int, int, int], sig):
     (m, n, k), dt = shape, DTYPES[sig.ab_dtype][0]
     empty = lambda rows, cols, stored: (torch.empty(rows, cols, dtype=dt, device="meta") if stored else  # noqa: E731
                                         torch.empty(cols, rows, dtype=dt, device="meta").t())
-    return Call(empty(m, k, sig.a_layout == "mk"), empty(n, k, sig.b_layout == "nk"), {}, {}, {})
+    try:
+        return Call(empty(m, k, sig.a_layout == "mk"), empty(n, k, sig.b_layout == "nk"), {}, {}, {})
+    except RuntimeError as e:  # e.g. M x K past what a tensor's byte size can hold
+        raise CliError(f"--shape {m}x{n}x{k}: no tensor holds A or B of that size ({str(e).splitlines()[0]})") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,8 +257,9 @@ def cmd_emit(args) -> int:
     for note in _shape_notes(spec, args.shape) if args.shape else ():
         _err(f"note: {note}")  # stderr: stdout may be the .cu itself
     if args.output:
-        source = Path(args.target.rpartition(":")[0])
-        if source.is_file() and Path(args.output).exists() and os.path.samefile(source, args.output):
+        where = args.target.rpartition(":")[0]  # a file, or a module (imported by now)
+        source = Path(where) if Path(where).is_file() else getattr(sys.modules.get(where), "__file__", None)
+        if source and Path(args.output).exists() and os.path.samefile(source, args.output):
             raise CliError(f"-o {args.output} is the epilogue's own source file: name another file")
         try:
             Path(args.output).write_text(spec.cu_text)
@@ -581,6 +585,9 @@ def _shape(text: str) -> tuple[int, int, int]:
         raise argparse.ArgumentTypeError(f"expected MxNxK like 8192x4096x4096, got {text!r}") from None
     if min(m, n, k) < 1:
         raise argparse.ArgumentTypeError(f"M, N and K must be positive, got {text!r}")
+    from .passes.plan import MAX_DIM
+    if max(m, n, k) > MAX_DIM:
+        raise argparse.ArgumentTypeError(f"{text!r}: the kernels take M, N and K as 32-bit ints (at most {MAX_DIM})")
     return m, n, k
 
 

@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 import textwrap
 from pathlib import Path
 
@@ -67,12 +68,24 @@ def test_emit_stdout_and_file(capsys, tmp_path):
     assert rc != 0 and "cannot write" in err and "No such file or directory" in err and "Traceback" not in err
 
 
-def test_emit_from_file(capsys, eps):
+def test_emit_from_file(capsys, eps, monkeypatch):
     rc, out, _ = run(capsys, "emit", f"{eps}:scaled", "--const", "c=2")
     assert rc == 0 and "Sm90TopologicalVisitor" in out and "extern \"C\" int coda_launch" in out and "2.0f" in out
     source = eps.read_text()
     rc, _, err = run(capsys, "emit", f"{eps}:scaled", "--const", "c=2", "-o", eps)  # would overwrite the epilogue
     assert rc == 2 and "the epilogue's own source file" in err and eps.read_text() == source
+    # the same file named as a module (found on sys.path), not by its path
+    monkeypatch.syspath_prepend(str(eps.parent))
+    rc, _, err = run(capsys, "emit", f"{eps.stem}:scaled", "--const", "c=2", "-o", eps)
+    assert rc == 2 and "the epilogue's own source file" in err and eps.read_text() == source
+
+
+def test_a_shape_past_32_bits_is_an_argument_error(capsys):
+    for shape in ("2147483648x8x8", "99999999999999999999x8x8"):
+        with pytest.raises(SystemExit):
+            cli.main(["explain", "coda_dsl.examples:bias_gelu", "--shape", shape])
+        err = capsys.readouterr().err
+        assert "32-bit ints (at most 2147483647)" in err and "Traceback" not in err
 
 
 def test_explain(capsys):
@@ -313,6 +326,35 @@ def _entry(tmp_path, key: str, so: bytes) -> None:
     staged.write_bytes(so)
     cu.write_text("// Epilogue `e`\n")
     cache.commit_entry(key, {"kernel.so": staged, "kernel.cu": cu}, {"op_name": "k" + key[-2:]})
+
+
+def test_export_replaces_only_a_regular_file(capsys, tmp_path):
+    """An archive is written next to its name and moved over it: a link, pipe or device there is refused (as
+    root, `export /dev/null` had made the device a regular file), and what a link names is left alone."""
+    _entry(tmp_path, f"{1:024x}", b"\0" * 64)
+    mine = tmp_path / "mine.txt"
+    mine.write_text("mine")
+    (tmp_path / "link.tar.gz").symlink_to(mine)
+    os.mkfifo(tmp_path / "pipe.tar.gz")
+    for name in ("link.tar.gz", "pipe.tar.gz"):
+        rc, _, err = run(capsys, "cache", "export", tmp_path / name)
+        assert rc != 0 and "is not a regular file" in err and "Traceback" not in err
+    assert mine.read_text() == "mine" and (tmp_path / "link.tar.gz").is_symlink()
+    assert not list(tmp_path.glob(".*.tmp"))
+    rc, _, _ = run(capsys, "cache", "export", mine)  # a regular file: replaced
+    assert rc == 0 and tarfile.is_tarfile(mine)
+
+
+def test_clear_removes_a_staging_link_not_what_it_names(capsys, tmp_path):
+    """.staging as a link is debris of the wrong type: clear unlinks it and leaves the folder it names whole."""
+    users = tmp_path / "users"
+    (users / "tmpabc").mkdir(parents=True)
+    (users / "tmpabc" / "file").write_text("keep")
+    cache.cache_dir().mkdir(parents=True, exist_ok=True)
+    (cache.cache_dir() / ".staging").symlink_to(users)
+    rc, _, _ = run(capsys, "cache", "clear")
+    assert rc == 0 and not (cache.cache_dir() / ".staging").exists()
+    assert (users / "tmpabc" / "file").read_text() == "keep"
 
 
 def test_cache_export_import_round_trip(capsys, tmp_path, monkeypatch):
@@ -632,3 +674,10 @@ def test_explain_and_emit_backward(capsys):
     assert "out acc:" in out and "out bias:" in out and "reduce[('sum', 'm')]" in out
     rc, out, _ = run(capsys, "emit", "coda_dsl.examples:bias_gelu", "--backward")
     assert rc == 0 and "coda::ColumnReduction<" in out and "Epilogue `bias_gelu_backward`" in out
+
+
+def test_a_blank_cxx_means_unset(monkeypatch):
+    """CXX="   " linked with nothing (doctor crashed on it): blank is unset, as empty is."""
+    from coda_dsl.build import tools
+    monkeypatch.setenv("CXX", "   ")
+    assert tools.linker() == ["c++"]

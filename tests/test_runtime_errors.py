@@ -1031,3 +1031,14 @@ def test_compiled_op_built_asks_the_cache_without_building(fake_kernels, monkeyp
     op.load()
     monkeypatch.setattr(build, "valid_output", lambda key: None)
     assert op.built  # a loaded library is built, whatever the cache now holds
+
+
+def test_a_dimension_past_32_bits_is_refused_by_the_kernels(fake_kernels):
+    """The kernels take M, N, K and L as 32-bit ints: a call past that is refused before any launch (else the
+    launcher's int would wrap), and backend="auto" takes the reference backend."""
+    a = torch.zeros(1, 64, dtype=torch.bfloat16).expand(2**31, 64)  # no memory: a stride-0 view
+    b = torch.zeros(64, 64, dtype=torch.bfloat16)
+    with pytest.raises(cd.UnsupportedError, match=r"M, N, K, L = 2147483648, 64, 64, 1: the kernels take each as a "
+                                                  r"32-bit int(?s:.*)fix: split the call"):
+        cd.gemm(a, b, cd.identity, backend="cutlass")
+    assert not fake_kernels

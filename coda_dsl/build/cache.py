@@ -448,6 +448,10 @@ def export_cache(path: Path, part_bytes: int | None = None) -> Exported:
         parts[-1].append(k)
         filled += size
     out = [path] if len(parts) == 1 else [path.with_name(f"{base}.part{i}.tar.gz") for i in range(1, len(parts) + 1)]
+    for dest in out:  # each archive replaces what is there: only ever a regular file
+        if dest.is_symlink() or (dest.exists() and not dest.is_file()):
+            raise CacheError(f"{dest} exists and is not a regular file (a link, device, pipe or folder): name a new "
+                             "file, or remove it first")
     for dest, part in zip(out, parts):
         tmp = dest.with_name(f".{dest.name}.tmp")
         try:
@@ -589,7 +593,7 @@ def clear_cache() -> Cleared:
         else:  # debris of the wrong type
             _remove(failed)
         staging = root / ".staging"
-        if staging.exists() and not staging.is_dir():
+        if staging.is_symlink() or (staging.exists() and not staging.is_dir()):  # debris: never what a link names
             _remove(staging)
         elif staging.is_dir():
             for d in staging.iterdir():

@@ -183,7 +183,7 @@ def compile_command(tc: Toolchain) -> list[str]:
 
 def linker() -> list[str]:
     """The command that links kernel libraries: $CXX, else c++."""
-    return shlex.split(os.environ.get("CXX") or "c++")  # empty: unset
+    return shlex.split(os.environ.get("CXX", "")) or ["c++"]  # empty or blank: unset
 
 
 def link_command(tc: Toolchain) -> tuple[list[str], list[str]]:

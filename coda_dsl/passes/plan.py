@@ -122,6 +122,9 @@ class Config:
                              f"128x256x64_c2x1_cooperative_e128x64_rm_s4 ({e})") from None
 
 
+MAX_DIM = 2**31 - 1  # the kernels take M, N, K and L as 32-bit ints (kernel.cu.j2's run)
+
+
 @dataclass(frozen=True)
 class Signature:
     """Everything about a call that changes the generated code (never sizes, pointers or scalar values)."""

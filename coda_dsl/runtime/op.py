@@ -20,7 +20,7 @@ from ..ir import graph as ir
 from ..ir.ops import DTYPES, REDUCTIONS
 from ..passes import accumulate_into_d, specialize
 from ..passes.widths import infer as infer_widths, load_widths, width_text
-from ..passes.plan import OUTPUT_SHAPES, Config, Signature
+from ..passes.plan import MAX_DIM, OUTPUT_SHAPES, Config, Signature
 from . import checks, reference, tune as tuning, warm
 from .kernel import Kernel, remember
 from .torch_op import register_eager, traced_gemm
@@ -213,6 +213,10 @@ def _check_tensors(ep: Epilogue, call: Call, cutlass: bool) -> dict[str, str]:
     if cutlass and ab not in ("bf16", "fp16"):
         raise checks.fail(where, f"A and B are {call.a.dtype}; the cutlass backend takes bf16 or fp16 inputs",
                           "cast them: A.bfloat16(), B.bfloat16()")
+    if cutlass and max(m, n, k, l) > MAX_DIM:
+        raise UnsupportedError(f"{where}: M, N, K, L = {m}, {n}, {k}, {l}: the kernels take each as a 32-bit int (at "
+                               f"most {MAX_DIM})\n  fix: split the call along its largest dimension, or pass "
+                               "backend='reference'")
     dev = call.a.device
     checks.tensor(where, "B", call.b, (l, n, k) if call.b.dim() == 3 else (n, k), dev)
     dtypes = {}
