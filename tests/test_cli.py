@@ -483,6 +483,23 @@ def test_cache_import_rejects_what_is_not_a_checked_entry(capsys, tmp_path, monk
         assert rc == 2 and "is a directory: name the file to write" in err and "Traceback" not in err
 
 
+def test_a_damaged_archive_is_rejected_whole(capsys, tmp_path, monkeypatch):
+    """Bytes overwritten inside an export: tarfile would stop quietly at the first bad header (its entries then
+    looked incomplete); the whole gzip stream is read first, so the file is reported damaged and nothing of it
+    added."""
+    for i in (1, 2, 3):
+        _entry(tmp_path, f"{i:024x}", os.urandom(40_000))
+    path = tmp_path / "all.tar.gz"
+    assert run(capsys, "cache", "export", path)[0] == 0
+    data = bytearray(path.read_bytes())
+    for at in (len(data) // 3, len(data) // 2):
+        damaged = tmp_path / f"damaged{at}.tar.gz"
+        damaged.write_bytes(data[:at] + b"\xff" * 8 + data[at + 8:])
+        monkeypatch.setenv("CODA_DSL_CACHE", str(tmp_path / f"other{at}"))
+        rc, out, err = run(capsys, "cache", "import", damaged)
+        assert rc == 1 and "added 0" in out and f"{damaged.name}: not a whole gzip'd tar file" in out, out + err
+
+
 def test_every_command_and_option_has_help():
     subs = next(a for a in cli.parser()._actions if isinstance(a, argparse._SubParsersAction))
     listed = {c.dest: c.help for c in subs._choices_actions}

@@ -15,6 +15,7 @@ import contextlib
 import errno
 import fcntl
 import functools
+import gzip
 import hashlib
 import json
 import os
@@ -25,6 +26,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -503,6 +505,13 @@ def import_cache(paths: list[Path]) -> Imported:
 
 
 def _unpack(path: Path, result: Imported) -> None:
+    # the whole stream first: tarfile stops quietly at a damaged header, and gzip checks its CRC only at the end
+    with gzip.open(path) as whole:
+        try:
+            while whole.read(1 << 20):
+                pass
+        except (gzip.BadGzipFile, zlib.error) as e:
+            raise tarfile.ReadError(f"damaged: {e}") from None
     with tarfile.open(path, "r:gz") as tar, staging("import-") as tmp:
         _commit_members(tar, tmp, result)
 
