@@ -241,8 +241,8 @@ def derive(program: ir.Program, no_grad: tuple[str, ...] = (), reuse: tuple[str,
     params += [ir.Param(SAVED + o, "tensor", Fraction(1)) for o in reused]
     uses = {n.op for n in ir.topo_order([o.node for o in outputs])}
     def as_read(p: ir.Param) -> ir.Param:
-        """An operand with the width the forward reads it at: the backward may read it only where nothing ties its
-        width (dy_r * t for a row statistic r), which would otherwise default to N."""
+        """An operand with the width the forward reads it at, if not N (the default): the backward may read it only
+        where nothing ties its width (dy_r * t for a row statistic r)."""
         w = forward_widths.get(id(ir.load(p.kind, p.name))) if p.width is None and p.kind in ir.LOAD_KINDS else None
         return p if w is None or w == 1 else replace(p, width=w)
     backward = ir.Program(f"{program.name}_backward", tuple(as_read(p) for p in program.params if p.kind != "const")
