@@ -463,7 +463,8 @@ def cmd_doctor(args) -> int:
     try:
         root = build.cache_dir()
         ok = os.access(root, os.W_OK)
-        row("ok" if ok else "FAIL", "cache", f"{root} ({len(build.cache_entries())} entries)"
+        n = len(build.cache_entries())
+        row("ok" if ok else "FAIL", "cache", f"{root} ({n} entr{'y' if n == 1 else 'ies'})"
             + ("" if ok else ", not writable"), "" if ok else "set CODA_DSL_CACHE to a writable directory")
     except OSError as e:
         row("FAIL", "cache", str(e), "set CODA_DSL_CACHE to a writable directory")

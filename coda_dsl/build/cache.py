@@ -215,7 +215,7 @@ def check_output(key: str, name: str = "kernel.so", verify: bool = True) -> tupl
     except OSError:
         st = None
     if meta is None:
-        return None, (None if st is None else "no valid meta.json")
+        return None, (None if st is None else "meta.json is missing or unreadable")
     size = (meta.get("files") or {}).get(name) if isinstance(meta.get("files"), dict) else None
     digest = (meta.get("sha256") or {}).get(name) if isinstance(meta.get("sha256"), dict) else None
     if size is None:
