@@ -97,11 +97,11 @@ def test_build_and_entry_point_text(make_plan, which):
 
 
 def test_operand_kinds_map_to_node_types(make_plan):
-    plan, src = emit(make_plan, rich, {"c": 0.5}, operand_dtypes={"rstd": "fp32", "residual": "fp16"},
-                     output_dtypes={"h32": "fp32", "g16": "fp16"})  # a residual of D's dtype would be C (below)
+    plan, src = emit(make_plan, rich, {"c": 0.5}, operand_dtypes={"rstd": "fp32"},
+                     output_dtypes={"h32": "fp32", "g16": "fp16"})
     types = using_types(src)
     assert types["Acc"] == "fusion::Sm90AccFetch"
-    assert types["Load_residual"] == "coda::AuxLoadFor<EpilogueDescriptor, cutlass::half_t>"
+    assert types["Load_residual"] == "coda::AuxLoadFor<EpilogueDescriptor, cutlass::bfloat16_t>"
     assert types["Load_bias"].startswith("fusion::Sm90RowBroadcast<0, TileShape, cutlass::bfloat16_t, float,")
     assert "cute::Stride<cute::_0, cute::_1, int64_t>" in types["Load_bias"]  # broadcast down the rows
     assert types["Load_rstd"].startswith("fusion::Sm90ColBroadcast<0, TileShape, float, float,")
@@ -298,19 +298,16 @@ def test_pair_functors_write_both_slots(make_plan):
 def test_accumulate_reads_d_as_the_c_operand(make_plan):
     _, src = emit(make_plan, bias_gelu, accumulate=True)
     assert "using ElementC = ElementD;" in src and "ElementC const* ptr_C = ptr_D;" in src
-    assert "{evt_args, ptr_C, dC, ptr_D, dD}" in src
+    assert "{evt_args, ptr_C, dD, ptr_D, dD}" in src
 
 
-def test_a_residual_is_read_as_the_c_operand(make_plan):
-    """The residual of D's dtype is CUTLASS's C: its pointer and strides are the kernel's C, and the epilogue
-    descriptor that stages AuxLoad nodes names the same C type as the collective (its stage count of C depends on
-    it: with another, an AuxLoad would index stages the collective does not have)."""
-    plan, src = emit(make_plan, rich, {"c": 0.5}, operand_dtypes={"rstd": "fp32"})
-    types = using_types(src)
-    assert types["Load_residual"] == "fusion::Sm90SrcFetch<ElementC>"
-    assert "using ElementC = cutlass::bfloat16_t;" in src
-    assert f"coda::TensorRef c = inputs[{plan.inputs.index('residual')}];" in src
-    assert "{evt_args, ptr_C, dC, ptr_D, dD}" in src
+@pytest.mark.parametrize("accumulate", [False, True], ids=["no C", "C = D"])
+def test_auxloads_are_staged_as_the_collectives_c(make_plan, accumulate):
+    """The epilogue descriptor that stages AuxLoad nodes names the collective's C type: C's stage count depends
+    on it (C = D: one more than D's), and an AuxLoad indexing stages the collective does not have would read a
+    buffer the producer is refilling (with accumulation on a tile of two epilogue subtiles it did)."""
+    _, src = emit(make_plan, rich, {"c": 0.5}, accumulate=accumulate)
+    assert ("using ElementC = ElementD;" if accumulate else "using ElementC = void;") in src
     assert "EpilogueDescriptor<TileShape, EpilogueTile, ElementC, ElementD, EpilogueSchedule>" in src
     assert re.search(r"CollectiveBuilder<\s*cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, "
                      r"ClusterShape, EpilogueTile,\s*float, float,\s*ElementC,", src)

@@ -9,7 +9,7 @@ from coda_dsl.ir import graph as ir
 from coda_dsl.library import rope_tables
 from coda_dsl.passes import Config, specialize
 from coda_dsl.passes.plan import (AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, Reduce, Ref, RowBroadcast,
-                                  SrcFetch, Step)
+                                  Step)
 
 
 def D(program):
@@ -116,7 +116,7 @@ def kinds(acc, r: cd.Tensor, bias: cd.VecN, rstd: cd.VecM, alpha: cd.Scalar):
 
 
 def test_operand_kinds_lower_to_cutlass_nodes(make_plan):
-    plan = make_plan(kinds, operand_dtypes={"rstd": "fp32", "r": "fp32"})  # r not D's dtype: an AuxLoad
+    plan = make_plan(kinds, operand_dtypes={"rstd": "fp32"})
     by_name = {n.name: n for n in plan.nodes}
     assert isinstance(plan.nodes[0], AccFetch)
     # the CUTLASS inversion: a vector over n is broadcast along rows -> RowBroadcast, and vice versa
@@ -135,31 +135,6 @@ def test_operand_kinds_lower_to_cutlass_nodes(make_plan):
                                                                                    "Load_rstd"))
     assert i == len(plan.nodes) - 1
     assert any(Ref("scalar", 0) in s.args for s in comp.functor.steps)  # alpha, by position
-
-
-def test_the_first_operand_of_ds_dtype_comes_as_c(make_plan):
-    """CUTLASS's C operand, whose shared-memory stages D's stores reuse, takes the first full [M, N] operand of
-    D's dtype (a residual); the others stay AuxLoads. With accumulation C is D itself; without D there is none."""
-    @cd.epilogue
-    def two(acc, r1: cd.Tensor, r2: cd.Tensor):
-        return acc + r1 * r2
-
-    plan = make_plan(two)
-    loads = {n.name: n for n in plan.nodes if n.name.startswith("Load_")}
-    assert type(loads["Load_r1"]) is SrcFetch and type(loads["Load_r2"]) is AuxLoad
-    assert plan.source is loads["Load_r1"] and plan.inputs[plan.source.input_index] == "r1" and not plan.reads_d
-    plan = make_plan(two, operand_dtypes={"r1": "fp32"})  # D bf16: r2 is the first of its dtype
-    assert type(plan.source) is SrcFetch and plan.inputs[plan.source.input_index] == "r2"
-    assert make_plan(two, operand_dtypes={"r1": "fp32", "r2": "fp32"}).source is None
-    plan = make_plan(two, accumulate=True)
-    assert plan.reads_d and plan.source.input_index is None
-    assert {type(n) for n in plan.nodes if n.name in ("Load_r1", "Load_r2")} == {AuxLoad}
-
-    @cd.epilogue
-    def no_d(acc, r: cd.Tensor):
-        return {"s": cd.sum(acc + r, axis="n")}
-
-    assert make_plan(no_d).source is None
 
 
 def test_children_come_before_parents(make_plan):
@@ -244,7 +219,7 @@ def test_operand_passthrough_and_constant_outputs(make_plan):
         return {"D": r, "s_out": s * 1, "k": acc * 0 + 2}
 
     plan = make_plan(passthrough)
-    assert isinstance(plan.nodes[d_index(plan)], SrcFetch)  # r, of D's dtype, comes as CUTLASS's C
+    assert isinstance(plan.nodes[d_index(plan)], AuxLoad)
     stores = {n.name: n for n in plan.nodes if isinstance(n, AuxStore)}
     assert set(stores) == {"Store_s_out", "Store_k"}
     s_fn = plan.nodes[stores["Store_s_out"].children[0]].functor

@@ -75,5 +75,4 @@ def render(plan: Plan, key: str, defined_at: str = "") -> str:
         ab_dtype=sig.ab_dtype,
         element_ab=cpp_element(sig.ab_dtype),
         element_d=cpp_element(plan.d_dtype) if plan.d_dtype else "void",
-        element_c="ElementD" if plan.reads_d else cpp_element(plan.source.dtype) if plan.source else "void",
     )

@@ -151,7 +151,7 @@ def _spell(n: p.EvtNode) -> tuple[str, str, str, str, str]:
         return fmt.format(e=cpp_element(n.dtype)), f"coda::{helper}<{n.name}>(outputs[{n.output_index}])", "", "", ""
     if kind is p.AccFetch:
         return "fusion::Sm90AccFetch", "{}", "", "", ""
-    if kind is p.SrcFetch:  # the collective loads it: its pointer and strides are the kernel's C (kernel.cu.j2)
+    if kind is p.SrcFetch:  # the collective loads it: the kernel's C (kernel.cu.j2), D itself
         return "fusion::Sm90SrcFetch<ElementC>", "{}", "", "", ""
     if kind is p.Unpack:
         return f"coda::Unpack<{cpp_element(n.dtype)}, {n.part}>", "{}", "", "", ""

@@ -5,13 +5,12 @@ visitor node (`Compute` with a generated functor); the expression tree below it,
 other such nodes, is fused into that functor. So a shared subexpression is computed once, and each
 fused region is one functor. Leaves: acc -> Sm90AccFetch, cd.Tensor -> AuxLoad (TMA), VecN ->
 RowBroadcast, VecM -> ColBroadcast, the halves cd.pairs(x) of a double-width (2N) cd.Tensor -> Unpack
-of its WideLoad; scalars ride in the functors' Arguments; constants are literals. CUTLASS's C operand
-(Sm90SrcFetch), whose shared memory D's stores reuse, reads the prior D with accumulation (`prior_d`),
-else the first cd.Tensor of D's dtype (a residual) instead of an AuxLoad.
+of its WideLoad; scalars ride in the functors' Arguments; constants are literals.
 Outputs other than D are taps on their value: AuxStore for tensors (PairStore at half width, WideStore
 of a Pack for a double-width cd.interleave(a, b)),
 Reduce nodes for statistics (LogSumExp and Take for cd.logsumexp / cd.take), with their finishing
-expression, if any; the last node yields D.
+expression, if any; the last node yields D. With accumulation, D's value reads the
+prior D (`prior_d` -> Sm90SrcFetch, CUTLASS's C operand).
 """
 from __future__ import annotations
 
@@ -89,17 +88,6 @@ class _Lowering:
         self.dtypes = dict(sig.operand_dtypes)
         self.scalars = [p.name for p in program.params if p.kind == "scalar"]
         self.widened: list[str] = []
-        d_out = self.stored_d()
-        # the one full [M, N] operand of D's dtype that may come through CUTLASS's C (SrcFetch), unless D is C
-        self.c_dtype = None if d_out is None or any(n.op == "prior_d" for n in ir.walk(program)) else \
-            dict(sig.output_dtypes)["D"]
-
-    def stored_d(self) -> ir.Output | None:
-        """The output stored as D: "D" unless it is not N wide or a statistic (then a tap stores it)."""
-        d_out = self.program.output("D")
-        if d_out is not None and (self.width.get(id(d_out.node), 1) != 1 or d_out.node.kind == "reduction"):
-            return None
-        return d_out
 
     def add(self, node: EvtNode) -> int:
         self.nodes.append(node)
@@ -145,15 +133,9 @@ class _Lowering:
                         cls = PairLoad
                     else:  # a VecN of N/2 values: the runtime widens it to N (each value twice)
                         self.widened.append(name)
-                if cls is AuxLoad and self.dtypes[name] == self.c_dtype:
-                    self.c_dtype = None  # taken
-                    self.index[id(n)] = self.add(SrcFetch(f"Load_{name}", input_index=self.input(name),
-                                                          dtype=self.dtypes[name],
-                                                          comment=f"{name}: tensor, {self.dtypes[name]}, as C"))
-                else:
-                    self.index[id(n)] = self.add(cls(f"Load_{name}", dtype=self.dtypes[name],
-                                                     input_index=self.input(name),
-                                                     comment=f"{name}: {kind}, {self.dtypes[name]}"))
+                self.index[id(n)] = self.add(cls(f"Load_{name}", dtype=self.dtypes[name],
+                                                 input_index=self.input(name),
+                                                 comment=f"{name}: {kind}, {self.dtypes[name]}"))
         return self.index[id(n)]
 
     def expression(self, root: ir.Node, operand) -> tuple[list[Step], Ref, Ref]:
@@ -311,7 +293,9 @@ class _Lowering:
         for n in order:
             if id(n) in outputs_at and n.op in ("const", "scalar"):
                 self.region(n)
-        d_out = self.stored_d()
+        d_out = program.output("D")
+        if d_out is not None and (self.width.get(id(d_out.node), 1) != 1 or d_out.node.kind == "reduction"):
+            d_out = None  # a D not N wide, or a statistic, is stored as a tap
         aux = [o for o in program.outputs if o is not d_out]  # D is stored as D unless it became a tap
         out_dtypes = dict(self.sig.output_dtypes)
         outputs = []

@@ -160,16 +160,10 @@ class AccFetch(EvtNode):
 
 @dataclass
 class SrcFetch(EvtNode):
-    """CUTLASS's C operand (Sm90SrcFetch), TMA-loaded by the collective epilogue itself: the current D
-    (in-place accumulation), or with `input_index` a full [M, N] operand of D's dtype (a residual), whose
-    shared-memory stages D's stores then reuse; as an AuxLoad, its stages would come on top of D's and take
-    the room of a mainloop stage (residual_sumsq at 128x256: 3 stages instead of 4)."""
-
-    input_index: int | None = None
-    dtype: str | None = None  # the operand's (D's)
+    """The current contents of D, read through CUTLASS's C operand (in-place accumulation)."""
 
     def canonical(self) -> str:
-        return "Src" if self.input_index is None else f"SrcOperand{self.dtype}"
+        return "Src"
 
 
 @dataclass
@@ -405,13 +399,8 @@ class Plan:
     widened: list[str] = field(default_factory=list)  # N/2-wide operands the runtime widens to N
 
     @property
-    def source(self) -> SrcFetch | None:
-        """The node reading CUTLASS's C operand, if any: D itself (reads_d) or an operand."""
-        return next((n for n in self.nodes if isinstance(n, SrcFetch)), None)
-
-    @property
     def reads_d(self) -> bool:
-        return self.source is not None and self.source.input_index is None
+        return any(isinstance(n, SrcFetch) for n in self.nodes)
 
     @property
     def wide(self) -> list[str]:

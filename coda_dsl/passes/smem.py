@@ -68,16 +68,13 @@ def usage(plan: Plan, config: Config | None = None) -> Usage:
     em, en = epilogue_tile(cfg)
     tiles = (tm // em) * (tn // en)
     # EpilogueDescriptor (sm90_get_tma_dispatch_policy): the stages of C, which AuxLoad nodes share, and of D.
-    # A C of D's dtype (the prior D, or an operand: lower.py) reuses its buffer for D, with StagesC >= StagesD + 1.
+    # C = D (accumulation) reuses C's buffer for D, with StagesC >= StagesD + 1.
     stages_d = min(tiles, 2)
-    stages_c = max(min(tiles, 4), stages_d + 1) if plan.source else min(tiles, 4)
+    stages_c = max(min(tiles, 4), stages_d + 1) if plan.reads_d else min(tiles, 4)
     sub = em * en
     d_bytes = _bytes(plan.d_dtype) if plan.d_dtype else 4  # no D: CUTLASS sizes the buffer from ElementAux = float
     if plan.reads_d:
         parts = [(f"D ({plan.d_dtype}, read and written in place)", _round(stages_c * sub * d_bytes))]
-    elif plan.source:
-        parts = [(f"operand '{plan.inputs[plan.source.input_index]}' as C, and D ({plan.d_dtype})",
-                  _round(stages_c * sub * d_bytes))]
     else:
         parts = [(f"D ({plan.d_dtype})" if plan.d_dtype else "the D staging buffer (fp32, no D stored)",
                   _round(stages_d * sub * d_bytes))]

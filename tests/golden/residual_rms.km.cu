@@ -2,7 +2,7 @@
 // Epilogue `residual_rms` (examples.py:9)
 // GEMM: A [(L,) M, K] bf16 M-contiguous ([K, M] storage), B [N, K] bf16 N-contiguous ([K, N] storage), fp32 accumulation
 // Config: tile 128x256x64, cluster 2x1, cooperative, swizzle 8
-// Specialization key: 746d97eff10884a43b67c95b
+// Specialization key: f8ac290829811bf714f03ce3
 // No torch header: the torch side (checks, outputs, stream, workspace) is coda_dsl/runtime/kernel.py.
 #include "coda_dsl/evt.h"
 #include "coda_dsl/finish.h"
@@ -12,7 +12,7 @@
 
 // A namespace unique to this specialization (not an anonymous one: nvcc's host stubs for the
 // finishing kernels cannot name anonymous-namespace types).
-namespace k746d97eff10884a43b67_ns {
+namespace kf8ac290829811bf714f0_ns {
 
 using namespace cute;
 namespace fusion = cutlass::epilogue::fusion;
@@ -23,7 +23,7 @@ using LayoutB = cutlass::layout::RowMajor;
 using ElementD = cutlass::bfloat16_t;
 constexpr int AlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
 constexpr int AlignAB = 128 / cutlass::sizeof_bits<ElementAB>::value;  // 16 bytes: TMA
-using ElementC = cutlass::bfloat16_t;  // C = operand 'residual'; D's stores reuse its shared memory
+using ElementC = void;  // no C operand
 
 using TileShape = Shape<_128, _256, _64>;
 using ClusterShape = Shape<_2, _1, _1>;
@@ -107,7 +107,7 @@ struct Fn2<cutlass::Array<T, N>> {
 
 // ---- Epilogue visitor nodes, children before parents -------------------------------------------
 using Acc = fusion::Sm90AccFetch;  // [0] fp32 accumulator of A @ B^T
-using Load_residual = fusion::Sm90SrcFetch<ElementC>;  // [1] residual: tensor, bf16, as C
+using Load_residual = coda::AuxLoadFor<EpilogueDescriptor, cutlass::bfloat16_t>;  // [1] residual: tensor, bf16
 using Region0 = fusion::Sm90Compute<Fn0, float, float, cutlass::FloatRoundStyle::round_to_nearest>;  // [2] Fn0: examples.py:11 <- 0, 1
 using Load_gamma = fusion::Sm90RowBroadcast<0, TileShape, cutlass::bfloat16_t, float, cute::Stride<cute::_0, cute::_1, int64_t>>;  // [3] gamma: vec_n, bf16
 using Region1 = fusion::Sm90Compute<Fn1, float, float, cutlass::FloatRoundStyle::round_to_nearest>;  // [4] Fn1: examples.py:12 <- 2, 3
@@ -142,19 +142,19 @@ using GemmKernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int
 // The build's device pass (nvcc -fatbin, in parallel with the host pass) compiles this kernel alone; the
 // library embeds its fatbinary and launches it by this name (coda::GemmEntry), unique to the op.
 extern "C" __global__ void __launch_bounds__(GemmKernel::MaxThreadsPerBlock, GemmKernel::MinBlocksPerMultiprocessor)
-k746d97eff10884a43b67_gemm(CUTLASS_GRID_CONSTANT GemmKernel::Params const params) {
+kf8ac290829811bf714f0_gemm(CUTLASS_GRID_CONSTANT GemmKernel::Params const params) {
   extern __shared__ char smem[];
   GemmKernel op;
   op(params, smem);
 }
 #else
-static coda::GemmEntry gemm_entry(coda_fatbin, "k746d97eff10884a43b67_gemm");  // the kernel of the device pass
+static coda::GemmEntry gemm_entry(coda_fatbin, "kf8ac290829811bf714f0_gemm");  // the kernel of the device pass
 
 // One call, or its size query (call.query: the workspace bytes it needs; nothing is launched).
 // a: [M, K] or [L, M, K]; b: [N, K] or [L, N, K] (any strides the layout allows); d: like the output.
 // inputs / outputs: the operands and auxiliary outputs in the order the plan binds them.
 int64_t run(coda::Call const& call) {
-  char const* op_name = "coda_dsl::k746d97eff10884a43b67 (epilogue residual_rms)";
+  char const* op_name = "coda_dsl::kf8ac290829811bf714f0 (epilogue residual_rms)";
   constexpr int n_inputs = 2, n_outputs = 1, first_input = 3;
   if (call.n_tensors != first_input + n_inputs + n_outputs || call.n_scalars != 0)
     coda::fail(op_name, ": wrong operand count");
@@ -169,7 +169,7 @@ int64_t run(coda::Call const& call) {
   coda::Workspace ws(call);  // the kernel's own buffers first, then CUTLASS's
   typename EVT::Arguments evt_args{
       {},  // Acc
-      {},  // Load_residual
+      coda::aux_load_args<Load_residual>(inputs[0]),  // Load_residual
       scalars,  // Region0
       coda::vec_n_args<Load_gamma>(inputs[1]),  // Load_gamma
       scalars,  // Region1
@@ -185,15 +185,13 @@ int64_t run(coda::Call const& call) {
   auto dB = coda::make_stride<StrideB>(b.stride(-2), b.stride(-1), coda::batch_stride(b));
   auto dD = coda::make_stride<StrideD>(d.stride(-2), d.stride(-1), coda::batch_stride(d));
   auto* ptr_D = reinterpret_cast<ElementD*>(d.data_ptr());
-  coda::TensorRef c = inputs[0];
-  auto dC = coda::make_stride<typename GemmKernel::StrideC>(c.stride(-2), c.stride(-1), coda::batch_stride(c));
-  auto const* ptr_C = reinterpret_cast<ElementC const*>(c.data_ptr());
+  ElementC const* ptr_C = nullptr;  // C = D, or none
 
   typename GemmKernel::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGemm,
       {M, N, K, L},
       {reinterpret_cast<ElementAB const*>(a.data_ptr()), dA, reinterpret_cast<ElementAB const*>(b.data_ptr()), dB},
-      {evt_args, ptr_C, dC, ptr_D, dD}};
+      {evt_args, ptr_C, dD, ptr_D, dD}};
   args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::Heuristic;
   args.scheduler.max_swizzle_size = coda::swizzle_for<TileShape, ClusterShape>(M, N, 8);
   size_t gemm_ws_size = coda::prepare<GemmKernel>(args, call, op_name, gemm_entry);
@@ -204,15 +202,15 @@ int64_t run(coda::Call const& call) {
 }
 #endif  // CODA_DEVICE_PASS
 
-}  // namespace k746d97eff10884a43b67_ns
+}  // namespace kf8ac290829811bf714f0_ns
 
 #ifndef CODA_DEVICE_PASS
 // The library's two entry points (csrc/coda_dsl/abi.h describes them).
 extern "C" int coda_workspace_size(coda::CallArgs const* args, int64_t* size, char* message, int64_t message_size) {
-  return coda::guarded(message, message_size, [&] { *size = k746d97eff10884a43b67_ns::run(coda::Call(args, true)); });
+  return coda::guarded(message, message_size, [&] { *size = kf8ac290829811bf714f0_ns::run(coda::Call(args, true)); });
 }
 
 extern "C" int coda_launch(coda::CallArgs const* args, char* message, int64_t message_size) {
-  return coda::guarded(message, message_size, [&] { k746d97eff10884a43b67_ns::run(coda::Call(args, false)); });
+  return coda::guarded(message, message_size, [&] { kf8ac290829811bf714f0_ns::run(coda::Call(args, false)); });
 }
 #endif  // CODA_DEVICE_PASS
