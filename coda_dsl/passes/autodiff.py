@@ -285,11 +285,16 @@ def into_producer(back: Backward, output: str = "D", split: bool = False, recomp
     read_back = {id(back.forward.output(r).node): ir.load("tensor", SAVED + r) for r in back.reused}
     swap = _rebuilder({id(ir.acc()): ir.load("tensor", SAVED_ACC), **read_back, id(grad): ir.acc()})
     # widths are over the accumulator's: now dy's, which is the forward's times dy's width; the forward's
-    # operands keep the widths they had there (derive declared them: a 2N-wide residual of a pairwise forward
-    # stays 2N wide)
+    # operands keep the widths they had there (a 2N-wide residual of a pairwise forward stays 2N wide)
     w = next(p.width for p in program.params if p.name == GRAD + output)
+    forward_widths = infer_widths(back.forward)
+
+    def width(p: ir.Param) -> Fraction | None:  # derive declares only the widths that are not N
+        if p.width is not None or p.kind not in ir.LOAD_KINDS:
+            return p.width
+        return forward_widths.get(id(ir.load(p.kind, p.name)))
     params = tuple(ir.Param(SAVED_ACC, "tensor", 1 / w) if p.name == GRAD + output
-                   else replace(p, width=p.width / w) if p.width is not None else p for p in program.params
+                   else replace(p, width=width(p) / w) if width(p) is not None else p for p in program.params
                    if p.name != SAVED_ACC)  # (an output named acc that is the accumulator, read back: the same)
     swapped = tuple(ir.Output("D" if o.name == ACC else o.name, swap(o.node), o.dtype) for o in program.outputs)
     computed = [o.name for o in back.forward.outputs  # what recompute may name
