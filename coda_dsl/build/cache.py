@@ -505,15 +505,11 @@ def import_cache(paths: list[Path]) -> Imported:
 
 
 def _unpack(path: Path, result: Imported) -> None:
-    # the whole stream first: tarfile stops quietly at a damaged header, and gzip checks its CRC only at the end
-    with gzip.open(path) as whole:
-        try:
-            while whole.read(1 << 20):
-                pass
-        except (gzip.BadGzipFile, zlib.error) as e:
-            raise tarfile.ReadError(f"damaged: {e}") from None
-    with tarfile.open(path, "r:gz") as tar, staging("import-") as tmp:
-        _commit_members(tar, tmp, result)
+    try:
+        with tarfile.open(path, "r:gz") as tar, staging("import-") as tmp:
+            _commit_members(tar, tmp, result)
+    except (gzip.BadGzipFile, zlib.error) as e:
+        raise tarfile.ReadError(f"damaged: {e}") from None
 
 
 def _commit_members(tar: tarfile.TarFile, tmp: Path, result: Imported) -> None:
@@ -530,6 +526,10 @@ def _commit_members(tar: tarfile.TarFile, tmp: Path, result: Imported) -> None:
         with tar.extractfile(m) as src, open(dst, "wb") as f:
             shutil.copyfileobj(src, f)
         got.setdefault(key, {})[name] = dst
+    # the rest of the stream before anything is committed: tarfile stops quietly at a damaged header, and gzip
+    # checks its CRC only at the end
+    while tar.fileobj.read(1 << 20):
+        pass
     for key, files in sorted(got.items()):
         outcome = _import_entry(key, files)
         if outcome == "added":

@@ -240,15 +240,21 @@ def derive(program: ir.Program, no_grad: tuple[str, ...] = (), reuse: tuple[str,
     saved += reused
     params += [ir.Param(SAVED + o, "tensor", Fraction(1)) for o in reused]
     uses = {n.op for n in ir.topo_order([o.node for o in outputs])}
-    def as_read(p: ir.Param) -> ir.Param:
-        """An operand with the width the forward reads it at, if not N (the default): the backward may read it only
-        where nothing ties its width (dy_r * t for a row statistic r)."""
-        w = forward_widths.get(id(ir.load(p.kind, p.name))) if p.width is None and p.kind in ir.LOAD_KINDS else None
-        return p if w is None or w == 1 else replace(p, width=w)
-    backward = ir.Program(f"{program.name}_backward", tuple(as_read(p) for p in program.params if p.kind != "const")
-                          + tuple(params), tuple(outputs), program.defined_at, program.locations)
+    # the forward's operands declare the widths it reads them at, but N (the default): the backward may read one
+    # only where nothing ties its width (dy_r * t for a row statistic r)
+    read = [(p, _read_width(p, forward_widths)) for p in program.params if p.kind != "const"]
+    declared = tuple(p if w in (None, 1) else replace(p, width=w) for p, w in read)
+    backward = ir.Program(f"{program.name}_backward", declared + tuple(params), tuple(outputs), program.defined_at,
+                          program.locations)
     ungraded = tuple(p.name for p in program.params if p.name in finishing_scalars)
     return Backward(backward, tuple(grads), tuple(saved), tuple(unfinished), "acc" in uses, program, ungraded, reused)
+
+
+def _read_width(p: ir.Param, forward_widths: dict) -> Fraction | None:
+    """An operand's width as the forward reads it: declared, else inferred there (None: a VecM or a scalar)."""
+    if p.width is not None or p.kind not in ir.LOAD_KINDS:
+        return p.width
+    return forward_widths.get(id(ir.load(p.kind, p.name)))
 
 
 SAVED_ACC = SAVED + ACC  # the forward's accumulator, an operand of the fused backward
@@ -288,14 +294,10 @@ def into_producer(back: Backward, output: str = "D", split: bool = False, recomp
     # operands keep the widths they had there (a 2N-wide residual of a pairwise forward stays 2N wide)
     w = next(p.width for p in program.params if p.name == GRAD + output)
     forward_widths = infer_widths(back.forward)
-
-    def width(p: ir.Param) -> Fraction | None:  # derive declares only the widths that are not N
-        if p.width is not None or p.kind not in ir.LOAD_KINDS:
-            return p.width
-        return forward_widths.get(id(ir.load(p.kind, p.name)))
+    # (an output named acc that is the accumulator, read back: the same as SAVED_ACC)
+    read = [(p, _read_width(p, forward_widths)) for p in program.params if p.name != SAVED_ACC]
     params = tuple(ir.Param(SAVED_ACC, "tensor", 1 / w) if p.name == GRAD + output
-                   else replace(p, width=width(p) / w) if width(p) is not None else p for p in program.params
-                   if p.name != SAVED_ACC)  # (an output named acc that is the accumulator, read back: the same)
+                   else replace(p, width=pw / w) if pw is not None else p for p, pw in read)
     swapped = tuple(ir.Output("D" if o.name == ACC else o.name, swap(o.node), o.dtype) for o in program.outputs)
     computed = [o.name for o in back.forward.outputs  # what recompute may name
                 if ir.reduction_of(o.node) is None and not o.node.is_leaf and o.name not in back.reused]
