@@ -357,6 +357,20 @@ def test_first_error_names_the_cause():
 # ---- real nvcc --------------------------------------------------------------------------------
 
 @needs_nvcc
+def test_long_builds_report_progress():
+    """Without verbose, a long build logs its share of finished ninja steps every PROGRESS_EVERY seconds,
+    read from the status prefix that _run_ninja sets (NINJA_STATUS), and nothing in between."""
+    now, logged = [0.0], []
+    progress = builder._Progress(logged.append, clock=lambda: now[0])
+    for t, line in [(10, "[1/360] nvcc (host pass) a/kernel.cu"), (59, "[2/360] embed a/kernel.fatbin"),
+                    (61, "nvcc warning: not a status line"), (62, "[90/360] link a/kernel.so"),
+                    (100, "[120/360] link b/kernel.so"), (130, "[359/360] link c/kernel.so")]:
+        now[0] = t
+        progress(line)
+    assert logged == ["coda_dsl: build 25% done (90 of 360 steps) after 62 s",
+                      "coda_dsl: build 99% done (359 of 360 steps) after 130 s"]
+
+
 def test_build_error_format_real_nvcc(cache_root):
     u = b.BuildUnit(key=b.specialization_key("syntax error"),
                     cu_text="__global__ void k(float* x) {\n  x[0] = 1.0f\n}\n")

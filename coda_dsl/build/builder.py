@@ -5,6 +5,7 @@ import atexit
 import contextlib
 import ctypes
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -149,19 +150,47 @@ def _stop_builds() -> None:
             os.kill(pid, signal.SIGTERM)
 
 
+PROGRESS_EVERY = 60.0  # seconds between the progress lines of a long build (one kernel takes ≈30 s)
+_STATUS = re.compile(r"\[(\d+)/(\d+)\] ")  # ninja's status prefix, NINJA_STATUS="[%f/%t] " (finished/total)
+
+
+class _Progress:
+    """Feeds on ninja's status lines; every PROGRESS_EVERY seconds logs how much of the build is done, so
+    that a build of many kernels (minutes to an hour) is not silent between its first and last line."""
+
+    def __init__(self, log, clock=time.monotonic):
+        self.log, self.clock = log, clock
+        self.t0 = clock()
+        self.due = self.t0 + PROGRESS_EVERY
+
+    def __call__(self, line: str) -> None:
+        m = _STATUS.match(line)
+        now = self.clock()
+        if m and now >= self.due:
+            done, total = map(int, m.groups())
+            self.log(f"coda_dsl: build {100 * done // max(total, 1)}% done ({done} of {total} steps) "
+                     f"after {now - self.t0:.0f} s")
+            self.due = now + PROGRESS_EVERY
+
+
 def _run_ninja(staging: Path, targets: list[str], jobs: int, verbose: bool, log) -> tuple[int, str]:
     """Run ninja on staging/build.ninja (-k 0: a failing unit does not stop the others), streaming its
-    status lines when verbose. Returns (exit code, combined output). Tests replace this to avoid nvcc."""
+    status lines when verbose, else a progress line now and then. Returns (exit code, combined output).
+    Tests replace this to avoid nvcc."""
     args = [ninja_binary(), "-C", str(staging), "-j", str(jobs), "-k", "0", *targets]
     out = []
+    progress = _Progress(log)
     p = subprocess.Popen([sys.executable, "-S", "-c", _WATCHDOG, str(os.getpid()), *args], stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
+                         stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True,
+                         env={**os.environ, "NINJA_STATUS": "[%f/%t] "})
     _watchdogs.add(p.pid)
     try:
         for line in p.stdout:
             out.append(line)
             if verbose:
                 log(line.rstrip("\n"))
+            else:
+                progress(line)
         p.wait()
     finally:
         if p.returncode is None:  # interrupted (KeyboardInterrupt, an error): stop the compilers with us
