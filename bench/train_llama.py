@@ -3,6 +3,7 @@ Hugging Face's model and with coda_dsl's layers: the loss curves must agree.
 
     python -m bench.train_llama [--steps 200] [--batch 16] [--seq 128] [--lr 1e-3] [--layers 4]
                                 [--device cuda|cpu] [--backend auto|cutlass|reference] [--no-compile]
+                                [--compile-modes default,reduce-overhead]
 
 Model: transformers' LlamaModel (embedding, decoder layers, final norm) + a linear LM head, hidden
 256, 4 heads of 64, 2 KV heads, intermediate 688 (every GEMM N and K a multiple of 8), vocabulary
@@ -14,7 +15,9 @@ Model: transformers' LlamaModel (embedding, decoder layers, final norm) + a line
 - "coda_dsl": every decoder layer replaced by coda_dsl.nn.LlamaDecoderLayer.from_hf(...) (the norm
   statistic passed from layer to layer), the LM head + loss by coda_dsl.library.linear_cross_entropy;
 - "coda_dsl + torch.compile" (GPU only; --no-compile skips it): that model under torch.compile (default
-  mode), as one would run HF's: at this size every variant is bound by host time per launch.
+  mode), as one would run HF's: at this size every variant is bound by host time per launch;
+- both compiled models again in torch.compile's "reduce-overhead" mode (each compiled graph replayed as a
+  CUDA graph: launches cost no host time), named "... (reduce-overhead)"; --compile-modes chooses.
 Data: sequences of a fixed random Markov chain in which each token has SUCCESSORS possible next
 tokens, equally likely, so the best reachable loss is about ln(SUCCESSORS) (the start: ln(512) = 6.24).
 Precision: on the GPU every variant has bf16 parameters and activations (the coda_dsl layer has no
@@ -47,6 +50,12 @@ SUCCESSORS = 4
 WARMUP_STEPS = 10
 HF, FP32, COMPILED, CODA = "HF eager", "HF eager fp32", "HF torch.compile", "coda_dsl"
 CODA_COMPILED = CODA + " + torch.compile"
+COMPILE_MODES = ("default", "reduce-overhead")  # torch.compile's modes the compiled variants run in
+
+
+def compiled_name(name: str, mode: str) -> str:
+    """COMPILED or CODA_COMPILED in torch.compile's `mode`: the default mode keeps the plain name."""
+    return name if mode == "default" else f"{name} ({mode})"
 
 
 def markov_batches(vocab: int, steps: int, batch: int, seq: int, seed: int = 0) -> torch.Tensor:
@@ -133,10 +142,12 @@ class Curve:
     bench: str = "train_llama"
 
 
-def train(name: str, model: nn.Module, batches: torch.Tensor, lr: float, device, compile_model: bool = False) -> Curve:
-    """AdamW on every parameter, one step per batch; the loss is read back only after the last step."""
+def train(name: str, model: nn.Module, batches: torch.Tensor, lr: float, device, compile_mode: str | None = None) -> Curve:
+    """AdamW on every parameter, one step per batch (the model under torch.compile in `compile_mode`, if
+    given); the loss is read back only after the last step."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    step_fn = torch.compile(model) if compile_model else model
+    step_fn = torch.compile(model, mode=compile_mode) if compile_mode else model
+    graphed = compile_mode == "reduce-overhead"
     steps = batches.shape[0]
     timed_from = min(WARMUP_STEPS, steps - 1)
     losses = []
@@ -146,11 +157,13 @@ def train(name: str, model: nn.Module, batches: torch.Tensor, lr: float, device,
         if i == timed_from:
             synchronize(device)
             t_timed = time.perf_counter()
+        if graphed:  # a new training step: the last one's graph outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         loss = step_fn(b[:, :-1], b[:, 1:])
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
+        losses.append(loss.detach().clone() if graphed else loss.detach())  # (a graph's output is overwritten)
         if i == 0:
             synchronize(device)
             first = time.perf_counter() - t0
@@ -190,7 +203,8 @@ def plot(curves: list[Curve], path, title: str):
     fig, (ax, dax) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(2, 1))
     steps = range(1, len(curves[0].losses) + 1)
     looks = {HF: ("-", "C0"), COMPILED: ("--", "C1"), CODA: (":", "C2"), FP32: ("-.", "C3"),
-             CODA_COMPILED: ((0, (1, 3)), "C4")}  # in both panels
+             CODA_COMPILED: ((0, (1, 3)), "C4"), compiled_name(COMPILED, "reduce-overhead"): ((0, (5, 2)), "C5"),
+             compiled_name(CODA_COMPILED, "reduce-overhead"): ((0, (3, 1, 1, 1)), "C6")}  # in both panels
     for c in curves:
         style, color = looks[c.variant]
         ax.plot(steps, c.losses, linestyle=style, color=color, label=c.variant)
@@ -221,9 +235,15 @@ def parse(argv=None):
     p.add_argument("--backend", choices=cd.BACKENDS, default="auto",
                    help="cd.gemm's backend for the coda_dsl layers and loss")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants (always off on the CPU)")
+    p.add_argument("--compile-modes", default=",".join(COMPILE_MODES),
+                   help="torch.compile modes of the compiled variants, comma-separated (default %(default)s)")
     args = p.parse_args(argv)
     if min(args.steps, args.batch, args.seq, args.layers) <= 0:
         p.error("--steps, --batch, --seq and --layers must be positive")
+    args.compile_modes = [m for m in args.compile_modes.split(",") if m]
+    if not args.compile_modes or (bad := [m for m in args.compile_modes if m not in COMPILE_MODES]):
+        p.error(f"--compile-modes takes some of {', '.join(COMPILE_MODES)}, comma-separated"
+                + (f"; got {', '.join(bad)}" if args.compile_modes else ""))
     return args
 
 
@@ -234,16 +254,16 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     init = initial_model(args.layers, args.device, dtype, args.seed)
     batches = markov_batches(init.model.config.vocab_size, args.steps, args.batch, args.seq, args.seed).to(args.device)
-    runs = [(HF, lambda: copy.deepcopy(init), False)]
+    modes = args.compile_modes if args.device == "cuda" and not args.no_compile else []
+    runs = [(HF, lambda: copy.deepcopy(init), None)]
     if dtype != torch.float32:  # what bf16 itself does to the curve: HF in fp32 from the same weights
-        runs.append((FP32, lambda: copy.deepcopy(init).float(), False))
-    if args.device == "cuda" and not args.no_compile:
-        runs.append((COMPILED, lambda: copy.deepcopy(init), True))
-    runs.append((CODA, lambda: prebuilt(CodaLM(init, args.backend), batches[0]), False))
-    if args.device == "cuda" and not args.no_compile:
-        runs.append((CODA_COMPILED, lambda: prebuilt(CodaLM(init, args.backend), batches[0]), True))
+        runs.append((FP32, lambda: copy.deepcopy(init).float(), None))
+    runs += [(compiled_name(COMPILED, m), lambda: copy.deepcopy(init), m) for m in modes]
+    runs.append((CODA, lambda: prebuilt(CodaLM(init, args.backend), batches[0]), None))
+    runs += [(compiled_name(CODA_COMPILED, m), lambda: prebuilt(CodaLM(init, args.backend), batches[0]), m)
+             for m in modes]
     with results_only_on_stdout():
-        curves = [train(name, make(), batches, args.lr, args.device, compiled) for name, make, compiled in runs]
+        curves = [train(name, make(), batches, args.lr, args.device, mode) for name, make, mode in runs]
     command = command_line("python -m bench.train_llama", argv)
     print(f"{args.layers}-layer Llama (hidden 256, vocabulary 512), {args.steps} steps of {args.batch}×{args.seq} "
           f"tokens, AdamW lr {args.lr}, {str(dtype).removeprefix('torch.')} on {args.device}; "

@@ -207,8 +207,11 @@ def test_markov_batches():
 def test_train_arguments():
     args = tl.parse([])
     assert (args.steps, args.batch, args.seq, args.layers, args.device, args.backend) == (200, 16, 128, 4, "cuda", "auto")
-    with pytest.raises(SystemExit):
-        tl.parse(["--steps", "0"])
+    assert args.compile_modes == ["default", "reduce-overhead"]
+    assert tl.parse(["--compile-modes", "reduce-overhead"]).compile_modes == ["reduce-overhead"]
+    for bad in (["--steps", "0"], ["--compile-modes", "max-autotune"], ["--compile-modes", ","]):
+        with pytest.raises(SystemExit):
+            tl.parse(bad)
 
 
 def test_training_matches_hf_on_cpu(tmp_path, monkeypatch, capsys):
@@ -286,9 +289,10 @@ def test_train_table_measures_each_variant_against_fp32_when_there_is_one():
 
 
 def test_train_plot_draws_every_variant(tmp_path):
-    """The PNG of a GPU run's five curves (a dash pattern among their styles: it failed on the H100 once)."""
+    """The PNG of a GPU run's seven curves (a dash pattern among their styles: it failed on the H100 once)."""
     pytest.importorskip("matplotlib")
-    names = (tl.HF, tl.FP32, tl.COMPILED, tl.CODA, tl.CODA_COMPILED)
+    names = (tl.HF, tl.FP32, tl.CODA, *(tl.compiled_name(n, m) for n in (tl.COMPILED, tl.CODA_COMPILED)
+                                         for m in tl.COMPILE_MODES))
     curves = [tl.Curve(name, [3.0 - i / 10, 2.0], 100.0, 0.0) for i, name in enumerate(names)]
     assert tl.plot(curves, tmp_path / "t.png", "title") == tmp_path / "t.png" and (tmp_path / "t.png").stat().st_size
 
