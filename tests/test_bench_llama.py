@@ -239,6 +239,22 @@ def test_training_matches_hf_on_cpu(tmp_path, monkeypatch, capsys):
         assert (tmp_path / "train_llama.png").read_bytes()[:8] == PNG
 
 
+def test_a_failing_compiled_variant_loses_no_other_curve(monkeypatch, capsys):
+    def train(name, model, batches, lr, device, mode=None):
+        if mode == "reduce-overhead" or name == "broken eager":
+            raise RuntimeError("cudagraphs said no")
+        return tl.Curve(name, [1.0], 1.0, 0.0)
+    monkeypatch.setattr(tl, "train", train)
+    runs = [(tl.HF, lambda: None, None), (tl.compiled_name(tl.COMPILED, "reduce-overhead"), lambda: None, "reduce-overhead"),
+            (tl.CODA_COMPILED, lambda: None, "default")]
+    curves, failed = tl.train_all(runs, None, 1e-3, "cuda")
+    assert [c.variant for c in curves] == [tl.HF, tl.CODA_COMPILED] and failed == [runs[1][0]]
+    assert "HF torch.compile (reduce-overhead): FAILED, left out of the results: RuntimeError: cudagraphs said no" \
+        in capsys.readouterr().err
+    with pytest.raises(RuntimeError):  # an eager variant's failure is the bench's
+        tl.train_all([("broken eager", lambda: None, None)], None, 1e-3, "cuda")
+
+
 def test_coda_model_copies_the_weights():
     init = tl.initial_model(2, "cpu", torch.float32)
     coda = tl.CodaLM(init, "reference")
