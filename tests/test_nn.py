@@ -731,8 +731,9 @@ def test_backward_steps_compile_to_the_same_values():
 
 
 def test_forward_steps_compile_to_the_same_values_and_gradients():
-    """input_norm and qkv_weight are differentiated through torch.compile on CUDA (its autograd: one fused
-    backward each); compiled here on the CPU, their outputs and input gradients are the eager ones."""
+    """input_norm is differentiated through torch.compile on CUDA (its autograd: one fused backward), and
+    qkv_weight is inside a compiled layer; compiled here on the CPU, their outputs and input gradients are
+    the eager ones."""
     torch.manual_seed(0)
     m, n = 9, 16
     rstd = (torch.rand(m) + 0.5).requires_grad_()
@@ -741,7 +742,8 @@ def test_forward_steps_compile_to_the_same_values_and_gradients():
              (cdnn.qkv_weight, lambda: (torch.randn(8, n), torch.randn(4, n), torch.randn(4, n)), (4,))]
     for step, make, rest in cases:
         results = []
-        for fn in (step.eager, torch.compile(step.eager, dynamic=True)):
+        eager = getattr(step, "eager", step)
+        for fn in (eager, torch.compile(eager, dynamic=True)):
             torch.manual_seed(1)
             tensors = [t if t.requires_grad else t.requires_grad_() for t in make()]
             args = (*tensors[:2], *rest, *tensors[2:]) if step is cdnn.input_norm else (*tensors, *rest)
