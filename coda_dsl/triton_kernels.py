@@ -3,8 +3,8 @@
 rope_backward is a `torch.library.custom_op` with a fake (shape) implementation, so torch.compile keeps it
 as one opaque call and CUDA graphs capture its launch, and has a plain-torch twin that defines its values;
 its wrapper runs the op inside torch.compile, the op's function itself eagerly on CUDA (the op's dispatch
-cost 28 µs a call on an H100, a third of the call), and the twin elsewhere. scale_ is a plain launch (inside torch.compile it
-is a plain multiply). Imported by `coda_dsl.nn` and, on CUDA, by the cross-entropy's backward only, so
+cost 28 µs a call on an H100, a third of the call), and the twin elsewhere. scale_ is a plain launch
+(inside torch.compile it is a plain multiply). Imported by `coda_dsl.nn` and, on CUDA, by the cross-entropy's backward only, so
 `import coda_dsl` does not load Triton.
 """
 from __future__ import annotations
@@ -80,7 +80,7 @@ if triton is not None:
         tl.atomic_add(drstd + rows, dot / r, mask=rmask)
 
     def _rope_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, y: torch.Tensor,
-                          rstd: torch.Tensor, pos: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                       rstd: torch.Tensor, pos: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dq, dk, dv, y = (t if t.stride(1) == 1 else t.contiguous() for t in (dq, dk, dv, y))  # adjacent columns
         rstd, pos, freq = (t.float().contiguous() for t in (rstd, pos, freq))
         dacc = torch.empty(y.shape, dtype=dq.dtype, device=y.device)
