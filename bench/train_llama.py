@@ -271,13 +271,18 @@ def main(argv=None) -> int:
     init = initial_model(args.layers, args.device, dtype, args.seed)
     batches = markov_batches(init.model.config.vocab_size, args.steps, args.batch, args.seq, args.seed).to(args.device)
     modes = args.compile_modes if args.device == "cuda" and not args.no_compile else []
-    runs = [(HF, lambda: copy.deepcopy(init), None)]
+    def hf():
+        return copy.deepcopy(init)
+
+    def coda():
+        return prebuilt(CodaLM(init, args.backend), batches[0])
+
+    runs = [(HF, hf, None)]
     if dtype != torch.float32:  # what bf16 itself does to the curve: HF in fp32 from the same weights
-        runs.append((FP32, lambda: copy.deepcopy(init).float(), None))
-    runs += [(compiled_name(COMPILED, m), lambda: copy.deepcopy(init), m) for m in modes]
-    runs.append((CODA, lambda: prebuilt(CodaLM(init, args.backend), batches[0]), None))
-    runs += [(compiled_name(CODA_COMPILED, m), lambda: prebuilt(CodaLM(init, args.backend), batches[0]), m)
-             for m in modes]
+        runs.append((FP32, lambda: hf().float(), None))
+    runs += [(compiled_name(COMPILED, m), hf, m) for m in modes]
+    runs.append((CODA, coda, None))
+    runs += [(compiled_name(CODA_COMPILED, m), coda, m) for m in modes]
     with results_only_on_stdout():
         curves, failed = train_all(runs, batches, args.lr, args.device)
     command = command_line("python -m bench.train_llama", argv)

@@ -511,8 +511,8 @@ def qkv_inv_freq(inv_freq: torch.Tensor, heads: int, kv_heads: int) -> torch.Ten
 def qkv_weight(wq, wk, wv, head_dim: int) -> torch.Tensor:
     """[Nq + 2 Nkv, D]: q and k rows permuted per head for the interleaved RoPE epilogue
     (neox_to_interleaved), v's as they are, in one copy (a strided cat); differentiable, so gradients land
-    in the three weights. Eager, not torch.compile'd: on an H100 a compiled forward + backward took 336 µs
-    of GPU time against eager's 244 at Llama-3-8B's size, and 434 against 168 µs at a small model's (host time)."""
+    in the three weights. Not torch.compile'd: compiled, it measured slower both ways at every size tried
+    (bench/results/history.md, 2026-12-07)."""
     v = wv.unflatten(0, (-1, head_dim // 2, 2))
     return torch.cat((neox_to_interleaved(wq, head_dim), neox_to_interleaved(wk, head_dim), v)).flatten(0, 2)
 
