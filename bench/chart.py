@@ -10,7 +10,11 @@ PER_ROW = 12  # bar groups per row of the figure; whole cases are packed into ro
 
 
 def chart(rows: list[Row], path: Path) -> Path | None:
-    """Write the chart to `path`; None (with a one-line note) when matplotlib is not installed."""
+    """Write the chart to `path`; None when no row has a ratio to draw (every case failed), or (with a
+    one-line note) when matplotlib is not installed."""
+    ratio = {(r.bench, r.shape, r.variant): r.vs_gemm for r in rows if r.variant != FLOOR}
+    if not ratio:
+        return None
     try:
         import matplotlib
         matplotlib.use("Agg")  # files only: no display on the GPU machines
@@ -19,7 +23,6 @@ def chart(rows: list[Row], path: Path) -> Path | None:
     except ImportError:
         progress("chart: matplotlib is not installed, so no PNG (pip install matplotlib)")
         return None
-    ratio = {(r.bench, r.shape, r.variant): r.vs_gemm for r in rows if r.variant != FLOOR}
     variants = list(dict.fromkeys(v for _, _, v in ratio))
     colors = dict(zip(variants, plt.get_cmap("tab10").colors))  # one color per variant throughout
     layout: list[list[tuple[str, str]]] = []  # rows of (case, shape) groups
