@@ -96,6 +96,9 @@ def load_epilogue(target: str) -> Epilogue:
     have = f"; its epilogues: {', '.join(found)}" if found else "; it defines no epilogue"
     if obj is None:
         raise CliError(f"{where} has no {attr!r}{have}")
+    if getattr(obj, "makes_epilogues", False):
+        raise CliError(f"{attr!r} in {where} is a cd.epilogue_factory, which makes epilogues: the CLI takes an "
+                       f"epilogue; name one it makes in a file (ep = {attr}(...)) and pass FILE.py:ep{have}")
     raise CliError(f"{attr!r} in {where} is of type {type(obj).__name__}, not an epilogue: decorate it with "
                    f"@cd.epilogue{have}")
 
@@ -211,7 +214,10 @@ def _spec_from_args(args, epilogue: tuple[Epilogue, dict, dict] | None = None) -
     if args.gpu is not None and not args.gpu.strip():
         raise CliError("--gpu needs a GPU's name, e.g. H100 or H200")
     if args.shape and not config:  # the configuration cd.gemm would pick, untuned, for this shape
-        from .runtime.tune import default
+        from .runtime.tune import MEASURED, default, measured
+        if args.gpu is not None and not measured(args.gpu):  # a typo of H100 must not pass unnoticed
+            _err(f"coda-dsl: --gpu {args.gpu!r} names none of {', '.join(MEASURED)}, whose rules were measured: "
+                 "it gets the H200's rule")
         config = default(*args.shape, gpu=args.gpu)[0].text
     return ep, specialization_from_options(ep, args.dtype, args.b_layout, dtypes, consts, config, args.a_layout)
 

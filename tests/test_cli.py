@@ -160,6 +160,7 @@ def test_key_matches_cd_compile(capsys, monkeypatch):
 @pytest.mark.parametrize("target, words", [
     ("{eps}:nope", "has no 'nope'; its epilogues: scaled"),
     ("{eps}:plain", "not an epilogue"),
+    ("coda_dsl.library:rms_consumer", "is a cd.epilogue_factory, which makes epilogues: the CLI takes an epilogue"),
     ("{eps}", "expected FILE.py:FUNCTION"),
     ("missing_file.py:f", "no such file"),
     ("coda_dsl.no_such_module:f", "no module named"),
@@ -602,8 +603,12 @@ def test_explain_shape_shows_the_default_config_and_why(capsys, monkeypatch):
     assert rc != 0 and "give --shape too" in err
     rc, _, err = run(capsys, "explain", "coda_dsl.examples:bias_gelu", "--shape", "8192x6144x4096", "--gpu", " ")
     assert rc != 0 and "--gpu needs a GPU's name" in err
-    rc, out, _ = run(capsys, "explain", "coda_dsl.examples:bias_gelu", "--shape", "8192x6144x4096", "--gpu", "h200")
+    rc, out, err = run(capsys, "explain", "coda_dsl.examples:bias_gelu", "--shape", "8192x6144x4096", "--gpu", "h200")
     assert "config 128x192x64_c2x1_pingpong\n" in out and "h200: the H200's rule" in out  # any case, measured
+    assert "names none of" not in err
+    for command in ("explain", "emit"):  # a typo gets the H200's rule, and says so
+        rc, out, err = run(capsys, command, "coda_dsl.examples:bias_gelu", "--shape", "8192x6144x4096", "--gpu", "H10")
+        assert rc == 0 and "--gpu 'H10' names none of H100, H200, whose rules were measured" in err
     rc, out, _ = run(capsys, "explain", "coda_dsl.examples:bias_gelu", "--shape", "8192x4096x4096",
                      "--config", "128x128x64_c1x1_cooperative")
     assert "config 128x128x64_c1x1_cooperative\n" in out and "(--config)" in out

@@ -43,6 +43,9 @@ def test_finishing_expression_rejects_tile_values():
         @cd.epilogue
         def twice(acc):
             return {"D": acc, "s": cd.sum(acc).then(lambda s: s * 2).then(lambda s: s)}
+    for again in (lambda s: cd.sum(s), lambda s: cd.exp(cd.amax(s, axis="n"))):  # not "use .then()", its fix
+        with pytest.raises(cd.EpilogueError, match=r"inside \.then\(\): .* cannot reduce again"):
+            cd.epilogue(lambda acc: {"s": cd.sum(acc, axis="n").then(again)})
 
 
 def test_deterministic_lowering_uses_partials_and_a_finishing_kernel(make_plan):

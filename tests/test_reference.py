@@ -526,6 +526,9 @@ def test_epilogue_factory_is_cached_and_runs_under_torch_compile(seed, rel):
     with pytest.raises(cd.EpilogueError, match="takes hashable constants.*\n  fix: pass a tuple"):
         scaled([2.0], "relu")
     assert scaled(float("nan"), "relu") is scaled(float("nan"), "relu")  # made once, though NaN equals no NaN
+    for not_a_function in (3, scaled(2.0, "relu")):  # refused when decorated, not when first called
+        with pytest.raises(cd.EpilogueError, match="decorates a function that makes an epilogue"):
+            cd.epilogue_factory(not_a_function)
 
 
 def test_torch_compile_statistics_of_half_and_double_width_values(seed, rel):

@@ -477,7 +477,12 @@ def reduce(kind: str, x: Any, axis, index: Any = None) -> Reduction:
         if idx.op != "load" or idx.attr[0] != "vec_m":
             raise fail("cd.take needs a cd.VecM operand of int64 column indices (one per row)",
                        "declare it `target: cd.VecM` and pass a torch.int64 tensor of shape [M]")
-    return Reduction(ir.reduce(kind, axis, lift(x), idx))
+    node = lift(x)
+    if any(n.op == "reduced" for n in ir.topo_order([node])):
+        raise fail(f"cd.{kind} inside .then(): a finishing expression maps each finished statistic (one number per "
+                   "row, column or the whole tensor) to another, and cannot reduce again",
+                   "return the statistic as an output and reduce it in a later step")
+    return Reduction(ir.reduce(kind, axis, node, idx))
 
 
 def signature_params(fn: Callable, reserved: set[str]) -> tuple[str, tuple[ir.Param, ...]]:

@@ -82,6 +82,10 @@ def epilogue_factory(fn: Callable) -> Callable:
     ...): each epilogue is made once per arguments (made_once), and the function may be called inside
     torch.compile(fullgraph=True), which calls it while tracing instead of tracing the DSL's tracer (a
     number it traces symbolically is specialized: it shapes the kernel)."""
+    if not callable(fn) or isinstance(fn, Epilogue):
+        raise EpilogueError(f"cd.epilogue_factory decorates a function that makes an epilogue, not {fn!r}\n  fix: "
+                            "@cd.epilogue_factory\ndef make(cap): return cd.epilogue(lambda acc: ...)")
+
     @made_once
     def made(*args, **kwargs) -> Epilogue:
         ep = fn(*args, **kwargs)
@@ -108,6 +112,7 @@ def epilogue_factory(fn: Callable) -> Callable:
                                     "strings, tuples): its epilogue is made once per argument values\n  fix: pass "
                                     "a tuple instead of a list") from None
         return made(*args, **kwargs)
+    get.makes_epilogues = True  # what the CLI tells apart from a plain function
     return get
 
 

@@ -60,7 +60,7 @@ def default(m: int, n: int, k: int, l: int = 1, gpu: str | None = None) -> tuple
     gpu = gpu_name() if gpu is None else gpu
     if _model(gpu, "H100"):
         return DEFAULT, f"{gpu}: cooperative 128x256 at every shape, measured fastest on H100s (runtime/tune.py:default)"
-    rule = f"{'no GPU here' if not gpu else gpu if _model(gpu, 'H200') else gpu + ' (not measured)'}: the H200's rule"
+    rule = f"{'no GPU here' if not gpu else gpu if measured(gpu) else gpu + ' (not measured)'}: the H200's rule"
     if m * l * n < 4096 * 4096:
         return DEFAULT, f"{rule}, M x N = {m * l} x {n} < 4096 x 4096: cooperative 128x256"
     if k >= 8192:
@@ -68,6 +68,14 @@ def default(m: int, n: int, k: int, l: int = 1, gpu: str | None = None) -> tuple
     if n % 192 == 0:
         return PINGPONG_192, f"{rule}, K = {k} < 8192: pingpong hides the epilogue; 192 divides N = {n}"
     return PINGPONG, f"{rule}, K = {k} < 8192: pingpong hides the epilogue; 192 does not divide N = {n}"
+
+
+MEASURED = ("H100", "H200")  # the models whose rule default() was measured on
+
+
+def measured(gpu: str) -> bool:
+    """Whether default() has a measured rule for this GPU's name (others get the H200's, unmeasured)."""
+    return any(_model(gpu, m) for m in MEASURED)
 
 
 def _model(gpu: str, model: str) -> bool:
