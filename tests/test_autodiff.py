@@ -195,8 +195,8 @@ def test_row_and_scalar_operands_in_pairwise_math_pass_gradcheck():
         return {"D": g * u, "st": cd.sum(r + g, axis="n")}
 
     @cd.epilogue
-    def total_of_a_half(acc, r: cd.VecM):
-        return {"D": cd.relu(acc), "st": cd.sum(r + cd.pairs(acc)[0], axis=None)}
+    def total_of_a_half(acc, r: cd.VecM):  # silu, not relu: finite differences across a kink fail now and then
+        return {"D": cd.silu(acc), "st": cd.sum(r + cd.pairs(acc)[0], axis=None)}
 
     @cd.epilogue
     def shared_at_three_widths(acc, r: cd.VecM, s: cd.Scalar):
