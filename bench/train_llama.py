@@ -271,6 +271,7 @@ def main(argv=None) -> int:
     init = initial_model(args.layers, args.device, dtype, args.seed)
     batches = markov_batches(init.model.config.vocab_size, args.steps, args.batch, args.seq, args.seed).to(args.device)
     modes = args.compile_modes if args.device == "cuda" and not args.no_compile else []
+
     def hf():
         return copy.deepcopy(init)
 

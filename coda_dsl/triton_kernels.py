@@ -4,8 +4,8 @@ rope_backward is a `torch.library.custom_op` with a fake (shape) implementation,
 as one opaque call and CUDA graphs capture its launch, and has a plain-torch twin that defines its values;
 its wrapper runs the op inside torch.compile, the op's function itself eagerly on CUDA (the op's dispatch
 cost 28 µs a call on an H100, a third of the call), and the twin elsewhere. scale_ is a plain launch
-(inside torch.compile it is a plain multiply). Imported by `coda_dsl.nn` and, on CUDA, by the cross-entropy's backward only, so
-`import coda_dsl` does not load Triton.
+(inside torch.compile it is a plain multiply). Imported by `coda_dsl.nn` and, on CUDA, by the
+cross-entropy's backward only, so `import coda_dsl` does not load Triton.
 """
 from __future__ import annotations
 
