@@ -112,6 +112,13 @@ def _launch_only(op, call):
     return again
 
 
+def operands(device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A, W and bias of the timed calls: tiny, so that the host is the bottleneck."""
+    return (torch.randn(128, 64, device=device, dtype=torch.bfloat16),
+            torch.randn(128, 64, device=device, dtype=torch.bfloat16),
+            torch.randn(128, device=device, dtype=torch.bfloat16))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.host_overhead", description=__doc__.split("\n")[0])
     p.add_argument("--python-only", action="store_true", help="CPU tensors, kernel launch stubbed out")
@@ -122,9 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     else:
         device, backend, n = "cuda", "auto", 2000
-    a = torch.randn(128, 64, device=device, dtype=torch.bfloat16)
-    w = torch.randn(128, 64, device=device, dtype=torch.bfloat16)
-    bias = torch.randn(128, device=device, dtype=torch.bfloat16)
+    a, w, bias = operands(device)
     matmul = {} if args.python_only else {"torch.matmul (reference point)": lambda: a @ w.t()}
     rows = {}
     stubs = [("", None)] if not args.python_only else \

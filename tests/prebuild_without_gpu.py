@@ -9,7 +9,7 @@ Sets: gpu (tests/test_gpu.py's `build_kernels`), nn (tests/test_gpu_nn.py's `bui
 its tests), llama_layer (`python -m bench.llama_layer --tokens 8192,16384`), linear_backward (`python -m
 bench.linear_backward --with-dy --configs 128x128x64_c1x2_pingpong`), epilogues (`python -m bench`'s epilogue
 cases at their default shapes), cross_entropy (`python -m bench.cross_entropy`'s default kernels), train_llama
-(`python -m bench.train_llama`'s model). A key is a hash of the rendered kernel
+(`python -m bench.train_llama`'s model), host_overhead (`python -m bench.host_overhead`'s one kernel). A key is a hash of the rendered kernel
 and the nvcc and CUTLASS versions: the same here and there when both have the same nvcc and CUTLASS, and
 the configurations are the GPU's. This script runs the code as it is, with what would run on "cuda" on the
 CPU or on the meta device (shapes only), and answers as the GPU machine would: the CUTLASS path is taken,
@@ -139,8 +139,16 @@ def train_llama() -> None:
         tl.prebuilt(tl.CodaLM(init, args.backend), batch)
 
 
+def host_overhead() -> None:
+    from bench import host_overhead as ho
+    with OnDevice("cpu"):
+        a, w, bias = ho.operands("cuda")
+        runtime.prebuild([runtime.compile(ho.bias_relu, a, w, bias=bias, alpha=1.0)])
+
+
 SETS = {"gpu": gpu_suite, "nn": nn_suite, "llama_layer": llama_layer, "linear_backward": linear_backward,
-        "epilogues": epilogues, "cross_entropy": cross_entropy, "train_llama": train_llama}
+        "epilogues": epilogues, "cross_entropy": cross_entropy, "train_llama": train_llama,
+        "host_overhead": host_overhead}
 
 
 def collect(sets: list[str], gpus: list[str]) -> dict[str, cbuild.BuildUnit]:

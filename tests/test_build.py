@@ -461,10 +461,12 @@ def test_gpu_suite_kernels_found_without_a_gpu(tmp_path):
 @needs_nvcc
 def test_benchmark_kernels_found_without_a_gpu(tmp_path):
     """The benchmarks' sets find kernels under each GPU's rule; the cross-entropy bench's default kernels are the
-    ones cd.linear_cross_entropy launches on that GPU (its own tile on H100s), not the H200's on both."""
-    out = _prebuild_dry_run(tmp_path, "epilogues,cross_entropy,train_llama")
+    ones cd.linear_cross_entropy launches on that GPU (its own tile on H100s), not the H200's on both; the
+    host-overhead bench's one tiny kernel is the same under both rules."""
+    out = _prebuild_dry_run(tmp_path, "epilogues,cross_entropy,train_llama,host_overhead")
     found = {(s, g): (int(n), int(new)) for s, g, n, new in
              re.findall(r"^(\w+) as NVIDIA (H\d00).*: (\d+) kernels, (\d+) new", out, re.MULTILINE)}
-    assert len(found) == 6 and all(n > 0 for n, _ in found.values()), out
+    assert len(found) == 8 and all(n > 0 for n, _ in found.values()), out
     assert found["cross_entropy", "H100"] == (2, 2)
+    assert found["host_overhead", "H200"] == (1, 1) and found["host_overhead", "H100"] == (1, 0)
     assert found["epilogues", "H200"][0] >= 7 * 2  # the H200's rule: more than one configuration per epilogue
