@@ -112,3 +112,55 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.detach().double(), ref.detach().double()
     assert out.shape == ref.shape, (out.shape, ref.shape)
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def check_gqa_rope_against_torch(device: str, backend: str, k: int) -> None:
+    """A Llama-3 QKV projection (32 Q and 8 KV heads of 128) with RoPE in its epilogue, on packed sequences
+    (positions restart; the second reaches 131071, base 500000) of 777 tokens, against plain torch in fp32:
+    the interleaved (GPT-J) rotation on the weights as they are; HF's half-split `rotate_half` on
+    `qkv_weight`'s permuted copy, head by head once un-permuted; and causal GQA attention on the fused output
+    as it comes equal to attention on HF's q, k, v. V passes through both."""
+    from coda_dsl.library import rope_positions
+    from coda_dsl.nn import qkv_inv_freq, qkv_weight
+    hq, hk, d, m = 32, 8, 128, 777
+    nq, nk = hq * d, hk * d
+    x = torch.randn(m, k, device=device).bfloat16()
+    wq, wk, wv = (torch.randn(n, k, device=device).mul(k ** -0.5).bfloat16() for n in (nq, nk, nk))
+    pos = torch.cat((torch.arange(300), torch.arange(131072 - (m - 300), 131072))).float()
+    inv = 1.0 / 500000.0 ** (torch.arange(0, d, 2).float() / d)  # HF's inv_freq: [d / 2]
+    operands = dict(pos=pos.to(device), inv_freq=qkv_inv_freq(inv, hq, hk).to(device), backend=backend)
+    pos, inv = pos.to(device), inv.to(device)
+    angle = pos[:, None, None] * inv  # [m, 1, d / 2], fp32 as the kernel forms it
+    q, kk, v = (x.float() @ w.float().t() for w in (wq, wk, wv))
+
+    def per_head(got, want, heads):  # every head within bf16 rounding of its reference
+        got, want = got.float().reshape(m, heads, d).transpose(0, 1), want.reshape(m, heads, d).transpose(0, 1)
+        err = (got - want).flatten(1).norm(dim=1) / want.flatten(1).norm(dim=1)
+        assert err.max() <= 5e-3, err.max()
+
+    def gptj(t, heads):
+        t0, t1 = t.view(m, heads, d // 2, 2).unbind(-1)
+        return torch.stack((t0 * angle.cos() - t1 * angle.sin(), t0 * angle.sin() + t1 * angle.cos()), -1)
+
+    y = cd.gemm(x, torch.cat((wq, wk, wv)), rope_positions, **operands)["D"]
+    per_head(y[:, :nq], gptj(q, hq), hq)
+    per_head(y[:, nq:nq + nk], gptj(kk, hk), hk)
+    per_head(y[:, nq + nk:], v, hk)
+
+    def hf(t, heads):  # HF Llama: emb = cat(freqs, freqs); t * cos + rotate_half(t) * sin
+        t, emb = t.view(m, heads, d), torch.cat((angle, angle), -1)
+        return t * emb.cos() + torch.cat((-t[..., d // 2:], t[..., :d // 2]), -1) * emb.sin()
+
+    y = cd.gemm(x, qkv_weight(wq, wk, wv, d), rope_positions, **operands)["D"]
+    half_split = lambda t, heads: t.float().view(m, heads, d // 2, 2).transpose(-1, -2)  # noqa: E731
+    per_head(half_split(y[:, :nq], hq), hf(q, hq), hq)
+    per_head(half_split(y[:, nq:nq + nk], hk), hf(kk, hk), hk)
+    per_head(y[:, nq + nk:], v, hk)
+
+    def attention(q_, k_, v_):  # [m, heads * d] each -> [hq, m, d]
+        q_, k_, v_ = (t.float().reshape(m, -1, d).transpose(0, 1) for t in (q_, k_, v_))
+        k_, v_ = (t.repeat_interleave(hq // hk, 0) for t in (k_, v_))
+        return torch.nn.functional.scaled_dot_product_attention(q_, k_, v_, is_causal=True)
+
+    fused = attention(y[:, :nq], y[:, nq:nq + nk], y[:, nq + nk:])
+    assert rel_err(fused, attention(hf(q, hq), hf(kk, hk), v)) <= 1e-2

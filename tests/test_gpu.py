@@ -22,8 +22,8 @@ from coda_dsl.library.cross_entropy import (BUFFER_BYTES, _backward_softcap_epil
                                            stored_logits, vocab_shard_stats)
 from coda_dsl.runtime import op as runtime
 from build_helpers import warm_path_or_skip
-from epilogues import (bias_gelu, double_width, pairs_with_full_width_operands, residual_rms, statistics_of_a_half,
-                       wide_only)
+from epilogues import (bias_gelu, check_gqa_rope_against_torch, double_width, pairs_with_full_width_operands,
+                       residual_rms, statistics_of_a_half, wide_only)
 
 swiglu_derived_backward = cd.backward_epilogue(swiglu)  # swiglu_backward without recomputing y
 residual_rms_backward = cd.backward_epilogue(residual_rms)  # reads h back from the forward's D (saved_D)
@@ -211,11 +211,12 @@ VARIANTS = [
     ((double_width, torch.bfloat16, "nk"), dict(config=runtime.tuning.PINGPONG.text)),
 ]
 # tile-scheduler options and other tiles: each with reductions + a full-size load, and with pair stores;
+# every candidate tune=True may pick (the default one is CASES'), then other rasters, swizzles and clusters;
 # PINGPONG and its _rm_s4 are one GEMM type, told apart at run time only: two libraries in one process
 # (once, the second's launch failed: they shared the record of devices set up)
-SCHEDULER_CONFIGS = [runtime.tuning.PINGPONG.text, runtime.tuning.PINGPONG_192.text,
-                     "128x256x64_c2x1_cooperative_rm_s4_streamk", "256x128x64_c1x2_cooperative_rn_s2",
-                     runtime.tuning.PINGPONG.text + "_rm_s4"]
+SCHEDULER_CONFIGS = [c.text for c in runtime.tuning.CANDIDATES if c != runtime.tuning.DEFAULT] + \
+    ["128x256x64_c2x1_cooperative_rm_s4_streamk", "256x128x64_c1x2_cooperative_rn_s2",
+     runtime.tuning.PINGPONG.text + "_rm_s4"]
 VARIANTS += [((ep, torch.bfloat16, "nk"), dict(config=c)) for c in SCHEDULER_CONFIGS
              for ep in (row_stats, col_and_total_stats, swiglu)]
 # coda::ColumnReduction on narrow tiles (128x48, 64x16, 128x80), on a 64x48 epilogue subtile, whose 12 columns
@@ -715,6 +716,11 @@ def test_rope_angle_accuracy(kernels):
             f.write(f"max abs error vs fp64 sin/cos of the fp32 angle: {fp32_angle_err:.3g}\n"
                     f"max abs error vs fp64 sin/cos of the exact angle: {exact_err:.3g}\n")
     assert fp32_angle_err <= 4e-6 and exact_err <= 8e-3
+
+
+def test_gqa_rope_both_conventions_match_torch(kernels):
+    """issue 12's RoPE as models apply it, on the kernel: ragged M and K, packed positions up to 131071."""
+    check_gqa_rope_against_torch("cuda", "cutlass", k=1000)
 
 
 @pytest.mark.parametrize("config", LSE_CONFIGS)

@@ -11,7 +11,7 @@ import coda_dsl as cd
 from coda_dsl.library import (geglu, interleave_gate_up, linear_swiglu, neox_to_interleaved, neox_to_interleaved_rows,
                               reglu, rope_frequencies, rope_positions, rope_tables, swiglu_backward,
                               swiglu_keep_preactivation)
-from epilogues import rel_err as _rel
+from epilogues import check_gqa_rope_against_torch, rel_err as _rel
 
 M, D, FF = 29, 48, 40  # ragged rows; N = 2F interleaved columns
 
@@ -315,3 +315,9 @@ def test_odd_n_is_fine_without_half_width_values():
     assert got.shape == (M, 14) and _rel(got[:, 0::2], acc * pre[:, 0::2]) < 1e-2
     with pytest.raises(cd.OperandError, match="a multiple of 2"):
         cd.gemm(a, b, swiglu_keep_preactivation, backend="reference")
+
+
+def test_gqa_rope_both_conventions_match_torch():
+    """issue 12's case on the reference backend (the GPU suite runs it on the kernel): GQA, packed positions up
+    to 131071, the interleaved and HF's half-split conventions against plain torch."""
+    check_gqa_rope_against_torch("cpu", "reference", k=64)
