@@ -140,30 +140,33 @@ def _gradcheck_linear(program, values=None, frozen=()):
     assert torch.autograd.gradcheck(f, leaves, eps=1e-6, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("op", [o for o in OPS.values() if o.arity <= 2 and o.name not in ("abs", "relu")],
-                         ids=lambda o: o.name)
+@pytest.mark.parametrize("op", OPS.values(), ids=lambda o: o.name)
 def test_every_op_passes_gradcheck(op):
-    """Each op's derivative rule, with an operand of each kind, against finite differences in fp64 (abs
-    and relu left out: their kink is where finite differences disagree with any subgradient): the derived
-    program alone, and through cd.linear on the reference backend. Steps and kinks get inputs far from
-    where they jump or bend: random data within eps of one fails now and then (CI saw round fail)."""
+    """Each op's derivative rule, with an operand of each kind, against finite differences in fp64: the derived
+    program alone, and through cd.linear on the reference backend. Steps and kinks get inputs far from where
+    they jump or bend, on one side for two operand kinds and on the other for the other two: random data
+    within eps of one fails now and then (CI saw round fail), and there finite differences disagree with any
+    subgradient."""
     c = ir.const
-    guard = {"log": lambda x: ir.compute("add", ir.compute("square", x), c(1.5)),
-             "sqrt": lambda x: ir.compute("add", ir.compute("square", x), c(1.5)),
-             "rsqrt": lambda x: ir.compute("add", ir.compute("square", x), c(1.5)),
-             **{step: lambda x: ir.compute("add", ir.compute("mul", x, c(1e-3)), c(0.25))  # 0.25 +- 0.01
-                for step in ("round", "floor", "ceil")}}.get(op.name, lambda x: x)
-    meet = op.name in ("maximum", "minimum", "lt", "le", "gt", "ge", "eq", "ne")  # jump or bend where x == y
     for side, (kind, leaf, name) in zip((1.0, -1.0, 1.0, -1.0), (
             ("tensor", ir.load("tensor", "t"), "t"), ("vec_n", ir.load("vec_n", "b"), "b"),
             ("vec_m", ir.load("vec_m", "r"), "r"), ("scalar", ir.scalar("s"), "s"))):
+        def far(x, by=0.25):  # by +- 0.01 on this side of 0
+            return ir.compute("add", ir.compute("mul", x, c(1e-3)), c(by * side))
+
+        def positive(x):
+            return ir.compute("add", ir.compute("square", x), c(1.5))
+        guard = {"log": positive, "sqrt": positive, "rsqrt": positive,
+                 **dict.fromkeys(("round", "floor", "ceil", "abs", "relu"), far)}.get(op.name, lambda x: x)
         h = ir.compute("add", ir.compute("mul", ir.acc(), c(0.7)), leaf)
         y = ir.compute("sub", leaf, ir.acc())
-        if meet:  # y stays 0.5 +- 0.01 above h or below it: both sides of the bend, never near it
-            y = ir.compute("add", h, ir.compute("mul", c(side), ir.compute("add", c(0.5), ir.compute("mul", y, c(1e-3)))))
+        if op.name in ("maximum", "minimum", "lt", "le", "gt", "ge", "eq", "ne"):  # jump or bend where x == y:
+            y = ir.compute("add", h, far(y, 0.5))  # y stays 0.5 +- 0.01 above h or below it
         args = (guard(h),) if op.arity == 1 else (guard(h), y)
         if op.name == "div":
-            args = (args[0], ir.compute("add", ir.compute("square", args[1]), c(1.0)))
+            args = (args[0], positive(args[1]))
+        if op.name == "where":  # a condition that is 1 on one side, 0 on the other
+            args = (ir.compute("gt", far(h), c(0.0)), h, y)
         program = ir.Program(op.name, (ir.Param(name, kind),), (ir.Output("D", ir.compute(op.name, *args), None),))
         _gradcheck(program)
         _gradcheck_linear(program)
