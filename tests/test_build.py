@@ -5,6 +5,7 @@ a compile-only build of a tiny TU with CUTLASS and coda_dsl's headers (proves th
 program of the per-launch swizzle rule (csrc/coda_dsl/schedule.h).
 """
 import json
+import math
 import multiprocessing
 import os
 import re
@@ -15,6 +16,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 import coda_dsl.build as b
 from coda_dsl.build import builder, cache, paths, tools as tcmod
@@ -436,6 +438,34 @@ def test_swizzle_per_launch(tmp_path):
                    check=True, capture_output=True)
     got = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()
     assert [int(g) for g in got] == [want for _, want in SWIZZLE_CASES]
+
+
+@needs_nvcc
+def test_rope_angle_reduction(tmp_path):
+    """csrc/coda_dsl/functional.h's reduce_angle, compiled on the host: RoPE's fp32 angles (positions up to
+    131071, base 500000, head_dim 128) land in [-pi, pi] with the sine and cosine of the same fp32 angle, to
+    3e-7 (the kernels then take __sinf/__cosf of it: test_gpu.py's RoPE tests)."""
+    tc = b.toolchain()
+    pos = torch.cat((torch.arange(0, 131072, 61), torch.tensor([131071]))).float()
+    angles = (pos[:, None] * (1.0 / 500000.0 ** (torch.arange(0, 128, 2).float() / 128))).flatten()
+    (tmp_path / "angles").write_bytes(angles.numpy().tobytes())
+    src = tmp_path / "reduce.cu"
+    src.write_text('#include <cstdio>\n#include "coda_dsl/functional.h"\n'
+                   "int main(int, char** argv) {\n  FILE* in = std::fopen(argv[1], \"rb\");\n"
+                   "  FILE* out = std::fopen(argv[2], \"wb\");\n  float x;\n"
+                   "  for (float r; std::fread(&x, 4, 1, in) == 1;)\n"
+                   "    r = coda::reduce_angle(x), std::fwrite(&r, 4, 1, out);\n"
+                   "  return std::fclose(in) | std::fclose(out);\n}\n")
+    exe = tmp_path / "reduce"
+    includes = [f"-I{d}" for d in (*tc.cutlass_include, tc.csrc_include)]
+    subprocess.run([tc.nvcc, "-std=c++20", "--expt-relaxed-constexpr", *includes, str(src), "-o", str(exe)],
+                   check=True, capture_output=True)
+    subprocess.run([str(exe), str(tmp_path / "angles"), str(tmp_path / "reduced")], check=True)
+    r = torch.frombuffer(bytearray((tmp_path / "reduced").read_bytes()), dtype=torch.float32).double()
+    x = angles.double()
+    # k = rint(x / 2pi) in fp32 may be off by one near a half turn: |r| up to pi + 2pi ulp(x / 2pi)
+    assert r.shape == x.shape and r.abs().max() <= math.pi + 0.02
+    assert max((r.sin() - x.sin()).abs().max(), (r.cos() - x.cos()).abs().max()) <= 3e-7
 
 
 def _prebuild_dry_run(cache, sets: str) -> str:
