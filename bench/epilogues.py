@@ -94,6 +94,8 @@ def _rope_eager(a, w, pos, inv_freq):
     return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), -1).flatten(-2).to(a.dtype)
 
 
+V_COLS = {6144: 8 * 128, 3 * 4096: 4096}  # V's columns in the rope case's QKV widths; others (--shapes) rotate all
+
 CASES = {
     "identity": Case("identity", cd.identity, lambda m, n: {}, lambda a, w: a @ w.t()),
     "bias_gelu": Case("bias_gelu", bias_gelu, lambda m, n: {"bias": _r(n)},
@@ -104,12 +106,14 @@ CASES = {
     "residual_sumsq": Case("residual_sumsq", residual_sumsq, lambda m, n: {"residual": _r(m, n)},
                            _residual_sumsq_eager),
     # pairwise: the FFN up projections of Llama-3-8B and -70B with gate and up interleaved (N = 2 x
-    # 14336, 2 x 28672), and the fused QKV projection (N = 3 x 4096, head dim 128)
+    # 14336, 2 x 28672), and fused QKV projections of head dim 128 whose V passes through: Llama-3-8B's
+    # (32 Q, 8 K and 8 V heads) and a multi-head one (32 each)
     "swiglu": Case("swiglu", swiglu, lambda m, n: {}, _swiglu_eager, shapes=GATED),
     "geglu": Case("geglu", geglu, lambda m, n: {}, _geglu_eager, shapes=GATED),
     "rope": Case("rope", rope_positions,
                  lambda m, n: {"pos": torch.arange(m, device="cuda", dtype=torch.float32),
-                               "inv_freq": rope_frequencies(n, 128).cuda()}, _rope_eager,
+                               "inv_freq": rope_frequencies(n, 128, rotate_cols=n - V_COLS.get(n, 0)).cuda()},
+                 _rope_eager,
                  shapes=((8192, 6144, 4096), (8192, 3 * 4096, 4096))),
 }
 
