@@ -408,6 +408,17 @@ def test_default_chunk_rows():
         assert rows - 256 < -(-m // chunks)  # balanced: no chunk is much shorter than the others
 
 
+def test_default_chunk_rows_within_a_quarter_of_free_cuda_memory(monkeypatch):
+    """On CUDA the buffer also stays within a quarter of the free memory: 1 GiB free at Llama-3's
+    vocabulary gives chunks of 1024 rows (256 MiB); with plenty free, BUFFER_BYTES rules as on the CPU."""
+    from coda_dsl.library.cross_entropy import default_chunk_rows
+    free = {"bytes": 2**30}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 80 * 2**30))
+    assert default_chunk_rows(8192, 128256, "cuda") == 1024
+    free["bytes"] = 64 * 2**30
+    assert default_chunk_rows(8192, 128256, "cuda") == default_chunk_rows(8192, 128256) == 4096
+
+
 @pytest.mark.parametrize("smoothing,cap", [(0.0, None), (0.1, 20.0)])
 def test_vocabulary_shards_combine_to_the_full_loss(seed, smoothing, cap):
     """Two shards of W, as a tensor-parallel LM head holds them: their (lse, target logit, sum)
