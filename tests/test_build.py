@@ -1,8 +1,9 @@
 """Tests of coda_dsl.build: keys, cache validity, locking, errors, toolchain discovery.
 
-Builds are mocked (builder._run_ninja) except three real nvcc runs: a failing 3-line .cu (error format),
-a compile-only build of a tiny TU with CUTLASS and coda_dsl's headers (proves the flags), and a host
-program of the per-launch swizzle rule (csrc/coda_dsl/schedule.h).
+Builds are mocked (builder._run_ninja) except four real nvcc runs: a failing 3-line .cu (error format),
+a compile-only build of a tiny TU with CUTLASS and coda_dsl's headers (proves the flags), and host
+programs of the per-launch swizzle rule (csrc/coda_dsl/schedule.h) and of RoPE's angle reduction
+(csrc/coda_dsl/functional.h).
 """
 import json
 import math
