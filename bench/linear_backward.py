@@ -27,7 +27,6 @@ import torch.nn.functional as F
 import coda_dsl as cd
 from coda_dsl.library import swiglu
 from coda_dsl.passes.autodiff import GRAD
-from coda_dsl.runtime.autograd import forward_epilogue, saved_operands
 
 from .epilogues import bias_gelu, residual_sumsq
 from .harness import (Row, config_texts, fmt, markdown, no_gpu, parser, positive, progress, results_only_on_stdout,
@@ -103,12 +102,12 @@ def _in_dy(case: Case, config: str | None = None) -> Callable:
     """Forward + backward with the derived backward epilogue in dY's GEMM: the forward kernel keeps what the
     derivative reads (the accumulator, or outputs it reads back); dY's GEMM then outputs dacc (its D) and
     the operands' gradients; then dacc @ W, dacc^T x. config: both fused kernels' (None: cd.gemm's pick)."""
-    forward, backward = forward_epilogue(case.epilogue), cd.backward_epilogue(case.epilogue)
+    forward, backward = cd.forward_epilogue(case.epilogue), cd.backward_epilogue(case.epilogue)
 
     @torch.no_grad()  # as inside a layer's autograd.Function: cd.gemm is not recorded
     def step(x, w, operands, dys, g, v):
         outs = cd.gemm(x, w, forward, config=config, **operands)
-        grads = cd.gemm(g, v, backward, config=config, **saved_operands(backward, outs), **operands,
+        grads = cd.gemm(g, v, backward, config=config, **cd.saved_operands(backward, outs), **operands,
                         **{GRAD + o: dy for o, dy in dys.items() if o != "D"})
         dacc = grads["D"]
         return (dacc @ w, dacc.t() @ x, *(grads[k] for k in operands))
@@ -154,7 +153,7 @@ def prebuild(todo: list[tuple[str, tuple]], with_dy: bool = False, configs=()) -
         case = CASES[name]
         x, w, operands, dys, *gv = _inputs(case, 64, 64, 64, with_dy)  # small: only dtypes and layouts matter
         operands = {key: v.detach() for key, v in operands.items()}
-        forward = forward_epilogue(case.epilogue)
+        forward = cd.forward_epilogue(case.epilogue)
         ops.append(cd.compile(forward, x.detach(), w.detach(), config=default(m, n, k)[0], **operands))
         if with_dy:
             g, v = gv
@@ -162,11 +161,11 @@ def prebuild(todo: list[tuple[str, tuple]], with_dy: bool = False, configs=()) -
             outs = cd.gemm(x.detach(), w.detach(), forward, backend="reference", **operands)
             n_d = dys["D"].shape[1] * n // 64  # the real problem's dY width
             grads = {GRAD + o: dy for o, dy in dys.items() if o != "D"}
-            ops.append(cd.compile(backward, g, v, config=default(m, n_d, k)[0], **saved_operands(backward, outs),
+            ops.append(cd.compile(backward, g, v, config=default(m, n_d, k)[0], **cd.saved_operands(backward, outs),
                                   **operands, **grads))
             for c in configs:
                 ops += [cd.compile(forward, x.detach(), w.detach(), config=c, **operands),
-                        cd.compile(backward, g, v, config=c, **saved_operands(backward, outs), **operands, **grads)]
+                        cd.compile(backward, g, v, config=c, **cd.saved_operands(backward, outs), **operands, **grads)]
     runtime.prebuild(ops)
 
 

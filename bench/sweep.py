@@ -31,7 +31,6 @@ import coda_dsl as cd
 from coda_dsl.library import cross_entropy as ce
 from coda_dsl.passes.plan import Config
 from coda_dsl.runtime import op as runtime
-from coda_dsl.runtime.autograd import forward_epilogue
 
 from . import epilogues
 from .epilogues import CASES, Case, _inputs, bias_gelu
@@ -61,7 +60,8 @@ SWEPT = {**CASES, "ce_logits": Case("ce_logits", ce._forward_epilogue(False, Non
                                     scaled_w=True),
          # cd.linear's forward kernel (bias_gelu keeping its accumulator), and bias_gelu's derived backward in the
          # GEMM that produces its incoming gradient (the accumulator's and the bias's gradients): issue 15's kernels
-         "bias_gelu_keep_acc": Case("bias_gelu_keep_acc", forward_epilogue(bias_gelu), lambda m, n: {"bias": epilogues._r(n)},
+         "bias_gelu_keep_acc": Case("bias_gelu_keep_acc", cd.forward_epilogue(bias_gelu),
+                                    lambda m, n: {"bias": epilogues._r(n)},
                                     lambda a, w, bias: F.gelu(a @ w.t() + bias, approximate="tanh")),
          "bias_gelu_backward": Case("bias_gelu_backward", cd.backward_epilogue(bias_gelu),
                                     lambda m, n: {"bias": epilogues._r(n), "saved_acc": epilogues._r(m, n)},

@@ -13,7 +13,9 @@ Defining and running epilogues:
     cd.epilogue_factory   decorator: a function of constants making an epilogue, cached, callable in torch.compile
     cd.gemm(A, B, ep, **operands)   runs it: {output name: tensor} (the epilogue is positional)
     cd.linear(A, B, ep, **operands) the same with autograd: its backward derived from the epilogue
-    cd.backward_epilogue(ep)        that derived backward as the epilogue of the GEMM producing dY
+    cd.backward_epilogue(ep)        that derived backward as the epilogue of the GEMM producing dY, with
+    cd.forward_epilogue(ep)         the forward kernel's epilogue that keeps what it reads and
+    cd.saved_operands(bw, outs)     its saved_* operands picked from that kernel's outputs
     cd.compile, cd.prebuild, cd.set_tuning, cd.CompiledOp, cd.Config   building and tuning kernels
     cd.identity           the epilogue D = acc
 
@@ -55,8 +57,8 @@ _LAZY = {
                 "logsumexp", "max", "maximum", "min", "minimum", "pairs", "relu", "round", "rsqrt", "sigmoid", "silu",
                 "sin", "sqrt", "sum", "take", "tanh", "where"),
     "passes.plan": ("Config",),
-    "runtime": ("BACKENDS", "CompiledOp", "as_written", "backward_epilogue", "compile", "first_order", "gemm",
-                "is_gpu", "linear", "prebuild", "set_tuning"),
+    "runtime": ("BACKENDS", "CompiledOp", "as_written", "backward_epilogue", "compile", "first_order",
+                "forward_epilogue", "gemm", "is_gpu", "linear", "prebuild", "saved_operands", "set_tuning"),
     "runtime.torch_compile": ("epilogue_factory", "on_cuda"),
     "library": ("linear_cross_entropy",),
 }

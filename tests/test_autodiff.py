@@ -314,13 +314,12 @@ def test_the_forward_kernel_outputs_statistics_before_then(make_plan):
     """cd.linear's forward kernel for a .then output: the statistic and its finished value, two reductions of
     one value (lowered for the cutlass backend)."""
     from coda_dsl.passes.plan import Reduce
-    from coda_dsl.runtime.autograd import forward_epilogue
 
     @cd.epilogue
     def residual_rms(acc, residual: cd.Tensor, inv_n: cd.Scalar, eps: cd.Scalar):
         h = acc + residual
         return {"D": h, "rstd": cd.sum(h * h, axis="n").then(lambda s: cd.rsqrt(s * inv_n + eps))}
-    forward = forward_epilogue(residual_rms)
+    forward = cd.forward_epilogue(residual_rms)
     # the derivative reads h = acc + residual back from D: no accumulator kept
     assert forward.output_names == ("D", "rstd", SAVED + "rstd")
     reduces = [n for n in make_plan(forward).nodes if isinstance(n, Reduce)]
@@ -491,7 +490,6 @@ def test_outputs_read_back_instead_of_recomputed():
     the forward keeps no accumulator and the backward reads neither it nor r. Gradients as torch's, with every
     output used or one unused (the backward then reads what the forward kept); an in-place change of the
     saved output is caught, as torch's own ops catch it. Where reading back would move more, nothing is."""
-    from coda_dsl.runtime.autograd import forward_epilogue, saved_operands
 
     @cd.epilogue
     def residual_sumsq(acc, residual: cd.Tensor):
@@ -500,13 +498,13 @@ def test_outputs_read_back_instead_of_recomputed():
     back = derive(specialize(residual_sumsq.program, {}))
     assert back.reused == back.saved == ("D",) and not back.uses_acc
     assert {n.attr[1] for n in ir.walk(back.program) if n.op == "load"} == {"grad_D", "grad_sumsq", "saved_D"}
-    assert forward_epilogue(residual_sumsq).output_names == ("D", "sumsq")
+    assert cd.forward_epilogue(residual_sumsq).output_names == ("D", "sumsq")
     fused = cd.backward_epilogue(residual_sumsq)
     assert [p.name for p in fused.params] == ["residual", "grad_sumsq", "saved_D"]
     forward_outs = {"D": torch.ones(2, 3), "sumsq": torch.ones(2)}
-    assert saved_operands(fused, forward_outs) == {"saved_D": forward_outs["D"]}
+    assert cd.saved_operands(fused, forward_outs) == {"saved_D": forward_outs["D"]}
     with pytest.raises(cd.OperandError, match="reads saved_D.*lack"):
-        saved_operands(fused, {"sumsq": torch.ones(2)})
+        cd.saved_operands(fused, {"sumsq": torch.ones(2)})
     # dacc is also the residual's gradient: cd.linear's backward makes it once (share=True)
     values = {"residual": torch.randn(5, 4), "grad_D": torch.randn(5, 4), "grad_sumsq": torch.randn(5),
               "saved_D": torch.randn(5, 4)}
@@ -539,7 +537,7 @@ def test_outputs_read_back_instead_of_recomputed():
     def residual_and_gelu(acc, r: cd.Tensor):
         h = acc + r
         return {"D": h, "y": cd.gelu(h)}
-    assert forward_epilogue(residual_and_gelu).output_names == ("D", "y")
+    assert cd.forward_epilogue(residual_and_gelu).output_names == ("D", "y")
     bw = cd.backward_epilogue(residual_and_gelu, recompute="y")
     assert [p.name for p in bw.params] == ["r", "grad_y", "saved_D"]
     acc, r, dy = torch.randn(5, 6), torch.randn(5, 6), torch.randn(5, 6)
@@ -892,7 +890,6 @@ def test_gradients_never_share_memory_with_the_incoming_gradient(dtype, pairwise
 def test_fp16_keeps_its_accumulator_in_fp32():
     """fp16 ends at 65504, this accumulator at 102400: kept for sin's derivative in fp16 it was inf (NaN
     gradients); cd.linear keeps it in fp32."""
-    from coda_dsl.runtime.autograd import forward_epilogue
 
     @cd.epilogue
     def scaled_sin(acc):
@@ -909,10 +906,10 @@ def test_fp16_keeps_its_accumulator_in_fp32():
         run(x, w).backward()
         assert rel_err(x.grad, xd.grad) < 1e-2 and rel_err(w.grad, wd.grad) < 1e-2
     outputs = lambda ep: {o.name: o.dtype for o in ep.program.outputs}  # noqa: E731  what a prebuild builds
-    assert outputs(forward_epilogue(scaled_sin, dtype=torch.float16))["acc"] == "fp32"
-    assert outputs(forward_epilogue(scaled_sin))["acc"] is None  # A's dtype: bf16 has fp32's range
+    assert outputs(cd.forward_epilogue(scaled_sin, dtype=torch.float16))["acc"] == "fp32"
+    assert outputs(cd.forward_epilogue(scaled_sin))["acc"] is None  # A's dtype: bf16 has fp32's range
     with pytest.raises(cd.OperandError, match="dtype is A's, a torch floating dtype, not 'int8'"):
-        forward_epilogue(scaled_sin, "int8")
+        cd.forward_epilogue(scaled_sin, "int8")
 
 
 def test_fused_backward_step_equals_the_eager_one():
@@ -993,8 +990,7 @@ def test_backward_epilogue_fuses_into_the_producer_gemm():
         return cd.silu(g) * u * cd.tanh(r)
     from coda_dsl import cli
     assert cli.specialization_from_options(cd.backward_epilogue(gated_by_a_row_value), "bf16").cu_text
-    from coda_dsl.runtime.autograd import forward_epilogue  # what cd.linear's forward kernel runs
-    assert forward_epilogue(bias_gelu).output_names == ("D", "acc")
+    assert cd.forward_epilogue(bias_gelu).output_names == ("D", "acc")  # what cd.linear's forward kernel runs
 
 
 def test_outputs_without_a_gradient():
@@ -1120,14 +1116,14 @@ def test_backward_epilogue_explains_a_constant_named_like_its_options():
 
 
 def test_derivation_entry_points_check_what_they_are_given():
-    """forward_epilogue, derived_backward, cd.backward_epilogue and saved_operands explain a plain function, a
-    misspelt option or unknown constant (not swallowed), and a constant that is no number, as cd.gemm does."""
-    from coda_dsl.runtime.autograd import derived_backward, forward_epilogue, saved_operands
+    """cd.forward_epilogue, derived_backward, cd.backward_epilogue and cd.saved_operands explain a plain function,
+    a misspelt option or unknown constant (not swallowed), and a constant that is no number, as cd.gemm does."""
+    from coda_dsl.runtime.autograd import derived_backward
 
     @cd.epilogue
     def scaled(acc, b: cd.VecN, c: cd.Const):
         return {"D": cd.gelu(acc * c + b), "pre": acc}
-    for fn in (forward_epilogue, derived_backward, cd.backward_epilogue):
+    for fn in (cd.forward_epilogue, derived_backward, cd.backward_epilogue):
         with pytest.raises(cd.EpilogueError, match="decorated with @cd.epilogue"):
             fn(lambda acc: acc)
         with pytest.raises(cd.OperandError, match=r"unexpected keyword\(s\) \['zz'\](.|\n)*parameters are \['c'\]"):
@@ -1138,9 +1134,9 @@ def test_derivation_entry_points_check_what_they_are_given():
     with pytest.raises(cd.OperandError, match=r"\['nograd'\](.|\n)*options are \['output', 'split', 'no_grad'"):
         cd.backward_epilogue(scaled, c=2.0, nograd="pre")
     with pytest.raises(cd.EpilogueError, match="saved_operands: .*decorated with @cd.epilogue"):
-        saved_operands(lambda acc: acc, {})
+        cd.saved_operands(lambda acc: acc, {})
     with pytest.raises(cd.OperandError, match="dict of outputs"):
-        saved_operands(cd.backward_epilogue(scaled, c=2.0), [torch.ones(2)])
+        cd.saved_operands(cd.backward_epilogue(scaled, c=2.0), [torch.ones(2)])
 
 
 def test_backward_epilogue_leaves_out_statistics_with_no_derivative():
