@@ -228,11 +228,9 @@ VARIANTS += [((column_mix, torch.bfloat16, "nk"), dict(config=runtime.tuning.PIN
 # the cross-entropy library's kernels, with their A/B dtype: forward variants (smoothing, softcap),
 # statistics only or also storing the logits chunk (fp16 D, as cross_entropy._stats asks: stored_logits),
 # and the recompute backward ones
-CE_KERNELS = [(_forward_epilogue(s, c, logits), torch.bfloat16) for s in (False, True) for c in (None, 30.0)
-              for logits in (False, stored_logits(torch.bfloat16))] + \
-    [(_forward_epilogue(False, None, stored_logits(torch.float16)), torch.float16),
-     (_forward_epilogue(False, None), torch.float16),
-     (ce_backward, torch.bfloat16), (_backward_softcap_epilogue(30.0), torch.bfloat16)]
+CE_KERNELS = [(_forward_epilogue(s, c, logits), dtype) for dtype in (torch.bfloat16, torch.float16)
+              for s in (False, True) for c in (None, 30.0) for logits in (False, stored_logits(dtype))] + \
+    [(ep, dtype) for dtype in (torch.bfloat16, torch.float16) for ep in (ce_backward, _backward_softcap_epilogue(30.0))]
 
 
 def _ab(m, n, k, dtype, layout, batch=None):
@@ -802,6 +800,14 @@ def test_linear_cross_entropy_matches_torch(kernels, smoothing, cap, m, d, v, re
     gradients computed in the forward, scaled by the incoming one; none: the recompute backward."""
     x, w, t = _ce_problem(m, d, v)
     _ce_check(x, w, t, reduction, grad, smoothing, cap, chunk_rows=m // 2 + 8)
+
+
+@pytest.mark.parametrize("smoothing,cap", [(0.0, None), (0.1, None), (0.0, 30.0), (0.1, 30.0)])
+@pytest.mark.parametrize("reduction,grad", [("mean", 1.0), ("none", None)])
+def test_linear_cross_entropy_fp16_options(kernels, smoothing, cap, reduction, grad):
+    """fp16 inputs under every option: the gradients made in the forward (mean) and recomputed (none)."""
+    m, d, v = 264, 256, 50257
+    _ce_check(*_ce_problem(m, d, v, torch.float16), reduction, grad, smoothing, cap, chunk_rows=m // 2 + 8)
 
 
 def test_linear_cross_entropy_default_chunks_fp16_and_frozen_head(kernels):
