@@ -13,9 +13,9 @@ Defining and running epilogues:
     cd.epilogue_factory   decorator: a function of constants making an epilogue, cached, callable in torch.compile
     cd.gemm(A, B, ep, **operands)   runs it: {output name: tensor} (the epilogue is positional)
     cd.linear(A, B, ep, **operands) the same with autograd: its backward derived from the epilogue
-    cd.backward_epilogue(ep)        that derived backward as the epilogue of the GEMM producing dY, with
-    cd.forward_epilogue(ep)         the forward kernel's epilogue that keeps what it reads and
-    cd.saved_operands(bw, outs)     its saved_* operands picked from that kernel's outputs
+    cd.backward_epilogue(ep)        that derived backward as the epilogue of the GEMM producing dY
+    cd.forward_epilogue(ep, dtype)  the forward kernel's epilogue: ep, keeping what the backward reads
+    cd.saved_operands(bw, outs)     the backward epilogue's saved_* operands, from that kernel's outputs
     cd.compile, cd.prebuild, cd.set_tuning, cd.CompiledOp, cd.Config   building and tuning kernels
     cd.identity           the epilogue D = acc
 

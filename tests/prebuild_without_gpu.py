@@ -9,13 +9,13 @@ Sets: gpu (tests/test_gpu.py's `build_kernels`), nn (tests/test_gpu_nn.py's `bui
 its tests), llama_layer (`python -m bench.llama_layer --tokens 8192,16384`), linear_backward (`python -m
 bench.linear_backward --with-dy --configs 128x128x64_c1x2_pingpong`), epilogues (`python -m bench`'s epilogue
 cases at their default shapes), cross_entropy (`python -m bench.cross_entropy`'s default kernels), train_llama
-(`python -m bench.train_llama`'s model), host_overhead (`python -m bench.host_overhead`'s one kernel). A key is a hash of the rendered kernel
-and the nvcc and CUTLASS versions: the same here and there when both have the same nvcc and CUTLASS, and
-the configurations are the GPU's. This script runs the code as it is, with what would run on "cuda" on the
-CPU or on the meta device (shapes only), and answers as the GPU machine would: the CUTLASS path is taken,
-the GPU's name (which picks the default configuration, runtime/tune.py) is the one of --gpus, and there is
-no tuning record. Nothing is launched: cd.compile renders, prebuild(fn) runs fn on the reference backend and
-notes its kernels; all are built at the end in one parallel ninja run.
+(`python -m bench.train_llama`'s model), host_overhead (`python -m bench.host_overhead`'s one kernel). A key
+is a hash of the rendered kernel and the nvcc and CUTLASS versions: the same here and there when both have the
+same nvcc and CUTLASS, and the configurations are the GPU's. This script runs the code as it is, with what
+would run on "cuda" on the CPU or on the meta device (shapes only), and answers as the GPU machine would: the
+CUTLASS path is taken, the GPU's name (which picks the default configuration, runtime/tune.py) is the one of
+--gpus, and there is no tuning record. Nothing is launched: cd.compile renders, prebuild(fn) runs fn on the
+reference backend and notes its kernels; all are built at the end in one parallel ninja run.
 """
 from __future__ import annotations
 
@@ -142,8 +142,7 @@ def train_llama() -> None:
 def host_overhead() -> None:
     from bench import host_overhead as ho
     with OnDevice("cpu"):
-        a, w, bias = ho.operands("cuda")
-        runtime.prebuild([runtime.compile(ho.bias_relu, a, w, bias=bias, alpha=1.0)])
+        runtime.prebuild([ho.kernel(*ho.operands("cuda"))])
 
 
 SETS = {"gpu": gpu_suite, "nn": nn_suite, "llama_layer": llama_layer, "linear_backward": linear_backward,

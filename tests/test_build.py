@@ -423,20 +423,25 @@ SWIZZLE_CASES = [
 ]
 
 
-@needs_nvcc
-def test_swizzle_per_launch(tmp_path):
-    """csrc/coda_dsl/schedule.h's rule, compiled on the host with CUTLASS's own rounding."""
+def _host_program(tmp_path, name: str, source: str) -> Path:
+    """A host program of coda_dsl's and CUTLASS's headers, built with nvcc as the kernels are."""
     tc = b.toolchain()
-    calls = "\n".join(f"  std::printf(\"%d\\n\", coda::swizzle_for<Shape<Int<{tm}>, Int<{tn}>, _64>, "
-                      f"Shape<Int<{cm}>, Int<{cn}>, _1>>({m}, {n}, {most}));"
-                      for (tm, tn, cm, cn, m, n, most), _ in SWIZZLE_CASES)
-    src = tmp_path / "swizzle.cu"
-    src.write_text(f"#include <cstdio>\n#include \"coda_dsl/schedule.h\"\nusing namespace cute;\n"
-                   f"int main() {{\n{calls}\n  return 0;\n}}\n")
-    exe = tmp_path / "swizzle"
+    src, exe = tmp_path / f"{name}.cu", tmp_path / name
+    src.write_text(source)
     includes = [f"-I{d}" for d in (*tc.cutlass_include, tc.csrc_include)]
     subprocess.run([tc.nvcc, "-std=c++20", "--expt-relaxed-constexpr", *includes, str(src), "-o", str(exe)],
                    check=True, capture_output=True)
+    return exe
+
+
+@needs_nvcc
+def test_swizzle_per_launch(tmp_path):
+    """csrc/coda_dsl/schedule.h's rule, compiled on the host with CUTLASS's own rounding."""
+    calls = "\n".join(f"  std::printf(\"%d\\n\", coda::swizzle_for<Shape<Int<{tm}>, Int<{tn}>, _64>, "
+                      f"Shape<Int<{cm}>, Int<{cn}>, _1>>({m}, {n}, {most}));"
+                      for (tm, tn, cm, cn, m, n, most), _ in SWIZZLE_CASES)
+    exe = _host_program(tmp_path, "swizzle", f"#include <cstdio>\n#include \"coda_dsl/schedule.h\"\n"
+                        f"using namespace cute;\nint main() {{\n{calls}\n  return 0;\n}}\n")
     got = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()
     assert [int(g) for g in got] == [want for _, want in SWIZZLE_CASES]
 
@@ -444,23 +449,18 @@ def test_swizzle_per_launch(tmp_path):
 @needs_nvcc
 def test_rope_angle_reduction(tmp_path):
     """csrc/coda_dsl/functional.h's reduce_angle, compiled on the host: RoPE's fp32 angles (positions up to
-    131071, base 500000, head_dim 128) land in [-pi, pi] with the sine and cosine of the same fp32 angle, to
-    3e-7 (the kernels then take __sinf/__cosf of it: test_gpu.py's RoPE tests)."""
-    tc = b.toolchain()
+    131071, base 500000, head_dim 128) land in [-pi, pi] (past it by at most a rounding step of k) with the
+    sine and cosine of the same fp32 angle, to 3e-7 (the kernels then take __sinf/__cosf of it: test_gpu.py's
+    RoPE tests)."""
     pos = torch.cat((torch.arange(0, 131072, 61), torch.tensor([131071]))).float()
     angles = (pos[:, None] * (1.0 / 500000.0 ** (torch.arange(0, 128, 2).float() / 128))).flatten()
     (tmp_path / "angles").write_bytes(angles.numpy().tobytes())
-    src = tmp_path / "reduce.cu"
-    src.write_text('#include <cstdio>\n#include "coda_dsl/functional.h"\n'
-                   "int main(int, char** argv) {\n  FILE* in = std::fopen(argv[1], \"rb\");\n"
-                   "  FILE* out = std::fopen(argv[2], \"wb\");\n  float x;\n"
-                   "  for (float r; std::fread(&x, 4, 1, in) == 1;)\n"
-                   "    r = coda::reduce_angle(x), std::fwrite(&r, 4, 1, out);\n"
-                   "  return std::fclose(in) | std::fclose(out);\n}\n")
-    exe = tmp_path / "reduce"
-    includes = [f"-I{d}" for d in (*tc.cutlass_include, tc.csrc_include)]
-    subprocess.run([tc.nvcc, "-std=c++20", "--expt-relaxed-constexpr", *includes, str(src), "-o", str(exe)],
-                   check=True, capture_output=True)
+    exe = _host_program(tmp_path, "reduce", '#include <cstdio>\n#include "coda_dsl/functional.h"\n'
+                        "int main(int, char** argv) {\n  FILE* in = std::fopen(argv[1], \"rb\");\n"
+                        "  FILE* out = std::fopen(argv[2], \"wb\");\n  float x;\n"
+                        "  for (float r; std::fread(&x, 4, 1, in) == 1;)\n"
+                        "    r = coda::reduce_angle(x), std::fwrite(&r, 4, 1, out);\n"
+                        "  return std::fclose(in) | std::fclose(out);\n}\n")
     subprocess.run([str(exe), str(tmp_path / "angles"), str(tmp_path / "reduced")], check=True)
     r = torch.frombuffer(bytearray((tmp_path / "reduced").read_bytes()), dtype=torch.float32).double()
     x = angles.double()

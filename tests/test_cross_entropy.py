@@ -410,7 +410,8 @@ def test_default_chunk_rows():
 
 def test_default_chunk_rows_within_a_quarter_of_free_cuda_memory(monkeypatch):
     """On CUDA the buffer also stays within a quarter of the free memory: 1 GiB free at Llama-3's
-    vocabulary gives chunks of 1024 rows (256 MiB); with plenty free, BUFFER_BYTES rules as on the CPU."""
+    vocabulary gives chunks of 1024 rows (a 250.5 MiB buffer in a 256 MiB budget); with plenty free,
+    BUFFER_BYTES rules as on the CPU."""
     from coda_dsl.library.cross_entropy import default_chunk_rows
     free = {"bytes": 2**30}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 80 * 2**30))

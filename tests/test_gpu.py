@@ -696,8 +696,9 @@ def test_column_statistics_on_other_tiles(kernels, config):
 
 def test_rope_angle_accuracy(kernels):
     """sin/cos reduce the angle to [-pi, pi] and use the hardware units. Against fp64 sin/cos of the
-    same fp32 angle: ~1e-6. Against the exact angle (positions up to 131072, base 500000): the fp32
-    rounding of pos * inv_freq itself (up to ulp(131072) / 2 = 0.0039 rad) dominates, as in any fp32 RoPE."""
+    same fp32 angle: 5.04e-7 on H100s (the inputs are fixed). Against the exact angle (positions up to
+    131040, base 500000): the fp32 rounding of pos * inv_freq itself (up to ulp(131072) / 2 = 0.0039 rad)
+    dominates, as in any fp32 RoPE."""
     m, n, k = 4096, 128, 64
     pos = (torch.arange(m, device="cuda") * 32).float()  # 0 .. 131040
     inv_freq = rope_frequencies(2 * n, 128, base=500000.0).cuda()  # [N]: sin_cos works on whole columns
@@ -713,7 +714,7 @@ def test_rope_angle_accuracy(kernels):
         with open(os.path.join(os.environ["OUT"], "rope_accuracy.txt"), "w") as f:
             f.write(f"max abs error vs fp64 sin/cos of the fp32 angle: {fp32_angle_err:.3g}\n"
                     f"max abs error vs fp64 sin/cos of the exact angle: {exact_err:.3g}\n")
-    assert fp32_angle_err <= 4e-6 and exact_err <= 8e-3
+    assert fp32_angle_err <= 1e-6 and exact_err <= 8e-3
 
 
 def test_gqa_rope_both_conventions_match_torch(kernels):
