@@ -114,6 +114,13 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
+def half_split_rope(t: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
+    """HF Llama's (NeoX) RoPE in plain torch: t [..., heads, d] turned by angle [..., 1, d / 2], pairs (i, i + d/2):
+    t cos + rotate_half(t) sin with emb = cat(angle, angle)."""
+    d, emb = t.shape[-1], torch.cat((angle, angle), -1)
+    return t * emb.cos() + torch.cat((-t[..., d // 2:], t[..., :d // 2]), -1) * emb.sin()
+
+
 def check_gqa_rope_against_torch(device: str, backend: str, k: int) -> None:
     """A Llama-3 QKV projection (32 Q and 8 KV heads of 128) with RoPE in its epilogue, on packed sequences
     (positions restart; the second reaches 131071, base 500000) of 777 tokens, against plain torch in fp32:
@@ -147,9 +154,8 @@ def check_gqa_rope_against_torch(device: str, backend: str, k: int) -> None:
     per_head(y[:, nq:nq + nk], gptj(kk, hk), hk)
     per_head(y[:, nq + nk:], v, hk)
 
-    def hf(t, heads):  # HF Llama: emb = cat(freqs, freqs); t * cos + rotate_half(t) * sin
-        t, emb = t.view(m, heads, d), torch.cat((angle, angle), -1)
-        return t * emb.cos() + torch.cat((-t[..., d // 2:], t[..., :d // 2]), -1) * emb.sin()
+    def hf(t, heads):
+        return half_split_rope(t.view(m, heads, d), angle)
 
     y = cd.gemm(x, qkv_weight(wq, wk, wv, d), rope_positions, **operands)["D"]
     half_split = lambda t, heads: t.float().view(m, heads, d // 2, 2).transpose(-1, -2)  # noqa: E731

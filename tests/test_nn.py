@@ -737,7 +737,7 @@ def test_forward_steps_compile_to_the_same_values_and_gradients():
     torch.manual_seed(0)
     m, n = 9, 16
     rstd = (torch.rand(m) + 0.5).requires_grad_()
-    norm = cdnn.input_norm.eager  # (on CUDA the compiled one)
+    norm = cdnn.input_norm.eager  # the function itself: cdnn.input_norm compiles it on CUDA
     cases = [(norm, lambda: (torch.randn(m, n), torch.randn(n)), (1e-5, None)),
              (norm, lambda: (torch.randn(m, n), torch.randn(n), rstd), (1e-5,)),
              (cdnn.qkv_weight, lambda: (torch.randn(8, n), torch.randn(4, n), torch.randn(4, n)), (4,))]

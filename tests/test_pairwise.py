@@ -11,7 +11,7 @@ import coda_dsl as cd
 from coda_dsl.library import (geglu, interleave_gate_up, linear_swiglu, neox_to_interleaved, neox_to_interleaved_rows,
                               reglu, rope_frequencies, rope_positions, rope_tables, swiglu_backward,
                               swiglu_keep_preactivation)
-from epilogues import check_gqa_rope_against_torch, rel_err as _rel
+from epilogues import check_gqa_rope_against_torch, half_split_rope, rel_err as _rel
 
 M, D, FF = 29, 48, 40  # ragged rows; N = 2F interleaved columns
 
@@ -144,10 +144,8 @@ def test_rope_passes_v_through_and_neox_permutation_keeps_scores():
     k = cd.gemm(x, wk[perm], rope_positions, pos=pos, inv_freq=inv_h, backend="reference")["D"].float()
 
     def neox(t):  # standard half-split rotation
-        t = t.view(M, n_heads, hd)
-        t1, t2 = t[..., : hd // 2], t[..., hd // 2:]
-        ang = pos[:, None, None] * (1.0 / 10000 ** (2 * torch.arange(hd // 2) / hd))
-        return torch.cat((t1 * ang.cos() - t2 * ang.sin(), t2 * ang.cos() + t1 * ang.sin()), -1)
+        angle = pos[:, None, None] * (1.0 / 10000 ** (2 * torch.arange(hd // 2) / hd))
+        return half_split_rope(t.view(M, n_heads, hd), angle)
 
     qn, kn = neox(x.float() @ wq.float().t()), neox(x.float() @ wk.float().t())
     scores = torch.einsum("mhd,nhd->hmn", q.view(M, n_heads, hd), k.view(M, n_heads, hd))
