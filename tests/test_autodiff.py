@@ -910,8 +910,11 @@ def test_fp16_keeps_its_accumulator_in_fp32():
     outputs = lambda ep: {o.name: o.dtype for o in ep.program.outputs}  # noqa: E731  what a prebuild builds
     assert outputs(cd.forward_epilogue(scaled_sin, dtype=torch.float16))["acc"] == "fp32"
     assert outputs(cd.forward_epilogue(scaled_sin))["acc"] is None  # A's dtype: bf16 has fp32's range
-    with pytest.raises(cd.OperandError, match="dtype is A's, a torch floating dtype, not 'int8'"):
-        cd.forward_epilogue(scaled_sin, "int8")
+    for name in ("fp16", "float16", "torch.float16"):  # names, as cd.cast takes them
+        assert outputs(cd.forward_epilogue(scaled_sin, dtype=name))["acc"] == "fp32"
+    for bad in ("int8", "fp8", torch.int32):
+        with pytest.raises(cd.OperandError, match=f"dtype is A's, a torch floating dtype or its name, not {bad!r}"):
+            cd.forward_epilogue(scaled_sin, bad)
 
 
 def test_fused_backward_step_equals_the_eager_one():

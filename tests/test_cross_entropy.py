@@ -507,6 +507,8 @@ def test_bad_arguments():
     for bad in (w[0], w[:, :-1]):  # a vector, or rows of another width than x's
         with pytest.raises(cd.OperandError, match=r"w must be the head's weight \[V, %d\]" % x.shape[1]):
             cd.linear_cross_entropy(x, bad, t, backend="reference")
+    with pytest.raises(cd.OperandError, match=rf"x is {x.dtype} but w is torch.float64(.|\n)*fix: w.to\(x.dtype\)"):
+        cd.linear_cross_entropy(x, w.double(), t, backend="reference")  # named as the caller names them
     for rows in (-8, 2.5, True):
         with pytest.raises(cd.OperandError, match="chunk_rows must be a positive int"):
             cd.linear_cross_entropy(x, w, t, chunk_rows=rows, backend="reference")

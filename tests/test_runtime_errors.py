@@ -657,8 +657,11 @@ def test_prebuild_of_a_function_builds_what_its_calls_need(fake_kernels, monkeyp
     assert runtime._collected is None and len(builds) == 1
     assert cd.prebuild(cd.compile(cd.identity, a, b)) == 1 and len(builds) == 2  # one op, not a function
     for wrong in ([ep_all], ep_all, ["coda_dsl.examples:bias_gelu"], 42):  # epilogues, names: not CompiledOps
-        with pytest.raises(OperandError, match="is not a CompiledOp(.|\n)*fix: cd.prebuild"):
+        with pytest.raises(OperandError, match="not a CompiledOp(.|\n)*fix: cd.prebuild"):
             cd.prebuild(wrong)
+    with pytest.raises(OperandError) as e:  # cd.gemm's arguments: described by dtype and shape, not their values
+        cd.prebuild([(ep_all, a, b)])
+    assert f"a torch.bfloat16 tensor of shape {list(a.shape)}" in str(e.value) and "tensor(" not in str(e.value)
     assert len(builds) == 2
 
 

@@ -453,6 +453,9 @@ def check_args(x, w, target, reduction, label_smoothing, ignore_index):
     if w.dim() != 2 or w.shape[1] != x.shape[1]:
         raise cd.OperandError(f"w must be the head's weight [V, {x.shape[1]}] (V rows of x's width d), "
                               f"got {list(w.shape)}")
+    if w.dtype != x.dtype:
+        raise cd.OperandError(f"x is {x.dtype} but w is {w.dtype}: the head's GEMM takes both in one dtype\n"
+                              "  fix: w.to(x.dtype), or x.to(w.dtype)")
     if target.dtype != torch.int64 or target.shape != x.shape[:1]:
         raise cd.OperandError(f"target must be int64 of shape [{x.shape[0]}], got {target.dtype} {list(target.shape)}")
     if target.device != x.device:

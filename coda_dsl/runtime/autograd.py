@@ -18,7 +18,7 @@ import torch
 from ..dsl import Epilogue
 from ..errors import OperandError, UnsupportedError
 from ..ir import graph as ir
-from ..ir.ops import REDUCTIONS, dtype_name
+from ..ir.ops import DTYPES, REDUCTIONS, dtype_name
 from ..passes import specialize
 from ..passes.autodiff import ACC, GRAD, SAVED, Backward, derive, into_producer
 from . import reference, torch_compile
@@ -258,14 +258,17 @@ def linear(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, /
     return dict(zip(ep.output_names, outs))
 
 
-def forward_epilogue(epilogue: Epilogue, dtype: torch.dtype = torch.bfloat16, **consts) -> Epilogue:
+def forward_epilogue(epilogue: Epilogue, dtype: torch.dtype | str = torch.bfloat16, **consts) -> Epilogue:
     """The epilogue cd.linear's forward kernel runs for A of this dtype: `epilogue`, with its accumulator
     as one more output when the derivative reads it (in A's dtype; fp32 for fp16), e.g. to build that
     kernel ahead of the first call."""
     epilogue = _checked("forward_epilogue", epilogue, consts, ("dtype",))
+    given = dtype
+    if isinstance(dtype, str):  # a name, as cd.cast takes: "bf16", "float16", "torch.float32", "float64"
+        dtype = DTYPES[dtype][0] if dtype in DTYPES else getattr(torch, dtype.removeprefix("torch."), None)
     if dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
-        raise OperandError(f"forward_epilogue: dtype is A's, a torch floating dtype, not {dtype!r}\n  fix: "
-                           "dtype=torch.bfloat16 (or torch.float16)")
+        raise OperandError(f"forward_epilogue: dtype is A's, a torch floating dtype or its name, not {given!r}\n  fix: "
+                           "dtype=torch.bfloat16 (or torch.float16, 'bf16', 'fp16')")
     return _derive(epilogue, consts, _no_derivative(epilogue), a_dtype=dtype).forward
 
 
