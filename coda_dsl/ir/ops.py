@@ -292,12 +292,17 @@ def math_dtype(dtype: torch.dtype) -> torch.dtype:
 DTYPE_SPELLINGS = "torch.bfloat16, torch.float16 or torch.float32, or a name: 'bf16', 'fp16', 'fp32', 'float32', ..."
 
 
+def torch_dtype(dtype):
+    """A dtype given by name as torch's: ours ('bf16') or torch's ('float32', 'torch.float64'); anything else
+    (a torch dtype, a name of nothing) as it is."""
+    if isinstance(dtype, str):
+        return DTYPES[dtype][0] if dtype in DTYPES else getattr(torch, dtype.removeprefix("torch."), dtype)
+    return dtype
+
+
 def dtype_name(dtype) -> str:
     """Accept 'bf16' / torch.bfloat16 / cd.bfloat16 and return the canonical name."""
-    if isinstance(dtype, str) and dtype in DTYPES:
-        return dtype
-    if isinstance(dtype, str):  # torch's names: "float32", "torch.bfloat16"
-        dtype = getattr(torch, dtype.removeprefix("torch."), dtype)
+    dtype = torch_dtype(dtype)
     if dtype in TORCH_TO_DTYPE:
         return TORCH_TO_DTYPE[dtype]
     raise ValueError(f"unsupported dtype {dtype!r}: use {DTYPE_SPELLINGS}")

@@ -18,7 +18,7 @@ import torch
 from ..dsl import Epilogue
 from ..errors import OperandError, UnsupportedError
 from ..ir import graph as ir
-from ..ir.ops import DTYPES, REDUCTIONS, dtype_name
+from ..ir.ops import REDUCTIONS, dtype_name, torch_dtype
 from ..passes import specialize
 from ..passes.autodiff import ACC, GRAD, SAVED, Backward, derive, into_producer
 from . import reference, torch_compile
@@ -263,9 +263,7 @@ def forward_epilogue(epilogue: Epilogue, dtype: torch.dtype | str = torch.bfloat
     as one more output when the derivative reads it (in A's dtype; fp32 for fp16), e.g. to build that
     kernel ahead of the first call."""
     epilogue = _checked("forward_epilogue", epilogue, consts, ("dtype",))
-    given = dtype
-    if isinstance(dtype, str):  # a name, as cd.cast takes: "bf16", "float16", "torch.float32", "float64"
-        dtype = DTYPES[dtype][0] if dtype in DTYPES else getattr(torch, dtype.removeprefix("torch."), None)
+    given, dtype = dtype, torch_dtype(dtype)  # a name too, as cd.cast takes: "bf16", "float16", "float64"
     if dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
         raise OperandError(f"forward_epilogue: dtype is A's, a torch floating dtype or its name, not {given!r}\n  fix: "
                            "dtype=torch.bfloat16 (or torch.float16, 'bf16', 'fp16')")
