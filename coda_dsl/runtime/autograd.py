@@ -18,7 +18,7 @@ import torch
 from ..dsl import Epilogue
 from ..errors import OperandError, UnsupportedError
 from ..ir import graph as ir
-from ..ir.ops import REDUCTIONS, dtype_name, torch_dtype
+from ..ir.ops import REDUCTIONS, dtype_name, math_dtype, torch_dtype
 from ..passes import specialize
 from ..passes.autodiff import ACC, GRAD, SAVED, Backward, derive, into_producer
 from . import reference, torch_compile
@@ -84,7 +84,7 @@ class _Derived:
 
     def _backward(self, acc: torch.Tensor, operands: dict, out_dtypes: dict) -> dict[str, torch.Tensor]:
         """The gradients, in out_dtypes (name -> dtype name)."""
-        return reference.evaluate_on(self.back.program, acc if acc.dtype == torch.float64 else acc.float(),
+        return reference.evaluate_on(self.back.program, acc.to(math_dtype(acc.dtype)),
                                      operands, out_dtypes, share=True)
 
 
@@ -168,7 +168,7 @@ class _Linear(torch.autograd.Function):
                     **{GRAD + o: g for o, g in grads.items() if g is not None}}
         fp64 = x.dtype == torch.float64  # the reference backend's gradcheck precision: gradients stay fp64
         if acc is None:  # the derivative does not read the accumulator: its shape and dtype, no memory
-            acc = torch.zeros((), device=x.device, dtype=torch.float64 if fp64 else torch.float32).expand(
+            acc = torch.zeros((), device=x.device, dtype=math_dtype(x.dtype)).expand(
                 x.shape[0], w.shape[0])
         # (a learnt cd.Scalar's gradient keeps the math's dtype: autograd casts it to the scalar's; cd.take's
         # int64 indices get none)

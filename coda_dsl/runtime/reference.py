@@ -19,9 +19,8 @@ PRIOR_D_OPERAND = "<D>"  # the operands key the leaf `prior_d` (D before the ker
 
 def accumulator(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """fp32 A @ B^T (b is [N, K] or [L, N, K]), computed in full fp32 (no TF32); fp64 for fp64 A and B."""
-    if a.dtype == torch.float64:
-        return torch.matmul(a, b.transpose(-1, -2))
-    return torch.matmul(a.float(), b.float().transpose(-1, -2))
+    dt = math_dtype(a.dtype)
+    return torch.matmul(a.to(dt), b.to(dt).transpose(-1, -2))
 
 
 def _real(t: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
