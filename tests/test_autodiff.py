@@ -16,6 +16,7 @@ from coda_dsl.ir import graph as ir
 from coda_dsl.ir.ops import OPS, REDUCTIONS
 from coda_dsl.passes import specialize
 from coda_dsl.passes.autodiff import ACC, GRAD, SAVED, derive
+from coda_dsl.runtime.autograd import derived_backward
 from coda_dsl.runtime.reference import evaluate_on
 from epilogues import rel_err
 
@@ -25,9 +26,12 @@ KINDS = {"tensor": (M, N), "vec_n": (N,), "vec_m": (M,)}
 
 
 def _inputs(program, half=False):
-    """fp64 leaves that require grad: acc, and one tensor per operand (0-d for scalars)."""
+    """fp64 leaves: acc, and one tensor per operand (0-d for scalars); int64 column indices for cd.take's,
+    some outside [0, N)."""
     widths = {"tensor": (M, N // 2) if half else (M, N), "vec_n": (N // 2,) if half else (N,), "vec_m": (M,)}
-    values = {p.name: torch.randn(widths[p.kind] if p.kind in widths else (), dtype=torch.float64)
+    indices = ir.index_operands(ir.walk(program))
+    values = {p.name: torch.randint(-1, N + 1, (M,)) if p.name in indices else
+              torch.randn(widths[p.kind] if p.kind in widths else (), dtype=torch.float64)
               for p in program.params if p.kind != "const"}
     return torch.randn(M, N, dtype=torch.float64), values
 
@@ -46,17 +50,18 @@ def _check(program, half=False, acc=None, values=None, consts=None, no_grad=()):
     program = specialize(program, consts or {})
     acc0, values0 = _inputs(program, half)
     acc = (acc0 if acc is None else acc).requires_grad_()
-    values = {k: v.requires_grad_() for k, v in (values or values0).items()}
+    values = {k: v.requires_grad_() if v.is_floating_point() else v for k, v in (values or values0).items()}
     ys = evaluate_on(program, acc, values, {})
     dys = {k: torch.randn_like(y) for k, y in ys.items()}
     loss = sum((y * dys[k]).sum() for k, y in ys.items())
-    leaves = [acc, *values.values()]
+    graded = [k for k, v in values.items() if v.requires_grad]  # (indices have no gradient)
+    leaves = [acc, *(values[k] for k in graded)]
     expected = torch.autograd.grad(loss, leaves, allow_unused=True) if loss.requires_grad else [None] * len(leaves)
     back = derive(program)
     operands = {**{k: v.detach() for k, v in values.items()}, **{GRAD + k: dys[k] for k in back.grads},
                 **_statistics(program, back, acc.detach(), {k: v.detach() for k, v in values.items()}, ys)}
     got = evaluate_on(back.program, acc.detach(), operands, {})
-    for name, want in zip(["acc", *values], expected):
+    for name, want in zip(["acc", *graded], expected):
         if name in no_grad:
             assert name not in got, f"{name}: a gradient output"
             continue
@@ -94,8 +99,8 @@ def _gradcheck(program, values=None, consts=None, frozen=()):
     back = derive(program)
     acc, values0 = _inputs(program)
     values = values or values0
-    names = [k for k in values if k not in frozen]
-    fixed = {k: v for k, v in values.items() if k in frozen}
+    names = [k for k in values if k not in frozen and values[k].is_floating_point()]
+    fixed = {k: v for k, v in values.items() if k not in names}
 
     class Forward(torch.autograd.Function):
         @staticmethod
@@ -129,8 +134,8 @@ def _gradcheck_linear(program, values=None, frozen=()):
     ep = cd.Epilogue.of_program(program)
     x, w = torch.randn(M, 3, dtype=torch.float64), torch.randn(N, 3, dtype=torch.float64)
     values = values or _inputs(program)[1]
-    fixed = {k: v for k, v in values.items() if k in frozen}
-    names = [k for k in values if k not in frozen]
+    names = [k for k in values if k not in frozen and values[k].is_floating_point()]
+    fixed = {k: v for k, v in values.items() if k not in names}
 
     def f(x, w, *tensors):
         outs = cd.linear(x, w, ep, backend="reference", **fixed, **dict(zip(names, tensors)))
@@ -178,10 +183,11 @@ def test_library_and_statistics_pass_gradcheck():
     from coda_dsl.library import rope_positions, swiglu
 
     @cd.epilogue
-    def stats(acc, residual: cd.Tensor, bias: cd.VecN, alpha: cd.Scalar):
+    def stats(acc, residual: cd.Tensor, bias: cd.VecN, alpha: cd.Scalar, idx: cd.VecM):
         h = cd.gelu(acc * alpha + bias) + residual
         return {"D": h, "rstd": cd.sum(h * h, axis="n").then(lambda s: cd.rsqrt(s * 0.125 + 1e-3)),
-                "lse": cd.logsumexp(h, axis="n"), "cols": cd.sum(h, axis="m"), "all": cd.sum(h, axis=None)}
+                "lse": cd.logsumexp(h, axis="n"), "cols": cd.sum(h, axis="m"), "all": cd.sum(h, axis=None),
+                "picked": cd.take(h, idx).then(lambda t: t * t)}
 
     rope_values = {"pos": torch.arange(M, dtype=torch.float64) * 3.0, "inv_freq": torch.rand(N // 2, dtype=torch.float64)}
     for check in (_gradcheck, _gradcheck_linear):
@@ -348,6 +354,53 @@ def test_statistics_without_a_rule_are_refused(make, what):
         derive(specialize(cd.epilogue(make, name="f").program, {}))
 
 
+def test_take_sends_its_gradient_to_the_taken_column():
+    """cd.take's derivative is the one-hot of its index: a cross-entropy written as lse - take gets the gradient
+    of F.cross_entropy (a row whose index is outside [0, N), as ignore_index, none), and the derived backward
+    run as the epilogue of the GEMM that recomputes the logits gives softmax - one-hot, also per batch."""
+    @cd.epilogue
+    def ce(acc, target: cd.VecM):
+        return {"lse": cd.logsumexp(acc), "zt": cd.take(acc, target)}
+    x, w = torch.randn(M, 5, dtype=torch.float64), torch.randn(N, 5, dtype=torch.float64)
+    t = torch.randint(0, N, (M,))
+    t[1], t[2] = -100, N
+    keep = (t >= 0) & (t < N)
+    x1, w1, x2, w2 = (v.clone().requires_grad_() for v in (x, w, x, w))
+    out = cd.linear(x1, w1, ce, backend="reference", target=t)
+    ((out["lse"] - out["zt"]) * keep).sum().backward()
+    torch.nn.functional.cross_entropy(x2 @ w2.t(), torch.where(keep, t, -100), reduction="sum").backward()
+    for got, want in ((x1.grad, x2.grad), (w1.grad, w2.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+    bw = derived_backward(ce)
+    assert "onehot(target)" in ir.format_program(bw.program)
+    a, b = torch.randn(3, M, 5, dtype=torch.float64), torch.randn(3, N, 5, dtype=torch.float64)
+    tb = torch.randint(-1, N + 1, (3, M))
+    z = a @ b.transpose(-1, -2)
+    g_lse, g_zt = torch.randn(3, M, dtype=torch.float64), torch.randn(3, M, dtype=torch.float64)
+    lse = torch.logsumexp(z, -1)
+    got = cd.gemm(a, b, bw, backend="reference", target=tb, grad_lse=g_lse, saved_lse=lse, grad_zt=g_zt)["acc"]
+    onehot = torch.nn.functional.one_hot(tb.clamp(0, N - 1), N) * ((tb >= 0) & (tb < N))[..., None]
+    torch.testing.assert_close(got, g_lse[..., None] * torch.softmax(z, -1) + g_zt[..., None] * onehot)
+
+    g = torch.randn(M, N, dtype=torch.float64)  # an infinite gradient stays at its column (a select)
+    g_zt[0, 0] = float("inf")
+    got = cd.gemm(a, b, bw, backend="reference", target=tb, grad_lse=g_lse * 0, saved_lse=lse, grad_zt=g_zt)["acc"]
+    assert got[0, 0].isinf().sum() == (0 <= tb[0, 0] < N) and not got[0, 0].isnan().any()
+
+
+def test_take_of_a_value_not_n_wide_has_no_derivative_yet():
+    @cd.epilogue
+    def half_take(acc, idx: cd.VecM):
+        g, u = cd.pairs(acc)
+        return {"D": g * u, "p": cd.take(g * u, idx)}
+    with pytest.raises(UnsupportedError, match="'p' is a cd.take of a value not N wide, which has no derivative"):
+        derive(half_take.program)
+    x = torch.randn(4, 3, requires_grad=True)
+    cd.linear(x, torch.randn(8, 3), half_take, backend="reference", idx=torch.zeros(4, dtype=torch.long))["D"].sum().backward()
+    assert x.grad is not None  # computed, and D trains
+
+
 def test_operand_names_that_clash_are_refused():
     @cd.epilogue
     def f(acc, grad_D: cd.Tensor):
@@ -382,22 +435,26 @@ def _random_program(rng: random.Random, i: int) -> ir.Program:
                                                                  ir.const(1.0)))
         pool.append(x)
     outputs = [ir.Output("D", pool[-1], None)]
+    params = (ir.Param("t", "tensor"), ir.Param("b", "vec_n"), ir.Param("r", "vec_m"), ir.Param("s", "scalar"))
     if rng.random() < 0.5:
-        kind = rng.choice(["sum", "logsumexp"])
-        axes = REDUCTIONS[kind].axes  # a log-sum-exp is per row
-        stat = ir.reduce(kind, rng.choice(axes), rng.choice(pool[2:]))
+        kind = rng.choice(["sum", "logsumexp", "take"])
+        axes = REDUCTIONS[kind].axes  # a log-sum-exp and a take are per row
+        if kind == "take":  # (int64 indices, some outside [0, N): _inputs)
+            params += (ir.Param("idx", "vec_m"),)
+            stat = ir.reduce(kind, "n", rng.choice(pool[2:]), ir.load("vec_m", "idx"))
+        else:
+            stat = ir.reduce(kind, rng.choice(axes), rng.choice(pool[2:]))
         if rng.random() < 0.5:  # a finishing step over the statistic
             s = ir.reduced()
             stat = ir.finish(stat, rng.choice([ir.compute("tanh", s), ir.compute("exp", ir.compute("mul", s, ir.const(0.1))),
                                                ir.compute("add", ir.compute("mul", s, s), s)]))
         outputs.append(ir.Output("rows", stat, None))
-    params = (ir.Param("t", "tensor"), ir.Param("b", "vec_n"), ir.Param("r", "vec_m"), ir.Param("s", "scalar"))
     return ir.Program(f"random{i}", params, tuple(outputs))
 
 
 def test_random_programs(seed):
-    """200 random differentiable epilogues (sums and log-sum-exps, some finished by .then): derived gradients
-    equal torch.autograd's (fp64)."""
+    """200 random differentiable epilogues (sums, log-sum-exps and takes, some finished by .then): derived
+    gradients equal torch.autograd's (fp64)."""
     rng = random.Random(seed)
     for i in range(200):
         _check(_random_program(rng, i))

@@ -122,6 +122,23 @@ def test_operand_kinds_map_to_node_types(make_plan):
             assert plan.outputs[n.output_index][0] == n.name.removeprefix("Store_")
 
 
+def test_take_derivative_reads_the_one_hot_of_its_index(make_plan):
+    """cd.take's derivative in a kernel: a coda::RowOneHot leaf bound to the int64 index operand, in the
+    functor beside the log-sum-exp's softmax."""
+    from coda_dsl.passes.plan import OneHot
+    from coda_dsl.runtime.autograd import derived_backward
+
+    @cd.epilogue
+    def ce(acc, target: cd.VecM):
+        return {"lse": cd.logsumexp(acc), "zt": cd.take(acc, target)}
+    bw = derived_backward(ce)
+    plan, src = emit(make_plan, bw, operand_dtypes={"target": "i64", "grad_lse": "fp32", "saved_lse": "fp32",
+                                                    "grad_zt": "fp32"})
+    (hot,) = [n for n in plan.nodes if isinstance(n, OneHot)]
+    assert using_types(src)[hot.name] == "coda::RowOneHot" and plan.inputs[hot.input_index] == "target"
+    assert f"coda::one_hot_args<{hot.name}>(inputs[{hot.input_index}]),  // {hot.name}" in src
+
+
 def scalars_struct(src):
     body = re.search(r"struct Scalars \{\n(.*?)\};", src, re.S).group(1)
     return re.findall(r"^\s*float (\w+);", body, re.M)

@@ -6,6 +6,7 @@ before the first test (see `kernels`).
 """
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -21,6 +22,7 @@ from coda_dsl.library.cross_entropy import (BUFFER_BYTES, _backward_softcap_epil
                                            combine_vocab_shards, default_chunk_rows, default_config, logits_buffer_dtype,
                                            stored_logits, vocab_shard_stats)
 from coda_dsl.runtime import op as runtime
+from coda_dsl.runtime.autograd import derived_backward
 from build_helpers import warm_path_or_skip
 from epilogues import (bias_gelu, check_gqa_rope_against_torch, double_width, pairs_with_full_width_operands,
                        residual_rms, statistics_of_a_half, wide_only)
@@ -113,6 +115,15 @@ def lse_and_take(acc, target: cd.VecM, shift: cd.Scalar):
 
 
 @cd.epilogue
+def ce_like(acc, target: cd.VecM):
+    z = acc * 0.01  # logits of about unit size at the suite's K: exp(z - lse) neither overflows nor all underflows
+    return {"lse": cd.logsumexp(z), "zt": cd.take(z, target)}
+
+
+ce_derived_backward = derived_backward(ce_like)  # the logits' gradient in the GEMM that recomputes them (one-hot)
+
+
+@cd.epilogue
 def sin_cos(acc, pos: cd.VecM, inv_freq: cd.VecN):
     """RoPE's rotation angles, the sines and cosines stored in fp32 (their accuracy is tested alone)."""
     angle = pos * inv_freq
@@ -158,6 +169,9 @@ def _operands(ep, m, n, dtype, batch=None):
         rope_positions: lambda: dict(pos=torch.arange(m, device="cuda", dtype=torch.float32),
                                      inv_freq=rope_frequencies(n, 128).cuda()),
         lse_and_take: lambda: dict(target=_targets(m, n, lead), shift=-1000.0),
+        ce_derived_backward: lambda: dict(target=_targets(m, n, lead), grad_lse=_rand(*lead, m, dtype=torch.float32),
+                                          grad_zt=_rand(*lead, m, dtype=torch.float32),
+                                          saved_lse=math.log(n) + 0.1 * _rand(*lead, m, dtype=torch.float32)),
         sin_cos: lambda: dict(pos=torch.randint(0, 131072, (*lead, m), device="cuda").float(),
                               inv_freq=rope_frequencies(2 * n, 128, base=500000.0).cuda()),  # [N]: no pairs
         pairs_with_full_width_operands: lambda: dict(bias=_rand(n, dtype=dtype), rs=_rand(*lead, m, dtype=dtype),
@@ -192,7 +206,7 @@ CASES = [
 CASES += [(ep, torch.bfloat16, "nk") for ep in (swiglu, swiglu_keep_preactivation, rope_tables, rope_positions,
                                                  lse_and_take, pairs_with_full_width_operands, sin_cos,
                                                  swiglu_backward, swiglu_derived_backward, residual_rms_backward,
-                                                 double_width)]
+                                                 double_width, ce_derived_backward)]
 # the row nodes under other thread layouts: one warp group per 64-row tile; the cooperative tile, whose
 # epilogue no mainloop hides (the cross-entropy's cost there)
 LSE_CONFIGS = ("64x256x64_c1x1_pingpong", "256x128x64_c1x2_cooperative")

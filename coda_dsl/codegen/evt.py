@@ -153,6 +153,8 @@ def _spell(n: p.EvtNode) -> tuple[str, str, str, str, str]:
         return "fusion::Sm90AccFetch", "{}", "", "", ""
     if kind is p.SrcFetch:  # the collective loads it: the kernel's C (kernel.cu.j2), D itself
         return "fusion::Sm90SrcFetch<ElementC>", "{}", "", "", ""
+    if kind is p.OneHot:
+        return "coda::RowOneHot", f"coda::one_hot_args<{n.name}>(inputs[{n.input_index}])", "", "", ""
     if kind is p.Unpack:
         return f"coda::Unpack<{cpp_element(n.dtype)}, {n.part}>", "{}", "", "", ""
     if kind is p.Pack:

@@ -4,7 +4,8 @@ Nodes are hash-consed (structurally equal nodes are the same object), so a subex
 written twice is one node: common-subexpression elimination falls out of construction.
 
 Leaves:   acc, load(kind, name), prior_d (D's contents before the kernel, for D += ...), scalar(name),
-          const(value), const_param(name), reduced (the statistic inside a finishing expression)
+          const(value), const_param(name), reduced (the statistic inside a finishing expression),
+          onehot(name) (1 at the column a vec_m operand of int64 indices names, per row: cd.take's derivative)
 Compute:  an op name of ir/ops.py with its inputs; cast(dtype) rounds through a storable dtype
 Pairwise: pair(x, 0 | 1) the even / odd columns of x; interleave(a, b) their inverse
 Reduce:   reduce(kind, axis) over one input (kind: sum | max | min | amax | logsumexp), or
@@ -86,6 +87,12 @@ def prior_d() -> Node:
     return Node("prior_d")
 
 
+def onehot(index: Node) -> Node:
+    """1.0 at column index[m] of each row m, else 0.0 (index: a vec_m load of int64 column indices)."""
+    assert index.op == "load" and index.attr[0] == "vec_m", index
+    return Node("onehot", (), index.attr[1])
+
+
 def scalar(name: str) -> Node:
     return Node("scalar", (), name)
 
@@ -130,6 +137,12 @@ def reduced() -> Node:
 def finish(r: Node, expression: Node) -> Node:
     assert r.op == "reduce"
     return Node("finish", (r,), expression)
+
+
+def index_operands(nodes) -> frozenset[str]:
+    """The operands read as int64 column indices: cd.take's, and those a onehot compares columns with."""
+    return frozenset(n.attr if n.op == "onehot" else n.inputs[1].attr[1] for n in nodes
+                     if n.op == "onehot" or (n.op == "reduce" and REDUCTIONS[n.attr[0]].indexed))
 
 
 def reduction_of(node: Node) -> Node | None:
@@ -216,6 +229,8 @@ def _leaf_name(n: Node) -> str:
         return n.op
     if n.op == "const":
         return repr(n.attr)
+    if n.op == "onehot":
+        return f"onehot({n.attr})"
     return n.attr[1] if n.op == "load" else n.attr  # scalar, const_param
 
 

@@ -222,7 +222,9 @@ NODE_OPS: dict[str, OpDef] = {
                         grad=lambda d, _attr, x, y, g: (d.pair(g, 0), d.pair(g, 1))),
     "reduce": OpDef("reduce", 1, "reduction"),
     "finish": OpDef("finish", 1, "reduction"),
-    **{leaf: OpDef(leaf, 0, "leaf", leaf_value="fetched") for leaf in ("acc", "load", "prior_d")},
+    # onehot: 1.0 at column index[m] of each row m, else 0.0 (attr: the index operand's name), N wide; what
+    # cd.take's derivative scatters its gradient with
+    **{leaf: OpDef(leaf, 0, "leaf", leaf_value="fetched") for leaf in ("acc", "load", "prior_d", "onehot")},
     **{leaf: OpDef(leaf, 0, "leaf", leaf_value="uniform") for leaf in ("scalar", "const", "const_param", "reduced")},
 }
 
@@ -253,8 +255,9 @@ class ReduceDef:
     axes: tuple = ("n", "m", None)  # the output axes it reduces over
     indexed: bool = False  # reads a per-row int64 column index (a cd.VecM operand): cd.take
     empty_defined: bool = True  # has a value over no elements (sum: 0); max/min: undefined, refused
-    # the derivative: grad(d, x, y, dy) -> x's adjoint, with y the statistic and dy its gradient (both
-    # broadcast back over the reduced axis); None: none yet
+    # the derivative: grad(d, inputs, y, dy) -> the adjoint of inputs[0] (the value reduced; take's inputs[1]
+    # is its index), with y the statistic and dy its gradient (both broadcast back over the reduced axis);
+    # None: none yet
     grad: Callable | None = None
 
 
@@ -266,8 +269,10 @@ REDUCTIONS: dict[str, ReduceDef] = {
         ReduceDef("min", lambda x, dims: x.amin(dim=dims), empty_defined=False),
         ReduceDef("amax", lambda x, dims: x.abs().amax(dim=dims), empty_defined=False),
         ReduceDef("logsumexp", lambda x, dims: torch.logsumexp(x, dim=dims), axes=("n",),
-                  grad=lambda d, x, y, dy: d.mul(dy, d.exp(d.sub(x, y)))),  # dy times the softmax
-        ReduceDef("take", _take, axes=("n",), indexed=True),  # x at column index[m] of each row m
+                  grad=lambda d, x, y, dy: d.mul(dy, d.exp(d.sub(x[0], y)))),  # dy times the softmax
+        # x at column index[m] of each row m; dy goes back there alone (a select: an infinite dy stays there)
+        ReduceDef("take", _take, axes=("n",), indexed=True,
+                  grad=lambda d, x, y, dy: d.where(d.onehot(x[1]), dy, d.c(0.0))),
     ]
 }
 

@@ -47,6 +47,9 @@ class _Builder:
     def interleave(self, a: ir.Node, b: ir.Node) -> ir.Node:
         return ir.interleave(a, b)
 
+    def onehot(self, index: ir.Node) -> ir.Node:
+        return ir.onehot(index)
+
     def __getattr__(self, op: str):
         return lambda *inputs: ir.compute(op, *inputs)
 
@@ -191,6 +194,7 @@ def derive(program: ir.Program, no_grad: tuple[str, ...] = (), reuse: tuple[str,
     # Each incoming gradient is as wide as its output (a column statistic's: as its input): declared, since
     # nothing in the backward need tie it to the accumulator (cd.pairs(acc)[0] + s: dy -> interleave(dy, 0))
     forward_widths = infer_widths(program)
+    underived = underivable(program)
     for o in (o for o in program.outputs if o.name not in no_grad):
         r = ir.reduction_of(o.node)
         if r is None:
@@ -200,8 +204,9 @@ def derive(program: ir.Program, no_grad: tuple[str, ...] = (), reuse: tuple[str,
             continue
         kind, axis = r.attr
         rule = REDUCTIONS[kind].grad
-        if rule is None:
-            raise UnsupportedError(f"{where}: output '{o.name}' is a cd.{kind}, which has no derivative yet")
+        if o.name in underived:
+            raise UnsupportedError(f"{where}: output '{o.name}' is a cd.{kind}{'' if rule is None else ' of a value not N wide'}"
+                                   ", which has no derivative yet")
         vec = _VEC_OF_AXIS[axis]
         leaf = (lambda name: ir.scalar(name)) if vec == "scalar" else (lambda name: ir.load(vec, name))
         dy, s = leaf(GRAD + o.name), leaf(SAVED + o.name)  # s: the statistic (before .then)
@@ -224,7 +229,7 @@ def derive(program: ir.Program, no_grad: tuple[str, ...] = (), reuse: tuple[str,
             if o.node.op == "finish":
                 unfinished.append(o.name)
         x = r.inputs[0]
-        adjoint[id(x)] = _add(adjoint.get(id(x)), rule(_d, x, s, dy))
+        adjoint[id(x)] = _add(adjoint.get(id(x)), rule(_d, r.inputs, s, dy))
     _backprop(ir.topo_order([o.node for o in program.outputs]), adjoint, program, _into_uniform(program))
     outputs = []
     acc_grad = adjoint.get(id(ir.acc()))
@@ -248,6 +253,14 @@ def derive(program: ir.Program, no_grad: tuple[str, ...] = (), reuse: tuple[str,
                           program.locations)
     ungraded = tuple(p.name for p in program.params if p.name in finishing_scalars)
     return Backward(backward, tuple(grads), tuple(saved), tuple(unfinished), "acc" in uses, program, ungraded, reused)
+
+
+def underivable(program: ir.Program) -> tuple[str, ...]:
+    """The outputs that are statistics with no derivative yet: of a kind with no rule (cd.max/min/amax), or
+    cd.take of a value not N wide (its one-hot is N wide)."""
+    widths = infer_widths(program)
+    return tuple(o.name for o in program.outputs if (r := ir.reduction_of(o.node)) is not None and (
+        REDUCTIONS[r.attr[0]].grad is None or (REDUCTIONS[r.attr[0]].indexed and widths.get(id(r.inputs[0]), 1) != 1)))
 
 
 def _read_width(p: ir.Param, forward_widths: dict) -> Fraction | None:

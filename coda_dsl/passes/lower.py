@@ -5,7 +5,8 @@ visitor node (`Compute` with a generated functor); the expression tree below it,
 other such nodes, is fused into that functor. So a shared subexpression is computed once, and each
 fused region is one functor. Leaves: acc -> Sm90AccFetch, cd.Tensor -> AuxLoad (TMA), VecN ->
 RowBroadcast, VecM -> ColBroadcast, the halves cd.pairs(x) of a double-width (2N) cd.Tensor -> Unpack
-of its WideLoad; scalars ride in the functors' Arguments; constants are literals.
+of its WideLoad, onehot (cd.take's derivative) -> OneHot; scalars ride in the functors' Arguments;
+constants are literals.
 Outputs other than D are taps on their value: AuxStore for tensors (PairStore at half width, WideStore
 of a Pack for a double-width cd.interleave(a, b)),
 Reduce nodes for statistics (LogSumExp and Take for cd.logsumexp / cd.take), with their finishing
@@ -20,11 +21,11 @@ from fractions import Fraction
 
 from ..errors import EpilogueError, UnsupportedError
 from ..ir import graph as ir
-from ..ir.ops import DTYPES, REDUCTIONS
+from ..ir.ops import DTYPES, INDEX_DTYPE, REDUCTIONS
 from . import smem, widths
 from .plan import (KIND_OF_AXIS, AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, EvtNode, Functor, LogSumExp,
-                   Pack, PairLoad, PairStore, Plan, Reduce, Ref, RowBroadcast, Signature, SrcFetch, Step, Take, Unpack,
-                   WideLoad, WideStore)
+                   OneHot, Pack, PairLoad, PairStore, Plan, Reduce, Ref, RowBroadcast, Signature, SrcFetch, Step, Take,
+                   Unpack, WideLoad, WideStore)
 
 _LOAD_NODE = {"tensor": AuxLoad, "vec_n": RowBroadcast, "vec_m": ColBroadcast}
 
@@ -113,6 +114,9 @@ class _Lowering:
                 self.index[id(n)] = self.add(AccFetch("Acc", comment="fp32 accumulator of A @ B^T"))
             elif n.op == "prior_d":
                 self.index[id(n)] = self.add(SrcFetch("Source", comment="current D (accumulate: D += ...)"))
+            elif n.op == "onehot":
+                self.index[id(n)] = self.add(OneHot(f"OneHot_{n.attr}", dtype=INDEX_DTYPE, input_index=self.input(n.attr),
+                                                    comment=f"1 at column {n.attr}[m] of row m, else 0"))
             elif _wide_half(n, self.width):
                 x = n.inputs[0]
                 _, name = x.attr

@@ -239,6 +239,15 @@ class ColBroadcast(Operand):
         return f"ColB{self.dtype}"
 
 
+@dataclass
+class OneHot(Operand):
+    """1.0 at column index[m] of each row m, else 0.0 (cd.take's derivative): `inputs[input_index]` is the
+    int64 index, read once per row a thread holds."""
+
+    def canonical(self) -> str:
+        return f"OneHot{self.input_index}"  # (which index, as Take's: two may share one)
+
+
 @dataclass(frozen=True)
 class Ref:
     """An fp32 value inside a functor."""

@@ -49,7 +49,7 @@ def infer(program: ir.Program) -> dict[int, Fraction]:
     # the program's own acc and load nodes, not ir.acc() / ir.load(): those intern, and Dynamo, tracing a
     # derived backward through here, guarded on the interning table (any new node anywhere: a recompile)
     declared = {(p.kind, p.name): p.width for p in program.params if p.width is not None}
-    width: dict[int, Fraction] = {id(n): Fraction(1) for n in nodes if n.op == "acc"}
+    width: dict[int, Fraction] = {id(n): Fraction(1) for n in nodes if n.op in ("acc", "onehot")}
     width.update({id(n): declared[n.attr] for n in nodes if n.op == "load" and n.attr in declared})
     load_of = {id(n): n for n in nodes if n.op == "load"}
 

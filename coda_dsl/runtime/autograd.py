@@ -18,9 +18,9 @@ import torch
 from ..dsl import Epilogue
 from ..errors import OperandError, UnsupportedError
 from ..ir import graph as ir
-from ..ir.ops import REDUCTIONS, dtype_name, math_dtype, torch_dtype
+from ..ir.ops import dtype_name, math_dtype, torch_dtype
 from ..passes import specialize
-from ..passes.autodiff import ACC, GRAD, SAVED, Backward, derive, into_producer
+from ..passes.autodiff import ACC, GRAD, SAVED, Backward, derive, into_producer, underivable
 from . import reference, torch_compile
 from .torch_compile import made_once
 from .op import check_consts, check_operands, epilogue_of, gemm
@@ -126,9 +126,9 @@ class _Linear(torch.autograd.Function):
     def forward(ctx, ep, names, numbers, options, x, w, *tensors):
         operands = {**dict(zip(names, tensors)), **numbers}  # numbers last: a learnt cd.Scalar's value
         consts = {p.name: operands[p.name] for p in ep.params if p.kind == "const"}
-        # statistics with no derivative yet (cd.max/min/amax/take, e.g. an fp8 scale's amax) are computed, and
+        # statistics with no derivative yet (cd.max/min/amax, e.g. an fp8 scale's amax) are computed, and
         # refused only if a gradient reaches them (inside torch.compile: refused by linear())
-        frozen = _no_derivative(ep)
+        frozen = underivable(ep.program)
         derived = _derive(ep, consts, frozen, a_dtype=x.dtype)
         back = derived.back
         if learnt := [n for i, n in enumerate(names) if n in back.ungraded and ctx.needs_input_grad[6 + i]]:
@@ -186,12 +186,6 @@ class _Linear(torch.autograd.Function):
         return (None, None, None, None, grad_x, grad_w, *grad_ops)
 
 
-def _no_derivative(ep: Epilogue) -> tuple[str, ...]:
-    """The epilogue's outputs that are statistics with no derivative yet (cd.max/min/amax/take)."""
-    return tuple(o.name for o in ep.program.outputs
-                 if (r := ir.reduction_of(o.node)) is not None and REDUCTIONS[r.attr[0]].grad is None)
-
-
 def _shaped(grad: torch.Tensor, operand: torch.Tensor) -> torch.Tensor:
     """An operand's gradient in the operand's shape. A gradient with no width of its own (the same in every
     column: it comes from a row or whole-tile statistic) is evaluated N wide; the operand may be N/2 or 2N."""
@@ -213,7 +207,7 @@ def linear(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, /
     tensor (its value is read to the host for the kernel: on CUDA one synchronization per call); a
     cd.Scalar given as a number, and cd.Const values, get none. The epilogue's backward is derived
     automatically (coda_dsl.passes.autodiff): statistics it cannot differentiate yet
-    (cd.max/min/amax/take) are computed, and raise UnsupportedError if the loss depends on them.
+    (cd.max/min/amax) are computed, and raise UnsupportedError if the loss depends on them.
     backend, config, deterministic and tune are cd.gemm's, for the forward kernel. Returns the outputs
     like cd.gemm.
     """
@@ -247,7 +241,7 @@ def linear(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, /
         # nothing to differentiate: the plain fused GEMM (no accumulator kept, no derivative needed)
         return gemm(A, B, ep, backend=backend, config=config, deterministic=deterministic, tune=tune,
                     **{**operands, **values})
-    if torch.compiler.is_compiling() and (frozen := _no_derivative(ep)):
+    if torch.compiler.is_compiling() and (frozen := underivable(ep.program)):
         # AOTAutograd hands an unused output zeros rather than None: a use cannot be told from none
         raise UnsupportedError(f"cd.linear: epilogue '{ep.name}' has output '{frozen[0]}', a statistic with no "
                                "derivative yet, which inside torch.compile cannot be told unused\n  fix: compute it "
@@ -267,7 +261,7 @@ def forward_epilogue(epilogue: Epilogue, dtype: torch.dtype | str = torch.bfloat
     if dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
         raise OperandError(f"forward_epilogue: dtype is A's, a torch floating dtype or its name, not {given!r}\n  fix: "
                            "dtype=torch.bfloat16 (or torch.float16, 'bf16', 'fp16')")
-    return _derive(epilogue, consts, _no_derivative(epilogue), a_dtype=dtype).forward
+    return _derive(epilogue, consts, underivable(epilogue.program), a_dtype=dtype).forward
 
 
 def _checked(api: str, epilogue, consts: dict, options: tuple[str, ...] = ()) -> Epilogue:
@@ -304,7 +298,7 @@ def derived_backward(epilogue: Epilogue, **consts) -> Epilogue:
     saved_<statistic>, saved_<output> for outputs read back; outputs acc and each operand's gradient).
     Statistics with no derivative yet are left out, as cd.linear leaves them. cd.Const values go in `consts`."""
     epilogue = _checked("derived_backward", epilogue, consts)
-    return Epilogue.of_program(_derive(epilogue, consts, _no_derivative(epilogue)).back.program)
+    return Epilogue.of_program(_derive(epilogue, consts, underivable(epilogue.program)).back.program)
 
 
 def backward_epilogue(epilogue: Epilogue, output: str = "D", split: bool = False,
@@ -318,13 +312,13 @@ def backward_epilogue(epilogue: Epilogue, output: str = "D", split: bool = False
     operand holds that operand's gradient. split (a pairwise forward): D's even and odd columns as two
     outputs D_even and D_odd instead, e.g. SwiGLU's gate and up gradients for their own weights. no_grad:
     outputs with no incoming gradient (a pre-activation kept for the backward, say), which then need no
-    grad_<name> operand; statistics with no derivative yet (cd.max/min/amax/take) are among them. recompute:
+    grad_<name> operand; statistics with no derivative yet (cd.max/min/amax) are among them. recompute:
     forward outputs it also computes again, as outputs recomputed_<name> (so the forward need not keep them:
     SwiGLU's y, which W_down's gradient reads). cd.Const values go in `consts`. library.swiglu_backward is
     SwiGLU's."""
     names = lambda x: (x,) if isinstance(x, str) else tuple(x)  # noqa: E731  a single name, or several
     epilogue = _checked("cd.backward_epilogue", epilogue, consts, ("output", "split", "no_grad", "recompute"))
-    frozen = _no_derivative(epilogue)
+    frozen = underivable(epilogue.program)
     saved = _derive(epilogue, consts, frozen).back.reused  # what the forward kernel keeps
     back = _derive(epilogue, consts, tuple(dict.fromkeys(names(no_grad) + frozen)), saved).back
     # an output named saved_<an output the backward reads> would be taken for it by saved_operands

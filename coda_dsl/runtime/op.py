@@ -287,7 +287,7 @@ class _Facts:
     kinds: dict[str, str]  # operand name -> kind
     widths: dict[str, Fraction]  # load operands not N wide -> their width over N (passes/widths.py)
     pairs: int  # N must be a multiple of this: 2 if some value is N/2 wide (cd.pairs of the accumulator), ...
-    indices: frozenset[str]  # operands cd.take reads as int64 column indices
+    indices: frozenset[str]  # operands read as int64 column indices (cd.take's, and its derivative's)
     cross_batch: tuple[str, ...]  # outputs reduced over m or everything: they cannot fold a batch into M
     extrema: tuple[tuple[str, str, str | None], ...]  # (output, kind, axis) of max/min/amax: undefined if empty
 
@@ -303,7 +303,7 @@ def _facts(ep: Epilogue) -> _Facts:
             kinds={p.name: p.kind for p in ep.params},
             widths={k: w for k, w in load_widths(ep.program).items() if w != 1},
             pairs=max((w.denominator for w in infer_widths(ep.program).values()), default=1),
-            indices=frozenset(n.inputs[1].attr[1] for n in nodes if n.op == "reduce" and REDUCTIONS[n.attr[0]].indexed),
+            indices=ir.index_operands(nodes),
             cross_batch=tuple(o.name for o in ep.program.outputs
                               if (r := ir.reduction_of(o.node)) is not None and r.attr[1] != "n"),
             extrema=tuple((o.name, *r.attr) for o in ep.program.outputs
@@ -317,7 +317,8 @@ def n_multiple(ep: Epilogue) -> int:
 
 
 def index_operands(ep: Epilogue) -> frozenset[str]:
-    """The operands cd.take reads as int64 column indices (their dtype is INDEX_DTYPE, never a choice)."""
+    """The operands read as int64 column indices, by cd.take or its derivative (their dtype is INDEX_DTYPE,
+    never a choice)."""
     return _facts(ep).indices
 
 

@@ -47,6 +47,9 @@ def _leaf(node: ir.Node, operands: dict, acc: torch.Tensor) -> torch.Tensor:
         if isinstance(v, torch.Tensor):
             return _real(v, acc)
         return torch.tensor(float(v), dtype=acc.dtype, device=acc.device)
+    if node.op == "onehot":  # [.., M, 1] indices against the columns; one outside [0, N) matches none
+        index = operands[node.attr].to(acc.device).unsqueeze(-1)
+        return (torch.arange(acc.shape[-1], device=acc.device) == index).to(acc.dtype)
     kind, name = node.attr
     t = operands[name].to(acc.device)
     t = t if t.dtype == torch.int64 else _real(t, acc)  # cd.take indices stay integers

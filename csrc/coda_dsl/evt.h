@@ -125,6 +125,12 @@ typename Node::Arguments take_args(TensorRef const& index, TensorRef const& out)
           out.dim() == 2 ? out.stride(0) : 0};
 }
 
+// cd.take's derivative (coda::RowOneHot in rows.h): the int64 column index, [M] or [L, M].
+template <class Node>
+typename Node::Arguments one_hot_args(TensorRef const& index) {
+  return {index.data_ptr<int64_t>(), index.dim() == 2 ? index.stride(0) : 0};
+}
+
 // Fill the dynamic modes of a CUTLASS stride (static _0/_1 modes stay as they are).
 template <class Stride>
 Stride make_stride(int64_t s0, int64_t s1, int64_t s2) {

@@ -1,5 +1,6 @@
 // Per-row statistics CUTLASS has no node for: the log-sum-exp over n (cd.logsumexp) and the value
-// at a per-row column (cd.take). Both are taps: they observe their input and pass it on.
+// at a per-row column (cd.take). Both are taps: they observe their input and pass it on. And the leaf
+// that is cd.take's derivative: the one-hot of that column.
 #pragma once
 
 #include <cmath>
@@ -140,6 +141,22 @@ struct RowLogSumExp : DirectNode<LogSumExpArguments> {
   }
 };
 
+// The column index[l, m] of each row this thread holds, into `targets` (from statistic_registers); -1 where
+// the row, or its index, lies outside (M, N). index_batch: the [L, M] index's batch stride (0: shared).
+template <class Registers, class Coords, class Shape>
+CUTLASS_DEVICE void load_targets(Registers& targets, Coords const& coords, Shape const& shape, int64_t const* index,
+                                 int64_t index_batch) {
+  cute::Tensor t = cute::filter_zeros(targets);
+  cute::Tensor c = slot_coordinates(targets, coords);
+  CUTLASS_PRAGMA_UNROLL
+  for (int r = 0; r < cute::size(t); ++r) {
+    int row = cute::get<0>(c(r)), l = cute::get<2>(c(r));
+    int64_t i = -1;
+    if (row < cute::get<0>(shape) && l < cute::get<2>(shape)) i = index[l * index_batch + row];
+    t(r) = i >= 0 && i < cute::get<1>(shape) ? int(i) : -1;
+  }
+}
+
 // cd.take(x, index, axis="n"): out[l, m] = x[l, m, index[l, m]], written by the one thread holding
 // that column (no atomics). The runtime zero-fills out first: rows whose index is outside [0, N)
 // keep 0.
@@ -164,17 +181,7 @@ struct RowTake : DirectNode<TakeArguments> {
     Shape shape;
     TakeArguments const* args;
 
-    CUTLASS_DEVICE void begin() {
-      cute::Tensor t = cute::filter_zeros(targets);
-      cute::Tensor c = slot_coordinates(targets, coords);
-      CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < cute::size(t); ++r) {
-        int row = cute::get<0>(c(r)), l = cute::get<2>(c(r));
-        int64_t index = -1;
-        if (row < cute::get<0>(shape) && l < cute::get<2>(shape)) index = args->index[l * args->index_batch + row];
-        t(r) = index >= 0 && index < cute::get<1>(shape) ? int(index) : -1;
-      }
-    }
+    CUTLASS_DEVICE void begin() { load_targets(targets, coords, shape, args->index, args->index_batch); }
 
     template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
     CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m,
@@ -197,6 +204,54 @@ struct RowTake : DirectNode<TakeArguments> {
         }
       }
       return frg_input;
+    }
+  };
+
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
+    auto [coords, shape] = thread_coordinates<ReferenceSrc>(args);
+    auto targets = statistic_registers<int, ReferenceSrc, true>(args);
+    return ConsumerStoreCallbacks<decltype(targets), decltype(coords), decltype(shape)>(targets, coords, shape,
+                                                                                        this->params_ptr);
+  }
+};
+
+// The one-hot of a per-row column index (cd.take's derivative scatters its gradient with it): 1 at column
+// index[l, m] of row m, else 0, as a leaf of the tree. Rows whose index is outside [0, N) are all 0.
+struct OneHotArguments {
+  int64_t const* index = nullptr;
+  int64_t index_batch = 0;  // the [L, M] index's batch stride (0: shared)
+};
+
+struct RowOneHot : DirectNode<OneHotArguments> {
+  using Base = DirectNode<OneHotArguments>;
+  using Base::Base;
+
+  template <class Registers, class Coords, class Shape>
+  struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
+    CUTLASS_DEVICE ConsumerStoreCallbacks(Registers targets, Coords coords, Shape shape,
+                                          OneHotArguments const* args)
+        : targets(targets), coords(coords), shape(shape), args(args) {}
+
+    Registers targets;  // the column of each row this thread holds; -1: none
+    Coords coords;
+    Shape shape;
+    OneHotArguments const* args;
+
+    CUTLASS_DEVICE void begin() { load_targets(targets, coords, shape, args->index, args->index_batch); }
+
+    template <typename ElementAccumulator, int FragmentSize>
+    CUTLASS_DEVICE cutlass::Array<float, FragmentSize> visit(cutlass::Array<ElementAccumulator, FragmentSize> const&,
+                                                             int epi_v, int epi_m, int epi_n) {
+      cute::Tensor c = coords(cute::_, cute::_, cute::_, epi_m, epi_n);
+      cute::Tensor t = targets(cute::_, cute::_, cute::_, epi_m, epi_n);
+      cutlass::Array<float, FragmentSize> out;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < FragmentSize; ++i) {
+        int k = epi_v * FragmentSize + i;
+        out[i] = cute::get<1>(c(k)) == t(k) ? 1.f : 0.f;
+      }
+      return out;
     }
   };
 
