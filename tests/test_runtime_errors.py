@@ -661,7 +661,7 @@ def test_prebuild_of_a_function_builds_what_its_calls_need(fake_kernels, monkeyp
             cd.prebuild(wrong)
     with pytest.raises(OperandError) as e:  # cd.gemm's arguments: described by dtype and shape, not their values
         cd.prebuild([(ep_all, a, b)])
-    assert f"a torch.bfloat16 tensor of shape {list(a.shape)}" in str(e.value) and "tensor(" not in str(e.value)
+    assert f"got tuple (Epilogue, torch.bfloat16 {list(a.shape)}" in str(e.value) and "tensor(" not in str(e.value)
     assert len(builds) == 2
 
 

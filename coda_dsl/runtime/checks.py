@@ -18,6 +18,18 @@ def fail(where: str, message: str, fix: str = "") -> OperandError:
     return OperandError(f"{where}: {message}" + (f"\n  fix: {fix}" if fix else ""))
 
 
+def described(value) -> str:
+    """A value as messages show it: a tensor by its dtype and shape (never its data), a number or a name as
+    written, anything else by its type."""
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} {list(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__} ({', '.join(described(v) for v in value)})"
+    if value is None or isinstance(value, (str, int, float)):
+        return repr(value)
+    return type(value).__name__
+
+
 def _bare(name: str) -> str:
     """"operand 'b'" -> b: the name as the caller's code spells it, for a fix."""
     return name.split()[-1].strip("'")

@@ -522,8 +522,7 @@ def _input(t: torch.Tensor, widened: bool, wide: bool) -> torch.Tensor:
 def _check_out(where: str, name: str, t: torch.Tensor, shape, dtype, call: Call, tma: bool | None = True) -> None:
     """A preallocated output; tma: its layout as the kernel stores it (TMA rows, or a vector; None: any)."""
     if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-        got = f"{list(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
-        raise checks.fail(where, f"out['{name}'] is {got}, expected {list(shape)} {dtype}")
+        raise checks.fail(where, f"out['{name}'] is {checks.described(t)}, expected {dtype} {list(shape)}")
     if t.device != call.a.device:
         raise checks.fail(where, f"out['{name}'] is on {t.device}, A on {call.a.device}")
     checks.output(where, f"out['{name}']", t)
@@ -938,20 +937,11 @@ def prebuild(what, /, *args, jobs: int | None = None, **kwargs) -> int:
     else:
         ops = list(what) if hasattr(what, "__iter__") and not isinstance(what, str) else [what]
         if wrong := [o for o in ops if not isinstance(o, CompiledOp)]:
-            raise OperandError(f"coda_dsl.prebuild: got {_described(wrong[0])}, not a CompiledOp: prebuild takes a list of "
+            raise OperandError(f"coda_dsl.prebuild: got {checks.described(wrong[0])}, not a CompiledOp: prebuild takes a list of "
                                "cd.compile(...)'s ops, or a function whose calls it builds for\n  fix: cd.prebuild("
                                "[cd.compile(epilogue, A, B, **operands), ...]), or cd.prebuild(lambda: model(x))")
     build.build_units([op.unit for op in ops], jobs=jobs)
     return len(ops)
-
-
-def _described(value) -> str:
-    """A short description of a value for an error message: a tensor by its dtype and shape, not its data."""
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {list(value.shape)}"
-    if isinstance(value, (tuple, list)):
-        return f"a {type(value).__name__} ({', '.join(_described(v) for v in value)})"
-    return repr(value)
 
 
 _warned_fallback = False

@@ -12,6 +12,7 @@ from ..ir import graph as ir
 from ..ir.ops import DTYPES
 from ..passes.plan import KIND_OF_AXIS, OUTPUT_SHAPES
 from ..passes.widths import infer as infer_widths
+from .checks import described
 
 
 # cd.gemm's eager path, which the custom op runs: runtime/op.py registers it when it imports this
@@ -75,10 +76,9 @@ def traced_gemm(ep: Epilogue, a, b, out, backend, config, deterministic, operand
     for name, t in (out or {}).items():  # given outputs: what the op made, copied in (so the same dtype, shape)
         made = outs.get(name)
         if made is None or not isinstance(t, torch.Tensor) or t.dtype != made.dtype or t.shape != made.shape:
-            want = "no such output" if made is None else f"{made.dtype} {list(made.shape)}"
-            got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            want = "no such output" if made is None else described(made)
             raise OperandError(f"cd.gemm (epilogue '{ep.name}'): inside torch.compile, out['{name}'] must be what the "
-                               f"epilogue makes ({want}; outputs {list(ep.output_names)}), got {got}\n  fix: cast in "
+                               f"epilogue makes ({want}; outputs {list(ep.output_names)}), got {described(t)}\n  fix: cast in "
                                "the epilogue (cd.cast) for another dtype, or use the returned tensor")
         t.copy_(made)
         outs[name] = t
