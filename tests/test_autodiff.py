@@ -396,7 +396,8 @@ def test_take_of_a_value_not_n_wide_has_no_derivative_yet():
     with pytest.raises(UnsupportedError, match="'p' is a cd.take of a value not N wide, which has no derivative"):
         derive(half_take.program)
     x = torch.randn(4, 3, requires_grad=True)
-    cd.linear(x, torch.randn(8, 3), half_take, backend="reference", idx=torch.zeros(4, dtype=torch.long))["D"].sum().backward()
+    idx = torch.zeros(4, dtype=torch.long)
+    cd.linear(x, torch.randn(8, 3), half_take, backend="reference", idx=idx)["D"].sum().backward()
     assert x.grad is not None  # computed, and D trains
 
 

@@ -205,8 +205,8 @@ def derive(program: ir.Program, no_grad: tuple[str, ...] = (), reuse: tuple[str,
         kind, axis = r.attr
         rule = REDUCTIONS[kind].grad
         if o.name in underived:
-            raise UnsupportedError(f"{where}: output '{o.name}' is a cd.{kind}{'' if rule is None else ' of a value not N wide'}"
-                                   ", which has no derivative yet")
+            what = f"cd.{kind}" + ("" if rule is None else " of a value not N wide")
+            raise UnsupportedError(f"{where}: output '{o.name}' is a {what}, which has no derivative yet")
         vec = _VEC_OF_AXIS[axis]
         leaf = (lambda name: ir.scalar(name)) if vec == "scalar" else (lambda name: ir.load(vec, name))
         dy, s = leaf(GRAD + o.name), leaf(SAVED + o.name)  # s: the statistic (before .then)

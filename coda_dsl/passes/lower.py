@@ -115,7 +115,8 @@ class _Lowering:
             elif n.op == "prior_d":
                 self.index[id(n)] = self.add(SrcFetch("Source", comment="current D (accumulate: D += ...)"))
             elif n.op == "onehot":
-                self.index[id(n)] = self.add(OneHot(f"OneHot_{n.attr}", dtype=INDEX_DTYPE, input_index=self.input(n.attr),
+                self.index[id(n)] = self.add(OneHot(f"OneHot_{n.attr}", dtype=INDEX_DTYPE,
+                                                    input_index=self.input(n.attr),
                                                     comment=f"1 at column {n.attr}[m] of row m, else 0"))
             elif _wide_half(n, self.width):
                 x = n.inputs[0]

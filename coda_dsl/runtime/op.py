@@ -937,8 +937,8 @@ def prebuild(what, /, *args, jobs: int | None = None, **kwargs) -> int:
     else:
         ops = list(what) if hasattr(what, "__iter__") and not isinstance(what, str) else [what]
         if wrong := [o for o in ops if not isinstance(o, CompiledOp)]:
-            raise OperandError(f"coda_dsl.prebuild: got {checks.described(wrong[0])}, not a CompiledOp: prebuild takes a list of "
-                               "cd.compile(...)'s ops, or a function whose calls it builds for\n  fix: cd.prebuild("
+            raise OperandError(f"coda_dsl.prebuild: got {checks.described(wrong[0])}, not a CompiledOp: prebuild takes "
+                               "a list of cd.compile(...)'s ops, or a function whose calls it builds for\n  fix: cd.prebuild("
                                "[cd.compile(epilogue, A, B, **operands), ...]), or cd.prebuild(lambda: model(x))")
     build.build_units([op.unit for op in ops], jobs=jobs)
     return len(ops)

@@ -78,8 +78,8 @@ def traced_gemm(ep: Epilogue, a, b, out, backend, config, deterministic, operand
         if made is None or not isinstance(t, torch.Tensor) or t.dtype != made.dtype or t.shape != made.shape:
             want = "no such output" if made is None else described(made)
             raise OperandError(f"cd.gemm (epilogue '{ep.name}'): inside torch.compile, out['{name}'] must be what the "
-                               f"epilogue makes ({want}; outputs {list(ep.output_names)}), got {described(t)}\n  fix: cast in "
-                               "the epilogue (cd.cast) for another dtype, or use the returned tensor")
+                               f"epilogue makes ({want}; outputs {list(ep.output_names)}), got {described(t)}\n  fix: "
+                               "cast in the epilogue (cd.cast) for another dtype, or use the returned tensor")
         t.copy_(made)
         outs[name] = t
     return outs
