@@ -330,11 +330,9 @@ def _check_inputs(x, hidden_size: int, dtype: torch.dtype, position_ids, input_r
         return
     want = math_dtype(dtype)  # what return_rstd=True gives
     if not isinstance(input_rstd, torch.Tensor) or tuple(input_rstd.shape) != (b, s) or input_rstd.dtype != want:
-        got = (f"{list(input_rstd.shape)} {input_rstd.dtype}" if isinstance(input_rstd, torch.Tensor)
-               else type(input_rstd).__name__)
         cast = isinstance(input_rstd, torch.Tensor) and input_rstd.dtype in (torch.bfloat16, torch.float16)
         raise OperandError(f"{where}: input_rstd must be a [{b}, {s}] {want} tensor, as the previous layer returns it "
-                           f"with return_rstd=True, got {got}" + (
+                           f"with return_rstd=True, got {checks.described(input_rstd)}" + (
                                "\n  fix: pass it on as it came (under FSDP2, a MixedPrecisionPolicy casts forward "
                                "inputs unless cast_forward_inputs=False, as parallel.mixed_precision_policy has it)"
                                if cast else ""))

@@ -401,6 +401,37 @@ def test_take_of_a_value_not_n_wide_has_no_derivative_yet():
     assert x.grad is not None  # computed, and D trains
 
 
+def test_take_in_a_fused_backward(make_plan):
+    """cd.backward_epilogue of a forward with a take beside D: its gradient arrives as grad_<take> where D is N
+    wide (the one-hot is over D's columns); where D is not (cd.pairs), the take is left out, as before it had a
+    derivative. A derived backward whose index is also read in math is refused on the cutlass backend, as its
+    forward is."""
+    @cd.epilogue
+    def gelu_take(acc, idx: cd.VecM):
+        return {"D": cd.gelu(acc), "zt": cd.take(acc, idx)}
+    bw = cd.backward_epilogue(gelu_take)
+    assert [p.name for p in bw.params] == ["idx", "saved_acc", "grad_zt"]
+    acc = torch.randn(M, N, dtype=torch.float64, requires_grad=True)
+    idx = torch.randint(-1, N + 1, (M,))
+    g, g_zt = torch.randn(M, N, dtype=torch.float64), torch.randn(M, dtype=torch.float64)
+    ys = evaluate_on(gelu_take.program, acc, {"idx": idx}, {})
+    ((ys["D"] * g).sum() + (ys["zt"] * g_zt).sum()).backward()
+    got = evaluate_on(bw.program, g, {"idx": idx, "saved_acc": acc.detach(), "grad_zt": g_zt}, {})["D"]
+    torch.testing.assert_close(got, acc.grad)
+
+    @cd.epilogue
+    def swiglu_take(acc, idx: cd.VecM):
+        g, u = cd.pairs(acc)
+        return {"D": cd.silu(g) * u, "zt": cd.take(acc, idx)}
+    assert "grad_zt" not in [p.name for p in cd.backward_epilogue(swiglu_take).params]
+
+    @cd.epilogue
+    def index_in_math(acc, idx: cd.VecM):
+        return {"D": acc * idx, "zt": cd.take(acc, idx)}
+    with pytest.raises(UnsupportedError, match="'idx' holds cd.take's int64 column indices(.|\n)*reference backend"):
+        make_plan(derived_backward(index_in_math), operand_dtypes={"idx": "i64"})
+
+
 def test_operand_names_that_clash_are_refused():
     @cd.epilogue
     def f(acc, grad_D: cd.Tensor):

@@ -464,7 +464,7 @@ def test_refusals():
     for bad, what in (((4, d), r"hidden_states must be \[batch, seq, %d\], got \[4, %d\]" % (d, d)),
                       ((1, 4, d + 1), "hidden_states must be"),
                       ((1, 4, d), r"position_ids must be \[1, 4\] or \[1, 4\], got \[1, 5\]"),
-                      ((1, 4, d), r"input_rstd must be a \[1, 4\] torch.float32 tensor.*got \[4\]")):
+                      ((1, 4, d), r"input_rstd must be a \[1, 4\] torch.float32 tensor.*got torch.float32 \[4\]")):
         kw = {"position_ids": torch.arange(5)[None]} if "position_ids" in what else \
             {"input_rstd": torch.ones(4)} if "input_rstd" in what else {}
         with pytest.raises(cd.OperandError, match=what):
@@ -480,7 +480,7 @@ def test_input_rstd_of_another_dtype_or_kind_is_refused():
     assert rstd.dtype == torch.float32 and layer.double()(x.double(), return_rstd=True)[1].dtype == torch.float64
     layer.float()
     layer(x, input_rstd=rstd)
-    for bad, got in ((rstd.bfloat16(), r"got \[1, 4\] torch.bfloat16\n  fix: .*cast_forward_inputs=False"),
+    for bad, got in ((rstd.bfloat16(), r"got torch.bfloat16 \[1, 4\]\n  fix: .*cast_forward_inputs=False"),
                      (rstd.tolist(), "got list")):
         with pytest.raises(cd.OperandError, match=r"input_rstd must be a \[1, 4\] torch.float32 tensor.*" + got):
             layer(x, input_rstd=bad)

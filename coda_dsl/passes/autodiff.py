@@ -255,12 +255,17 @@ def derive(program: ir.Program, no_grad: tuple[str, ...] = (), reuse: tuple[str,
     return Backward(backward, tuple(grads), tuple(saved), tuple(unfinished), "acc" in uses, program, ungraded, reused)
 
 
-def underivable(program: ir.Program) -> tuple[str, ...]:
-    """The outputs that are statistics with no derivative yet: of a kind with no rule (cd.max/min/amax), or
-    cd.take of a value not N wide (its one-hot is N wide)."""
+def underivable(program: ir.Program, fused_into: str | None = None) -> tuple[str, ...]:
+    """The outputs that are statistics with no derivative yet: of a kind with no rule (cd.max/min/amax), or a
+    cd.take of a value not N wide (its one-hot is N wide). fused_into: the output into whose gradient's GEMM
+    the backward goes (into_producer), where columns are that output's: a take's one-hot has none unless that
+    output is N wide."""
     widths = infer_widths(program)
+    fused = program.output(fused_into) if fused_into is not None else None
+    elsewhere = fused is not None and widths.get(id(fused.node), 1) != 1
     return tuple(o.name for o in program.outputs if (r := ir.reduction_of(o.node)) is not None and (
-        REDUCTIONS[r.attr[0]].grad is None or (REDUCTIONS[r.attr[0]].indexed and widths.get(id(r.inputs[0]), 1) != 1)))
+        REDUCTIONS[r.attr[0]].grad is None or (REDUCTIONS[r.attr[0]].indexed and (
+            elsewhere or widths.get(id(r.inputs[0]), 1) != 1))))
 
 
 def _read_width(p: ir.Param, forward_widths: dict) -> Fraction | None:

@@ -21,7 +21,7 @@ from fractions import Fraction
 
 from ..errors import EpilogueError, UnsupportedError
 from ..ir import graph as ir
-from ..ir.ops import DTYPES, INDEX_DTYPE, REDUCTIONS
+from ..ir.ops import DTYPES, INDEX_DTYPE
 from . import smem, widths
 from .plan import (KIND_OF_AXIS, AccFetch, AuxLoad, AuxStore, ColBroadcast, Compute, EvtNode, Functor, LogSumExp,
                    OneHot, Pack, PairLoad, PairStore, Plan, Reduce, Ref, RowBroadcast, Signature, SrcFetch, Step, Take,
@@ -42,9 +42,10 @@ def validate(program: ir.Program) -> dict[int, Fraction]:
     def unsupported(node, what):
         return UnsupportedError(f"epilogue '{program.name}' ({program.where(node)}): {what}")
 
-    indices = {id(n.inputs[1]) for n in ir.walk(program) if n.op == "reduce" and REDUCTIONS[n.attr[0]].indexed}
+    indices = ir.index_operands(ir.walk(program))  # (a derived backward's onehot names one too)
     for node in ir.walk(program):
-        if id(node) in indices and any(u.op != "reduce" or u.inputs[1] is not node for u in users[id(node)]):
+        if node.op == "load" and node.attr[1] in indices and any(u.op != "reduce" or u.inputs[1] is not node
+                                                                  for u in users[id(node)]):
             raise unsupported(node, f"'{node.attr[1]}' holds cd.take's int64 column indices, which the kernel reads "
                                     "as indices only; used in math too, it runs on the reference backend only\n  fix: "
                                     "pass the values a second time, as another operand")

@@ -109,6 +109,12 @@ def _derived(uid: str, consts: tuple, no_grad: tuple[str, ...], reuse: tuple[str
     return _Derived(forward, back)
 
 
+@made_once  # a pass over the program, once per epilogue: cd.linear asks at every call
+def _underived(uid: str, fused_into: str | None = None) -> tuple[str, ...]:
+    """The outputs of the epilogue named uid that are statistics with no derivative yet (underivable)."""
+    return underivable(Epilogue.by_uid(uid).program, fused_into)
+
+
 def _derive(ep: Epilogue, consts: dict, no_grad: tuple[str, ...] = (), reuse: tuple[str, ...] | None = None,
             a_dtype: torch.dtype | None = None) -> _Derived:
     """The epilogue's derivation (made once), in a form torch.compile(fullgraph=True) traces. a_dtype: A's,
@@ -128,7 +134,7 @@ class _Linear(torch.autograd.Function):
         consts = {p.name: operands[p.name] for p in ep.params if p.kind == "const"}
         # statistics with no derivative yet (cd.max/min/amax, e.g. an fp8 scale's amax) are computed, and
         # refused only if a gradient reaches them (inside torch.compile: refused by linear())
-        frozen = underivable(ep.program)
+        frozen = _underived(ep.uid)
         derived = _derive(ep, consts, frozen, a_dtype=x.dtype)
         back = derived.back
         if learnt := [n for i, n in enumerate(names) if n in back.ungraded and ctx.needs_input_grad[6 + i]]:
@@ -154,8 +160,9 @@ class _Linear(torch.autograd.Function):
         grads = dict(zip(ctx.ep.output_names, grads))
         if used := [o for o in ctx.frozen if grads[o] is not None]:
             kind = ir.reduction_of(ctx.ep.program.output(used[0]).node).attr[0]
+            what = f"cd.{kind}" + (" of a value not N wide" if kind == "take" else "")  # (the only derived one)
             raise UnsupportedError(f"cd.linear: epilogue '{ctx.ep.name}': the loss depends on output '{used[0]}', a "
-                                   f"cd.{kind}, which has no derivative yet\n  fix: use it detached "
+                                   f"{what}, which has no derivative yet\n  fix: use it detached "
                                    f"(out['{used[0]}'].detach()), or compute it outside the epilogue")
         x, w, acc, *rest = ctx.saved_tensors
         derived = ctx.derived
@@ -241,7 +248,7 @@ def linear(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, /
         # nothing to differentiate: the plain fused GEMM (no accumulator kept, no derivative needed)
         return gemm(A, B, ep, backend=backend, config=config, deterministic=deterministic, tune=tune,
                     **{**operands, **values})
-    if torch.compiler.is_compiling() and (frozen := underivable(ep.program)):
+    if torch.compiler.is_compiling() and (frozen := _underived(ep.uid)):
         # AOTAutograd hands an unused output zeros rather than None: a use cannot be told from none
         raise UnsupportedError(f"cd.linear: epilogue '{ep.name}' has output '{frozen[0]}', a statistic with no "
                                "derivative yet, which inside torch.compile cannot be told unused\n  fix: compute it "
@@ -261,7 +268,7 @@ def forward_epilogue(epilogue: Epilogue, dtype: torch.dtype | str = torch.bfloat
     if dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
         raise OperandError(f"forward_epilogue: dtype is A's, a torch floating dtype or its name, not {given!r}\n  fix: "
                            "dtype=torch.bfloat16 (or torch.float16, 'bf16', 'fp16')")
-    return _derive(epilogue, consts, underivable(epilogue.program), a_dtype=dtype).forward
+    return _derive(epilogue, consts, _underived(epilogue.uid), a_dtype=dtype).forward
 
 
 def _checked(api: str, epilogue, consts: dict, options: tuple[str, ...] = ()) -> Epilogue:
@@ -298,7 +305,7 @@ def derived_backward(epilogue: Epilogue, **consts) -> Epilogue:
     saved_<statistic>, saved_<output> for outputs read back; outputs acc and each operand's gradient).
     Statistics with no derivative yet are left out, as cd.linear leaves them. cd.Const values go in `consts`."""
     epilogue = _checked("derived_backward", epilogue, consts)
-    return Epilogue.of_program(_derive(epilogue, consts, underivable(epilogue.program)).back.program)
+    return Epilogue.of_program(_derive(epilogue, consts, _underived(epilogue.uid)).back.program)
 
 
 def backward_epilogue(epilogue: Epilogue, output: str = "D", split: bool = False,
@@ -318,7 +325,7 @@ def backward_epilogue(epilogue: Epilogue, output: str = "D", split: bool = False
     SwiGLU's."""
     names = lambda x: (x,) if isinstance(x, str) else tuple(x)  # noqa: E731  a single name, or several
     epilogue = _checked("cd.backward_epilogue", epilogue, consts, ("output", "split", "no_grad", "recompute"))
-    frozen = underivable(epilogue.program)
+    frozen = _underived(epilogue.uid, output)
     saved = _derive(epilogue, consts, frozen).back.reused  # what the forward kernel keeps
     back = _derive(epilogue, consts, tuple(dict.fromkeys(names(no_grad) + frozen)), saved).back
     # an output named saved_<an output the backward reads> would be taken for it by saved_operands

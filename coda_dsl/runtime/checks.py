@@ -23,8 +23,8 @@ def described(value) -> str:
     written, anything else by its type."""
     if isinstance(value, torch.Tensor):
         return f"{value.dtype} {list(value.shape)}"
-    if isinstance(value, (tuple, list)):
-        return f"{type(value).__name__} ({', '.join(described(v) for v in value)})"
+    if isinstance(value, (tuple, list)):  # the first few items
+        return f"{type(value).__name__} ({', '.join([described(v) for v in value[:3]] + ['...'] * (len(value) > 3))})"
     if value is None or isinstance(value, (str, int, float)):
         return repr(value)
     return type(value).__name__
