@@ -344,7 +344,8 @@ def test_matches_reference(kernels, case, shape):
     _check(ep, a, b, _operands(ep, m, n, dtype))
 
 
-@pytest.mark.parametrize("ep", [cd.identity, residual_rms, all_kinds, double_width], ids=lambda e: e.name)
+@pytest.mark.parametrize("ep", [cd.identity, residual_rms, all_kinds, double_width, ce_derived_backward],
+                         ids=lambda e: e.name)
 def test_batched(kernels, ep):
     m, n, k, l = 200, 264, 96, 3
     a, b = _ab(m, n, k, torch.bfloat16, "nk", batch=l)  # [L, M, K] x [L, N, K]
