@@ -119,8 +119,8 @@ def test_accumulate_without_a_d_output_says_so():
 
 
 @pytest.mark.parametrize("d, words", [
-    (torch.zeros(37, 57), r"out\['D'\] is \[37, 57\] torch.float32, expected \[37, 56\]"),
-    (torch.zeros(2, 37, 56), r"out\['D'\] is \[2, 37, 56\] torch.float32, expected \[37, 56\]"),
+    (torch.zeros(37, 57), r"out\['D'\] is torch.float32 \[37, 57\], expected torch.float32 \[37, 56\]"),
+    (torch.zeros(2, 37, 56), r"out\['D'\] is torch.float32 \[2, 37, 56\], expected torch.float32 \[37, 56\]"),
     (torch.zeros(37, 56, device="meta"), r"out\['D'\] is on meta, A on cpu"),
     ([[0.0] * 56] * 37, r"out\['D'\] is list: accumulate=True adds into a tensor.*\n  fix:"),
 ])
