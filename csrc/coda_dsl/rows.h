@@ -141,21 +141,50 @@ struct RowLogSumExp : DirectNode<LogSumExpArguments> {
   }
 };
 
-// The column index[l, m] of each row this thread holds, into `targets` (from statistic_registers); -1 where
-// the row, or its index, lies outside (M, N). index_batch: the [L, M] index's batch stride (0: shared).
-template <class Registers, class Coords, class Shape>
-CUTLASS_DEVICE void load_targets(Registers& targets, Coords const& coords, Shape const& shape, int64_t const* index,
-                                 int64_t index_batch) {
-  cute::Tensor t = cute::filter_zeros(targets);
-  cute::Tensor c = slot_coordinates(targets, coords);
-  CUTLASS_PRAGMA_UNROLL
-  for (int r = 0; r < cute::size(t); ++r) {
-    int row = cute::get<0>(c(r)), l = cute::get<2>(c(r));
-    int64_t i = -1;
-    if (row < cute::get<0>(shape) && l < cute::get<2>(shape)) i = index[l * index_batch + row];
-    t(r) = i >= 0 && i < cute::get<1>(shape) ? int(i) : -1;
+// The state of a node that reads, per row this thread holds, the column index[l, m] (cd.take, and its
+// derivative's one-hot): `targets` (from statistic_registers) holds it from begin() on, -1 where the row,
+// or its index, lies outside (M, N).
+template <class Registers, class Coords, class Shape, class Arguments>
+struct RowTargets : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
+  CUTLASS_DEVICE RowTargets(Registers targets, Coords coords, Shape shape, Arguments const* args)
+      : targets(targets), coords(coords), shape(shape), args(args) {}
+
+  Registers targets;
+  Coords coords;
+  Shape shape;
+  Arguments const* args;
+
+  CUTLASS_DEVICE void begin() {
+    cute::Tensor t = cute::filter_zeros(targets);
+    cute::Tensor c = slot_coordinates(targets, coords);
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < cute::size(t); ++r) {
+      int row = cute::get<0>(c(r)), l = cute::get<2>(c(r));
+      int64_t index = -1;
+      if (row < cute::get<0>(shape) && l < cute::get<2>(shape)) index = args->index[l * args->index_batch + row];
+      t(r) = index >= 0 && index < cute::get<1>(shape) ? int(index) : -1;
+    }
   }
-}
+
+  // Whether value k of subtile (epi_m, epi_n) is its row's target column.
+  CUTLASS_DEVICE bool hit(int k, int epi_m, int epi_n) const {
+    return cute::get<1>(coords(cute::_, cute::_, cute::_, epi_m, epi_n)(k)) ==
+           targets(cute::_, cute::_, cute::_, epi_m, epi_n)(k);
+  }
+};
+
+// The node of such callbacks: Callbacks<Registers, Coords, Shape> is a RowTargets over Arguments.
+template <class Arguments, template <class, class, class> class Callbacks>
+struct RowTargetsNode : DirectNode<Arguments> {
+  using DirectNode<Arguments>::DirectNode;
+
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
+    auto [coords, shape] = thread_coordinates<ReferenceSrc>(args);
+    auto targets = statistic_registers<int, ReferenceSrc, true>(args);
+    return Callbacks<decltype(targets), decltype(coords), decltype(shape)>(targets, coords, shape, this->params_ptr);
+  }
+};
 
 // cd.take(x, index, axis="n"): out[l, m] = x[l, m, index[l, m]], written by the one thread holding
 // that column (no atomics). The runtime zero-fills out first: rows whose index is outside [0, N)
@@ -167,53 +196,32 @@ struct TakeArguments {
   int64_t out_batch = 0;
 };
 
-struct RowTake : DirectNode<TakeArguments> {
-  using Base = DirectNode<TakeArguments>;
-  using Base::Base;
+template <class Registers, class Coords, class Shape>
+struct TakeCallbacks : RowTargets<Registers, Coords, Shape, TakeArguments> {
+  using RowTargets<Registers, Coords, Shape, TakeArguments>::RowTargets;
 
-  template <class Registers, class Coords, class Shape>
-  struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE ConsumerStoreCallbacks(Registers targets, Coords coords, Shape shape, TakeArguments const* args)
-        : targets(targets), coords(coords), shape(shape), args(args) {}
-
-    Registers targets;  // the column to take of each row this thread holds; -1: none (row or index outside)
-    Coords coords;
-    Shape shape;
-    TakeArguments const* args;
-
-    CUTLASS_DEVICE void begin() { load_targets(targets, coords, shape, args->index, args->index_batch); }
-
-    template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
-    CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m,
-                              int epi_n, cutlass::Array<ElementInput, FragmentSize> const& frg_input) {
-      cute::Tensor c = coords(cute::_, cute::_, cute::_, epi_m, epi_n);
-      cute::Tensor t = targets(cute::_, cute::_, cute::_, epi_m, epi_n);
-      bool any = false;
+  template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
+  CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m,
+                            int epi_n, cutlass::Array<ElementInput, FragmentSize> const& frg_input) {
+    bool any = false;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < FragmentSize; ++i) any |= this->hit(epi_v * FragmentSize + i, epi_m, epi_n);
+    if (any) {  // rare: one branch per fragment, not per value
+      cute::Tensor c = this->coords(cute::_, cute::_, cute::_, epi_m, epi_n);
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < FragmentSize; ++i) {
         int k = epi_v * FragmentSize + i;
-        any |= cute::get<1>(c(k)) == t(k);
-      }
-      if (any) {  // rare: one branch per fragment, not per value
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < FragmentSize; ++i) {
-          int k = epi_v * FragmentSize + i;
-          if (cute::get<1>(c(k)) == t(k)) {  // in bounds: begin() kept only columns and rows inside
-            args->out[cute::get<2>(c(k)) * args->out_batch + cute::get<0>(c(k))] = float(frg_input[i]);
-          }
+        if (this->hit(k, epi_m, epi_n)) {  // in bounds: begin() kept only columns and rows inside
+          this->args->out[cute::get<2>(c(k)) * this->args->out_batch + cute::get<0>(c(k))] = float(frg_input[i]);
         }
       }
-      return frg_input;
     }
-  };
-
-  template <bool ReferenceSrc, class... Args>
-  CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
-    auto [coords, shape] = thread_coordinates<ReferenceSrc>(args);
-    auto targets = statistic_registers<int, ReferenceSrc, true>(args);
-    return ConsumerStoreCallbacks<decltype(targets), decltype(coords), decltype(shape)>(targets, coords, shape,
-                                                                                        this->params_ptr);
+    return frg_input;
   }
+};
+
+struct RowTake : RowTargetsNode<TakeArguments, TakeCallbacks> {
+  using RowTargetsNode<TakeArguments, TakeCallbacks>::RowTargetsNode;
 };
 
 // The one-hot of a per-row column index (cd.take's derivative scatters its gradient with it): 1 at column
@@ -223,45 +231,22 @@ struct OneHotArguments {
   int64_t index_batch = 0;  // the [L, M] index's batch stride (0: shared)
 };
 
-struct RowOneHot : DirectNode<OneHotArguments> {
-  using Base = DirectNode<OneHotArguments>;
-  using Base::Base;
+template <class Registers, class Coords, class Shape>
+struct OneHotCallbacks : RowTargets<Registers, Coords, Shape, OneHotArguments> {
+  using RowTargets<Registers, Coords, Shape, OneHotArguments>::RowTargets;
 
-  template <class Registers, class Coords, class Shape>
-  struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE ConsumerStoreCallbacks(Registers targets, Coords coords, Shape shape,
-                                          OneHotArguments const* args)
-        : targets(targets), coords(coords), shape(shape), args(args) {}
-
-    Registers targets;  // the column of each row this thread holds; -1: none
-    Coords coords;
-    Shape shape;
-    OneHotArguments const* args;
-
-    CUTLASS_DEVICE void begin() { load_targets(targets, coords, shape, args->index, args->index_batch); }
-
-    template <typename ElementAccumulator, int FragmentSize>
-    CUTLASS_DEVICE cutlass::Array<float, FragmentSize> visit(cutlass::Array<ElementAccumulator, FragmentSize> const&,
-                                                             int epi_v, int epi_m, int epi_n) {
-      cute::Tensor c = coords(cute::_, cute::_, cute::_, epi_m, epi_n);
-      cute::Tensor t = targets(cute::_, cute::_, cute::_, epi_m, epi_n);
-      cutlass::Array<float, FragmentSize> out;
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < FragmentSize; ++i) {
-        int k = epi_v * FragmentSize + i;
-        out[i] = cute::get<1>(c(k)) == t(k) ? 1.f : 0.f;
-      }
-      return out;
-    }
-  };
-
-  template <bool ReferenceSrc, class... Args>
-  CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
-    auto [coords, shape] = thread_coordinates<ReferenceSrc>(args);
-    auto targets = statistic_registers<int, ReferenceSrc, true>(args);
-    return ConsumerStoreCallbacks<decltype(targets), decltype(coords), decltype(shape)>(targets, coords, shape,
-                                                                                        this->params_ptr);
+  template <typename ElementAccumulator, int FragmentSize>
+  CUTLASS_DEVICE cutlass::Array<float, FragmentSize> visit(cutlass::Array<ElementAccumulator, FragmentSize> const&,
+                                                           int epi_v, int epi_m, int epi_n) {
+    cutlass::Array<float, FragmentSize> out;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < FragmentSize; ++i) out[i] = this->hit(epi_v * FragmentSize + i, epi_m, epi_n) ? 1.f : 0.f;
+    return out;
   }
+};
+
+struct RowOneHot : RowTargetsNode<OneHotArguments, OneHotCallbacks> {
+  using RowTargetsNode<OneHotArguments, OneHotCallbacks>::RowTargetsNode;
 };
 
 }  // namespace coda
