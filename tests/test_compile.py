@@ -15,7 +15,7 @@ import torch
 import coda_dsl as cd
 from coda_dsl import build
 from coda_dsl.codegen import op_name, render
-from coda_dsl.passes.plan import AuxLoad, AuxStore, ColBroadcast, Config, RowBroadcast
+from coda_dsl.passes.plan import AuxLoad, AuxStore, ColBroadcast, Config, OneHot, RowBroadcast
 from build_helpers import real_toolchain_or_skip
 from epilogues import double_width, rich_operands_and_ops, signature_for
 
@@ -58,18 +58,22 @@ def test_rich_kernel_compiles(toolchain, cache_root, make_plan):
     # built in the same (parallel) ninja run: the template's other branches. No D with deterministic
     # reductions and finishing kernels; in-place accumulation (C = D) with atomic reductions of every axis.
     # A pairwise kernel: pair-loop functors, a half-width D stored per pair, no D tile. And the
-    # cross-entropy forward: online log-sum-exp and target gather (coda::RowLogSumExp / RowTake).
+    # cross-entropy forward: online log-sum-exp and target gather (coda::RowLogSumExp / RowTake), and its derived
+    # backward (the target's one-hot: coda::RowOneHot).
     # Double width: a [M, 2N] operand split in two (WideLoad), an interleaved [M, 2N] output (WideStore).
     # An AuxLoad beside C = D on a tile of two epilogue subtiles (C's stages: 3).
     from coda_dsl.library import swiglu_keep_preactivation
     from coda_dsl.library.cross_entropy import _forward_epilogue
+    from coda_dsl.runtime.autograd import derived_backward
     others = [make_plan(statistics_only, deterministic=True), make_plan(accumulate_with_stats, accumulate=True),
               make_plan(swiglu_keep_preactivation),
               make_plan(_forward_epilogue(True, 30.0), operand_dtypes={"target": "i64"}),
+              make_plan(derived_backward(_forward_epilogue(False, None)), operand_dtypes={"target": "i64"}),
               make_plan(double_width, operand_dtypes={"rs": "fp32"}),
               make_plan(residual_into_d, accumulate=True, config=Config((128, 64, 64), (1, 1), "cooperative"))]
     assert others[0].d_dtype is None and others[1].reads_d and others[2].d_dtype is None
     assert others[-1].reads_d and any(isinstance(n, AuxLoad) for n in others[-1].nodes)
+    assert any(isinstance(n, OneHot) for n in others[4].nodes)
     units = [build.BuildUnit(key, cu_text, op_name(key))]
     for p in others:
         k = build.specialization_key(p.canonical)
