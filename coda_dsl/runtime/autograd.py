@@ -160,7 +160,8 @@ class _Linear(torch.autograd.Function):
         grads = dict(zip(ctx.ep.output_names, grads))
         if used := [o for o in ctx.frozen if grads[o] is not None]:
             kind = ir.reduction_of(ctx.ep.program.output(used[0]).node).attr[0]
-            what = f"cd.{kind}" + (" of a value not N wide" if kind == "take" else "")  # (the only derived one)
+            # (a frozen take has a rule: it is one of a value not N wide)
+            what = f"cd.{kind}" + (" of a value not N wide" if kind == "take" else "")
             raise UnsupportedError(f"cd.linear: epilogue '{ctx.ep.name}': the loss depends on output '{used[0]}', a "
                                    f"{what}, which has no derivative yet\n  fix: use it detached "
                                    f"(out['{used[0]}'].detach()), or compute it outside the epilogue")
