@@ -205,8 +205,8 @@ def derive(program: ir.Program, no_grad: tuple[str, ...] = (), reuse: tuple[str,
         kind, axis = r.attr
         rule = REDUCTIONS[kind].grad
         if o.name in underived:
-            what = f"cd.{kind}" + ("" if rule is None else " of a value not N wide")
-            raise UnsupportedError(f"{where}: output '{o.name}' is a {what}, which has no derivative yet")
+            raise UnsupportedError(f"{where}: output '{o.name}' is a {underived_what(program, o.name)}, which has no "
+                                   "derivative yet")
         vec = _VEC_OF_AXIS[axis]
         leaf = (lambda name: ir.scalar(name)) if vec == "scalar" else (lambda name: ir.load(vec, name))
         dy, s = leaf(GRAD + o.name), leaf(SAVED + o.name)  # s: the statistic (before .then)
@@ -266,6 +266,12 @@ def underivable(program: ir.Program, fused_into: str | None = None) -> tuple[str
     return tuple(o.name for o in program.outputs if (r := ir.reduction_of(o.node)) is not None and (
         REDUCTIONS[r.attr[0]].grad is None or (REDUCTIONS[r.attr[0]].indexed and (
             elsewhere or widths.get(id(r.inputs[0]), 1) != 1))))
+
+
+def underived_what(program: ir.Program, output: str) -> str:
+    """How messages name an output of underivable(program): 'cd.max', 'cd.take of a value not N wide'."""
+    kind = ir.reduction_of(program.output(output).node).attr[0]
+    return f"cd.{kind}" + ("" if REDUCTIONS[kind].grad is None else " of a value not N wide")
 
 
 def _read_width(p: ir.Param, forward_widths: dict) -> Fraction | None:

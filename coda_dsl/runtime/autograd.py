@@ -20,7 +20,7 @@ from ..errors import OperandError, UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import dtype_name, math_dtype, torch_dtype
 from ..passes import specialize
-from ..passes.autodiff import ACC, GRAD, SAVED, Backward, derive, into_producer, underivable
+from ..passes.autodiff import ACC, GRAD, SAVED, Backward, derive, into_producer, underivable, underived_what
 from . import reference, torch_compile
 from .torch_compile import made_once
 from .op import check_consts, check_operands, epilogue_of, gemm
@@ -159,11 +159,8 @@ class _Linear(torch.autograd.Function):
         names = ctx.names
         grads = dict(zip(ctx.ep.output_names, grads))
         if used := [o for o in ctx.frozen if grads[o] is not None]:
-            kind = ir.reduction_of(ctx.ep.program.output(used[0]).node).attr[0]
-            # (a frozen take has a rule: it is one of a value not N wide)
-            what = f"cd.{kind}" + (" of a value not N wide" if kind == "take" else "")
             raise UnsupportedError(f"cd.linear: epilogue '{ctx.ep.name}': the loss depends on output '{used[0]}', a "
-                                   f"{what}, which has no derivative yet\n  fix: use it detached "
+                                   f"{underived_what(ctx.ep.program, used[0])}, which has no derivative yet\n  fix: use it detached "
                                    f"(out['{used[0]}'].detach()), or compute it outside the epilogue")
         x, w, acc, *rest = ctx.saved_tensors
         derived = ctx.derived
