@@ -31,6 +31,7 @@ which give 1.0 or 0.0):
                   cd.cast(x, dtype)   (cd.bfloat16, cd.float16, cd.float32)
     reductions    cd.sum cd.max cd.min cd.amax (x, axis="n"|"m"|None); cd.logsumexp(x), cd.take(x, index): per row
                   (returned as outputs; .then(fn) finishes the statistic)
+    indices       cd.onehot(index): 1.0 at column index[m] of row m, else 0.0 (index: a cd.VecM of int64)
     column pairs  cd.pairs(x) -> (even, odd), cd.interleave(a, b)
 math.*, numpy and torch functions cannot take traced values: use the cd. functions above.
 
@@ -54,7 +55,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "dsl": ("Acc", "Const", "Epilogue", "Scalar", "Tensor", "VecM", "VecN", "epilogue", "identity"),
     "dsl.ops": ("abs", "amax", "cast", "ceil", "clamp", "cos", "erf", "exp", "floor", "gelu", "interleave", "log",
-                "logsumexp", "max", "maximum", "min", "minimum", "pairs", "relu", "round", "rsqrt", "sigmoid", "silu",
+                "logsumexp", "max", "maximum", "min", "minimum", "onehot", "pairs", "relu", "round", "rsqrt", "sigmoid", "silu",
                 "sin", "sqrt", "sum", "take", "tanh", "where"),
     "passes.plan": ("Config",),
     "runtime": ("BACKENDS", "CompiledOp", "as_written", "backward_epilogue", "compile", "first_order",

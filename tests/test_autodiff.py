@@ -388,6 +388,21 @@ def test_take_sends_its_gradient_to_the_taken_column():
     assert got[0, 0].isinf().sum() == (0 <= tb[0, 0] < N) and not got[0, 0].isnan().any()
 
 
+def test_onehot_is_a_constant_of_the_derivation():
+    """cd.onehot(index) written in a forward: no gradient through it, a scalar's multiplying it gets the sum of
+    dy at the index's columns (as torch.autograd's), and the one-hot rows are the reference's arange(N) == index."""
+    @cd.epilogue
+    def shift(acc, target: cd.VecM, h: cd.Scalar):
+        return cd.exp(acc) - h * cd.onehot(target)
+    back = _check(shift.program)
+    assert {o.name for o in back.program.outputs} == {"acc", "h"}  # none for the index
+    t = torch.tensor([0, 3, -100, N, N - 1, 2])
+    got = evaluate_on(shift.program, torch.zeros(M, N, dtype=torch.float64), {"target": t, "h": torch.tensor(2.0)},
+                      {})["D"]
+    want = 1.0 - 2.0 * ((torch.arange(N) == t[:, None]) & (t[:, None] >= 0))
+    torch.testing.assert_close(got, want.double())
+
+
 def test_take_of_a_value_not_n_wide_has_no_derivative_yet():
     @cd.epilogue
     def half_take(acc, idx: cd.VecM):
@@ -428,7 +443,7 @@ def test_take_in_a_fused_backward(make_plan):
     @cd.epilogue
     def index_in_math(acc, idx: cd.VecM):
         return {"D": acc * idx, "zt": cd.take(acc, idx)}
-    with pytest.raises(UnsupportedError, match="'idx' holds cd.take's int64 column indices(.|\n)*reference backend"):
+    with pytest.raises(UnsupportedError, match="'idx' holds int64 column indices (.|\n)*reference backend"):
         make_plan(derived_backward(index_in_math), operand_dtypes={"idx": "i64"})
 
 

@@ -442,11 +442,16 @@ def e_np_clip(acc):
     return np.clip(acc, 0.0, 1.0)  # <- (numpy calls acc.clip: the user's line, not numpy's)
 
 
+def e_onehot_of_values(acc, r: cd.Tensor):
+    return acc * cd.onehot(r)  # <-
+
+
 def e_max_of_two(acc, r: cd.Tensor):
     return cd.max(acc, r)  # <-
 
 
 BODY_ERRORS = [
+    (e_onehot_of_values, ["cd.onehot needs a cd.VecM operand of int64", "fix: declare it `target: cd.VecM`"]),
     (e_math_exp, ["math.exp() cannot take a traced value", "fix: use cd.exp(x)"]),
     (e_torch_exp, ["torch.exp() cannot take a traced value", "fix: use cd.exp(x)"]),
     (e_np_exp, ["np.exp() cannot take a traced value", "fix: use cd.exp(x)"]),

@@ -83,20 +83,18 @@ def _forward_epilogue(smoothing: bool, cap: float | None, logits: bool | torch.d
 
 
 @cd.epilogue
-def ce_backward(acc, lse: cd.VecM, scale: cd.VecM, target: cd.VecM, uniform: cd.Scalar):
-    """The logits' gradient but for the one-hot term, (softmax - eps/V) * scale, and in fp32 its value at
-    the target's column, where the one-hot term lands (put_target_column)."""
-    g = (cd.exp(acc - lse) - uniform) * scale
-    return {"D": g, "g_target": cd.take(g, target, axis="n")}
+def ce_backward(acc, lse: cd.VecM, scale: cd.VecM, target: cd.VecM, uniform: cd.Scalar, hot: cd.Scalar):
+    """The logits' gradient, (softmax - eps/V - (1 - eps) one-hot) * scale, in fp32 and rounded once: on a
+    confident row the target's 1 - p stays whole (subtracting 1 from D's rounded p would not keep it)."""
+    return (cd.exp(acc - lse) - uniform - hot * cd.onehot(target)) * scale
 
 
 @cd.epilogue_factory
 def _backward_softcap_epilogue(cap: float) -> cd.Epilogue:
-    def ce_backward_softcap(acc, lse: cd.VecM, scale: cd.VecM, target: cd.VecM, uniform: cd.Scalar):
+    def ce_backward_softcap(acc, lse: cd.VecM, scale: cd.VecM, target: cd.VecM, uniform: cd.Scalar, hot: cd.Scalar):
         t = cd.tanh(acc * (1.0 / cap))
         dz = 1.0 - t * t  # d softcap(acc) / d acc
-        g = (cd.exp(cap * t - lse) - uniform) * scale * dz
-        return {"D": g, "g_target": cd.take(g, target, axis="n"), "dz_target": cd.take(dz, target, axis="n")}
+        return (cd.exp(cap * t - lse) - uniform - hot * cd.onehot(target)) * scale * dz
     return cd.epilogue(ce_backward_softcap)
 
 
@@ -132,15 +130,6 @@ def _logit_grad(z: torch.Tensor, lse, scale, target, z_target, uniform: float, h
     g = torch.exp(zf - lse[:, None]) - uniform
     g = torch.where(at_target, g - hot, g) * scale[:, None]  # ignored rows: scale 0
     return g * (1.0 - (zf * (1.0 / cap)) ** 2) if cap else g
-
-
-def put_target_column(p: torch.Tensor, g_target: torch.Tensor, target: torch.Tensor, hot: torch.Tensor) -> None:
-    """p[r, target_r] = g_target_r - hot_r, in fp32 and rounded once (p is the backward epilogue's D, which
-    lacks the one-hot term; adding it to D's rounded value would lose 1 - p on a confident row). Rows whose
-    target is < 0 (ignored, or in another part of the vocabulary) keep their value."""
-    if p.shape[1]:
-        rows, col = torch.arange(p.shape[0], device=p.device), target.clamp_min(0)
-        p[rows, col] = torch.where(target >= 0, g_target - hot, p[rows, col].to(g_target.dtype)).to(p.dtype)
 
 
 @cd.on_cuda
@@ -384,8 +373,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def recomputed_grads(x, w, lse, scale, target, uniform: float, hot: float, cap: float | None, backend, config,
                      chunk: int, need_x: bool = True, need_w: bool = True):
     """grad_x and grad_W of the loss over w's vocabulary rows, the logits recomputed: per chunk of rows, a
-    GEMM forms (softmax - uniform) * scale in its epilogue (lse: the rows' log-sum-exp over the whole
-    vocabulary), the one-hot term hot * scale lands at target's column (-1 or out of range: none here, the
+    GEMM forms (softmax - uniform - hot * one-hot(target)) * scale in its epilogue (lse: the rows'
+    log-sum-exp over the whole vocabulary; a target of -1 or out of range has no one-hot column here: the
     row is ignored or its target is on another shard), then grad_x = g @ W and grad_W = g^T @ x, with the
     rows' scale factored as _factored says. scale: per row, 0 on ignored rows. linear_cross_entropy's
     reduction="none" backward, and each vocabulary shard's in coda_dsl.parallel."""
@@ -400,10 +389,9 @@ def recomputed_grads(x, w, lse, scale, target, uniform: float, hot: float, cap: 
         xs, ts, sc, lse_s = x[s:e], target[s:e], scale[s:e], lse[s:e].contiguous()
         tk = torch.where(ts < vk, ts, -1)
         out = cd.gemm(xs, wk, _backward_softcap_epilogue(cap) if cap else ce_backward, lse=lse_s, scale=sc,
-                      target=tk, uniform=uniform, backend=backend, out=None if buf is None else {"D": buf[: e - s]},
-                      config=config)
-        p = out["D"]  # [chunk, V - V % 8]: the logits' gradient, but for the one-hot term
-        put_target_column(p, out["g_target"], tk, hot * sc * (out["dz_target"] if cap else 1))
+                      target=tk, uniform=uniform, hot=hot, backend=backend,
+                      out=None if buf is None else {"D": buf[: e - s]}, config=config)
+        p = out["D"]  # [chunk, V - V % 8]: the logits' gradient
         gt = None
         if vk < v:  # the last V % 8 columns, in fp32 (_tail)
             zt = _tail(xs, wt, cap)

@@ -46,9 +46,9 @@ def validate(program: ir.Program) -> dict[int, Fraction]:
     for node in ir.walk(program):
         if node.op == "load" and node.attr[1] in indices and any(u.op != "reduce" or u.inputs[1] is not node
                                                                   for u in users[id(node)]):
-            raise unsupported(node, f"'{node.attr[1]}' holds cd.take's int64 column indices, which the kernel reads "
-                                    "as indices only; used in math too, it runs on the reference backend only\n  fix: "
-                                    "pass the values a second time, as another operand")
+            raise unsupported(node, f"'{node.attr[1]}' holds int64 column indices (cd.take, cd.onehot), which the "
+                                    "kernel reads as indices only; used in math too, it runs on the reference backend "
+                                    "only\n  fix: pass the values a second time, as another operand")
         if w.get(id(node), 1) > 1 and not _double_width_ok(node, w, users.get(id(node), []), outputs):
             raise unsupported(node, "a 2N-wide value must be a cd.Tensor operand split by cd.pairs(x), or an "
                                     "output cd.interleave(a, b) of N-wide values; other uses run on the reference "

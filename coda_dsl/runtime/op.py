@@ -287,7 +287,7 @@ class _Facts:
     kinds: dict[str, str]  # operand name -> kind
     widths: dict[str, Fraction]  # load operands not N wide -> their width over N (passes/widths.py)
     pairs: int  # N must be a multiple of this: 2 if some value is N/2 wide (cd.pairs of the accumulator), ...
-    indices: frozenset[str]  # operands read as int64 column indices (cd.take's, and its derivative's)
+    indices: frozenset[str]  # operands read as int64 column indices (cd.take, cd.onehot)
     cross_batch: tuple[str, ...]  # outputs reduced over m or everything: they cannot fold a batch into M
     extrema: tuple[tuple[str, str, str | None], ...]  # (output, kind, axis) of max/min/amax: undefined if empty
 
@@ -317,7 +317,7 @@ def n_multiple(ep: Epilogue) -> int:
 
 
 def index_operands(ep: Epilogue) -> frozenset[str]:
-    """The operands read as int64 column indices, by cd.take or its derivative (their dtype is INDEX_DTYPE,
+    """The operands read as int64 column indices, by cd.take or cd.onehot (their dtype is INDEX_DTYPE,
     never a choice)."""
     return _facts(ep).indices
 

@@ -2,7 +2,7 @@
 // Epilogue `ce_backward` (cross_entropy.py:85)
 // GEMM: A [(L,) M, K] bf16 row-major, B [N, K] bf16 K-contiguous (nn.Linear weight), fp32 accumulation
 // Config: tile 128x256x64, cluster 2x1, cooperative, swizzle 8
-// Specialization key: 684d05df7aa6586ce7c31b49
+// Specialization key: 9ac259259ac63dfefd804b97
 // No torch header: the torch side (checks, outputs, stream, workspace) is coda_dsl/runtime/kernel.py.
 #include "coda_dsl/evt.h"
 #include "coda_dsl/finish.h"
@@ -12,7 +12,7 @@
 
 // A namespace unique to this specialization (not an anonymous one: nvcc's host stubs for the
 // finishing kernels cannot name anonymous-namespace types).
-namespace k684d05df7aa6586ce7c3_ns {
+namespace k9ac259259ac63dfefd80_ns {
 
 using namespace cute;
 namespace fusion = cutlass::epilogue::fusion;
@@ -36,6 +36,7 @@ using EpilogueDescriptor =
 // Runtime scalars: every fused functor receives them as its Arguments.
 struct Scalars {
   float s0;  // uniform
+  float s1;  // hot
 };
 
 // ---- Fused elementwise regions (fp32) ----------------------------------------------------------
@@ -43,25 +44,28 @@ struct Scalars {
 template <class T>
 struct Fn0 {
   using Arguments = Scalars;
-  CUTLASS_HOST_DEVICE T operator()(T const& x0_, T const& x1_, T const& x2_, Arguments const& p) const {
+  CUTLASS_HOST_DEVICE T operator()(T const& x0_, T const& x1_, T const& x2_, T const& x3_, Arguments const& p) const {
     float const x0 = float(x0_);
     float const x1 = float(x1_);
     float const x2 = float(x2_);
+    float const x3 = float(x3_);
     float t0 = (x0 - x1);
     float t1 = expf(t0);
     float t2 = (t1 - p.s0);
-    float t3 = (t2 * x2);
-    return T(t3);
+    float t3 = (p.s1 * x2);
+    float t4 = (t2 - t3);
+    float t5 = (t4 * x3);
+    return T(t5);
   }
 };
 template <class T, int N>
 struct Fn0<cutlass::Array<T, N>> {
   using Arguments = Scalars;
-  CUTLASS_HOST_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& x0, cutlass::Array<T, N> const& x1, cutlass::Array<T, N> const& x2, Arguments const& p) const {
+  CUTLASS_HOST_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& x0, cutlass::Array<T, N> const& x1, cutlass::Array<T, N> const& x2, cutlass::Array<T, N> const& x3, Arguments const& p) const {
     cutlass::Array<T, N> r;
     Fn0<T> f;
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < N; ++i) r[i] = f(x0[i], x1[i], x2[i], p);
+    for (int i = 0; i < N; ++i) r[i] = f(x0[i], x1[i], x2[i], x3[i], p);
     return r;
   }
 };
@@ -69,14 +73,14 @@ struct Fn0<cutlass::Array<T, N>> {
 // ---- Epilogue visitor nodes, children before parents -------------------------------------------
 using Acc = fusion::Sm90AccFetch;  // [0] fp32 accumulator of A @ B^T
 using Load_lse = fusion::Sm90ColBroadcast<0, TileShape, cutlass::bfloat16_t, float, cute::Stride<cute::_1, cute::_0, int64_t>>;  // [1] lse: vec_m, bf16
-using Load_scale = fusion::Sm90ColBroadcast<0, TileShape, cutlass::bfloat16_t, float, cute::Stride<cute::_1, cute::_0, int64_t>>;  // [2] scale: vec_m, bf16
-using Region0 = fusion::Sm90Compute<Fn0, float, float, cutlass::FloatRoundStyle::round_to_nearest>;  // [3] Fn0: cross_entropy.py:89 <- 0, 1, 2
-using Take_g_target = coda::RowTake;  // [4] output g_target: the value at column target[m], fp32 <- 3
+using OneHot_target = coda::RowOneHot;  // [2] 1 at column target[m] of row m, else 0
+using Load_scale = fusion::Sm90ColBroadcast<0, TileShape, cutlass::bfloat16_t, float, cute::Stride<cute::_1, cute::_0, int64_t>>;  // [3] scale: vec_m, bf16
+using Region0 = fusion::Sm90Compute<Fn0, float, float, cutlass::FloatRoundStyle::round_to_nearest>;  // [4] Fn0: cross_entropy.py:89 <- 0, 1, 2, 3
 
 using Visitor = fusion::Sm90TopologicalVisitor<
     float,
-    cute::tuple<cute::seq<>, cute::seq<>, cute::seq<>, cute::seq<0, 1, 2>, cute::seq<3>>,
-    Acc, Load_lse, Load_scale, Region0, Take_g_target>;
+    cute::tuple<cute::seq<>, cute::seq<>, cute::seq<>, cute::seq<>, cute::seq<0, 1, 2, 3>>,
+    Acc, Load_lse, OneHot_target, Load_scale, Region0>;
 using EVT = Visitor;
 
 // ---- Kernel ------------------------------------------------------------------------------------
@@ -101,21 +105,21 @@ using GemmKernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int
 // The build's device pass (nvcc -fatbin, in parallel with the host pass) compiles this kernel alone; the
 // library embeds its fatbinary and launches it by this name (coda::GemmEntry), unique to the op.
 extern "C" __global__ void __launch_bounds__(GemmKernel::MaxThreadsPerBlock, GemmKernel::MinBlocksPerMultiprocessor)
-k684d05df7aa6586ce7c3_gemm(CUTLASS_GRID_CONSTANT GemmKernel::Params const params) {
+k9ac259259ac63dfefd80_gemm(CUTLASS_GRID_CONSTANT GemmKernel::Params const params) {
   extern __shared__ char smem[];
   GemmKernel op;
   op(params, smem);
 }
 #else
-static coda::GemmEntry gemm_entry(coda_fatbin, "k684d05df7aa6586ce7c3_gemm");  // the kernel of the device pass
+static coda::GemmEntry gemm_entry(coda_fatbin, "k9ac259259ac63dfefd80_gemm");  // the kernel of the device pass
 
 // One call, or its size query (call.query: the workspace bytes it needs; nothing is launched).
 // a: [M, K] or [L, M, K]; b: [N, K] or [L, N, K] (any strides the layout allows); d: like the output.
 // inputs / outputs: the operands and auxiliary outputs in the order the plan binds them.
 int64_t run(coda::Call const& call) {
-  char const* op_name = "coda_dsl::k684d05df7aa6586ce7c3 (epilogue ce_backward)";
-  constexpr int n_inputs = 3, n_outputs = 1, first_input = 3;
-  if (call.n_tensors != first_input + n_inputs + n_outputs || call.n_scalars != 1)
+  char const* op_name = "coda_dsl::k9ac259259ac63dfefd80 (epilogue ce_backward)";
+  constexpr int n_inputs = 3, n_outputs = 0, first_input = 3;
+  if (call.n_tensors != first_input + n_inputs + n_outputs || call.n_scalars != 2)
     coda::fail(op_name, ": wrong operand count");
   coda::DeviceGuard device_guard(call.device);  // for the GEMM and every helper kernel and fill below
   coda::TensorRef a(call.tensors), b(call.tensors + 1);
@@ -124,14 +128,14 @@ int64_t run(coda::Call const& call) {
   int L = a.dim() == 3 ? int(a.size(0)) : 1;
   int M = int(a.size(-2)), K = int(a.size(-1)), N = int(b.size(-2));
 
-  Scalars scalars{ float(call.scalars[0]) };
+  Scalars scalars{ float(call.scalars[0]), float(call.scalars[1]) };
   coda::Workspace ws(call);  // the kernel's own buffers first, then CUTLASS's
   typename EVT::Arguments evt_args{
       {},  // Acc
       coda::vec_m_args<Load_lse>(inputs[0]),  // Load_lse
-      coda::vec_m_args<Load_scale>(inputs[1]),  // Load_scale
-      scalars,  // Region0
-      coda::take_args<Take_g_target>(inputs[2], outputs[0])  // Take_g_target
+      coda::one_hot_args<OneHot_target>(inputs[1]),  // OneHot_target
+      coda::vec_m_args<Load_scale>(inputs[2]),  // Load_scale
+      scalars  // Region0
   };
 
 
@@ -154,23 +158,20 @@ int64_t run(coda::Call const& call) {
   size_t gemm_ws_size = coda::prepare<GemmKernel>(args, call, op_name, gemm_entry);
   void* gemm_ws = ws.take(int64_t(gemm_ws_size));
   if (call.query) return ws.used();
-  coda::fill({  // outputs set to their start values, in one launch
-      coda::Fill{outputs[0], 0.f},  // Take_g_target
-  }, call, op_name);
   coda::launch<GemmKernel>(args, gemm_entry, gemm_ws, gemm_ws_size, call, op_name);
   return ws.used();
 }
 #endif  // CODA_DEVICE_PASS
 
-}  // namespace k684d05df7aa6586ce7c3_ns
+}  // namespace k9ac259259ac63dfefd80_ns
 
 #ifndef CODA_DEVICE_PASS
 // The library's two entry points (csrc/coda_dsl/abi.h describes them).
 extern "C" int coda_workspace_size(coda::CallArgs const* args, int64_t* size, char* message, int64_t message_size) {
-  return coda::guarded(message, message_size, [&] { *size = k684d05df7aa6586ce7c3_ns::run(coda::Call(args, true)); });
+  return coda::guarded(message, message_size, [&] { *size = k9ac259259ac63dfefd80_ns::run(coda::Call(args, true)); });
 }
 
 extern "C" int coda_launch(coda::CallArgs const* args, char* message, int64_t message_size) {
-  return coda::guarded(message, message_size, [&] { k684d05df7aa6586ce7c3_ns::run(coda::Call(args, false)); });
+  return coda::guarded(message, message_size, [&] { k9ac259259ac63dfefd80_ns::run(coda::Call(args, false)); });
 }
 #endif  // CODA_DEVICE_PASS
