@@ -38,11 +38,12 @@ def _bare(name: str) -> str:
 def dtype_of(t: torch.Tensor, where: str, name: str, index: bool = False, fp64: bool = False,
              operand: bool = False) -> str:
     """The dtype name of a tensor the call reads; fp64 (REFERENCE_FP64) where the reference backend runs.
-    index: cd.take's column indices (int64); operand: an epilogue operand, whose integers a cast keeps."""
+    index: column indices (int64) of cd.take or cd.onehot; operand: an epilogue operand, whose integers a cast
+    keeps."""
     if index:
         if t.dtype != torch.int64:
-            raise fail(where, f"{name} holds column indices for cd.take and must be torch.int64, not {t.dtype}",
-                       f"pass {_bare(name)}.long()")
+            raise fail(where, f"{name} holds column indices (cd.take, cd.onehot) and must be torch.int64, not "
+                       f"{t.dtype}", f"pass {_bare(name)}.long()")
         return INDEX_DTYPE
     if t.dtype == torch.float64:
         if fp64:
