@@ -454,6 +454,40 @@ def test_different_kernels_have_different_canonical_texts(make_plan, first, seco
     assert make_plan(first[0], **first[1]).canonical != make_plan(second[0], **second[1]).canonical
 
 
+def _onehot_index_out(acc, t: cd.VecM):
+    return {"D": acc * cd.onehot(t), "t": t}
+
+
+def _onehot_index_summed(acc, t: cd.VecM):
+    return {"D": acc * cd.onehot(t), "s": cd.sum(t, axis="m")}
+
+
+def _take_index_out(acc, t: cd.VecM):
+    return {"k": cd.take(acc, t), "t": t}
+
+
+def _take_of_its_index(acc, t: cd.VecM):
+    return {"k": cd.take(t, t)}
+
+
+def _onehot_index_in_math(acc, t: cd.VecM):
+    return acc * cd.onehot(t) + cd.silu(t)  # (torch has no silu of int64: the reference's math is fp32)
+
+
+@pytest.mark.parametrize("fn", [_onehot_index_out, _onehot_index_summed, _take_index_out, _take_of_its_index,
+                                _onehot_index_in_math],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_indices_used_as_values_are_refused_for_the_kernel(make_plan, fn):
+    """An index operand read as a value too (an output, another reduction's input, cd.take's own value) has no
+    kernel node (the kernel reads it as int64 indices only): refused with the reason, the reference runs it."""
+    ep = cd.epilogue(fn)
+    with pytest.raises(cd.UnsupportedError, match="'t' holds int64 column indices (.|\n)*as an output"):
+        make_plan(ep, operand_dtype="i64")
+    t = torch.tensor([0, 2, -1])
+    out = cd.gemm(torch.randn(3, 4), torch.randn(5, 4), ep, t=t, backend="reference")
+    assert all(v.dtype == torch.float32 for v in (out.values() if isinstance(out, dict) else [out]))
+
+
 def test_every_op_definition_is_complete():
     """What passes read from an op definition is there (so no pass needs a list of op names)."""
     from coda_dsl.ir.ops import KINDS, NODE_OPS

@@ -44,11 +44,13 @@ def validate(program: ir.Program) -> dict[int, Fraction]:
 
     indices = ir.index_operands(ir.walk(program))  # (a derived backward's onehot names one too)
     for node in ir.walk(program):
-        if node.op == "load" and node.attr[1] in indices and any(u.op != "reduce" or u.inputs[1] is not node
-                                                                  for u in users[id(node)]):
+        if node.op == "load" and node.attr[1] in indices and (id(node) in outputs or not all(
+                u.op == "reduce" and u.inputs[1:] == (node,) and u.inputs[0] is not node  # as cd.take's index
+                for u in users.get(id(node), []))):
             raise unsupported(node, f"'{node.attr[1]}' holds int64 column indices (cd.take, cd.onehot), which the "
-                                    "kernel reads as indices only; used in math too, it runs on the reference backend "
-                                    "only\n  fix: pass the values a second time, as another operand")
+                                    "kernel reads as indices only; used as values too (in math or as an output), they "
+                                    "run on the reference backend only\n  fix: pass the values a second time, as "
+                                    "another operand")
         if w.get(id(node), 1) > 1 and not _double_width_ok(node, w, users.get(id(node), []), outputs):
             raise unsupported(node, "a 2N-wide value must be a cd.Tensor operand split by cd.pairs(x), or an "
                                     "output cd.interleave(a, b) of N-wide values; other uses run on the reference "

@@ -51,8 +51,7 @@ def _leaf(node: ir.Node, operands: dict, acc: torch.Tensor) -> torch.Tensor:
         index = operands[node.attr].to(acc.device).unsqueeze(-1)
         return (torch.arange(acc.shape[-1], device=acc.device) == index).to(acc.dtype)
     kind, name = node.attr
-    t = operands[name].to(acc.device)
-    t = t if t.dtype == torch.int64 else _real(t, acc)  # cd.take indices stay integers
+    t = _real(operands[name].to(acc.device), acc)  # in math, indices too (cd.take reads its own from operands)
     if kind == "vec_n":  # [N] or [L, N] -> broadcast over rows
         return t.unsqueeze(-2)
     if kind == "vec_m":  # [M] or [L, M] -> broadcast over columns
