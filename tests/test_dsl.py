@@ -828,3 +828,23 @@ def test_an_epilogue_uid_names_its_program():
         return cd.epilogue(lambda acc: {"s": cd.sum(acc, axis="n").then(lambda s: cd.cast(s, dt) * 2.0)}, name="same")
     kept = [finished_in(cd.bfloat16), finished_in(cd.float16)]
     assert kept[0].uid.split(".")[1] != kept[1].uid.split(".")[1]
+
+
+def test_a_value_kept_from_another_trace_is_refused():
+    """A traced value saved while tracing one epilogue and used in another names operands the second lacks:
+    refused when the second is traced, not a KeyError at its first call."""
+    kept = {}
+
+    @cd.epilogue
+    def first(acc, t: cd.VecM, s: cd.Scalar):
+        kept.update(t=t, s=s, hot=cd.onehot(t))
+        return acc
+
+    for what, name in (("t", "t"), ("s", "s"), ("hot", "t")):
+        with pytest.raises(EpilogueError, match=f"uses operand '{name}', which is not one of its parameters"):
+            cd.epilogue(lambda acc: acc * kept[what], name="second")  # noqa: B023  (traced at once)
+
+    @cd.epilogue
+    def same_names(acc, t: cd.VecM, s: cd.Scalar):  # operands of the same names and kinds: what was meant
+        return acc * kept["t"] + kept["s"]
+    assert {p.name for p in same_names.params} == {"t", "s"}
