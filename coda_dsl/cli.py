@@ -55,6 +55,8 @@ def _import(where: str):
     if not path.is_file():
         raise CliError(f"{where} is a directory: name a .py file" if path.is_dir() else
                        f"{where} is not a regular file: name a .py file" if path.exists() else f"no such file: {where}")
+    if path.suffix != ".py":  # Python imports only .py sources
+        raise CliError(f"{where} is not a .py file: name a Python source file, or a module (pkg.module:FUNCTION)")
     # The file's directory on sys.path, as `python FILE.py` would have it, so its own imports work.
     sys.path.insert(0, str(path.parent))
     name = f"_coda_dsl_target_{path.stem}"  # never shadows a real module (e.g. a user's test.py)
@@ -262,19 +264,27 @@ def cmd_emit(args) -> int:
     _, spec = _spec_from_args(args)
     for note in _shape_notes(spec, args.shape) if args.shape else ():
         _err(f"note: {note}")  # stderr: stdout may be the .cu itself
-    if args.output:
+    if args.output == "":
+        raise CliError("-o names no file: give a file name, or leave -o out (or -o -) to print the .cu")
+    if args.output not in (None, "-"):
         where = args.target.rpartition(":")[0]  # a file, or a module (imported by now)
         source = Path(where) if Path(where).is_file() else getattr(sys.modules.get(where), "__file__", None)
-        if source and Path(args.output).exists() and os.path.samefile(source, args.output):
-            raise CliError(f"-o {args.output} is the epilogue's own source file: name another file")
+        if Path(args.output).suffix == ".py" or (
+                source and Path(args.output).exists() and os.path.samefile(source, args.output)):
+            raise CliError(f"-o {args.output} is Python source, which the .cu would replace: name a .cu file")
         try:
             Path(args.output).write_text(spec.cu_text)
         except OSError as e:
             raise CliError(f"cannot write {args.output}: {e.strerror or e}") from None
         _err(f"wrote {args.output} (key {spec.key}, op coda_dsl::{spec.op_name})")
+    elif sys.stdout is None:  # started with stdout closed
+        raise CliError("stdout is closed: write the .cu to a file with -o FILE")
     else:
-        sys.stdout.write(spec.cu_text)
-        sys.stdout.flush()
+        try:
+            sys.stdout.write(spec.cu_text)
+            sys.stdout.flush()
+        except BrokenPipeError:  # the reader stopped (`| head`): --check still runs
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     if args.check:
         # stdout may be the .cu itself: progress goes to stderr
         obj = build.build_units([spec.unit], compile_only=True, log=_err)[0]
@@ -629,7 +639,7 @@ def parser() -> argparse.ArgumentParser:
                 "Print the CUDA C++ (.cu) generated for one specialization of an epilogue: the file "
                 "that a build compiles. Needs no GPU and, without --check, no compiler.")
     _target_options(p)
-    p.add_argument("-o", "--output", metavar="FILE", help="write the .cu here instead of stdout")
+    p.add_argument("-o", "--output", metavar="FILE", help="write the .cu here instead of stdout (-: stdout)")
     p.add_argument("--backward", action="store_true", help=BACKWARD_HELP)
     p.add_argument("--check", action="store_true", help="also compile-check it with nvcc (no GPU needed)")
 

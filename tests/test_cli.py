@@ -73,11 +73,20 @@ def test_emit_from_file(capsys, eps, monkeypatch):
     assert rc == 0 and "Sm90TopologicalVisitor" in out and "extern \"C\" int coda_launch" in out and "2.0f" in out
     source = eps.read_text()
     rc, _, err = run(capsys, "emit", f"{eps}:scaled", "--const", "c=2", "-o", eps)  # would overwrite the epilogue
-    assert rc == 2 and "the epilogue's own source file" in err and eps.read_text() == source
+    assert rc == 2 and "is Python source, which the .cu would replace" in err and eps.read_text() == source
     # the same file named as a module (found on sys.path), not by its path
     monkeypatch.syspath_prepend(str(eps.parent))
     rc, _, err = run(capsys, "emit", f"{eps.stem}:scaled", "--const", "c=2", "-o", eps)
-    assert rc == 2 and "the epilogue's own source file" in err and eps.read_text() == source
+    assert rc == 2 and "is Python source, which the .cu would replace" in err and eps.read_text() == source
+    # a module that imports the epilogue from another: that one is Python source too
+    reexport = eps.with_name("reexport.py")
+    reexport.write_text(f"from {eps.stem} import scaled\n")
+    rc, _, err = run(capsys, "emit", f"{reexport}:scaled", "--const", "c=2", "-o", eps)
+    assert rc == 2 and "is Python source" in err and eps.read_text() == source
+    rc, _, err = run(capsys, "emit", f"{eps}:scaled", "--const", "c=2", "-o", "")  # an unset "$VAR"
+    assert rc == 2 and "-o names no file" in err
+    rc, out, _ = run(capsys, "emit", f"{eps}:scaled", "--const", "c=2", "-o", "-")
+    assert rc == 0 and "extern \"C\" int coda_launch" in out and not Path("-").exists()
 
 
 def test_a_shape_past_32_bits_is_an_argument_error(capsys):
@@ -168,13 +177,16 @@ def test_key_matches_cd_compile(capsys, monkeypatch):
     ("{exits}:f", "called sys.exit(3)"),
     ("{folder}:f", "is a directory: name a .py file"),
     ("/dev/null:f", "/dev/null is not a regular file: name a .py file"),
+    ("{text}:f", "is not a .py file: name a Python source file, or a module"),
 ])
 def test_bad_target(capsys, eps, target, words):
     bad = eps.with_name("bad_eps.py")
     bad.write_text("import coda_dsl as cd\nundefined_name\n")
     exits = eps.with_name("exits.py")
     exits.write_text("import sys\nsys.exit(3)\n")  # a script run at import: one message, not a silent exit 3
-    target = target.format(eps=eps, bad=bad, exits=exits, folder=eps.parent, **{})
+    text = eps.with_name("eps.txt")
+    text.write_text(eps.read_text())
+    target = target.format(eps=eps, bad=bad, exits=exits, folder=eps.parent, text=text)
     rc, out, err = run(capsys, "emit", target)
     assert rc == 2 and out == ""
     assert words in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
@@ -381,6 +393,12 @@ def test_cache_export_import_round_trip(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("CODA_DSL_CACHE", str(tmp_path / "third"))  # two exports of one kernel in one import
     rc, out, _ = run(capsys, "cache", "import", str(tmp_path / "all.tar.gz"), *map(str, parts))
     assert rc == 0 and "added 3, already present 0, rejected 0" in out
+    rc, out, _ = run(capsys, "cache", "export", str(tmp_path / "k.tar.gz"))  # one file now: the parts go
+    assert rc == 0 and not list(tmp_path.glob("k.part*.tar.gz")) and (tmp_path / "k.tar.gz").is_file()
+    with tarfile.open(tmp_path / "empty.tar.gz", "w:gz"):
+        pass
+    rc, out, _ = run(capsys, "cache", "import", str(tmp_path / "empty.tar.gz"))
+    assert rc == 1 and "an empty archive, with no kernel" in out
 
 
 def test_a_damaged_kernel_is_listed_as_bad_and_said_skipped_by_export(capsys, tmp_path):

@@ -425,7 +425,8 @@ def export_cache(path: Path, part_bytes: int | None = None) -> Exported:
     """Pack every entry that has a complete kernel.so (its kernel.cu and meta.json with it) into
     gzip'd tar files, e.g. to fill the cache of a GPU node that has no compiler, or of the next run on
     a machine whose disk does not persist: `path`, or with part_bytes, path.part1.tar.gz, ... of at
-    most about part_bytes each (an entry is never split). Entries being built are skipped."""
+    most about part_bytes each (an entry is never split); the parts an earlier export left under that name
+    beyond these are removed, so that FILE.part*.tar.gz is this export alone. Entries being built are skipped."""
     if path.is_dir() or not path.name:  # "", ".", "/": no file name to write
         raise CacheError(f"{path} is a directory: name the file to write, e.g. "
                          f"{path.absolute() / 'kernels.tar.gz'}")
@@ -468,6 +469,10 @@ def export_cache(path: Path, part_bytes: int | None = None) -> Exported:
             if isinstance(e, OSError):
                 raise CacheError(f"cannot write {dest}: {e.strerror or e}") from None
             raise
+    i = len(out) + 1 if len(out) > 1 else 1
+    while (stale := path.with_name(f"{base}.part{i}.tar.gz")).is_file() and not stale.is_symlink():
+        stale.unlink()
+        i += 1
     return Exported(out, skipped)
 
 
@@ -507,6 +512,9 @@ def import_cache(paths: list[Path]) -> Imported:
 def _unpack(path: Path, result: Imported) -> None:
     try:
         with tarfile.open(path, "r:gz") as tar, staging("import-") as tmp:
+            if not tar.getmembers():  # (export never writes one)
+                result.rejected.append(f"{path}: an empty archive, with no kernel")
+                return
             _commit_members(tar, tmp, result)
     except (gzip.BadGzipFile, zlib.error) as e:
         raise tarfile.ReadError(f"damaged: {e}") from None
