@@ -830,6 +830,13 @@ def test_an_epilogue_uid_names_its_program():
     assert kept[0].uid.split(".")[1] != kept[1].uid.split(".")[1]
 
 
+def test_an_operand_named_acc_is_refused():
+    def f(x, acc: cd.Tensor):
+        return x + acc
+    with pytest.raises(EpilogueError, match="an operand named 'acc' would read as the accumulator .*'x', is it"):
+        cd.epilogue(f)
+
+
 def test_a_value_kept_from_another_trace_is_refused():
     """A traced value saved while tracing one epilogue and used in another names operands the second lacks:
     refused when the second is traced, not a KeyError at its first call."""

@@ -544,5 +544,8 @@ def signature_params(fn: Callable, reserved: set[str]) -> tuple[str, tuple[ir.Pa
         if pname in reserved:
             raise EpilogueError(f"epilogue '{fn.__name__}' ({defined_at}): parameter name '{pname}' is reserved by "
                                 f"cd.gemm ({', '.join(sorted(reserved))})\n  fix: rename it")
+        if pname == "acc":  # the IR, explain and derived backwards (their output acc) name the accumulator so
+            raise EpilogueError(f"epilogue '{fn.__name__}' ({defined_at}): an operand named 'acc' would read as the "
+                                f"accumulator (the first parameter, '{first}', is it)\n  fix: rename the operand")
         params.append(ir.Param(pname, kind))
     return defined_at, tuple(params)
