@@ -144,8 +144,8 @@ def specialization_from_options(ep: Epilogue, ab_dtype: str = "bf16", b_layout: 
         if name in indices:
             if dt == "int64":
                 continue
-            raise CliError(f"--operand-dtype {name}={dt}: '{name}' holds cd.take's column indices, which are int64 "
-                           f"(leave it out of --operand-dtype)")
+            raise CliError(f"--operand-dtype {name}={dt}: '{name}' holds column indices (cd.take, cd.onehot), "
+                           "which are int64 (leave it out of --operand-dtype)")
         if dt not in DTYPES:
             raise CliError(f"--operand-dtype {name}={dt}: dtype must be one of {', '.join(DTYPES)}")
     dtypes = {n: INDEX_DTYPE if n in indices else operand_dtypes.get(n, ab_dtype)
@@ -221,7 +221,12 @@ def _spec_from_args(args, epilogue: tuple[Epilogue, dict, dict] | None = None) -
             _err(f"coda-dsl: --gpu {args.gpu!r} names none of {', '.join(MEASURED)}, whose rules were measured: "
                  "it gets the H200's rule")
         config = default(*args.shape, gpu=args.gpu)[0].text
-    return ep, specialization_from_options(ep, args.dtype, args.b_layout, dtypes, consts, config, args.a_layout)
+    spec = specialization_from_options(ep, args.dtype, args.b_layout, dtypes, consts, config, args.a_layout)
+    for name in _pairs(args.operand_dtype, "--operand-dtype"):
+        if name not in spec.plan.inputs:  # declared, never read: the dtype changes nothing
+            _err(f"note: --operand-dtype {name}: epilogue '{ep.name}' does not read '{name}', so its dtype changes "
+                 "nothing")
+    return ep, spec
 
 
 def _shape_notes(spec: CompiledOp, shape: tuple[int, int, int]) -> list[str]:

@@ -160,8 +160,12 @@ def test_key_matches_cd_compile(capsys, monkeypatch):
     a, w = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(n, k, dtype=torch.bfloat16)
     r, g = torch.randn(m, n, dtype=torch.bfloat16), torch.randn(n, dtype=torch.float32)
     op = cd.compile(residual_rms, a, w, residual=r, gamma=g)
-    rc, out, _ = run(capsys, "explain", "coda_dsl.examples:residual_rms", "--operand-dtype", "gamma=fp32")
-    assert rc == 0 and key_of(out) == op.key
+    rc, out, err = run(capsys, "explain", "coda_dsl.examples:residual_rms", "--operand-dtype", "gamma=fp32")
+    assert rc == 0 and key_of(out) == op.key and "note" not in err
+    # an operand the program does not read (here the backward's): said, since its dtype changes nothing
+    rc, out, err = run(capsys, "explain", "coda_dsl.examples:residual_rms", "--backward", "--operand-dtype",
+                       "residual=fp32")
+    assert rc == 0 and "does not read 'residual', so its dtype changes nothing" in err
 
 
 # ---- errors: one line on stderr, exit 2 ---------------------------------------------------------------
