@@ -467,7 +467,9 @@ def cmd_doctor(args) -> int:
     _probe_row(row, "nvcc", lambda: (nv := tools.find_nvcc()) + (tools.nvcc_version(nv[0]),),
                f"a CUDA toolkit {tools.MIN_CUDA_TEXT}+: install one, or point CUDA_HOME at one",
                lambda n: f"{n[0]} ({n[2]}; CUDA_HOME {n[1]})")
-    _probe_row(row, "CUTLASS", tools.find_cutlass, "pip install nvidia-cutlass",
+    pip_cutlass = "pip install nvidia-cutlass"
+    _probe_row(row, "CUTLASS", tools.find_cutlass, f"point CODA_DSL_CUTLASS_DIR at a CUTLASS checkout, or unset it and "
+               f"{pip_cutlass}" if os.environ.get("CODA_DSL_CUTLASS_DIR") else pip_cutlass,
                lambda c: f"{c[1]} headers in {c[0][0]}")
     version = lambda tool: subprocess.run([tool, "--version"], capture_output=True, text=True).stdout.strip()  # noqa: E731
     _probe_row(row, "ninja", tools.ninja_binary, "pip install ninja", lambda n: f"{n} ({version(n)})")
@@ -637,7 +639,7 @@ def parser() -> argparse.ArgumentParser:
 
     def command(name, func, help, description, **kw):
         p = sub.add_parser(name, help=help, description=description, **kw)
-        p.set_defaults(func=func)
+        p.set_defaults(func=func, parser=p)  # (main's errors then show this command's usage)
         return p
 
     p = command("emit", cmd_emit, "print the generated .cu of an epilogue",
@@ -716,7 +718,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = parser()
     args, extra = ap.parse_known_args(joined_negative_values(sys.argv[1:] if argv is None else argv))
     if args.command != "bench" and extra:
-        ap.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args, extra) if args.command == "bench" else args.func(args)
     except CodaError as e:

@@ -724,3 +724,10 @@ def test_a_blank_cxx_means_unset(monkeypatch):
     from coda_dsl.build import tools
     monkeypatch.setenv("CXX", "   ")
     assert tools.linker() == ["c++"]
+
+
+def test_an_extra_argument_shows_its_commands_usage(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["doctor", "extra"])
+    err = capsys.readouterr().err
+    assert "usage: coda-dsl doctor" in err and "unrecognized arguments: extra" in err
