@@ -204,6 +204,7 @@ def test_bad_target(capsys, eps, target, words):
     (("--const", "c=1", "--operand-dtype", "res=int8"), "dtype must be one of"),
     (("--const", "c=1", "--operand-dtype", "q=fp32"), "no tensor/vector operand 'q'"),
     (("--const", "c=1", "--config", "big"), "bad config"),
+    (("--const", "c=1", "--config", "128x256x64_c2x1_cooperative_extra"), "unknown part 'extra'"),
     (("--const", "c=1", "--const", "c=2"), "--const c is given twice (1 and 2)"),
 ])
 def test_bad_options(capsys, eps, opts, words):

@@ -105,7 +105,7 @@ class Config:
             for part in rest:
                 if part == "streamk":
                     key, value = "scheduler", part
-                elif part[:1] == "e":
+                elif part[:1] == "e" and part[1:2].isdigit():
                     key, value = "epilogue_tile", ints(part[1:])
                 elif part in ("rm", "rn"):
                     key, value = "raster", part[1]
