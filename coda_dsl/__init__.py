@@ -55,8 +55,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "dsl": ("Acc", "Const", "Epilogue", "Scalar", "Tensor", "VecM", "VecN", "epilogue", "identity"),
     "dsl.ops": ("abs", "amax", "cast", "ceil", "clamp", "cos", "erf", "exp", "floor", "gelu", "interleave", "log",
-                "logsumexp", "max", "maximum", "min", "minimum", "onehot", "pairs", "relu", "round", "rsqrt", "sigmoid", "silu",
-                "sin", "sqrt", "sum", "take", "tanh", "where"),
+                "logsumexp", "max", "maximum", "min", "minimum", "onehot", "pairs", "relu", "round", "rsqrt", "sigmoid",
+                "silu", "sin", "sqrt", "sum", "take", "tanh", "where"),
     "passes.plan": ("Config",),
     "runtime": ("BACKENDS", "CompiledOp", "as_written", "backward_epilogue", "compile", "first_order",
                 "forward_epilogue", "gemm", "is_gpu", "linear", "prebuild", "saved_operands", "set_tuning"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 from ..ir import graph as ir
-from .trace import Reduction, Value, apply, cast, fail, lift, reduce
+from .trace import Reduction, Value, apply, cast, fail, index_operand, lift, reduce
 
 __all__ = ["pairs", "interleave", "where", "maximum", "minimum", "clamp", "exp", "log", "sqrt", "rsqrt", "tanh", "sin",
            "cos", "sigmoid", "abs", "relu", "gelu", "silu", "erf", "round", "floor", "ceil", "cast", "sum", "max", "min",
@@ -113,11 +113,7 @@ def take(x, index, axis="n") -> Reduction:
 def onehot(index) -> Value:
     """1.0 at column index[m] of each row m, else 0.0 (N wide; index: a cd.VecM of int64, as cd.take's). An
     index outside [0, N) (e.g. ignore_index = -100) matches no column. The derivative of cd.take is this mask."""
-    idx = lift(index)
-    if idx.op != "load" or idx.attr[0] != "vec_m":
-        raise fail("cd.onehot needs a cd.VecM operand of int64 column indices (one per row)",
-                   "declare it `target: cd.VecM` and pass a torch.int64 tensor of shape [M]")
-    return Value(ir.onehot(idx))
+    return Value(ir.onehot(index_operand(index, "cd.onehot")))
 
 
 def amax(x, axis="n") -> Reduction:

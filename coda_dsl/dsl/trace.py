@@ -466,6 +466,15 @@ def cast(x: Any, dtype) -> Value:
     return Value(ir.cast(lift(x), name))
 
 
+def index_operand(index: Any, api: str) -> ir.Node:
+    """The load of the cd.VecM operand `index` that `api` (cd.take, cd.onehot) reads as column indices."""
+    idx = lift(index)
+    if idx.op != "load" or idx.attr[0] != "vec_m":
+        raise fail(f"{api} needs a cd.VecM operand of int64 column indices (one per row)",
+                   "declare it `target: cd.VecM` and pass a torch.int64 tensor of shape [M]")
+    return idx
+
+
 def reduce(kind: str, x: Any, axis, index: Any = None) -> Reduction:
     if isinstance(axis, Value):  # cd.max(a, b): the elementwise maximum was meant
         elementwise = {"max": "cd.maximum(a, b)", "min": "cd.minimum(a, b)", "sum": "a + b"}.get(
@@ -482,12 +491,7 @@ def reduce(kind: str, x: Any, axis, index: Any = None) -> Reduction:
     definition = REDUCTIONS[kind]
     if axis not in definition.axes:
         raise fail(f"cd.{kind} works over axis='n' (per row), not {axis!r}")
-    idx = None
-    if definition.indexed:
-        idx = lift(index)
-        if idx.op != "load" or idx.attr[0] != "vec_m":
-            raise fail("cd.take needs a cd.VecM operand of int64 column indices (one per row)",
-                       "declare it `target: cd.VecM` and pass a torch.int64 tensor of shape [M]")
+    idx = index_operand(index, f"cd.{kind}") if definition.indexed else None
     node = lift(x)
     if any(n.op == "reduced" for n in ir.topo_order([node])):
         raise fail(f"cd.{kind} inside .then(): a finishing expression maps each finished statistic (one number per "
