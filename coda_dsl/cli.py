@@ -209,7 +209,8 @@ def _epilogue_from_args(args) -> tuple[Epilogue, dict, dict]:
 
 def _spec_from_args(args, epilogue: tuple[Epilogue, dict, dict] | None = None) -> tuple[Epilogue, CompiledOp]:
     ep, consts, dtypes = epilogue or _epilogue_from_args(args)
-    dtypes = {**dtypes, **_pairs(args.operand_dtype, "--operand-dtype")}
+    given = _pairs(args.operand_dtype, "--operand-dtype")
+    dtypes = {**dtypes, **given}
     config = args.config
     if args.gpu is not None and not args.shape:
         raise CliError("--gpu names the GPU whose rule picks the configuration for --shape: give --shape too")
@@ -222,7 +223,7 @@ def _spec_from_args(args, epilogue: tuple[Epilogue, dict, dict] | None = None) -
                  "it gets the H200's rule")
         config = default(*args.shape, gpu=args.gpu)[0].text
     spec = specialization_from_options(ep, args.dtype, args.b_layout, dtypes, consts, config, args.a_layout)
-    for name in _pairs(args.operand_dtype, "--operand-dtype"):
+    for name in given:
         if name not in spec.plan.inputs:  # declared, never read: the dtype changes nothing
             _err(f"note: --operand-dtype {name}: epilogue '{ep.name}' does not read '{name}', so its dtype changes "
                  "nothing")

@@ -400,9 +400,6 @@ def apply(op: str, *args: Any) -> Value:
 # ---------------------------------------------------------------------------------------------
 # Tracing a function
 # ---------------------------------------------------------------------------------------------
-_LEAF_KIND = {"scalar": "scalar", "const_param": "const", "onehot": "vec_m"}  # the operand kind each leaf reads
-
-
 def trace(fn: Callable, params: tuple[ir.Param, ...], name: str, defined_at: str) -> ir.Program:
     tracer = _Tracer(name)
     prev, _Tracer.current = _Tracer.current, tracer
@@ -422,8 +419,7 @@ def trace(fn: Callable, params: tuple[ir.Param, ...], name: str, defined_at: str
     program = ir.Program(name, params, outputs, defined_at, tracer.locations)
     declared = {(p.kind, p.name) for p in params}
     for node in ir.walk(program):  # a value kept from another epilogue's trace names that epilogue's operands
-        used = node.attr if node.op == "load" else (_LEAF_KIND[node.op], node.attr) if node.op in _LEAF_KIND else None
-        if used and used not in declared:
+        if (used := ir.operand_of(node)) and used not in declared:
             raise EpilogueError(f"epilogue '{name}' ({defined_at}) uses operand '{used[1]}', which is not one of its "
                                 "parameters: a value traced in another epilogue was kept and used here"
                                 f"\n  fix: declare '{used[1]}' as a parameter of '{name}' and use that")

@@ -223,6 +223,14 @@ def walk(program: Program) -> Iterator[Node]:
     yield from topo_order([o.node for o in program.outputs])
 
 
+_OPERAND_KIND = {"scalar": "scalar", "const_param": "const", "onehot": "vec_m"}  # a leaf's operand, but a load's
+
+
+def operand_of(n: Node) -> tuple[str, str] | None:
+    """(kind, name) of the operand a leaf reads (a load, a scalar, a cd.Const, a onehot's index); else None."""
+    return n.attr if n.op == "load" else (_OPERAND_KIND[n.op], n.attr) if n.op in _OPERAND_KIND else None
+
+
 def _leaf_name(n: Node) -> str:
     """How format_program spells a leaf: by its operand name, its value, or its kind."""
     if n.op in ("acc", "prior_d", "reduced"):

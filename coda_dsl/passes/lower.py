@@ -45,8 +45,7 @@ def validate(program: ir.Program) -> dict[int, Fraction]:
     indices = ir.index_operands(ir.walk(program))  # (a derived backward's onehot names one too)
     for node in ir.walk(program):
         if node.op == "load" and node.attr[1] in indices and (id(node) in outputs or not all(
-                u.op == "reduce" and u.inputs[1:] == (node,) and u.inputs[0] is not node  # as cd.take's index
-                for u in users.get(id(node), []))):
+                _as_index(u, node) for u in users.get(id(node), []))):
             raise unsupported(node, f"'{node.attr[1]}' holds int64 column indices (cd.take, cd.onehot), which the "
                                     "kernel reads as indices only; used as values too (in math or as an output), they "
                                     "run on the reference backend only\n  fix: pass the values a second time, as "
@@ -63,6 +62,11 @@ def validate(program: ir.Program) -> dict[int, Fraction]:
         if node.definition is None:
             raise EpilogueError(f"epilogue '{program.name}' ({program.where(node)}): unknown op '{node.op}'")
     return w
+
+
+def _as_index(user: ir.Node, node: ir.Node) -> bool:
+    """Whether user reads node as cd.take's column index, and not as its value."""
+    return user.op == "reduce" and user.inputs[1:] == (node,) and user.inputs[0] is not node
 
 
 def _double_width_ok(node: ir.Node, w: dict[int, Fraction], users: list[ir.Node], outputs: set[int]) -> bool:

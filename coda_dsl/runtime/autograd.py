@@ -160,8 +160,8 @@ class _Linear(torch.autograd.Function):
         grads = dict(zip(ctx.ep.output_names, grads))
         if used := [o for o in ctx.frozen if grads[o] is not None]:
             raise UnsupportedError(f"cd.linear: epilogue '{ctx.ep.name}': the loss depends on output '{used[0]}', a "
-                                   f"{underived_what(ctx.ep.program, used[0])}, which has no derivative yet\n  fix: use it detached "
-                                   f"(out['{used[0]}'].detach()), or compute it outside the epilogue")
+                                   f"{underived_what(ctx.ep.program, used[0])}, which has no derivative yet\n  fix: "
+                                   f"use it detached (out['{used[0]}'].detach()), or compute it outside the epilogue")
         x, w, acc, *rest = ctx.saved_tensors
         derived = ctx.derived
         if unused := tuple(o for o, g in grads.items() if g is None):
