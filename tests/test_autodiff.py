@@ -345,6 +345,42 @@ def test_the_forward_kernel_outputs_statistics_before_then(make_plan):
     assert rel_err(got["D"], acc.grad) < 1e-6
 
 
+def test_a_gradient_that_is_dacc_is_stored_once(make_plan):
+    """y = acc + residual: the residual's gradient is dacc itself. The fused backward stores it once (one [M, N]
+    store fewer) and returns it as D's tensor, on every path: a call, a batched one, a CompiledOp's plan,
+    torch.compile; out= for it, and accumulate=True (D would hold a sum), are refused with the fix."""
+    @cd.epilogue
+    def residual_sumsq(acc, residual: cd.Tensor):
+        h = acc + residual
+        return {"D": h, "sumsq": cd.sum(h * h, axis="n")}
+
+    bw = cd.backward_epilogue(residual_sumsq)
+    assert bw.output_names == ("D",) and bw.program.aliases == (("residual", "D"),)
+    assert "out residual = out D (the same tensor)" in ir.format_program(bw.program)
+    plan = make_plan(bw)
+    assert plan.d_dtype is not None and plan.outputs == []  # D alone is stored
+
+    m, n = 6, 8
+    x, w, r = torch.randn(m, 5, dtype=torch.float64), torch.randn(n, 5, dtype=torch.float64), torch.randn(m, n)
+    g, v, dsum = torch.randn(m, 4), torch.randn(n, 4), torch.randn(m)
+    xr, wr, rr = (t.clone().requires_grad_() for t in (x, w, r.double()))
+    h = xr @ wr.t() + rr
+    ((h * (g.double() @ v.double().t())).sum() + ((h * h).sum(-1) * dsum.double()).sum()).backward()
+    saved = cd.saved_operands(bw, cd.gemm(x.float(), w.float(), cd.forward_epilogue(residual_sumsq),
+                                          backend="reference", residual=r))
+    args = dict(backend="reference", residual=r, grad_sumsq=dsum, **saved)
+    got = cd.gemm(g, v, bw, **args)
+    assert got["residual"] is got["D"] and rel_err(got["residual"], rr.grad) < 1e-5
+    batched = cd.gemm(torch.stack([g, g]), v, bw, **{**args, "grad_sumsq": torch.stack([dsum, dsum])})
+    assert batched["residual"] is batched["D"] and torch.equal(batched["D"][1], got["D"])
+    compiled = torch.compile(lambda g: cd.gemm(g, v, bw, **args), fullgraph=True, backend="aot_eager")(g)
+    assert set(compiled) == {"D", "residual"} and torch.equal(compiled["residual"], got["D"])
+    with pytest.raises(cd.OperandError, match="out has 'residual', which is output 'D'.*\n  fix: pass out=\\{'D'"):
+        cd.gemm(g, v, bw, out={"residual": torch.empty(m, n)}, **args)
+    with pytest.raises(UnsupportedError, match="output 'residual' is D's value.*accumulate=True"):
+        cd.gemm(g, v, bw, out={"D": torch.zeros(m, n)}, accumulate=True, **args)
+
+
 @pytest.mark.parametrize("make, what", [
     (lambda acc: {"m": cd.max(acc, axis="n")}, "cd.max"),
     (lambda acc: {"s": cd.amax(acc * acc, axis="n").then(lambda s: cd.rsqrt(s + 1.0))}, "cd.amax"),

@@ -966,7 +966,8 @@ def test_linear_fp16_keeps_its_accumulator_in_fp32(kernels):
 
 def test_backward_epilogue_reading_an_output_back(kernels):
     """residual_rms's derived backward in the GEMM that produces D's gradient reads h back from the forward's
-    D (saved_D), not its accumulator and residual: the kernel against the reference backend, ragged shape."""
+    D (saved_D), not its accumulator and residual, and stores dacc once (the residual's gradient is the same
+    tensor): the kernel against the reference backend, ragged shape."""
     m, n, k = RAGGED
     bw = residual_rms_backward
     assert "saved_acc" not in {p.name for p in bw.params}
@@ -974,5 +975,6 @@ def test_backward_epilogue_reading_an_output_back(kernels):
     operands = _operands(bw, m, n, torch.bfloat16)
     got, want = cd.gemm(g, v, bw, **operands), cd.gemm(g, v, bw, backend="reference", **operands)
     assert set(got) == set(want) == {"D", "residual", "gamma"}
+    assert got["residual"] is got["D"]  # dacc, stored once
     for name in want:
         assert _rel(got[name], want[name]) <= 2e-2, name

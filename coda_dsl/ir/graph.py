@@ -179,6 +179,9 @@ class Program:
     outputs: tuple[Output, ...]
     defined_at: str = ""  # "file.py:line" of the def, for messages
     locations: dict = field(default_factory=dict, compare=False)  # id(node) -> "file.py:line"
+    # (name, the output it is): an output whose value and dtype are another output's, stored once and
+    # returned as that output's tensor (a derived backward's residual gradient is its dacc)
+    aliases: tuple[tuple[str, str], ...] = ()
 
     def output(self, name: str) -> Output | None:
         return next((o for o in self.outputs if o.name == name), None)
@@ -267,4 +270,5 @@ def format_program(program: Program) -> str:
         lines.append(f"  %{i} = {n.op}{attr}({args})")
     for o in program.outputs:
         lines.append(f"  out {o.name}: {o.dtype or 'default'} = {names[id(o.node)]}")
+    lines += [f"  out {name} = out {same} (the same tensor)" for name, same in program.aliases]
     return "\n".join(lines)

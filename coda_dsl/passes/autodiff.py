@@ -298,7 +298,8 @@ def into_producer(back: Backward, output: str = "D", split: bool = False, recomp
     interleave's halves as two N-wide outputs instead, D_even and D_odd (for SwiGLU the gate's and the
     up projection's gradients, each the plain GEMM operand of its own weight's gradient). recompute:
     forward outputs to compute again from saved_acc, as outputs recomputed_<name>, so that the forward
-    need not keep them for the backward (e.g. SwiGLU's y, an operand of W_down's gradient)."""
+    need not keep them for the backward (e.g. SwiGLU's y, an operand of W_down's gradient). A gradient that
+    is another output's value (a residual's: dacc) is stored once (stored_once)."""
     program = back.program
     where = program.title
     if output not in back.grads:
@@ -352,7 +353,20 @@ def into_producer(back: Backward, output: str = "D", split: bool = False, recomp
                            "gradient is named like the operand)\n  fix: rename that operand")
     if not any(n.op == "load" and n.attr[1] == SAVED_ACC for n in ir.topo_order([o.node for o in outputs])):
         params = tuple(p for p in params if p.name != SAVED_ACC)  # the derivative reads saved outputs instead
-    return ir.Program(f"{program.name}_fused", params, tuple(outputs), program.defined_at, {})
+    return stored_once(ir.Program(f"{program.name}_fused", params, tuple(outputs), program.defined_at, {}))
+
+
+def stored_once(program: ir.Program) -> ir.Program:
+    """program with each output of an earlier output's value and dtype (a residual's gradient, which is dacc)
+    taken out of its outputs and named in its aliases instead: a kernel stores that value once, and the call
+    returns that tensor under both names."""
+    first, aliases = {}, []
+    for o in program.outputs:
+        if (key := (id(o.node), o.dtype)) in first:
+            aliases.append((o.name, first[key]))
+        first.setdefault(key, o.name)
+    kept = tuple(o for o in program.outputs if first[(id(o.node), o.dtype)] == o.name)
+    return replace(program, outputs=kept, aliases=program.aliases + tuple(aliases))
 
 
 def _narrower(widths: dict):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import replace
 from fractions import Fraction
 
 from ..errors import EpilogueError, UnsupportedError
@@ -372,4 +373,4 @@ def _over_full_rows(program: ir.Program) -> ir.Program:
         node = o.node if r is None or id(r) not in swap else swap[id(r)] if o.node is r else ir.finish(swap[id(r)], o.node.attr)
         locations.setdefault(id(node), program.where(o.node))
         outputs.append(ir.Output(o.name, node, o.dtype))
-    return ir.Program(program.name, program.params, tuple(outputs), program.defined_at, locations)
+    return replace(program, outputs=tuple(outputs), locations=locations)

@@ -5,6 +5,8 @@ Common subexpressions need no pass: IR nodes are hash-consed (ir/graph.py).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..errors import EpilogueError, OperandError, UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import FoldError
@@ -54,7 +56,7 @@ def specialize(program: ir.Program, consts: dict[str, float]) -> ir.Program:
     outputs = tuple(ir.Output(o.name, _fold(o.node, memo, consts, program), o.dtype) for o in program.outputs)
     locations = {id(memo[k]): v for k, v in program.locations.items() if k in memo}
     locations.update(program.locations)
-    return ir.Program(program.name, program.params, outputs, program.defined_at, locations)
+    return replace(program, outputs=outputs, locations=locations)
 
 
 def _unrounded(o: ir.Output) -> ir.Node:
@@ -68,9 +70,7 @@ def rounding_in_stores(program: ir.Program) -> ir.Program:
     for a cast to the output's dtype. (Kernels only: the reference backend's fp64 mode keeps outputs
     unrounded but for their casts.)"""
     outputs = tuple(ir.Output(o.name, _unrounded(o), o.dtype) for o in program.outputs)
-    if outputs == program.outputs:
-        return program
-    return ir.Program(program.name, program.params, outputs, program.defined_at, program.locations)
+    return program if outputs == program.outputs else replace(program, outputs=outputs)
 
 
 def accumulate_into_d(program: ir.Program) -> ir.Program:
@@ -83,6 +83,10 @@ def accumulate_into_d(program: ir.Program) -> ir.Program:
                             "adds an [M, N] D into out['D'] as the tiles store it\n  fix: add the reduction's result "
                             "yourself (t += cd.gemm(...)['D'])")
     width = infer(program).get(id(d.node), 1)
+    if same := [name for name, of in program.aliases if of == "D"]:
+        raise UnsupportedError(f"{program.title}: output '{same[0]}' is D's value, returned as the tensor of D; "
+                               "with accumulate=True D holds the sum instead\n  fix: add it yourself (out['D'] += "
+                               "cd.gemm(...)['D'])")
     if width != 1:  # stored by the pair store, not CUTLASS's D: no prior D to read
         raise UnsupportedError(f"{program.title}: accumulate=True needs an N-wide D; "
                                f"this D is {width_text(width)} wide (a cd.pairs / cd.interleave result)\n  fix: "
@@ -90,4 +94,4 @@ def accumulate_into_d(program: ir.Program) -> ir.Program:
     value = _unrounded(d)  # the sum is rounded once, when stored
     outputs = tuple(ir.Output("D", ir.compute("add", ir.prior_d(), value), o.dtype) if o.name == "D" else o
                     for o in program.outputs)
-    return ir.Program(program.name, program.params, outputs, program.defined_at, program.locations)
+    return replace(program, outputs=outputs)

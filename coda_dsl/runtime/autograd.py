@@ -12,6 +12,7 @@ pass per op), then grad_x = dacc @ W and grad_W = dacc^T x.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import torch
 
@@ -20,7 +21,8 @@ from ..errors import OperandError, UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import dtype_name, math_dtype, torch_dtype
 from ..passes import specialize
-from ..passes.autodiff import ACC, GRAD, SAVED, Backward, derive, into_producer, underivable, underived_what
+from ..passes.autodiff import (ACC, GRAD, SAVED, Backward, derive, into_producer, stored_once, underivable,
+                               underived_what)
 from . import reference, torch_compile
 from .torch_compile import made_once
 from .op import check_consts, check_operands, epilogue_of, gemm
@@ -105,7 +107,7 @@ def _derived(uid: str, consts: tuple, no_grad: tuple[str, ...], reuse: tuple[str
     extra = ((ir.Output(ACC, ir.acc(), acc_dtype),) if back.uses_acc else ()) + tuple(
         ir.Output(SAVED + o, ir.reduction_of(p.output(o).node), None) for o in back.unfinished)
     if extra:
-        forward = Epilogue.of_program(ir.Program(p.name, p.params, (*p.outputs, *extra), p.defined_at, p.locations))
+        forward = Epilogue.of_program(replace(p, outputs=(*p.outputs, *extra)))
     return _Derived(forward, back)
 
 
@@ -254,7 +256,7 @@ def linear(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, /
     numbers = {**{k: v for k, v in operands.items() if not isinstance(v, torch.Tensor)}, **values}
     options = {"backend": backend, "config": config, "deterministic": deterministic, "tune": tune}
     outs = _Linear.apply(ep, names, numbers, options, A, B, *(operands[k] for k in names))
-    return dict(zip(ep.output_names, outs))
+    return ep.aliased(dict(zip(ep.output_names, outs)))
 
 
 def forward_epilogue(epilogue: Epilogue, dtype: torch.dtype | str = torch.bfloat16, **consts) -> Epilogue:
@@ -300,10 +302,10 @@ def saved_operands(backward: Epilogue, forward_outputs: dict) -> dict:
 
 def derived_backward(epilogue: Epilogue, **consts) -> Epilogue:
     """The backward program cd.linear runs for `epilogue`, as an epilogue of its own (operands, grad_<output>,
-    saved_<statistic>, saved_<output> for outputs read back; outputs acc and each operand's gradient).
-    Statistics with no derivative yet are left out, as cd.linear leaves them. cd.Const values go in `consts`."""
+    saved_<statistic>, saved_<output> for outputs read back; outputs acc and each operand's gradient, one
+    that is acc's value an alias of it: stored_once). Statistics with no derivative yet are left out, as cd.linear leaves them. cd.Const values go in `consts`."""
     epilogue = _checked("derived_backward", epilogue, consts)
-    return Epilogue.of_program(_derive(epilogue, consts, _underived(epilogue.uid)).back.program)
+    return Epilogue.of_program(stored_once(_derive(epilogue, consts, _underived(epilogue.uid)).back.program))
 
 
 def backward_epilogue(epilogue: Epilogue, output: str = "D", split: bool = False,

@@ -52,7 +52,7 @@ def _where(ep: Epilogue) -> str:
 
 def _normalize(ep: Epilogue, a, b, operands: dict, out: dict | None = None) -> Call:
     where = _where(ep)
-    _check_out_dict(where, out)
+    _check_out_dict(ep, out)
     for name, t in (("A", a), ("B", b)):
         if not isinstance(t, torch.Tensor):
             raise checks.fail(where, f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -130,10 +130,14 @@ def check_consts(api: str, ep: Epilogue, consts: dict, options: tuple[str, ...] 
         _check_number(where, p, consts[p.name])
 
 
-def _check_out_dict(where: str, out) -> None:
+def _check_out_dict(ep: Epilogue, out) -> None:
     if out is not None and not isinstance(out, dict):
-        raise checks.fail(where, f"out must be a dict of output name -> tensor, got {type(out).__name__}",
+        raise checks.fail(_where(ep), f"out must be a dict of output name -> tensor, got {type(out).__name__}",
                           "pass out={'D': tensor, ...}")
+    for name, same in ep.program.aliases:
+        if out and name in out:
+            raise checks.fail(_where(ep), f"out has '{name}', which is output '{same}': the same value, stored once "
+                              f"and returned as the tensor of '{same}'", f"pass out={{'{same}': tensor}} and use it for both")
 
 
 def _unpack(kinds: dict[str, str], a, b, operands: dict) -> Call:
@@ -440,9 +444,10 @@ class CompiledOp:
         for t, buffer in staged:
             t.copy_(buffer)
         if (table is not None and not out and not staged and not call.batch and isinstance(self._op, Kernel)
+                and not self.epilogue.program.aliases  # (its C++ makes a tensor per output)
                 and all(t is call.tensors[i] for t, i in zip(inputs, plan.inputs)) and (table := table())):
             self._add_layout(table, call, d, inputs, scalars, aux)
-        return outs
+        return self.epilogue.aliased(outs)
 
     def _add_layout(self, table, call: Call, d, inputs: list, scalars: list, aux: list) -> None:
         """The warm path's entry for a launch that just ran with these tensors (runtime/warm.py): the same
@@ -630,7 +635,8 @@ def _fold_batch_out(out: dict | None, call: Call) -> dict | None:
 def _unfold_batch(outs: dict[str, torch.Tensor], call: Call) -> dict[str, torch.Tensor]:
     if not call.batch:
         return outs
-    return {k: v.reshape(*call.batch, -1, *v.shape[1:]) for k, v in outs.items()}
+    unfolded = {}  # by tensor: an alias stays the same tensor as the output it is
+    return {k: unfolded.setdefault(id(v), v.reshape(*call.batch, -1, *v.shape[1:])) for k, v in outs.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -726,7 +732,7 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
             raise UnsupportedError(f"{_where(ep)}: accumulate=True inside torch.compile is not supported yet; "
                                    "write D + epilogue(...) functionally there")
         _flag(ep, "deterministic", deterministic)
-        _check_out_dict(_where(ep), out)
+        _check_out_dict(ep, out)
         check_operands(ep, operands)
         return traced_gemm(ep, A, B, out, backend, config, deterministic, operands)
     if config is not None and not isinstance(config, (Config, str)):
@@ -991,7 +997,7 @@ def run_reference(ep: Epilogue, call: Call, out: dict | None, accumulate: bool =
         for name, t in out.items():
             t.copy_(res[name])
             res[name] = t
-    return res
+    return ep.aliased(res)
 
 
 __all__ = ["gemm", "compile", "CompiledOp", "Config", "UnsupportedError"]
