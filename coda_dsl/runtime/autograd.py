@@ -303,7 +303,8 @@ def saved_operands(backward: Epilogue, forward_outputs: dict) -> dict:
 def derived_backward(epilogue: Epilogue, **consts) -> Epilogue:
     """The backward program cd.linear runs for `epilogue`, as an epilogue of its own (operands, grad_<output>,
     saved_<statistic>, saved_<output> for outputs read back; outputs acc and each operand's gradient, one
-    that is acc's value an alias of it: stored_once). Statistics with no derivative yet are left out, as cd.linear leaves them. cd.Const values go in `consts`."""
+    that is acc's value an alias of it: stored_once). Statistics with no derivative yet are left out, as
+    cd.linear leaves them. cd.Const values go in `consts`."""
     epilogue = _checked("derived_backward", epilogue, consts)
     return Epilogue.of_program(stored_once(_derive(epilogue, consts, _underived(epilogue.uid)).back.program))
 

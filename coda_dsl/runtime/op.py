@@ -134,10 +134,10 @@ def _check_out_dict(ep: Epilogue, out) -> None:
     if out is not None and not isinstance(out, dict):
         raise checks.fail(_where(ep), f"out must be a dict of output name -> tensor, got {type(out).__name__}",
                           "pass out={'D': tensor, ...}")
-    for name, same in ep.program.aliases:
-        if out and name in out:
+    for name, same in ep.program.aliases if out else ():
+        if name in out:
             raise checks.fail(_where(ep), f"out has '{name}', which is output '{same}': the same value, stored once "
-                              f"and returned as the tensor of '{same}'", f"pass out={{'{same}': tensor}} and use it for both")
+                              f"and returned as the tensor of '{same}'", f"pass out={{'{same}': tensor}} for both")
 
 
 def _unpack(kinds: dict[str, str], a, b, operands: dict) -> Call:
