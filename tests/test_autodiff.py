@@ -892,10 +892,11 @@ def test_second_order_gradients_raise():
         torch.autograd.grad(gx.square().sum(), p, allow_unused=True)
 
 
-def test_half_width_operands_whose_gradient_comes_from_a_row_statistic():
-    """An [M, N/2] cd.Tensor or [N/2] cd.VecN next to cd.pairs(acc), whose gradient comes only through a row
-    sum: the gradient is the same in every column (no width of its own); it comes back in the operand's
-    shape (it was N wide, which autograd refused)."""
+def test_operands_of_other_widths_whose_gradient_comes_from_a_row_statistic():
+    """An [M, N/2] cd.Tensor or [N/2] cd.VecN next to cd.pairs(acc) (also N/4 and 4N: nested pairs and
+    interleaves), whose gradient comes only through a row sum: the gradient is the same in every column (no
+    width of its own); it comes back in the operand's shape (it was N wide, which autograd refused; at N/4
+    and 4N an internal error)."""
     @cd.epilogue
     def tensor_half(acc, r: cd.Tensor):
         g, u = cd.pairs(acc)
@@ -906,14 +907,26 @@ def test_half_width_operands_whose_gradient_comes_from_a_row_statistic():
         g, u = cd.pairs(acc)
         return {"rs": cd.sum(g * u + b, axis="n")}
 
+    @cd.epilogue
+    def vec_quarter(acc, b: cd.VecN):
+        g, u = cd.pairs(cd.pairs(acc)[0])
+        return {"rs": cd.sum(g * u + b, axis="n")}
+
+    @cd.epilogue
+    def tensor_quadruple(acc, r: cd.Tensor):
+        return {"rs": cd.sum(cd.interleave(cd.interleave(acc, acc), cd.interleave(acc, acc)) + r, axis="n")}
+
     f64 = dict(dtype=torch.float64)
-    x, w = torch.randn(4, 3, **f64, requires_grad=True), torch.randn(6, 3, **f64, requires_grad=True)
-    for ep, operand in ((tensor_half, torch.randn(4, 3, **f64)), (vec_half, torch.randn(3, **f64))):
+    x, w = torch.randn(4, 3, **f64, requires_grad=True), torch.randn(8, 3, **f64, requires_grad=True)
+    for ep, operand, ref in (
+            (tensor_half, torch.randn(4, 4, **f64), lambda a, t: a[:, 0::2] * a[:, 1::2] + t),
+            (vec_half, torch.randn(4, **f64), lambda a, t: a[:, 0::2] * a[:, 1::2] + t),
+            (vec_quarter, torch.randn(2, **f64), lambda a, t: a[:, 0::4] * a[:, 2::4] + t),
+            (tensor_quadruple, torch.randn(4, 32, **f64), lambda a, t: a.repeat_interleave(4, -1) + t)):
         name = ep.params[0].name
         operand.requires_grad_()
         got = cd.linear(x, w, ep, backend="reference", **{name: operand})["rs"]
-        acc = x @ w.t()
-        want = (acc[:, 0::2] * acc[:, 1::2] + operand).sum(-1)
+        want = ref(x @ w.t(), operand).sum(-1)
         dy = torch.randn(4, dtype=torch.float64)
         for a, b in zip(torch.autograd.grad(got, (x, w, operand), dy), torch.autograd.grad(want, (x, w, operand), dy)):
             assert a.shape == b.shape and rel_err(a, b) < 1e-12

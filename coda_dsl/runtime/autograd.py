@@ -195,10 +195,11 @@ class _Linear(torch.autograd.Function):
 
 def _shaped(grad: torch.Tensor, operand: torch.Tensor) -> torch.Tensor:
     """An operand's gradient in the operand's shape. A gradient with no width of its own (the same in every
-    column: it comes from a row or whole-tile statistic) is evaluated N wide; the operand may be N/2 or 2N."""
+    column: it comes from a row or whole-tile statistic) is evaluated N wide; the operand may be N/2^k or 2^k N
+    wide (nested cd.pairs / cd.interleave)."""
     if grad.dim() and grad.shape != operand.shape:
         n, want = grad.shape[-1], operand.shape[-1]
-        if grad.shape[:-1] != operand.shape[:-1] or n not in (2 * want, want // 2):  # an autodiff bug: say so
+        if grad.shape[:-1] != operand.shape[:-1] or not want or (n % want and want % n):  # an autodiff bug: say so
             raise RuntimeError(f"cd.linear: internal error: an operand's gradient is {list(grad.shape)}, the operand "
                                f"{list(operand.shape)}")
         return grad[..., :1].expand(operand.shape)
