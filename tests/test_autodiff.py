@@ -1296,6 +1296,28 @@ def test_derivation_entry_points_check_what_they_are_given():
         cd.saved_operands(cd.backward_epilogue(scaled, c=2.0), [torch.ones(2)])
 
 
+def test_saved_operands_take_a_finished_statistic_before_its_then():
+    """A statistic under .then is read by the backward before .then: saved_operands takes it from the forward
+    kernel's saved_<name> output, never the finished <name> of a plain call's outputs (which gave a dacc 3.7x
+    off, silently). Only a derived backward names where its saved operands come from."""
+    @cd.epilogue
+    def residual_rms(acc, residual: cd.Tensor):
+        h = acc + residual
+        return {"D": h, "rstd": cd.sum(h * h, axis="n").then(lambda s: cd.rsqrt(s * 0.125 + 1e-5))}
+
+    bw = cd.backward_epilogue(residual_rms)
+    assert bw.saved_from == {"saved_acc": "acc", "saved_rstd": "saved_rstd", "saved_D": "D"}
+    x, w, r = torch.randn(5, 3), torch.randn(8, 3), torch.randn(5, 8)
+    outs = cd.gemm(x, w, cd.forward_epilogue(residual_rms, dtype=torch.float32), backend="reference", residual=r)
+    saved = cd.saved_operands(bw, outs)
+    assert saved["saved_rstd"] is outs["saved_rstd"] and saved["saved_D"] is outs["D"]
+    with pytest.raises(cd.OperandError, match=r"reads saved_rstd, the output 'saved_rstd'.*lack \(\['D', 'rstd'\]\)"):
+        cd.saved_operands(bw, cd.gemm(x, w, residual_rms, backend="reference", residual=r))
+    with pytest.raises(cd.OperandError, match="'residual_rms' is not a derived backward"):
+        cd.saved_operands(residual_rms, outs)
+    assert set(cd.saved_operands(derived_backward(residual_rms), outs)) == {"saved_rstd", "saved_D"}
+
+
 def test_backward_epilogue_leaves_out_statistics_with_no_derivative():
     """An fp8 scale's amax beside the activation: cd.backward_epilogue leaves it out (no grad_amax operand), as
     cd.linear and derived_backward do, and its gradients are torch's."""

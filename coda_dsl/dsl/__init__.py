@@ -34,11 +34,14 @@ class Epilogue:
         self._adopt(program)
         self.__doc__ = fn.__doc__
 
+    # a derived backward's: each saved_* operand -> the output of its forward kernel it is (cd.saved_operands)
+    saved_from: dict[str, str] | None = None
+
     @classmethod
-    def of_program(cls, program: ir.Program) -> "Epilogue":
+    def of_program(cls, program: ir.Program, saved_from: dict[str, str] | None = None) -> "Epilogue":
         """An epilogue of a program built by a pass (e.g. a derived backward), not traced from a function."""
         ep = cls.__new__(cls)
-        ep.fn = None
+        ep.fn, ep.saved_from = None, saved_from
         ep._adopt(program)
         return ep
 

@@ -284,6 +284,13 @@ def _read_width(p: ir.Param, forward_widths: dict) -> Fraction | None:
 SAVED_ACC = SAVED + ACC  # the forward's accumulator, an operand of the fused backward
 
 
+def saved_from(back: Backward) -> dict[str, str]:
+    """Each saved_* operand of back's programs -> the output of the forward kernel (cd.linear's: the program
+    with the accumulator and the statistics under .then as outputs too) that it is: saved_acc is the output
+    acc, a statistic under .then the output saved_<name> (before .then), any other the output itself."""
+    return {SAVED_ACC: ACC, **{SAVED + o: SAVED + o if o in back.unfinished else o for o in back.saved}}
+
+
 RECOMPUTED = "recomputed_"  # output names of forward outputs computed again by the fused backward
 
 

@@ -21,8 +21,8 @@ from ..errors import OperandError, UnsupportedError
 from ..ir import graph as ir
 from ..ir.ops import dtype_name, math_dtype, torch_dtype
 from ..passes import specialize
-from ..passes.autodiff import (ACC, GRAD, SAVED, Backward, derive, into_producer, stored_once, underivable,
-                               underived_what)
+from ..passes.autodiff import (ACC, GRAD, SAVED, Backward, derive, into_producer, saved_from, stored_once,
+                               underivable, underived_what)
 from . import reference, torch_compile
 from .torch_compile import made_once
 from .op import check_consts, check_operands, epilogue_of, gemm
@@ -284,20 +284,24 @@ def _checked(api: str, epilogue, consts: dict, options: tuple[str, ...] = ()) ->
 
 
 def saved_operands(backward: Epilogue, forward_outputs: dict) -> dict:
-    """The saved_* operands a backward_epilogue declares, from the outputs of its forward_epilogue kernel:
-    saved_acc is the output acc, saved_<statistic> the statistic before .then (an output of that name), and
-    saved_<output> an output read back."""
+    """The saved_* operands a backward_epilogue (or derived_backward) declares, from the outputs of its
+    forward_epilogue kernel: saved_acc is the output acc, saved_<statistic> of a statistic under .then the
+    output saved_<statistic> (before .then), and any other saved_<output> that output (passes.autodiff.saved_from)."""
     backward = epilogue_of("saved_operands", backward, {})
+    if backward.saved_from is None:
+        raise OperandError(f"saved_operands: epilogue '{backward.name}' is not a derived backward\n  fix: pass "
+                           "cd.backward_epilogue(ep) (or derived_backward(ep)) and the outputs of "
+                           "cd.forward_epilogue(ep)'s kernel")
     if not isinstance(forward_outputs, dict):
         raise OperandError(f"saved_operands: forward_outputs must be the dict of outputs the forward_epilogue kernel "
                            f"returned, not {type(forward_outputs).__name__}")
 
     def of(name: str):
-        for key in (name, name[len(SAVED):]):
-            if key in forward_outputs:
-                return forward_outputs[key]
-        raise OperandError(f"backward epilogue '{backward.name}' reads {name}, which the forward outputs given lack "
-                           f"({sorted(forward_outputs)})\n  fix: pass the outputs of the forward_epilogue kernel")
+        if (source := backward.saved_from[name]) in forward_outputs:
+            return forward_outputs[source]
+        raise OperandError(f"backward epilogue '{backward.name}' reads {name}, the output '{source}' of the forward "
+                           f"kernel, which the outputs given lack ({sorted(forward_outputs)})\n  fix: pass the outputs "
+                           "of the forward_epilogue kernel")
     return {p.name: of(p.name) for p in backward.params if p.name.startswith(SAVED)}
 
 
@@ -307,7 +311,8 @@ def derived_backward(epilogue: Epilogue, **consts) -> Epilogue:
     that is acc's value an alias of it: stored_once). Statistics with no derivative yet are left out, as
     cd.linear leaves them. cd.Const values go in `consts`."""
     epilogue = _checked("derived_backward", epilogue, consts)
-    return Epilogue.of_program(stored_once(_derive(epilogue, consts, _underived(epilogue.uid)).back.program))
+    back = _derive(epilogue, consts, _underived(epilogue.uid)).back
+    return Epilogue.of_program(stored_once(back.program), saved_from(back))
 
 
 def backward_epilogue(epilogue: Epilogue, output: str = "D", split: bool = False,
@@ -335,4 +340,4 @@ def backward_epilogue(epilogue: Epilogue, output: str = "D", split: bool = False
         raise OperandError(f"cd.backward_epilogue: epilogue '{epilogue.name}' has an output named '{clash[0]}', the "
                            f"operand its backward reads output '{clash[0][len(SAVED):]}' back as\n  fix: rename that "
                            "output")
-    return Epilogue.of_program(into_producer(back, output, split, names(recompute)))
+    return Epilogue.of_program(into_producer(back, output, split, names(recompute)), saved_from(back))
