@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from coda_dsl.cli import joined_negative_values, number_type, positive  # noqa: F401  (positive: the modules' type)
-from coda_dsl.runtime.op import TUNE_ENV
+from coda_dsl.runtime.tune import TUNE_ENV
 from coda_dsl.runtime.tune import round_robin as tuner_round_robin
 from coda_dsl.runtime.warm import ENV as WARM_ENV
 

@@ -58,10 +58,7 @@ from .library import gain_wgrad, interleave_gate_up, rms_producer
 from .library.rope import neox_to_interleaved, rotate
 from .ir.ops import dtype_name, math_dtype
 from .runtime import checks
-from .runtime.autograd import first_order, forward_epilogue
-from .runtime.op import BACKENDS
 from .runtime.reference import evaluate_on
-from .runtime.torch_compile import on_cuda
 from .triton_kernels import rope_backward
 
 
@@ -86,7 +83,7 @@ def rms_swiglu(acc, rstd: cd.VecM):
 # backward reads. The backward's is derived (passes/autodiff.py) and runs in the epilogue of the GEMM
 # that produces its incoming gradient, dY = dOut @ W_down: the gate and up accumulators' gradients
 # (D_even, D_odd: [M, F] each, so each is a plain GEMM operand of its own weight's gradient) and rstd's.
-rms_swiglu_fwd = forward_epilogue(rms_swiglu)
+rms_swiglu_fwd = cd.forward_epilogue(rms_swiglu)
 rms_swiglu_grad = cd.backward_epilogue(rms_swiglu, split=True)
 rms_swiglu_grad_and_y = cd.backward_epilogue(rms_swiglu, split=True, recompute=("D",))  # y too: LlamaMLP.keep_y
 
@@ -141,7 +138,7 @@ def _gained_wgrad(dacc, x, gamma, dtype: torch.dtype, backend: str) -> torch.Ten
     return cd.gemm(dacc.t(), x.t(), gain_wgrad, gamma=gamma, backend=backend)["D"].to(dtype)
 
 
-@on_cuda
+@cd.on_cuda
 def residual_rms_backward(dout, drstd, out, rstd, inv_n: float):
     """out = acc + residual, outputs (out, rstd(out)) -> d acc (= d residual), in out's dtype: dout plus the
     gradient through rstd = rsqrt(mean(out^2) + eps), d rstd/d out = -rstd^3 out / N, in fp32 (as
@@ -171,7 +168,7 @@ class _NormRopeLinear(torch.autograd.Function):
         return (*split_qkv(y, heads, kv_heads, head_dim), x)
 
     @staticmethod
-    @first_order("coda_dsl.nn's QKV projection")
+    @cd.first_order("coda_dsl.nn's QKV projection")
     def backward(ctx, dq, dk, dv, dres):
         x, gamma, rstd, w, pos, inv_freq, y = ctx.saved_tensors
         need = ctx.needs_input_grad
@@ -203,7 +200,7 @@ class _RmsProducerLinear(torch.autograd.Function):
         return r["D"], r["h_gamma"], r["rstd"]
 
     @staticmethod
-    @first_order("coda_dsl.nn's output projection")
+    @cd.first_order("coda_dsl.nn's output projection")
     def backward(ctx, dh, _dhg, _drstd):
         if dh is None:
             return None, None, None, None, None, None
@@ -234,7 +231,7 @@ class _Mlp(torch.autograd.Function):
         return o["D"], o["rstd"]
 
     @staticmethod
-    @first_order("coda_dsl.nn.LlamaMLP")
+    @cd.first_order("coda_dsl.nn.LlamaMLP")
     def backward(ctx, dout, drstd_out):
         h, gamma, rstd, w_gate, w_up, w_down, y, acc, out, rstd_out = ctx.saved_tensors
         _check_unreleased("LlamaMLP", *(t for t in (y, acc) if t is not None))
@@ -280,7 +277,7 @@ def _mlp_gemms(h, hg, rstd, w_gate, w_up, w_down, eps: float, backend: str, gate
     return r, cd.gemm(r["D"], w_down, residual_rms, residual=h, inv_n=inv_n, eps=eps, backend=backend), inv_n
 
 
-@on_cuda
+@cd.on_cuda
 def _swiglu_of_acc(acc: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
     """rms_swiglu's y from its saved accumulator (its reference semantics; one fused kernel on CUDA)."""
     return evaluate_on(rms_swiglu.program, acc.to(math_dtype(acc.dtype)), {"rstd": rstd},  # fp64: its math's
@@ -445,7 +442,7 @@ def flat_inputs(x: torch.Tensor, position_ids, input_rstd, hidden_size: int, dty
     return x.reshape(b * s, d), position_ids.expand(b, s).reshape(-1).float(), rstd
 
 
-@on_cuda
+@cd.on_cuda
 def input_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float, rstd: torch.Tensor | None = None):
     """The input norm on the activation side: (x * gamma, rstd), rstd computed here unless given (as the
     previous layer's epilogue gives it). One fused pass on CUDA. Differentiable (one fused pass back, as
@@ -453,7 +450,7 @@ def input_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float, rstd: torch.Ten
     return x * gamma, input_rms(x, eps) if rstd is None else rstd
 
 
-@on_cuda
+@cd.on_cuda
 def input_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """rstd = rsqrt(mean(x^2) + eps) per row, in fp32 (fp64 for fp64): what `residual_rms` emits for the next layer."""
     return torch.rsqrt(x.to(math_dtype(x.dtype)).pow(2).mean(-1) + eps)
@@ -724,8 +721,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, config, layer_idx: int = 0, backend: str = "auto", dtype=None, device=None):
         super().__init__()
-        if backend not in BACKENDS:
-            raise OperandError(f"coda_dsl.nn.LlamaDecoderLayer: backend must be one of {BACKENDS}, not {backend!r}")
+        checks.backend("coda_dsl.nn.LlamaDecoderLayer", backend)
         self.config, self.layer_idx, self.backend = config, layer_idx, backend
         self.hidden_size = config.hidden_size
         eps = config.rms_norm_eps

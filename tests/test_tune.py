@@ -138,7 +138,7 @@ def test_tuning_switches_are_booleans(monkeypatch):
         cd.set_tuning("false")
     for value, expected in (("1", True), ("on", True), ("TRUE", True), ("off", False), ("false", False), ("", False)):
         monkeypatch.setenv("CODA_DSL_TUNE", value)
-        assert runtime._env_tuning() is expected, value
+        assert tuning._env_tuning() is expected, value
     monkeypatch.setenv("CODA_DSL_TUNE", "maybe")
     with pytest.warns(UserWarning, match="tuning stays off"):
-        assert runtime._env_tuning() is False
+        assert tuning._env_tuning() is False

@@ -121,7 +121,7 @@ def _derive(ep: Epilogue, consts: dict, no_grad: tuple[str, ...] = (), reuse: tu
             a_dtype: torch.dtype | None = None) -> _Derived:
     """The epilogue's derivation (made once), in a form torch.compile(fullgraph=True) traces. a_dtype: A's,
     which picks the dtype the forward keeps the accumulator in."""
-    consts = {k: torch_compile.constant(v) for k, v in consts.items()} if torch.compiler.is_compiling() else consts
+    consts = {k: torch_compile.guarded_constant(v) for k, v in consts.items()} if torch.compiler.is_compiling() else consts
     # fp16's range ends at 65504, where an accumulator may not (cd.sin(acc * 1e-5)): kept in fp32 rather than inf
     # (bf16 has fp32's range)
     acc_dtype = "fp32" if a_dtype == torch.float16 else None

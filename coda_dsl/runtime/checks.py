@@ -1,6 +1,7 @@
 """Call-time checks of tensors and values: every message names the op, the operand and the fix."""
 from __future__ import annotations
 
+import difflib
 import functools
 
 import torch
@@ -16,6 +17,17 @@ REFERENCE_FP64 = "fp64"
 
 def fail(where: str, message: str, fix: str = "") -> OperandError:
     return OperandError(f"{where}: {message}" + (f"\n  fix: {fix}" if fix else ""))
+
+
+BACKENDS = ("auto", "cutlass", "reference")
+
+
+def backend(where: str, value) -> None:
+    """value is one of BACKENDS; else the error names the closest."""
+    if value not in BACKENDS:
+        close = difflib.get_close_matches(str(value), BACKENDS, 1)
+        raise fail(where, f"backend must be one of {BACKENDS}, not {value!r}", f"backend={close[0]!r}" if close else
+                   "backend='auto' (the kernel where an sm_90 GPU runs it, else the reference semantics)")
 
 
 def described(value) -> str:
@@ -35,7 +47,7 @@ def _bare(name: str) -> str:
     return name.split()[-1].strip("'")
 
 
-def dtype_of(t: torch.Tensor, where: str, name: str, index: bool = False, fp64: bool = False,
+def dtype_of(where: str, name: str, t: torch.Tensor, index: bool = False, fp64: bool = False,
              operand: bool = False) -> str:
     """The dtype name of a tensor the call reads; fp64 (REFERENCE_FP64) where the reference backend runs.
     index: column indices (int64) of cd.take or cd.onehot; operand: an epilogue operand, whose integers a cast

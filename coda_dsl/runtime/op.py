@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import difflib
 import numbers
-import os
 import threading
 import warnings
 import weakref
@@ -25,7 +24,6 @@ from . import checks, reference, tune as tuning, warm
 from .kernel import Kernel, remember
 from .torch_op import register_eager, traced_gemm
 
-BACKENDS = ("auto", "cutlass", "reference")
 
 
 @dataclass
@@ -211,7 +209,7 @@ def _check_tensors(ep: Epilogue, call: Call, cutlass: bool) -> dict[str, str]:
     """Shapes, devices and (for the cutlass backend) layouts; returns operand dtypes."""
     where = _where(ep)
     m, n, k, l = call.mnkl
-    ab = checks.dtype_of(call.a, where, "A", fp64=not cutlass)
+    ab = checks.dtype_of(where, "A", call.a, fp64=not cutlass)
     if call.b.dtype != call.a.dtype:
         raise checks.fail(where, f"A is {call.a.dtype} but B is {call.b.dtype}", "use one dtype for A and B")
     if cutlass and ab not in ("bf16", "fp16"):
@@ -241,7 +239,7 @@ def _check_tensors(ep: Epilogue, call: Call, cutlass: bool) -> dict[str, str]:
         wn = int(n * widths[name]) if name in widths else n  # pairwise epilogues read N/2-wide operands
         shape = {"tensor": (m, wn), "vec_n": (wn,), "vec_m": (m,)}[kinds[name]]
         checks.tensor(where, f"operand '{name}'", t, shape, dev, _meaning(kinds[name], widths.get(name, 1)), batch)
-        dtypes[name] = checks.dtype_of(t, where, f"operand '{name}'", index=name in facts.indices,
+        dtypes[name] = checks.dtype_of(where, f"operand '{name}'", t, index=name in facts.indices,
                                        fp64=ab == checks.REFERENCE_FP64, operand=True)
         if not cutlass:
             continue
@@ -651,7 +649,7 @@ def _output_dtypes(ep: Epilogue, ab: str, out: dict | None) -> tuple[tuple[str, 
     for o in ep.program.outputs:
         d = o.dtype or ab
         if out and isinstance(out.get(o.name), torch.Tensor) and o.dtype is None:
-            d = checks.dtype_of(out[o.name], _where(ep), f"out['{o.name}']")
+            d = checks.dtype_of(_where(ep), f"out['{o.name}']", out[o.name])
         res.append((o.name, d))
     return tuple(res)
 
@@ -690,7 +688,7 @@ def specialization(ep: Epilogue, call: Call, operand_dtypes: dict[str, str], out
             op = _ops.get(cache_key)
             if op is None:
                 a_layout, b_layout = layouts(call)
-                sig = signature(ep, checks.dtype_of(call.a, _where(ep), "A"), b_layout, operand_dtypes, call.consts,
+                sig = signature(ep, checks.dtype_of(_where(ep), "A", call.a), b_layout, operand_dtypes, call.consts,
                                 config, deterministic, accumulate, out, a_layout)
                 op = _ops[cache_key] = CompiledOp.create(ep, sig)
     return op
@@ -713,7 +711,7 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
     table_key = None
     if out is None and accumulate is False and deterministic.__class__ is bool and tune.__class__ in (bool, type(None)):
         try:
-            table_key = (epilogue, backend, config, deterministic, _tuning if tune is None else tune)
+            table_key = (epilogue, backend, config, deterministic, tuning.enabled if tune is None else tune)
             known = _tables.get(table_key)
         except TypeError:  # an unhashable option: the checks below explain it
             table_key = known = None
@@ -722,11 +720,7 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
             if outs is not None:
                 return outs
     ep = epilogue_of("cd.gemm", epilogue, operands)
-    if backend not in BACKENDS:
-        close = difflib.get_close_matches(str(backend), BACKENDS, 1)
-        raise checks.fail(_where(ep), f"backend must be one of {BACKENDS}, not {backend!r}", f"backend={close[0]!r}"
-                          if close else "backend='auto' (the kernel where an sm_90 GPU runs it, else the reference "
-                          "semantics)")
+    checks.backend(_where(ep), backend)
     if torch.compiler.is_compiling():
         if accumulate:
             raise UnsupportedError(f"{_where(ep)}: accumulate=True inside torch.compile is not supported yet; "
@@ -741,7 +735,7 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
     _flag(ep, "accumulate", accumulate)
     if tune is not None:
         _flag(ep, "tune", tune)
-    tune = _tuning if tune is None else tune
+    tune = tuning.enabled if tune is None else tune
     options = (backend, config, deterministic, accumulate, tune)
     warm_key = (options, _call_layout(_facts(ep).kinds, A, B, operands, out))
     hit = _warm.get(ep, {}).get(warm_key)  # (op, whether an input requires grad): a layout checked before
@@ -850,21 +844,6 @@ def compile(epilogue: Epilogue | None, A, B, /, *, out: dict | None = None, conf
     return specialization(ep, call, dtypes, out, config, deterministic, accumulate)
 
 
-TUNE_ENV = "CODA_DSL_TUNE"
-
-
-def _env_tuning() -> bool:
-    """CODA_DSL_TUNE: 1/true/yes/on, or 0/false/no/off (or unset); anything else is off, with a warning."""
-    value = os.environ.get(TUNE_ENV, "").strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value not in ("", "0", "false", "no", "off"):
-        warnings.warn(f"coda_dsl: {TUNE_ENV}={value!r} is not 1/true/yes/on or 0/false/no/off: tuning stays off",
-                      stacklevel=2)
-    return False
-
-
-_tuning = _env_tuning()
 # (call key, shape bucket) -> (config, whether it was measured on this device)
 _configs: dict[tuple, tuple[Config, bool]] = {}
 # cd.gemm's warm path: epilogue -> {(call options, call layout): (the op that call checked and chose,
@@ -872,17 +851,6 @@ _configs: dict[tuple, tuple[Config, bool]] = {}
 _warm: dict[Epilogue, dict[tuple, tuple[CompiledOp, bool]]] = {}
 # and its C++ part (runtime/warm.py): (epilogue, backend, config, deterministic, tune) as passed -> a table
 _tables: dict[tuple, object] = {}
-
-
-def set_tuning(enabled: bool) -> None:
-    """set_tuning(True): tune every specialization on first use of a shape bucket (like tune=True on each
-    call); False: untuned configs (a recorded choice is still used). The default comes from CODA_DSL_TUNE;
-    a call's tune= overrides it. A choice is made once per process and shape bucket (runtime.clear()
-    forgets them)."""
-    global _tuning
-    if not isinstance(enabled, bool):  # "false" would be truthy
-        raise OperandError(f"coda_dsl.set_tuning: enabled must be True or False, not {enabled!r}")
-    _tuning = enabled
 
 
 def _choose_config(spec, call: Call, tune: bool, key: tuple) -> Config:
@@ -966,7 +934,7 @@ def _cutlass_available(device: torch.device) -> bool:
 
 
 def run_reference(ep: Epilogue, call: Call, out: dict | None, accumulate: bool = False):
-    ab = checks.dtype_of(call.a, _where(ep), "A", fp64=True)
+    ab = checks.dtype_of(_where(ep), "A", call.a, fp64=True)
     program = specialize(ep.program, call.consts)
     # fp64 A and B: every output in fp64, the math's precision (None keeps it)
     out_dtypes = {o.name: None for o in ep.program.outputs} if ab == checks.REFERENCE_FP64 else \
@@ -998,6 +966,3 @@ def run_reference(ep: Epilogue, call: Call, out: dict | None, accumulate: bool =
             t.copy_(res[name])
             res[name] = t
     return ep.aliased(res)
-
-
-__all__ = ["gemm", "compile", "CompiledOp", "Config", "UnsupportedError"]

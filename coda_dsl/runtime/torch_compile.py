@@ -103,7 +103,7 @@ def epilogue_factory(fn: Callable) -> Callable:
                                 "epilogue is made once per argument values\n  fix: pass a Python number (float(t)), "
                                 "or make the value an operand of the epilogue (cd.Scalar)")
         if torch.compiler.is_compiling():  # (Dynamo traces this function: no hash() of symbolic numbers)
-            args, kwargs = tuple(map(constant, args)), {k: constant(v) for k, v in kwargs.items()}
+            args, kwargs = tuple(map(guarded_constant, args)), {k: guarded_constant(v) for k, v in kwargs.items()}
         else:
             try:
                 hash((args, tuple(kwargs.items())))
@@ -116,7 +116,7 @@ def epilogue_factory(fn: Callable) -> Callable:
     return get
 
 
-def constant(value):
+def guarded_constant(value):
     """A number as a Python constant while Dynamo traces (a float input is traced symbolically: guarded to
     its value here), for what shapes a kernel."""
     if isinstance(value, (bool, int, float)):

@@ -31,7 +31,7 @@ def _operands(ep: Epilogue, tensors: list, numbers: list) -> dict:
 
 
 @torch.library.custom_op("coda_dsl::gemm", mutates_args=())
-def _gemm(uid: str, a: torch.Tensor, b: torch.Tensor, tensors: list[torch.Tensor], numbers: list[float],
+def _custom_op(uid: str, a: torch.Tensor, b: torch.Tensor, tensors: list[torch.Tensor], numbers: list[float],
           backend: str, config: str, deterministic: bool) -> list[torch.Tensor]:
     ep = Epilogue.by_uid(uid)
     with torch.no_grad():  # an op's implementation: autograd is torch.compile's affair (it has no formula here)
@@ -46,10 +46,10 @@ def _no_derivative(ctx, grads):
                            "call cd.linear(A, B, epilogue, ...) for a trainable layer, or detach what needs none")
 
 
-_gemm.register_autograd(_no_derivative)
+_custom_op.register_autograd(_no_derivative)
 
 
-@_gemm.register_fake
+@_custom_op.register_fake
 def _(uid, a, b, tensors, numbers, backend, config, deterministic):
     ep = Epilogue.by_uid(uid)
     lead, m, n = a.shape[:-2], a.shape[-2], b.shape[-2]

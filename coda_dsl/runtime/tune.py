@@ -12,19 +12,50 @@ import fcntl
 import functools
 import hashlib
 import json
+import os
 import re
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from .. import build
-from ..errors import SharedMemoryError
+from ..errors import OperandError, SharedMemoryError
 from ..passes.plan import Config
 from .torch_compile import constant_under_compile
+
+
+TUNE_ENV = "CODA_DSL_TUNE"
+
+
+def _env_tuning() -> bool:
+    """CODA_DSL_TUNE: 1/true/yes/on, or 0/false/no/off (or unset); anything else is off, with a warning."""
+    value = os.environ.get(TUNE_ENV, "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value not in ("", "0", "false", "no", "off"):
+        warnings.warn(f"coda_dsl: {TUNE_ENV}={value!r} is not 1/true/yes/on or 0/false/no/off: tuning stays off",
+                      stacklevel=2)
+    return False
+
+
+enabled = _env_tuning()  # set_tuning's; a call's tune= overrides it
+
+
+def set_tuning(value: bool) -> None:
+    """set_tuning(True): tune every specialization on first use of a shape bucket (like tune=True on each
+    call); False: untuned configs (a recorded choice is still used). The default comes from CODA_DSL_TUNE;
+    a call's tune= overrides it. A choice is made once per process and shape bucket (runtime.clear()
+    forgets them)."""
+    global enabled
+    if not isinstance(value, bool):  # "false" would be truthy
+        raise OperandError(f"coda_dsl.set_tuning takes True or False, not {value!r}")
+    enabled = value
+
 
 DEFAULT = Config()  # cd.compile without config=: cooperative 128x256, cluster 2x1, swizzle 8
 PINGPONG = Config((128, 128, 64), (2, 1), "pingpong")
