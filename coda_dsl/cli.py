@@ -232,11 +232,10 @@ def _spec_from_args(args, epilogue: tuple[Epilogue, dict, dict] | None = None) -
 
 def _shape_notes(spec: CompiledOp, shape: tuple[int, int, int]) -> list[str]:
     """Why no call, or no kernel, runs this shape (what cd.gemm checks of a shape before launching)."""
-    from .runtime.op import n_multiple
+    from .runtime.op import n_problem
     notes = []
-    if shape[1] % (q := n_multiple(spec.epilogue)):
-        notes.append(f"no call has this shape: N = {shape[1]} is not a multiple of {q}, the epilogue's column "
-                     f"{'pairs' if q == 2 else f'groups of {q}'} (cd.pairs); cd.gemm refuses it on every backend")
+    if problem := n_problem(spec.epilogue, shape[1]):
+        notes.append(f"no call has this shape: {problem}; cd.gemm refuses it on every backend")
     try:  # TMA's 16-byte groups
         spec.check_widths(_meta_call(shape, spec.plan.signature))
     except UnsupportedError as e:
@@ -251,7 +250,7 @@ def _meta_call(shape: tuple[int, int, int], sig):
 
     from .ir.ops import DTYPES
     from .runtime.op import Call
-    (m, n, k), dt = shape, DTYPES[sig.ab_dtype][0]
+    (m, n, k), dt = shape, DTYPES[sig.ab_dtype]
     empty = lambda rows, cols, stored: (torch.empty(rows, cols, dtype=dt, device="meta") if stored else  # noqa: E731
                                         torch.empty(cols, rows, dtype=dt, device="meta").t())
     try:

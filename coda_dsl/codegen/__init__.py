@@ -11,7 +11,7 @@ import jinja2
 from ..build.paths import templates_dir
 from ..passes.plan import Plan
 from . import cpp, evt
-from .evt import cpp_element
+from .cpp import cpp_element
 
 
 @functools.cache

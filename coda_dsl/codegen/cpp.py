@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..ir.ops import DTYPES, to_fp32
+from ..ir.ops import to_fp32
 from ..passes.plan import Functor, Ref
 
 OP_CPP: dict[str, str] = {
@@ -51,7 +51,15 @@ OP_CPP: dict[str, str] = {
 
 def op_expr(op: str, attr, args: list[str]) -> str:
     """The C++ expression of elementwise op `op` (attr: cast's dtype name) over operand expressions."""
-    return OP_CPP[op].format(*args, dtype=DTYPES[attr][1] if attr is not None else "")
+    return OP_CPP[op].format(*args, dtype=cpp_element(attr) if attr is not None else "")
+
+
+# a storable dtype's name (ir/ops.py DTYPES) -> its CUTLASS element type
+CPP_ELEMENT = {"bf16": "cutlass::bfloat16_t", "fp16": "cutlass::half_t", "fp32": "float"}
+
+
+def cpp_element(dtype: str) -> str:
+    return CPP_ELEMENT[dtype]
 
 
 def cpp_float(v: float) -> str:

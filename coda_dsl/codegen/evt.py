@@ -5,14 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ir.ops import DTYPES
 from ..passes import plan as p
+from .cpp import cpp_element
 
 ROUND = "cutlass::FloatRoundStyle::round_to_nearest"
-
-
-def cpp_element(dtype: str) -> str:
-    return DTYPES[dtype][1]
 
 
 @dataclass(frozen=True)

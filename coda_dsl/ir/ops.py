@@ -210,7 +210,7 @@ def _interleave_constants(_attr, values: list[float]) -> float:
 # Every node op: the elementwise math, cast, the pairwise (structural) ops, reductions and leaves.
 NODE_OPS: dict[str, OpDef] = {
     **OPS,
-    "cast": OpDef("cast", 1, "elementwise", lambda x, dtype: x.to(DTYPES[dtype][0]), takes_attr=True,
+    "cast": OpDef("cast", 1, "elementwise", lambda x, dtype: x.to(DTYPES[dtype]), takes_attr=True,
                   rounds=True, width_rule="same", grad=lambda d, _dtype, x, y, g: (g,)),  # rounding: straight through
     # a constant has every column equal: either half of it is the constant itself
     "pair": OpDef("pair", 1, "structural", lambda x, which: x[..., which::2], takes_attr=True, width_rule="half",
@@ -277,13 +277,9 @@ REDUCTIONS: dict[str, ReduceDef] = {
 }
 
 
-# dtype name -> (torch dtype, CUTLASS element type). The one table of storable dtypes.
-DTYPES: dict[str, tuple[torch.dtype, str]] = {
-    "bf16": (torch.bfloat16, "cutlass::bfloat16_t"),
-    "fp16": (torch.float16, "cutlass::half_t"),
-    "fp32": (torch.float32, "float"),
-}
-TORCH_TO_DTYPE = {t: name for name, (t, _) in DTYPES.items()}
+# dtype name -> torch dtype: the one table of storable dtypes (their C++ types: codegen/cpp.py, CPP_ELEMENT)
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+TORCH_TO_DTYPE = {t: name for name, t in DTYPES.items()}
 INDEX_DTYPE = "i64"  # cd.take's per-row column indices: read, never computed with or stored
 
 
@@ -301,7 +297,7 @@ def torch_dtype(dtype):
     """A dtype given by name as torch's: ours ('bf16') or torch's ('float32', 'torch.float64'); anything else
     (a torch dtype, a name of nothing) as it is."""
     if isinstance(dtype, str):
-        return DTYPES[dtype][0] if dtype in DTYPES else getattr(torch, dtype.removeprefix("torch."), dtype)
+        return DTYPES[dtype] if dtype in DTYPES else getattr(torch, dtype.removeprefix("torch."), dtype)
     return dtype
 
 

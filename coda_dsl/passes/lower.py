@@ -110,7 +110,7 @@ class _Lowering:
 
     def sixteen_bit(self, name: str, dtype: str, what: str) -> None:
         """A [M, 2N] tensor moves as 32-bit words of two values: it must be bf16 or fp16."""
-        if DTYPES[dtype][0].itemsize != 2:
+        if DTYPES[dtype].itemsize != 2:
             raise UnsupportedError(f"epilogue '{self.program.name}': {what} '{name}' is [M, 2N] {dtype}; the cutlass "
                                    "backend moves [M, 2N] tensors as 32-bit words of two 16-bit values\n  fix: pass "
                                    "it in bfloat16 or float16, or use backend='reference'")

@@ -30,7 +30,7 @@ def _round(x: int, to: int = _ALIGN) -> int:
 
 
 def _bytes(dtype: str) -> int:
-    return DTYPES[dtype][0].itemsize
+    return DTYPES[dtype].itemsize
 
 
 def epilogue_tile(config: Config) -> tuple[int, int]:

@@ -224,11 +224,9 @@ def _check_tensors(ep: Epilogue, call: Call, cutlass: bool) -> dict[str, str]:
     dtypes = {}
     facts = _facts(ep)
     kinds, widths = facts.kinds, facts.widths
-    if n % facts.pairs:
-        raise checks.fail(where, f"N = {n} is not a multiple of {facts.pairs}, but the epilogue works on column "
-                          f"{'pairs' if facts.pairs == 2 else 'groups of ' + str(facts.pairs)} (cd.pairs)",
-                          f"pairwise ops need N a multiple of {facts.pairs} (for SwiGLU: interleaved gate/up rows, "
-                          "2F of them)")
+    if problem := n_problem(ep, n):
+        raise checks.fail(where, problem, f"pairwise ops need N a multiple of {facts.n_multiple} (for SwiGLU: "
+                          "interleaved gate/up rows, 2F of them)")
     for name, kind, axis in facts.extrema:  # like torch.amax: no value of an empty set
         if (m == 0 and axis != "n") or (n == 0 and axis != "m"):
             raise checks.fail(where, f"output '{name}' is a cd.{kind} over axis {axis!r}, which is empty here "
@@ -288,7 +286,7 @@ class _Facts:
 
     kinds: dict[str, str]  # operand name -> kind
     widths: dict[str, Fraction]  # load operands not N wide -> their width over N (passes/widths.py)
-    pairs: int  # N must be a multiple of this: 2 if some value is N/2 wide (cd.pairs of the accumulator), ...
+    n_multiple: int  # N must be a multiple of this: 2 if some value is N/2 wide (cd.pairs of the accumulator), ...
     indices: frozenset[str]  # operands read as int64 column indices (cd.take, cd.onehot)
     cross_batch: tuple[str, ...]  # outputs reduced over m or everything: they cannot fold a batch into M
     extrema: tuple[tuple[str, str, str | None], ...]  # (output, kind, axis) of max/min/amax: undefined if empty
@@ -304,7 +302,7 @@ def _facts(ep: Epilogue) -> _Facts:
         facts = _facts_of[ep] = _Facts(
             kinds={p.name: p.kind for p in ep.params},
             widths={k: w for k, w in load_widths(ep.program).items() if w != 1},
-            pairs=max((w.denominator for w in infer_widths(ep.program).values()), default=1),
+            n_multiple=max((w.denominator for w in infer_widths(ep.program).values()), default=1),
             indices=ir.index_operands(nodes),
             cross_batch=tuple(o.name for o in ep.program.outputs
                               if (r := ir.reduction_of(o.node)) is not None and r.attr[1] != "n"),
@@ -313,9 +311,12 @@ def _facts(ep: Epilogue) -> _Facts:
     return facts
 
 
-def n_multiple(ep: Epilogue) -> int:
-    """N of every call of `ep` is a multiple of this (2 where a value is N/2 wide: cd.pairs), on any backend."""
-    return _facts(ep).pairs
+def n_problem(ep: Epilogue, n: int) -> str | None:
+    """Why no call of `ep` has N = n, on any backend: N must be a multiple of 2 where a value is N/2 wide
+    (cd.pairs), of 4 where one is N/4 wide, ...; None: it may."""
+    q = _facts(ep).n_multiple
+    return None if n % q == 0 else (f"N = {n} is not a multiple of {q}, but the epilogue works on column "
+                                    f"{'pairs' if q == 2 else f'groups of {q}'} (cd.pairs)")
 
 
 def index_operands(ep: Epilogue) -> frozenset[str]:
@@ -336,9 +337,9 @@ class CompiledOp:
         self._where = _where(epilogue)
         d = [("D", plan.d_dtype, "mn")] if plan.d_dtype else []
         # (name, torch dtype, shape kind) of D (if stored) and then of what the op receives in `outputs`
-        self._outputs = [(name, DTYPES[dt][0], kind) for name, dt, kind in [*d, *plan.outputs]]
+        self._outputs = [(name, DTYPES[dt], kind) for name, dt, kind in [*d, *plan.outputs]]
         sig = plan.signature  # what a call must match: the kernel reads memory as these types
-        self._expects = (DTYPES[sig.ab_dtype][0], (sig.a_layout, sig.b_layout), sig.operand_dtypes,
+        self._expects = (DTYPES[sig.ab_dtype], (sig.a_layout, sig.b_layout), sig.operand_dtypes,
                          _consts_key(dict(sig.consts)))
         self._kinds = _facts(epilogue).kinds
         self._checked: dict[tuple, bool] = {}  # call layouts that passed the checks -> an input requires grad

@@ -143,7 +143,7 @@ def evaluate_on(program: ir.Program, acc: torch.Tensor, operands: dict,
         elif o.node.op == "finish":  # constants in the expression must not shrink the statistic's shape
             v = torch.broadcast_to(v, values[id(o.node.inputs[0])].shape)
         dtype = out_dtypes.get(o.name)
-        v = v.to(DTYPES[dtype][0]) if dtype else v
+        v = v.to(DTYPES[dtype]) if dtype else v
         kept = v.dtype == math_dtype(acc.dtype) and _operand_memory(o.node, operands, acc)  # decided on dtypes: traces
         result[o.name] = made[key] = v.clone(memory_format=torch.contiguous_format) if kept else v.contiguous()
     return result

@@ -61,7 +61,7 @@ def _(uid, a, b, tensors, numbers, backend, config, deterministic):
         cols = n * w.numerator // w.denominator  # integer math: n may be a SymInt
         shape = (*lead, m, cols) if r is None else OUTPUT_SHAPES[KIND_OF_AXIS[r.attr[1]]][1](lead, m, cols)
         # fp64 A and B (the reference backend's gradcheck mode): every output in fp64, as run_reference makes it
-        dtype = a.dtype if a.dtype == torch.float64 or not o.dtype else DTYPES[o.dtype][0]
+        dtype = a.dtype if a.dtype == torch.float64 or not o.dtype else DTYPES[o.dtype]
         outs.append(a.new_empty(shape, dtype=dtype))
     return outs
 
