@@ -301,9 +301,13 @@ def _check_unreleased(where: str, *saved: torch.Tensor) -> None:
                                "second backward")
 
 
-def _check_inputs(x, hidden_size: int, dtype: torch.dtype, position_ids, input_rstd) -> None:
+def layer_name(layer: nn.Module) -> str:
+    """How messages name a layer: by its class, with the class's module (coda_dsl.nn.LlamaDecoderLayer)."""
+    return f"{type(layer).__module__}.{type(layer).__qualname__}"
+
+
+def _check_inputs(where: str, x, hidden_size: int, dtype: torch.dtype, position_ids, input_rstd) -> None:
     """The layer's arguments, with what they should be (shape errors deep in the layer name none)."""
-    where = "LlamaDecoderLayer"
     if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != hidden_size:
         got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise OperandError(f"{where}: hidden_states must be [batch, seq, {hidden_size}], got {got}")
@@ -347,7 +351,7 @@ def _check_weights(layer: nn.Module) -> None:
     # loop over named_parameters only names the culprit
     blocks = layer._modules
     projections = [blocks[b]._modules[n] for b, n in PROJECTIONS]
-    where = f"coda_dsl.nn.{type(layer).__name__}"
+    where = layer_name(layer)
     norms = [(None, n) for n in ("input_layernorm", "post_attention_layernorm")]
     for (block, name), p in [*zip(PROJECTIONS, projections), *((key, blocks[key[1]]) for key in norms)]:
         if what := _not_plain_linear(p) if block else _unread(p):
@@ -391,30 +395,30 @@ def _check_training_call(where: str, config, attention_mask, cache, use_cache, p
     """A decoder layer's call as training makes it: causal attention over whole rows, no KV cache, RoPE from
     positions."""
     if position_embeddings is not None and position_ids is None:
-        raise UnsupportedError(f"coda_dsl: {where}: position_embeddings without position_ids: the layer rotates by "
+        raise UnsupportedError(f"{where}: position_embeddings without position_ids: the layer rotates by "
                                "positions in its QKV epilogue and does not read cos/sin tables\n  fix: pass the "
                                "position_ids they were made from (a transformers model passes both)")
     if getattr(config, "_attn_implementation", None) not in (None, "sdpa", "eager") or any(
             kwargs.get(k) is not None for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")):
-        raise UnsupportedError(f"coda_dsl: {where}: attention implementations other than 'sdpa' and 'eager' (flash "
+        raise UnsupportedError(f"{where}: attention implementations other than 'sdpa' and 'eager' (flash "
                                "attention splits packed sequences by their position_ids or cu_seq_lens; others may "
                                "pass no mask) are not supported: this layer attends causally over whole rows (SDPA)"
                                "\n  fix: attn_implementation='sdpa' (a packed batch is then refused by its mask "
                                "instead of attended across)")
     if attention_mask is not None:
-        raise UnsupportedError(f"coda_dsl: {where}: attention is causal only; pass attention_mask=None (no padding or "
+        raise UnsupportedError(f"{where}: attention is causal only; pass attention_mask=None (no padding or "
                                "packed-sequence masks yet). In a transformers model, use attn_implementation='sdpa' "
                                "(its default), which passes None for a causal batch; 'eager' passes the causal mask "
                                "as a tensor, and so does 'sdpa' inside a torch.compile of the whole model (where it "
                                "cannot check for packed sequences): compile each layer instead (for layer in "
                                "model.layers: layer.compile())")
     if collected := _collected_outputs():
-        raise UnsupportedError(f"coda_dsl: {where}: the transformers model around it collects {' and '.join(collected)} "
+        raise UnsupportedError(f"{where}: the transformers model around it collects {' and '.join(collected)} "
                                "(output_hidden_states / output_attentions) with hooks on its own layer classes, "
                                "which this layer is not: they would come back without this layer's\n  fix: call "
                                "the model without them, or collect them with forward hooks on these layers")
     if cache is not None or use_cache or kwargs.get("past_key_values") is not None:
-        raise UnsupportedError(f"coda_dsl: {where}: no KV cache (a training layer). In a transformers model, call it "
+        raise UnsupportedError(f"{where}: no KV cache (a training layer). In a transformers model, call it "
                                "with use_cache=False (or set model.config.use_cache = False); called directly, pass "
                                "no cache")
 
@@ -431,10 +435,10 @@ def _collected_outputs() -> list[str]:
     return [k for k in ("hidden_states", "attentions") if wanted and k in wanted]
 
 
-def flat_inputs(x: torch.Tensor, position_ids, input_rstd, hidden_size: int, dtype: torch.dtype):
+def flat_inputs(where: str, x: torch.Tensor, position_ids, input_rstd, hidden_size: int, dtype: torch.dtype):
     """[B, S, D] hidden states (of the weights' dtype) -> (x as [B*S, D], fp32 positions [B*S] (default
-    0..S-1 per row), input_rstd flattened to [B*S] or None), checked first."""
-    _check_inputs(x, hidden_size, dtype, position_ids, input_rstd)
+    0..S-1 per row), input_rstd flattened to [B*S] or None), checked first (messages begin with where)."""
+    _check_inputs(where, x, hidden_size, dtype, position_ids, input_rstd)
     b, s, d = x.shape
     if position_ids is None:
         position_ids = torch.arange(s, device=x.device, dtype=torch.float32)[None]  # exact below 2^24
@@ -721,7 +725,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, config, layer_idx: int = 0, backend: str = "auto", dtype=None, device=None):
         super().__init__()
-        checks.backend("coda_dsl.nn.LlamaDecoderLayer", backend)
+        checks.backend(layer_name(self), backend)
         self.config, self.layer_idx, self.backend = config, layer_idx, backend
         self.hidden_size = config.hidden_size
         eps = config.rms_norm_eps
@@ -753,7 +757,7 @@ class LlamaDecoderLayer(nn.Module):
         sd = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
         own = self.state_dict()
         missing, unexpected = sorted(own.keys() - sd.keys()), sorted(sd.keys() - own.keys())
-        where = f"coda_dsl.nn.{type(self).__name__}.load_hf_state_dict"
+        where = f"{layer_name(self)}.load_hf_state_dict"
         if strict and (missing or unexpected):
             prefixes = sorted({k[: -len(o)] for k in unexpected for o in own if k.endswith("." + o)})
             p = prefixes[0] if prefixes and not sd.keys() & own.keys() else None
@@ -810,7 +814,7 @@ class LlamaDecoderLayer(nn.Module):
         given without them, it is refused).
         input_rstd [B, S] (fp32): rsqrt(mean(x^2) + eps) of the input, as a previous layer returns it with
         return_rstd=True; computed here when None. return_rstd: also return this output's rstd."""
-        _check_training_call(type(self).__name__, self.config, attention_mask, cache, use_cache, position_ids,
+        _check_training_call(layer_name(self), self.config, attention_mask, cache, use_cache, position_ids,
                              position_embeddings, kwargs)
         step = functools.partial(self._step, position_ids=position_ids, return_rstd=return_rstd)
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
@@ -824,7 +828,8 @@ class LlamaDecoderLayer(nn.Module):
     def _step(self, x: torch.Tensor, input_rstd: torch.Tensor | None, position_ids, return_rstd: bool):
         """The layer on checked arguments (forward's)."""
         _check_weights(self)
-        xf, pos, rstd = flat_inputs(x, position_ids, input_rstd, self.hidden_size, self.self_attn.q_proj.weight.dtype)
+        xf, pos, rstd = flat_inputs(layer_name(self), x, position_ids, input_rstd, self.hidden_size,
+                                    self.self_attn.q_proj.weight.dtype)
         b, s, d = x.shape
         # float() here: under torch.compile(dynamic=True) Dynamo makes the float a graph input, which must enter
         # the graph out here; met first inside an autograd.Function below, it cannot reach the next one

@@ -38,7 +38,7 @@ from .ir.ops import math_dtype
 from .library import interleave_gate_up
 from .library.cross_entropy import (check_args, combine_vocab_shards, default_chunk_rows, recomputed_grads,
                                     vocab_shard_stats)
-from .nn import (PROJECTIONS, LlamaDecoderLayer, causal_attention, flat_inputs, input_norm, input_rms,
+from .nn import (PROJECTIONS, LlamaDecoderLayer, causal_attention, flat_inputs, input_norm, input_rms, layer_name,
                  qkv_inv_freq, qkv_weight, rms_rope, rms_swiglu, rope_inv_freq, split_qkv)
 
 
@@ -142,7 +142,8 @@ class TPLlamaDecoderLayer(LlamaDecoderLayer):
         """LlamaDecoderLayer's step, its GEMMs split over the mesh (forward, checks and checkpointing, as there)."""
         group, backend = self.tp_mesh.get_group(), self.backend
         attn, mlp = self.self_attn, self.mlp
-        xf, pos, rstd = flat_inputs(x, position_ids, input_rstd, self.hidden_size, attn.q_proj.weight.dtype)
+        xf, pos, rstd = flat_inputs(layer_name(self), x, position_ids, input_rstd, self.hidden_size,
+                                    attn.q_proj.weight.dtype)
         b, s, d = x.shape
         eps = self.input_layernorm.variance_epsilon
         xg, rstd = _CopyToTP.apply(group, *input_norm(xf, _local(self.input_layernorm.weight), eps, rstd))

@@ -468,7 +468,7 @@ class CompiledOp:
             table=None) -> dict[str, torch.Tensor]:
         """Launch a checked call (of the call layout `layout`, if known): fold a batch into M, launch, unfold."""
         call = _fold_batch(self.epilogue, _unpack(self._kinds, A, B, operands))
-        return _unfold_batch(self.launch(call, _fold_batch_out(out, call), layout, table), call)
+        return _unfold_batch(self.launch(call, _fold_batch_out(self.epilogue, out, call), layout, table), call)
 
     def __call__(self, A, B, /, *, out: dict | None = None, **operands) -> dict[str, torch.Tensor]:
         if out is None and self._table:
@@ -501,7 +501,7 @@ class CompiledOp:
                               "compile an op for these operands (cd.compile), or call cd.gemm")
         call = _fold_batch(self.epilogue, call)
         self.check_widths(call)
-        self.check_out(call, _fold_batch_out(out, call))
+        self.check_out(call, _fold_batch_out(self.epilogue, out, call))
 
     def __repr__(self) -> str:
         return f"<CompiledOp {self.epilogue.name} key={self.key} op=coda_dsl::{self.op_name}>"
@@ -618,7 +618,7 @@ def _fold_batch(ep: Epilogue, call: Call) -> Call:
     return Call(call.a.reshape(l * m, -1), call.b, tensors, call.scalars, call.consts, (l,))
 
 
-def _fold_batch_out(out: dict | None, call: Call) -> dict | None:
+def _fold_batch_out(ep: Epilogue, out: dict | None, call: Call) -> dict | None:
     if not out or not call.batch:
         return out
     folded = {}
@@ -626,7 +626,7 @@ def _fold_batch_out(out: dict | None, call: Call) -> dict | None:
         try:
             folded[k] = v.view(-1, *v.shape[2:]) if isinstance(v, torch.Tensor) and v.dim() >= 2 else v
         except RuntimeError:
-            raise checks.fail("cd.gemm", f"out['{k}'] cannot be viewed as one [L*M, ...] block (strides "
+            raise checks.fail(_where(ep), f"out['{k}'] cannot be viewed as one [L*M, ...] block (strides "
                               f"{list(v.stride())})", f"pass a contiguous tensor: out['{k}'].contiguous()") from None
     return folded
 
@@ -804,7 +804,7 @@ def _gemm(ep: Epilogue, A, B, out: dict | None, options: tuple, operands: dict, 
             raise
         warnings.warn(f"coda_dsl: running on the reference backend (slow): {e}", stacklevel=3)
         return run_reference(ep, call, out, accumulate)
-    folded_out = _fold_batch_out(out, folded)
+    folded_out = _fold_batch_out(ep, out, folded)
     op.check_out(folded, folded_out)
     if _collected is not None and not op.loaded:  # inside prebuild(fn): note the kernel, build it later
         _collected.setdefault(op.key, op)
