@@ -126,7 +126,8 @@ def specialization_from_options(ep: Epilogue, ab_dtype: str = "bf16", b_layout: 
     from .ir.ops import DTYPES
     from .passes.plan import Config
     from .ir.ops import INDEX_DTYPE
-    from .runtime.op import CompiledOp, index_operands, signature
+    from .runtime.call import index_operands
+    from .runtime.op import CompiledOp, signature
     if ab_dtype not in ("bf16", "fp16"):
         raise CliError(f"--dtype must be bf16 or fp16 (the dtype of A and B), not {ab_dtype!r}")
     if b_layout not in ("nk", "kn"):
@@ -232,7 +233,7 @@ def _spec_from_args(args, epilogue: tuple[Epilogue, dict, dict] | None = None) -
 
 def _shape_notes(spec: CompiledOp, shape: tuple[int, int, int]) -> list[str]:
     """Why no call, or no kernel, runs this shape (what cd.gemm checks of a shape before launching)."""
-    from .runtime.op import n_problem
+    from .runtime.call import n_problem
     notes = []
     if problem := n_problem(spec.epilogue, shape[1]):
         notes.append(f"no call has this shape: {problem}; cd.gemm refuses it on every backend")
@@ -249,7 +250,7 @@ def _meta_call(shape: tuple[int, int, int], sig):
     import torch
 
     from .ir.ops import DTYPES
-    from .runtime.op import Call
+    from .runtime.call import Call
     (m, n, k), dt = shape, DTYPES[sig.ab_dtype]
     empty = lambda rows, cols, stored: (torch.empty(rows, cols, dtype=dt, device="meta") if stored else  # noqa: E731
                                         torch.empty(cols, rows, dtype=dt, device="meta").t())

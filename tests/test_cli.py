@@ -17,6 +17,7 @@ from coda_dsl import build, cli
 from coda_dsl.build import cache
 from coda_dsl.examples import residual_rms
 from coda_dsl.runtime import op as runtime
+from coda_dsl.runtime import call as call_checks
 from build_helpers import FAKE_TC, real_toolchain_or_skip
 
 REPO = Path(__file__).resolve().parent.parent
@@ -649,8 +650,8 @@ def test_cd_take_indices_are_int64_in_the_cli_as_in_cd_gemm():
     def pick(acc, target: cd.VecM):
         return {"D": acc, "t": cd.take(acc, target)}
     a, b = torch.randn(64, 32).bfloat16(), torch.randn(48, 32).bfloat16()
-    call = runtime._normalize(pick, a, b, {"target": torch.zeros(64, dtype=torch.int64)}, None)
-    by_gemm = runtime.specialization(pick, call, runtime._check_tensors(pick, call, cutlass=True), None, None)
+    call = call_checks.normalize(pick, a, b, {"target": torch.zeros(64, dtype=torch.int64)}, None)
+    by_gemm = runtime.specialization(pick, call, call_checks._check_tensors(pick, call, cutlass=True), None, None)
     assert cli.specialization_from_options(pick, "bf16").key == by_gemm.key
     with pytest.raises(cli.CliError, match="which are int64"):
         cli.specialization_from_options(pick, "bf16", operand_dtypes={"target": "fp32"})

@@ -9,6 +9,7 @@ import torch
 import coda_dsl as cd
 from coda_dsl import CodaError, OperandError, UnsupportedError
 from coda_dsl.runtime import op as runtime
+from coda_dsl.runtime import call as call_checks
 from epilogues import pairs_with_full_width_operands
 
 M, N, K = 77, 104, 40
@@ -360,8 +361,8 @@ def test_auto_backend_on_cpu_falls_back_with_a_warning(monkeypatch):
 # cutlass layout checks, on CPU tensors
 # ---------------------------------------------------------------------------------------------
 def check(a, b, ep=ep_all, **ops):
-    call = runtime._normalize(ep, a, b, ops or operands())
-    return runtime._check_tensors(ep, call, cutlass=True)
+    call = call_checks.normalize(ep, a, b, ops or operands())
+    return call_checks._check_tensors(ep, call, cutlass=True)
 
 
 def layout_error(*args, **kw):
@@ -404,15 +405,15 @@ def test_contiguous_dimension_fills_16_byte_groups():
                                 (torch.randn(M, K).bfloat16(), torch.randn(K, 1008).bfloat16()[:, :1001].t(), "N", 1001)):
         ops = operands(n=b.shape[0])
         ops["residual"] = torch.randn(M, 1008).bfloat16()[:, :b.shape[0]]
-        call = runtime._normalize(ep_all, a, b, ops)
-        op = runtime.specialization(ep_all, call, runtime._check_tensors(ep_all, call, cutlass=True), None, None)
+        call = call_checks.normalize(ep_all, a, b, ops)
+        op = runtime.specialization(ep_all, call, call_checks._check_tensors(ep_all, call, cutlass=True), None, None)
         with pytest.raises(UnsupportedError) as info:
             op.check_widths(call)
         msg = str(info.value)
         assert f"read along {along}" in msg and f"{along} = {extent} must be a multiple of 8" in msg and "fix:" in msg
     b = torch.randn(1001, K).bfloat16()  # read along K, fine; but D's rows are stored in 16-byte groups too
-    call = runtime._normalize(cd.identity, ab()[0], b, {})
-    op = runtime.specialization(cd.identity, call, runtime._check_tensors(cd.identity, call, cutlass=True), None, None)
+    call = call_checks.normalize(cd.identity, ab()[0], b, {})
+    op = runtime.specialization(cd.identity, call, call_checks._check_tensors(cd.identity, call, cutlass=True), None, None)
     with pytest.raises(UnsupportedError, match=r"output 'D' is \[M, 1001\] torch.bfloat16(.|\n)*must be a multiple of 8"):
         op.check_widths(call)
 
@@ -439,7 +440,7 @@ def test_a_layout_selects_the_specialization():
     """A passed as X.t() ([K, M] storage) is another specialization (LayoutA ColumnMajor), same results."""
     a, b = ab()
     at = a.t().contiguous().t()
-    call, call_t = runtime._normalize(ep_all, a, b, operands()), runtime._normalize(ep_all, at, b, operands())
+    call, call_t = call_checks.normalize(ep_all, a, b, operands()), call_checks.normalize(ep_all, at, b, operands())
     assert runtime.layouts(call) == ("mk", "nk") and runtime.layouts(call_t) == ("km", "nk")
     assert runtime.call_key(ep_all, call, {}, None) != runtime.call_key(ep_all, call_t, {}, None)
     from coda_dsl import cli
@@ -453,7 +454,7 @@ def test_a_layout_selects_the_specialization():
     # a 3-D A passed transposed with one 2-D weight: folding L into M would copy A into the other layout
     a3 = torch.randn(2, K, 80).bfloat16().transpose(-1, -2)
     with pytest.raises(UnsupportedError, match="needs A contiguous along K"):
-        runtime._fold_batch(cd.identity, runtime._normalize(cd.identity, a3, b, {}))
+        call_checks.fold_batch(cd.identity, call_checks.normalize(cd.identity, a3, b, {}))
 
 
 def test_layout_operand_not_contiguous_in_last_dim():
@@ -604,8 +605,8 @@ def test_warm_calls_skip_checks_but_not_bad_calls(fake_kernels, monkeypatch):
     ops = operands()
     op = cd.compile(ep_all, a, b, **ops)
     checked = []
-    normalize = runtime._normalize
-    monkeypatch.setattr(runtime, "_normalize", lambda *args: checked.append(1) or normalize(*args))
+    normalize = call_checks.normalize
+    monkeypatch.setattr(runtime, "normalize", lambda *args: checked.append(1) or normalize(*args))
     calls = {"op": op, "gemm": lambda *x, **y: cd.gemm(*x, ep_all, backend="cutlass", **y)}
     for call in calls.values():
         call(a, b, **ops)
@@ -723,7 +724,7 @@ def test_call_key_tells_b_layouts_and_out_dtypes_apart():
     """The in-memory cache of specializations: B as [N, K] or as [K, N] storage, and an fp32 or a bf16
     out["D"], are different kernels."""
     a, b = ab()
-    key = lambda b, out=None: runtime.call_key(cd.identity, runtime._normalize(cd.identity, a, b, {}, out), {}, out)  # noqa: E731
+    key = lambda b, out=None: runtime.call_key(cd.identity, call_checks.normalize(cd.identity, a, b, {}, out), {}, out)  # noqa: E731
     assert key(b) != key(b.t().contiguous().t())
     assert key(b, {"D": torch.empty(M, N)}) != key(b, {"D": torch.empty(M, N).bfloat16()})
 

@@ -25,7 +25,8 @@ from ..passes.autodiff import (ACC, GRAD, SAVED, Backward, derive, into_producer
                                underivable, underived_what)
 from . import reference, torch_compile
 from .torch_compile import made_once
-from .op import check_consts, check_operands, epilogue_of, gemm
+from .call import check_consts, check_operands, epilogue_of
+from .op import gemm
 
 
 def first_order(what: str):

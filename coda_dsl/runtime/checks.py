@@ -1,4 +1,5 @@
-"""Call-time checks of tensors and values: every message names the op, the operand and the fix."""
+"""Call-time checks of one tensor or value (runtime/call.py checks a whole call with them): every message names
+the op, the operand and the fix."""
 from __future__ import annotations
 
 import difflib
