@@ -155,7 +155,7 @@ def _run_shape(shape, built, iters: int, autotune: bool, chunk_rows=(), configs=
                 extra = {"first_call_s": round(first_s, 2), "warnings": notes}
                 if name.startswith("coda_dsl"):
                     extra["chunk_rows"] = getattr(loss, "keywords", {}).get("chunk_rows") or \
-                        ce.default_chunk_rows(m, v, x.device)
+                        ce.default_chunk_rows(m, v, x.device, x.dtype)
                 if name == "eager":
                     refs[step] = out
                 elif step in refs:

@@ -257,7 +257,7 @@ class _VocabParallelCE(torch.autograd.Function):
         local = torch.where(valid & (local >= 0) & (local < v), local, -1)  # -1: the target is on another shard
         # this shard's part of grad_x (all-reduced below) and its rows of grad_W
         grad_x, grad_w = recomputed_grads(x, w, lse, scale, local, smoothing / vocab_size, 1.0 - smoothing, None,
-                                          backend, None, default_chunk_rows(m, max(v, 1), x.device),
+                                          backend, None, default_chunk_rows(m, max(v, 1), x.device, x.dtype),
                                           need_w=ctx.needs_input_grad[1])
         dist.all_reduce(grad_x, group=group)
         return grad_x, grad_w, *[None] * 8
@@ -268,8 +268,8 @@ def vocab_parallel_cross_entropy(x: torch.Tensor, lm_head_weight: DTensor, targe
                                  backend: str = "auto") -> torch.Tensor:
     """linear_cross_entropy(x, W, target) with W [V, d] a DTensor sharded by rows (Shard(0), torch.chunk
     split) over a 1-D mesh; x [M, d] and target [M] replicated over it. Returns the same (replicated)
-    loss; grad_x is whole on every rank, W's gradient is a Shard(0) DTensor. No softcap yet. On the
-    cutlass backend each rank's row count must be a multiple of 8 (pad V to a multiple of 8 * ranks)."""
+    loss; grad_x is whole on every rank, W's gradient is a Shard(0) DTensor. No softcap yet. A shard of any
+    row count runs on the cutlass backend (its last rows % 8 columns in fp32, as linear_cross_entropy's)."""
     if not isinstance(lm_head_weight, DTensor) or lm_head_weight.device_mesh.ndim != 1 \
             or lm_head_weight.placements[0] != torch.distributed.tensor.Shard(0):
         raise UnsupportedError("coda_dsl.parallel.vocab_parallel_cross_entropy: lm_head_weight must be a DTensor "
@@ -290,9 +290,5 @@ def vocab_parallel_cross_entropy(x: torch.Tensor, lm_head_weight: DTensor, targe
                                f"vocabulary rows, torch.chunk's split of {vocab_size} over {mesh.size()} ranks gives "
                                f"it {min(per_rank, vocab_size - vocab_start)}: shard with distribute_tensor(w, mesh, "
                                "[Shard(0)]) (uneven DTensor.from_local shards are not supported)")
-    if x.is_cuda and backend != "reference" and w.shape[0] % 8:
-        raise UnsupportedError(f"coda_dsl.parallel.vocab_parallel_cross_entropy: this rank holds {w.shape[0]} "
-                               "vocabulary rows; the cutlass backward stores [rows, V_shard] with 16-byte rows, "
-                               "so pad the vocabulary to a multiple of 8 * ranks")
     return _VocabParallelCE.apply(x, w, target, vocab_start, vocab_size, mesh.get_group(), ignore_index, reduction,
                                   float(label_smoothing), backend)

@@ -406,6 +406,10 @@ def test_default_chunk_rows():
         assert rows % 256 == 0 and (rows * v * 2 <= BUFFER_BYTES or rows == 256)
         assert chunks == max(1, -(-m // max(256, BUFFER_BYTES // (2 * v) // 256 * 256)))
         assert rows - 256 < -(-m // chunks)  # balanced: no chunk is much shorter than the others
+    # the buffer holds fp32 logits for fp32 inputs, fp64 for fp64: fewer rows in the same bytes (it was 2x and 4x)
+    assert default_chunk_rows(8192, 128256, dtype=torch.float32) == 2048
+    assert default_chunk_rows(8192, 128256, dtype=torch.float64) == 1024
+    assert default_chunk_rows(8192, 128256, dtype=torch.float16) == 4096
 
 
 def test_default_chunk_rows_within_a_quarter_of_free_cuda_memory(monkeypatch):
@@ -452,6 +456,14 @@ def test_combining_shards_checks_its_arguments():
             combine_vocab_shards(parts, t, 20, **kwargs)
     with pytest.raises(cd.OperandError, match="got none"):
         combine_vocab_shards([], t, 20)
+    for bad in (t.float(), t.int(), t[:5], t.tolist()):  # were taken, or a bare RuntimeError
+        with pytest.raises(cd.OperandError, match=r"target must be an int64 tensor of shape \[8\]"):
+            combine_vocab_shards(parts, bad, 20)
+    with pytest.raises(cd.OperandError, match=r"every shard's stats must be of target's 8 rows, got rows \[5\]"):
+        combine_vocab_shards([parts[0], {k: v[:5] for k, v in parts[1].items()}], t, 20)
+    for bad in (1.5, "0"):  # 1.5 blamed the target's dtype; "0" was a bare TypeError
+        with pytest.raises(cd.OperandError, match="vocab_start must be an int"):
+            vocab_shard_stats(x, w[:10], t, bad, backend="reference")
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -524,6 +536,18 @@ def test_bad_arguments():
                            cd.linear_cross_entropy(x, w, t, backend="reference"))
     with pytest.raises(cd.OperandError, match="target is on meta, x on cpu"):
         cd.linear_cross_entropy(x, w, t.to("meta"), backend="reference")
+    # not tensors, or options of the wrong type: OperandErrors, not bare TypeErrors (a numpy target's message
+    # read "must be int64 ..., got int64")
+    for args, match in (((x.tolist(), w, t), "x must be a torch.Tensor, got list"),
+                        ((x, w.detach().float().numpy(), t), "w must be a torch.Tensor, got ndarray"),
+                        ((x, w, t.numpy()), r"target must be an int64 tensor of shape \[4\].*got ndarray")):
+        with pytest.raises(cd.OperandError, match=match):
+            cd.linear_cross_entropy(*args, backend="reference")
+    for bad in (None, "0.1", 1.5):
+        with pytest.raises(cd.OperandError, match="label_smoothing must be a number in"):
+            cd.linear_cross_entropy(x, w, t, label_smoothing=bad, backend="reference")
+    with pytest.raises(cd.OperandError, match="softcap is a constant of the kernels"):
+        cd.linear_cross_entropy(x, w, t, softcap=torch.tensor(5.0, requires_grad=True), backend="reference")
     for cap in (0.0, -10.0, float("inf"), float("nan"), True, "30", torch.tensor(-1.0)):  # 0 is no "off": None is
         with pytest.raises(cd.OperandError, match="softcap must be a positive finite number"):
             cd.linear_cross_entropy(x, w, t, softcap=cap, backend="reference")

@@ -20,7 +20,7 @@ from coda_dsl.library import (interleave_gate_up, linear_swiglu, rms_consumer, r
                               swiglu_keep_preactivation)
 from coda_dsl.library.cross_entropy import (BUFFER_BYTES, _backward_softcap_epilogue, _forward_epilogue, ce_backward,
                                            combine_vocab_shards, default_chunk_rows, default_config, logits_buffer_dtype,
-                                           stored_logits, vocab_shard_stats)
+                                           recomputed_grads, stored_logits, vocab_shard_stats)
 from coda_dsl.runtime import op as runtime
 from coda_dsl.runtime.autograd import derived_backward
 from build_helpers import warm_path_or_skip
@@ -923,6 +923,22 @@ def test_linear_cross_entropy_two_vocabulary_shards(kernels):
     for reduction in ("mean", "none"):
         got = combine_vocab_shards(parts, t, 50257, label_smoothing=0.1, reduction=reduction)
         assert _rel(got, _ce_reference(x, w, t, 0.1, 30.0, reduction)) <= 1e-3
+
+
+def test_vocabulary_shard_backward_of_rows_not_a_multiple_of_8(kernels):
+    """A vocabulary shard's backward as vocab_parallel_cross_entropy runs it on each rank (recomputed_grads) on
+    a shard of 25257 rows: its last V % 8 columns in fp32 beside the kernel's, as for linear_cross_entropy at
+    V = 50257; against the reference backend."""
+    x, w, t = _ce_problem(300, 256, 50257)
+    t[:3] = torch.tensor([25000, 50256, 50250])  # the shard's first column, and two in its last V % 8
+    x, ws = x.detach(), w.detach()[25000:]
+    lse = torch.logsumexp(x.float() @ w.detach().float().t(), 1)
+    local = t - 25000
+    local = torch.where((local >= 0) & (local < ws.shape[0]), local, -1)
+    scale = torch.full((300,), 1 / 300, device=x.device)
+    got, want = (recomputed_grads(x, ws, lse, scale, local, 0.1 / 50257, 0.9, None, backend, None, 256)
+                 for backend in ("cutlass", "reference"))
+    assert _rel(got[0], want[0]) <= 2e-2 and _rel(got[1], want[1]) <= 2e-2
 
 
 @pytest.mark.parametrize("ep, make", [(bias_gelu, lambda m, n: dict(bias=_rand(n))),

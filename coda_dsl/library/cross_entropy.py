@@ -108,13 +108,15 @@ def stored_logits(dtype: torch.dtype) -> bool | torch.dtype:
     return True if logits_buffer_dtype(dtype) == dtype else logits_buffer_dtype(dtype)
 
 
-def default_chunk_rows(m: int, v: int, device: torch.device | str = "cpu") -> int:
-    """Rows per chunk: the [rows, V] buffer within BUFFER_BYTES (and a quarter of the free memory on
-    CUDA), balanced over the chunks M needs, rounded up to a multiple of _ROW_ALIGN."""
+def default_chunk_rows(m: int, v: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16) -> int:
+    """Rows per chunk for inputs of `dtype`: the [rows, V] buffer (logits_buffer_dtype's: 2 bytes a logit for
+    bf16 and fp16, 4 for fp32, 8 for fp64) within BUFFER_BYTES (and a quarter of the free memory on CUDA),
+    balanced over the chunks M needs, rounded up to a multiple of _ROW_ALIGN."""
     budget = BUFFER_BYTES
     if torch.device(device).type == "cuda" and not torch.compiler.is_compiling():
         budget = min(budget, torch.cuda.mem_get_info(device)[0] // 4)
-    most = max(_ROW_ALIGN, budget // (2 * v) // _ROW_ALIGN * _ROW_ALIGN)
+    per_row = v * logits_buffer_dtype(dtype).itemsize
+    most = max(_ROW_ALIGN, budget // per_row // _ROW_ALIGN * _ROW_ALIGN)
     chunks = max(1, -(-m // most))
     return max(1, -(-(-(-m // chunks)) // _ROW_ALIGN)) * _ROW_ALIGN  # M = 0 too: a step for range()
 
@@ -186,7 +188,7 @@ def _chunked_stats(x, w, safe, smoothing, cap, backend, config, chunk: int) -> d
     reads them from memory again and again. At M = 8192, d = 4096, V = 128256 on an H100 the forward (one
     GEMM) took 16.86 ms, while the gradient path's two 4096-row GEMMs, which also store the logits, took
     13.3 ms of GPU time under the profiler (README, "Library": linear_cross_entropy). The chunk is the gradient
-    path's (sized by its logits buffer, not by L2): at V = 32000 a single one up to 16768 rows."""
+    path's (sized by its logits buffer, not by L2): at V = 32000 a single one up to 16640 rows."""
     if x.shape[0] <= chunk:
         return _stats(x, w, safe, smoothing, cap, backend, config)
     parts = [_stats(x[s:s + chunk], w, safe[s:s + chunk], smoothing, cap, backend, config)
@@ -302,7 +304,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @cd.as_written
     def forward(ctx, x, w, target, ignore_index, reduction, smoothing, cap, backend, config, chunk, need_x, need_w):
         m, v = x.shape[0], w.shape[0]
-        chunk = -(-(chunk or default_chunk_rows(m, v, x.device)) // 8) * 8  # 16-byte aligned row slices
+        chunk = -(-(chunk or default_chunk_rows(m, v, x.device, x.dtype)) // 8) * 8  # 16-byte aligned row slices
         ctx.cfg = (reduction, smoothing, cap, backend, config, chunk)
         # The GEMMs are queued before the rows' bookkeeping (_rows, _factored: a dozen small kernels, each
         # of which the GPU would otherwise wait for the host to launch before the first GEMM: most of 1.1 ms
@@ -417,8 +419,10 @@ def _check_options(reduction, label_smoothing, ignore_index):
                               f"not {ignore_index!r}")
     if reduction not in ("mean", "sum", "none"):
         raise cd.OperandError(f"reduction must be 'mean', 'sum' or 'none', not {reduction!r}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise cd.OperandError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    eps = label_smoothing.item() if isinstance(label_smoothing, torch.Tensor) and label_smoothing.dim() == 0 \
+        else label_smoothing  # (a 0-d tensor, e.g. a config value, as softcap)
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0.0 <= eps <= 1.0:
+        raise cd.OperandError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
 
 
 def _cap(softcap) -> float | None:
@@ -426,6 +430,9 @@ def _cap(softcap) -> float | None:
     if softcap is None:
         return None
     if isinstance(softcap, torch.Tensor) and softcap.dim() == 0:  # e.g. a config value kept as a tensor
+        if softcap.requires_grad:
+            raise cd.OperandError("softcap is a constant of the kernels, not a learnable value: it gets no gradient"
+                                  "\n  fix: pass float(softcap), or softcap.detach()")
         softcap = softcap.item()
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not 0 < softcap < math.inf:
         raise cd.OperandError("softcap must be a positive finite number (logits become softcap * tanh(logits / "
@@ -433,8 +440,17 @@ def _cap(softcap) -> float | None:
     return float(softcap)
 
 
+def _check_target(target, m: int) -> None:
+    if not isinstance(target, torch.Tensor) or target.dtype != torch.int64 or target.shape != (m,):
+        got = f"{target.dtype} {list(target.shape)}" if isinstance(target, torch.Tensor) else type(target).__name__
+        raise cd.OperandError(f"target must be an int64 tensor of shape [{m}] (class indices), got {got}")
+
+
 def check_args(x, w, target, reduction, label_smoothing, ignore_index):
     _check_options(reduction, label_smoothing, ignore_index)
+    for name, t in (("x", x), ("w", w)):
+        if not isinstance(t, torch.Tensor):
+            raise cd.OperandError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if x.dim() != 2:
         raise cd.OperandError(f"x must be [M, d] (flatten a batch: x.flatten(0, -2), target.flatten()), got "
                               f"{list(x.shape)}")
@@ -444,8 +460,7 @@ def check_args(x, w, target, reduction, label_smoothing, ignore_index):
     if w.dtype != x.dtype:
         raise cd.OperandError(f"x is {x.dtype} but w is {w.dtype}: the head's GEMM takes both in one dtype\n"
                               "  fix: w.to(x.dtype), or x.to(w.dtype)")
-    if target.dtype != torch.int64 or target.shape != x.shape[:1]:
-        raise cd.OperandError(f"target must be int64 of shape [{x.shape[0]}], got {target.dtype} {list(target.shape)}")
+    _check_target(target, x.shape[0])
     if target.device != x.device:
         raise cd.OperandError(f"target is on {target.device}, x on {x.device}: put them on one device")
 
@@ -494,7 +509,9 @@ def vocab_shard_stats(x: torch.Tensor, w_shard: torch.Tensor, target: torch.Tens
     GPUs with all-reduces: m = lse, all_reduce(m, MAX); s = exp(lse - m), all_reduce(s, SUM);
     lse = m + log(s); all_reduce(z_target, SUM) (and z_sum); then the loss as combine_vocab_shards."""
     check_args(x, w_shard, target, "mean", label_smoothing, ignore_index)
-    local = target - vocab_start
+    if not _is_int(vocab_start):
+        raise cd.OperandError(f"vocab_start must be an int (the shard's first vocabulary row), not {vocab_start!r}")
+    local = target - operator.index(vocab_start)
     inside = (target != ignore_index) & (local >= 0) & (local < w_shard.shape[0])
     with torch.no_grad():
         return _stats(x, w_shard, torch.where(inside, local, -1), label_smoothing, _cap(softcap), backend,
@@ -509,6 +526,10 @@ def combine_vocab_shards(stats: Sequence[dict[str, torch.Tensor]], target: torch
     _check_options(reduction, label_smoothing, ignore_index)
     if not stats:
         raise cd.OperandError("stats: one vocab_shard_stats result per shard, got none")
+    _check_target(target, stats[0]["lse"].shape[0])
+    if shapes := {tuple(s["lse"].shape) for s in stats} - {tuple(target.shape)}:
+        raise cd.OperandError(f"every shard's stats must be of target's {target.shape[0]} rows, got rows "
+                              f"{sorted(s[0] for s in shapes)}")
     if label_smoothing and any("z_sum" not in s for s in stats):
         raise cd.OperandError(f"label_smoothing={label_smoothing}: every shard's stats need 'z_sum'; pass the same "
                               "label_smoothing to vocab_shard_stats")
