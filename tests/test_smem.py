@@ -134,10 +134,10 @@ def test_tuning_skips_candidates_that_cannot_fit(cache_root, monkeypatch):
     built, launched = [], []
     monkeypatch.setattr(tuning.build, "build_units", lambda units, **kw: built.extend(units))
     a, b = torch.randn(64, 32).bfloat16(), torch.randn(48, 32).bfloat16()
-    from coda_dsl.runtime.call import _check_tensors, normalize as _normalize
+    from coda_dsl.runtime.call import _check_tensors, normalize
     from coda_dsl.runtime.op import specialization
     ops = dict(r1=torch.randn(64, 48), r2=torch.randn(64, 48))
-    call = _normalize(two_fp32_tensors, a, b, ops)
+    call = normalize(two_fp32_tensors, a, b, ops)
     dtypes = _check_tensors(two_fp32_tensors, call, cutlass=True)
     spec = lambda cfg: specialization(two_fp32_tensors, call, dtypes, None, cfg)  # noqa: E731
     best = tuning.tune(spec, launched.append, torch.device("cpu"), (64, 48, 32, 1), log=lambda msg: None)

@@ -40,9 +40,9 @@ def test_records_persist_and_are_found(cache_root, monkeypatch):
 def test_tune_uses_a_record_without_building(cache_root, monkeypatch):
     monkeypatch.setattr(tuning, "device_key", lambda device: "FakeGPU|sm90")
     a, b = torch.randn(64, 32).bfloat16(), torch.randn(48, 32).bfloat16()
-    from coda_dsl.runtime.call import _check_tensors, normalize as _normalize
+    from coda_dsl.runtime.call import _check_tensors, normalize
     from coda_dsl.runtime.op import specialization
-    call = _normalize(cd.identity, a, b, {})
+    call = normalize(cd.identity, a, b, {})
     dtypes = _check_tensors(cd.identity, call, cutlass=True)
     spec = lambda cfg: specialization(cd.identity, call, dtypes, None, cfg)  # noqa: E731
     best = Config((128, 128, 64), (2, 1), "pingpong")

@@ -1,5 +1,5 @@
 // The warm call path in C++ (runtime/warm.py builds it once per torch and Python version): a
-// table of call layouts that passed runtime/op.py's checks, each with what its launch needs. A call
+// table of call layouts that passed runtime/call.py's checks, each with what its launch needs. A call
 // that matches one (every tensor's dtype, device, sizes, strides and 16-byte alignment, the scalars'
 // and consts' types, the consts' values) allocates its outputs and workspace, fills the layout's
 // argument block (abi.h) with the data pointers, scalars, stream and workspace, and calls the kernel
