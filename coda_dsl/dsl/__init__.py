@@ -55,13 +55,6 @@ class Epilogue:
         self.uid = f"{self.name}#{next(self._count)}.{digest}"
         Epilogue._by_uid[self.uid] = self
 
-    def aliased(self, outs: dict) -> dict:
-        """outs (the stored outputs by name) with each alias of the program (ir.Program.aliases) added: the
-        tensor of the output it is."""
-        for name, same in self.program.aliases:
-            outs[name] = outs[same]
-        return outs
-
     @classmethod
     def by_uid(cls, uid: str) -> "Epilogue":
         try:

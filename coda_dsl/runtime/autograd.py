@@ -25,7 +25,7 @@ from ..passes.autodiff import (ACC, GRAD, SAVED, Backward, derive, into_producer
                                underivable, underived_what)
 from . import reference, torch_compile
 from .torch_compile import made_once
-from .call import check_consts, check_operands, epilogue_of
+from .call import check_consts, check_operands, epilogue_of, with_aliases
 from .op import gemm
 
 
@@ -122,7 +122,8 @@ def _derive(ep: Epilogue, consts: dict, no_grad: tuple[str, ...] = (), reuse: tu
             a_dtype: torch.dtype | None = None) -> _Derived:
     """The epilogue's derivation (made once), in a form torch.compile(fullgraph=True) traces. a_dtype: A's,
     which picks the dtype the forward keeps the accumulator in."""
-    consts = {k: torch_compile.guarded_constant(v) for k, v in consts.items()} if torch.compiler.is_compiling() else consts
+    if torch.compiler.is_compiling():
+        consts = {k: torch_compile.guarded_constant(v) for k, v in consts.items()}
     # fp16's range ends at 65504, where an accumulator may not (cd.sin(acc * 1e-5)): kept in fp32 rather than inf
     # (bf16 has fp32's range)
     acc_dtype = "fp32" if a_dtype == torch.float16 else None
@@ -258,7 +259,7 @@ def linear(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, /
     numbers = {**{k: v for k, v in operands.items() if not isinstance(v, torch.Tensor)}, **values}
     options = {"backend": backend, "config": config, "deterministic": deterministic, "tune": tune}
     outs = _Linear.apply(ep, names, numbers, options, A, B, *(operands[k] for k in names))
-    return ep.aliased(dict(zip(ep.output_names, outs)))
+    return with_aliases(ep, dict(zip(ep.output_names, outs)))
 
 
 def forward_epilogue(epilogue: Epilogue, dtype: torch.dtype | str = torch.bfloat16, **consts) -> Epilogue:

@@ -38,6 +38,14 @@ class Call:
         return a.shape[-2], b.shape[-2], a.shape[-1], (a.shape[0] if a.dim() == 3 else 1)
 
 
+def with_aliases(ep: Epilogue, outs: dict) -> dict:
+    """A call's stored outputs by name, with each alias of the program (ir.Program.aliases) added: the tensor
+    of the output it is."""
+    for name, same in ep.program.aliases:
+        outs[name] = outs[same]
+    return outs
+
+
 def where_of(ep: Epilogue) -> str:
     """The prefix of a call's messages (cd.gemm's, a CompiledOp's, cd.linear's): the epilogue called."""
     return ep.program.title
@@ -57,7 +65,8 @@ def normalize(ep: Epilogue, a, b, operands: dict, out: dict | None = None) -> Ca
                 "nn.Linear weight" if b.shape[-2] == a.shape[-1] else "A is [M, K] and B is [N, K]")
         raise checks.fail(where, f"K mismatch: A {list(a.shape)} and B {list(b.shape)}", hint)
     if b.dim() == 3 and (a.dim() != 3 or a.shape[0] != b.shape[0]):
-        raise checks.fail(where, f"batched B {list(b.shape)} needs A of shape [{b.shape[0]}, M, K], got {list(a.shape)}")
+        raise checks.fail(where, f"batched B {list(b.shape)} needs A of shape [{b.shape[0]}, M, K], got "
+                          f"{list(a.shape)}")
 
     check_operands(ep, operands)
     return unpack(facts_of(ep).kinds, a, b, operands)

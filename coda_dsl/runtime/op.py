@@ -16,7 +16,7 @@ from . import checks, reference, tune as tuning, warm
 from .call import (KERNEL_ONLY, Call, any_requires_grad, call_layout, check_alias, check_call, check_distinct,
                    check_flag, check_operands, check_out_dict, check_out_tensor, config_of, consts_key, epilogue_of,
                    facts_of, fold_batch, fold_batch_out, layouts, normalize, recorded_call, unfold_batch, unpack,
-                   where_of)
+                   where_of, with_aliases)
 from .kernel import Kernel, remember
 from .torch_op import register_eager, traced_gemm
 
@@ -142,7 +142,7 @@ class CompiledOp:
                 and not self.epilogue.program.aliases  # (its C++ makes a tensor per output)
                 and all(t is call.tensors[i] for t, i in zip(inputs, plan.inputs)) and (table := table())):
             self._add_layout(table, call, d, inputs, scalars, aux)
-        return self.epilogue.aliased(outs)
+        return with_aliases(self.epilogue, outs)
 
     def _add_layout(self, table, call: Call, d, inputs: list, scalars: list, aux: list) -> None:
         """The warm path's entry for a launch that just ran with these tensors (runtime/warm.py): the same
@@ -288,7 +288,7 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
     table_key = None
     if out is None and accumulate is False and deterministic.__class__ is bool and tune.__class__ in (bool, type(None)):
         try:
-            table_key = (epilogue, backend, config, deterministic, tuning.enabled if tune is None else tune)
+            table_key = (epilogue, backend, config, deterministic, tuning.on if tune is None else tune)
             known = _tables.get(table_key)
         except TypeError:  # an unhashable option: the checks below explain it
             table_key = known = None
@@ -312,7 +312,7 @@ def gemm(A, B, epilogue: Epilogue | None = None, /, *, out: dict | None = None, 
     check_flag(ep, "accumulate", accumulate)
     if tune is not None:
         check_flag(ep, "tune", tune)
-    tune = tuning.enabled if tune is None else tune
+    tune = tuning.on if tune is None else tune
     options = (backend, config, deterministic, accumulate, tune)
     warm_key = (options, call_layout(facts_of(ep).kinds, A, B, operands, out))
     hit = _warm.get(ep, {}).get(warm_key)  # (op, whether an input requires grad): a layout checked before
@@ -510,4 +510,4 @@ def run_reference(ep: Epilogue, call: Call, out: dict | None, accumulate: bool =
         for name, t in out.items():
             t.copy_(res[name])
             res[name] = t
-    return ep.aliased(res)
+    return with_aliases(ep, res)

@@ -12,6 +12,7 @@ from ..ir import graph as ir
 from ..ir.ops import DTYPES
 from ..passes.plan import KIND_OF_AXIS, OUTPUT_SHAPES
 from ..passes.widths import infer as infer_widths
+from .call import with_aliases
 from .checks import described
 
 
@@ -82,4 +83,4 @@ def traced_gemm(ep: Epilogue, a, b, out, backend, config, deterministic, operand
                                "cast in the epilogue (cd.cast) for another dtype, or use the returned tensor")
         t.copy_(made)
         outs[name] = t
-    return ep.aliased(outs)
+    return with_aliases(ep, outs)

@@ -43,18 +43,18 @@ def _env_tuning() -> bool:
     return False
 
 
-enabled = _env_tuning()  # set_tuning's; a call's tune= overrides it
+on = _env_tuning()  # whether calls tune (set_tuning); a call's tune= overrides it
 
 
-def set_tuning(value: bool) -> None:
+def set_tuning(enabled: bool) -> None:
     """set_tuning(True): tune every specialization on first use of a shape bucket (like tune=True on each
     call); False: untuned configs (a recorded choice is still used). The default comes from CODA_DSL_TUNE;
     a call's tune= overrides it. A choice is made once per process and shape bucket (runtime.clear()
     forgets them)."""
-    global enabled
-    if not isinstance(value, bool):  # "false" would be truthy
-        raise OperandError(f"coda_dsl.set_tuning takes True or False, not {value!r}")
-    enabled = value
+    global on
+    if not isinstance(enabled, bool):  # "false" would be truthy
+        raise OperandError(f"coda_dsl.set_tuning: enabled must be True or False, not {enabled!r}")
+    on = enabled
 
 
 DEFAULT = Config()  # cd.compile without config=: cooperative 128x256, cluster 2x1, swizzle 8
